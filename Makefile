@@ -1,0 +1,29 @@
+# `make run` trains the bundled main job; `make test` runs the test suite.
+# Both create .venv on first use (torch==2.13.0 first, then this package with its extras) and
+# are idempotent: the install step re-runs only when setup.py changes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): setup.py | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) examples/digits_classifier.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,220 @@
+"""The engine: ONNX Runtime sessions over buffers the trainer owns.
+
+Weights, gradients and optimizer states are ``OrtValue`` buffers that live across steps; a step
+binds them once (IOBinding) and copies nothing but its inputs. Trained weights and their states
+are double-buffered: the optimizer session reads buffer set ``p`` and writes set ``1 - p``, then
+the sets swap, so no node can read a weight after it was overwritten in the same run.
+
+Graphs that depend on input shapes (gradient and eval) are held per *shape signature*: the
+trainer asks ``select(signature)`` before each step and the engine builds the sessions for a new
+signature on demand from ``graph_provider``. The optimizer graph is shape-independent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from ._logging import ort_severity
+from .graph.gradient import GRAD_SUFFIX
+from .graph.optimizer import ALL_FINITE, GRAD_NORM, OUT_SUFFIX, STEP_INPUT, lr_input
+
+GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, onnx.ModelProto]"]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer run reports."""
+
+    all_finite: bool
+    global_gradient_norm: float
+
+
+class _SessionSet:
+    """Gradient and eval sessions of one shape signature, with their per-parity bindings."""
+
+    def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: onnx.ModelProto):
+        self.gradient = engine._session(gradient)
+        self.eval = engine._session(eval_model)
+        self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
+        self.eval_inputs = {i.name for i in self.eval.get_inputs()}
+        # get_outputs() lists outputs in first-binding order: the description's outputs go first
+        self.grad_bindings = [engine._bind_weights(self.gradient, p, bind_outputs=True) for p in (0, 1)]
+        for binding in self.grad_bindings:
+            for w, buffer in engine.grads.items():
+                binding.bind_ortvalue_output(w + GRAD_SUFFIX, buffer)
+        self.eval_bindings = [engine._bind_weights(self.eval, p, bind_outputs=True) for p in (0, 1)]
+
+
+class Engine:
+    """Runs forward/backward, the optimizer and eval over trainer-owned ONNX Runtime buffers.
+
+    Args:
+        optimizer_graph: the update step.
+        graph_provider: ``signature -> (gradient_graph, eval_graph)``.
+        weights: initial value of every weight input.
+        trained: the weights the optimizer updates.
+        state_names: per-weight optimizer state names (``Moment_1``, ...).
+        output_names: the description's outputs, in order.
+        device: ``"cpu"`` or ``"cuda[:N]"``.
+        session_options: base ``onnxruntime.SessionOptions`` (or None).
+        provider_options: extra execution-provider options.
+        mem_limit: GPU arena limit in bytes (0: none).
+        deterministic: ask for deterministic kernels.
+    """
+
+    def __init__(
+        self,
+        optimizer_graph: onnx.ModelProto,
+        graph_provider: GraphProvider,
+        weights: dict[str, np.ndarray],
+        trained: list[str],
+        state_names: list[str],
+        output_names: list[str],
+        device: str = "cpu",
+        session_options: ort.SessionOptions | None = None,
+        provider_options: dict | None = None,
+        mem_limit: int = 0,
+        deterministic: bool = False,
+    ):
+        kind, _, index = device.partition(":")
+        self.device_type = "cuda" if kind == "cuda" else "cpu"
+        self.device_id = int(index) if index else 0
+        self._session_options = session_options or ort.SessionOptions()
+        self._session_options.log_severity_level = ort_severity()
+        if deterministic:
+            self._session_options.use_deterministic_compute = True
+        if self.device_type == "cuda":
+            cuda_options = {"device_id": self.device_id, **({"gpu_mem_limit": mem_limit} if mem_limit else {})}
+            self._providers = [("CUDAExecutionProvider", {**cuda_options, **(provider_options or {})}),
+                               "CPUExecutionProvider"]
+        else:
+            self._providers = [("CPUExecutionProvider", dict(provider_options or {}))]
+        self.trained = list(trained)
+        self.state_names = list(state_names)
+        self.output_names = list(output_names)
+        trained_set = set(trained)
+        # fixed: weights nobody updates (frozen, buffers); trained weights and states double-buffered
+        self.fixed = {n: self._ortvalue(v) for n, v in weights.items() if n not in trained_set}
+        self.buffers = [{}, {}]
+        for name in trained:
+            for p in (0, 1):
+                self.buffers[p][name] = self._ortvalue(weights[name])
+                for state in state_names:
+                    self.buffers[p][f"{name}.{state}"] = self._ortvalue(np.zeros_like(weights[name]))
+        self.grads = {w: self._ortvalue(np.zeros_like(weights[w])) for w in trained}
+        self.parity = 0
+        self._graph_provider = graph_provider
+        self._session_sets: dict[Hashable, _SessionSet] = {}
+        self._current: _SessionSet | None = None
+        self.optimizer = self._session(optimizer_graph)
+        self._opt_bindings = [self._optimizer_binding(p) for p in (0, 1)]
+
+    # ---- set-up helpers -------------------------------------------------------------------
+    def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+        return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers)
+
+    def _ortvalue(self, value: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device_type, self.device_id)
+
+    def _bind_weights(self, session: ort.InferenceSession, parity: int, bind_outputs: bool = False) -> ort.IOBinding:
+        binding = session.io_binding()
+        if bind_outputs:
+            for name in self.output_names:
+                binding.bind_output(name, self.device_type, self.device_id)
+        names = {i.name for i in session.get_inputs()}
+        for name, value in [*self.fixed.items(), *self.buffers[parity].items()]:
+            if name in names:
+                binding.bind_ortvalue_input(name, value)
+        return binding
+
+    def _optimizer_binding(self, parity: int) -> ort.IOBinding:
+        binding = self._bind_weights(self.optimizer, parity)
+        binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
+        binding.bind_output(GRAD_NORM, "cpu")
+        for w, grad in self.grads.items():
+            binding.bind_ortvalue_input(w + GRAD_SUFFIX, grad)
+        for name, value in self.buffers[1 - parity].items():
+            binding.bind_ortvalue_output(name + OUT_SUFFIX, value)
+        return binding
+
+    # ---- steps ------------------------------------------------------------------------------
+    def select(self, signature: Hashable) -> None:
+        """Use the graphs of shape signature ``signature``, building their sessions if new."""
+        sessions = self._session_sets.get(signature)
+        if sessions is None:
+            gradient, eval_model = self._graph_provider(signature)
+            sessions = self._session_sets[signature] = _SessionSet(self, gradient, eval_model)
+        self._current = sessions
+
+    def forward_backward(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        """Run forward + backward; gradients land in ``self.grads``. Returns the outputs."""
+        sessions = self._require_sessions()
+        binding = sessions.grad_bindings[self.parity]
+        return self._run(sessions.gradient, binding, sessions.gradient_inputs, feeds)
+
+    def evaluate(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        """Run the eval graph with the current weights. Returns the outputs."""
+        sessions = self._require_sessions()
+        binding = sessions.eval_bindings[self.parity]
+        return self._run(sessions.eval, binding, sessions.eval_inputs, feeds)
+
+    def optimizer_step(self, learning_rates: list[float], step: int) -> StepResult:
+        """Apply the update (skipped in-graph when a gradient is not finite) and swap buffers.
+
+        Args:
+            learning_rates: one per parameter group.
+            step: the 1-based update count ``t`` of this update.
+        """
+        binding = self._opt_bindings[self.parity]
+        keep_alive = [np.array(step, dtype=np.float32)]
+        binding.bind_cpu_input(STEP_INPUT, keep_alive[0])
+        for group, lr in enumerate(learning_rates):
+            keep_alive.append(np.array(lr, dtype=np.float32))
+            binding.bind_cpu_input(lr_input(group), keep_alive[-1])
+        binding.bind_output(ALL_FINITE, "cpu")
+        binding.bind_output(GRAD_NORM, "cpu")
+        self.optimizer.run_with_iobinding(binding)
+        all_finite, norm = binding.get_outputs()[:2]
+        self.parity = 1 - self.parity
+        return StepResult(bool(all_finite.numpy()), float(norm.numpy()))
+
+    def _require_sessions(self) -> _SessionSet:
+        if self._current is None:
+            raise RuntimeError("Engine.select(signature) must be called before running a step")
+        return self._current
+
+    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, accepted: set[str],
+             feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        for name, value in feeds.items():
+            if name in accepted:
+                binding.bind_cpu_input(name, value)
+        for name in self.output_names:  # fresh buffers: returned tensors must not be overwritten
+            binding.bind_output(name, self.device_type, self.device_id)
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()[: len(self.output_names)]
+        return [torch.utils.dlpack.from_dlpack(v._ortvalue.to_dlpack()) for v in values]
+
+    # ---- state access -----------------------------------------------------------------------
+    def weights(self) -> dict[str, np.ndarray]:
+        """Copies of the current value of every weight (trained and fixed)."""
+        current = self.buffers[self.parity]
+        out = {n: v.numpy().copy() for n, v in self.fixed.items()}
+        out.update({n: current[n].numpy().copy() for n in self.trained})
+        return out
+
+    def optimizer_states(self) -> dict[str, dict[str, np.ndarray]]:
+        """``{weight: {state: value}}`` copies of the current optimizer states."""
+        current = self.buffers[self.parity]
+        return {w: {s: current[f"{w}.{s}"].numpy().copy() for s in self.state_names} for w in self.trained}
+
+    def load_weights(self, values: dict[str, np.ndarray]) -> None:
+        """Overwrite weights in place (names must exist; shapes must match)."""
+        for name, value in values.items():
+            target = self.buffers[self.parity].get(name) if name in self.trained else self.fixed[name]
+            target.update_inplace(np.ascontiguousarray(value, dtype=target.numpy().dtype))

@@ -1,0 +1,1 @@
+"""The graph pipeline: export, trainability pass, gradient and optimizer graphs, cache."""

@@ -1,0 +1,254 @@
+"""Stage 1: export a ``torch.nn.Module`` (plus the loss) to an ONNX forward graph.
+
+The TorchScript exporter is used (``dynamo=False``): in torch 2.13 the default dynamo exporter
+produces graphs ONNX Runtime 1.19's gradient builder does not expect. Export runs in training
+mode without constant folding, so parameters keep their ``state_dict`` names and Dropout stays
+in the graph. Symbolic dimensions of the model description become dynamic axes.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import onnx
+import torch
+
+from .._logging import logger
+from ..model_desc import ModelDescription
+
+MODEL_PREFIX = "model."
+
+
+class ExportError(RuntimeError):
+    """The model could not be exported to ONNX; the message names the operator and module."""
+
+
+class _ModelWithLoss(torch.nn.Module):
+    """Wraps the user's model and loss so one forward returns ``(loss, *model_outputs)``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, num_model_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_model_inputs = num_model_inputs
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        prediction = self.model(*inputs[: self.num_model_inputs])
+        outputs = flatten_outputs(prediction)
+        if self.loss_fn is None:
+            return tuple(outputs)
+        loss = self.loss_fn(prediction, *inputs[self.num_model_inputs:])
+        return (loss, *outputs)
+
+
+def flatten_outputs(value: Any) -> list[torch.Tensor]:
+    """Flatten a model's return value (tensor, tuple, list, dict, Hugging Face ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if value is None:
+        return []
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in flatten_outputs(item)]
+    raise ExportError(f"the model returned a {type(value).__name__}; expected tensors (or tuples/dicts of them)")
+
+
+@dataclass
+class ExportedModel:
+    """The forward graph and how its initializers map back to the torch module.
+
+    Attributes:
+        model: the ONNX forward graph (weights still initializers).
+        torch_keys: ONNX initializer name -> the torch ``state_dict`` keys holding that tensor
+            (several keys when weights are tied).
+        trainable: ONNX names of weights that require grad.
+        output_order: graph output names in the order the wrapper returns them.
+    """
+
+    model: onnx.ModelProto
+    torch_keys: dict[str, list[str]]
+    trainable: list[str]
+    output_order: list[str]
+
+
+def export_order(desc: ModelDescription, has_loss_fn: bool) -> list[str]:
+    """Output names in the order the wrapped model returns them."""
+    if has_loss_fn:
+        return [desc.loss_name] + [n for n in desc.output_names if n != desc.loss_name]
+    return desc.output_names
+
+
+def export_torch(
+    model: torch.nn.Module,
+    loss_fn: Callable | None,
+    desc: ModelDescription,
+    sample_inputs: Sequence[np.ndarray],
+    opset: int,
+) -> ExportedModel:
+    """Export ``model`` (and ``loss_fn``) to an ONNX forward graph in training mode.
+
+    Args:
+        model: the user's module.
+        loss_fn: ``loss_fn(prediction, label)`` or None when the model returns its loss.
+        desc: the validated model description; symbolic dims become dynamic axes.
+        sample_inputs: one array per description input, used to trace.
+        opset: ONNX opset version.
+
+    Raises:
+        ExportError: when the exporter rejects an operator (named, with its module) or the model
+            returns a different number of outputs than the description declares.
+    """
+    num_model_inputs = len(desc.inputs) - (1 if loss_fn is not None else 0)
+    wrapper = _ModelWithLoss(model, loss_fn, num_model_inputs)
+    args = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in sample_inputs)
+    names = export_order(desc, loss_fn is not None)
+
+    was_training = model.training
+    try:
+        model.train()
+        with torch.no_grad():
+            produced = wrapper(*args)
+        if len(produced) != len(names):
+            what = "loss_fn's loss plus the model's outputs" if loss_fn is not None else "the model's outputs"
+            raise ExportError(
+                f"{what} are {len(produced)} tensor(s) but model_desc.outputs declares {len(names)} "
+                f"({desc.output_names}); make them agree"
+            )
+        dynamic_axes = _dynamic_axes(desc)
+        buffer = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                torch.onnx.export(
+                    wrapper, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                    do_constant_folding=False, opset_version=opset, input_names=desc.input_names,
+                    output_names=names, dynamic_axes=dynamic_axes, export_params=True,
+                    keep_initializers_as_inputs=False,
+                )
+            except Exception as exc:  # the exporter raises several exception types
+                raise ExportError(_explain_export_failure(exc, wrapper, args)) from exc
+    finally:
+        model.train(was_training)
+
+    onnx_model = onnx.load_from_string(buffer.getvalue())
+    torch_keys, trainable = _map_initializers(onnx_model, wrapper)
+    torch_keys, trainable = _rename_weights(onnx_model, torch_keys, trainable, desc)
+    logger.debug("exported %d nodes, %d weights (%d trainable)", len(onnx_model.graph.node), len(torch_keys),
+                 len(trainable))
+    return ExportedModel(onnx_model, torch_keys, trainable, names)
+
+
+def _dynamic_axes(desc: ModelDescription) -> dict[str, dict[int, str]]:
+    axes = {}
+    for io_desc in [*desc.inputs, *desc.outputs]:
+        symbolic = {i: d for i, d in enumerate(io_desc.shape) if isinstance(d, str)}
+        if symbolic:
+            axes[io_desc.name] = symbolic
+    return axes
+
+
+def _explain_export_failure(exc: Exception, wrapper: torch.nn.Module, args: tuple) -> str:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    match = re.search(r"(aten::\w+|prim::\w+)", str(exc))
+    if not match:
+        return f"ONNX export of the model failed: {message}"
+    op = match.group(1)
+    modules = _modules_using(op, wrapper, args)
+    where = f" in module {', '.join(modules)}" if modules else ""
+    return (
+        f"ONNX export failed: operator {op}{where} cannot be exported ({message}). "
+        "Rewrite that part of the model with supported torch operations, or pass an ONNX model instead."
+    )
+
+
+def _modules_using(op: str, wrapper: torch.nn.Module, args: tuple) -> list[str]:
+    """Module paths (as in ``model.named_modules()``) whose forward calls ``op``, found by tracing."""
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(wrapper, args, check_trace=False, strict=False)
+        found = []
+        for node in traced.inlined_graph.nodes():
+            if node.kind() == op:
+                scope = node.scopeName().split("/")[-1].replace("__module.", "")
+                scope = scope[len(MODEL_PREFIX):] if scope.startswith(MODEL_PREFIX) else scope
+                label = scope or "<top-level forward>"
+                if label not in found:
+                    found.append(label)
+        return found
+    except Exception:  # tracing is only used to improve the message
+        return []
+
+
+def _map_initializers(onnx_model: onnx.ModelProto, wrapper: torch.nn.Module) -> tuple[dict[str, list[str]], list[str]]:
+    """Map ONNX initializers to the torch state_dict keys they come from.
+
+    Names are tried first; an initializer the exporter renamed is matched by identical contents.
+    Initializers that are not parameters or buffers (constants the exporter made) are left out.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    requires_grad: dict[str, bool] = {}
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]:
+        if tensor is None:
+            continue
+        key = name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name
+        tensors[name] = tensor
+        requires_grad[name] = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
+        aliases.setdefault(id(tensor), []).append(key)
+
+    torch_keys: dict[str, list[str]] = {}
+    trainable: list[str] = []
+    unmatched_inits = []
+    used_ids = set()
+    for init in onnx_model.graph.initializer:
+        tensor = tensors.get(init.name)
+        if tensor is None:
+            unmatched_inits.append(init)
+            continue
+        torch_keys[init.name] = aliases[id(tensor)]
+        used_ids.add(id(tensor))
+        if requires_grad[init.name]:
+            trainable.append(init.name)
+    leftovers = {n: t for n, t in tensors.items() if id(t) not in used_ids and t.is_floating_point()}
+    for init in unmatched_inits:
+        if init.data_type != onnx.TensorProto.FLOAT:
+            continue
+        value = onnx.numpy_helper.to_array(init)
+        for name, tensor in list(leftovers.items()):
+            if tuple(tensor.shape) == value.shape and np.array_equal(tensor.detach().cpu().numpy(), value):
+                torch_keys[init.name] = aliases[id(tensor)]
+                if requires_grad[name]:
+                    trainable.append(init.name)
+                for other in [n for n, t in leftovers.items() if t is tensor]:
+                    del leftovers[other]
+                break
+    return torch_keys, trainable
+
+
+def _rename_weights(
+    onnx_model: onnx.ModelProto, torch_keys: dict[str, list[str]], trainable: list[str], desc: ModelDescription
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Rename weight initializers to their torch ``state_dict`` key, the name users know them by."""
+    taken = set(desc.input_names) | set(desc.output_names)
+    rename = {}
+    for old, keys in torch_keys.items():
+        if keys[0] in taken:
+            raise ExportError(f"weight {keys[0]!r} has the same name as a model_desc input or output; rename one")
+        rename[old] = keys[0]
+    graph = onnx_model.graph
+    for init in graph.initializer:
+        init.name = rename.get(init.name, init.name)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    return {rename[k]: v for k, v in torch_keys.items()}, [rename[t] for t in trainable]

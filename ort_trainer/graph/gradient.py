@@ -1,0 +1,198 @@
+"""Stage 3: the gradient graph (ONNX Runtime's GradientGraphBuilder) and the eval/inference graphs.
+
+All weights become graph inputs, so the graphs hold no weight values: the engine binds the
+weights it owns, and the cached graphs are independent of the initial weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
+
+from .._logging import ort_severity
+
+GRAD_SUFFIX = "_grad"
+
+
+class GradientBuildError(RuntimeError):
+    """ONNX Runtime could not build the backward graph; the message names the op and module."""
+
+
+def weights_to_inputs(model: onnx.ModelProto, weight_names: list[str]) -> dict[str, np.ndarray]:
+    """Move the named initializers to graph inputs, in place; return their values."""
+    wanted = set(weight_names)
+    values, kept = {}, []
+    for init in model.graph.initializer:
+        if init.name in wanted:
+            values[init.name] = numpy_helper.to_array(init)
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            kept.append(init)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return values
+
+
+def specialize(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose symbolic input/output dims named in ``dims`` are fixed."""
+    result = copy.deepcopy(model)
+    for value_info in [*result.graph.input, *result.graph.output]:
+        for dim in value_info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param in dims:
+                dim.dim_value = dims[dim.dim_param]
+    return result
+
+
+def _session_options() -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = ort_severity()
+    return options
+
+
+def build_gradient_graph(
+    forward: onnx.ModelProto, trainable: list[str], loss_name: str, output_names: list[str]
+) -> tuple[onnx.ModelProto, list[str]]:
+    """Build forward + backward from a forward graph whose weights are inputs.
+
+    Returns:
+        The gradient model, with outputs ``[*output_names, *(w + "_grad" for w in has_grad)]``,
+        and ``has_grad``: the trainable weights the loss depends on, in ``trainable`` order.
+
+    Raises:
+        GradientBuildError: naming the op (and module) the gradient builder cannot handle.
+    """
+    options = _session_options()
+    try:
+        optimized = get_optimized_model(forward.SerializeToString(), set(trainable), options)
+        builder = GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, options)
+        builder.build()
+    except Exception as exc:  # pybind raises RuntimeError/Fail subclasses
+        raise GradientBuildError(_explain_gradient_failure(str(exc), forward)) from exc
+    model = onnx.load_from_string(builder.get_model())
+    produced = {o.name: o for o in model.graph.output}
+    has_grad = [w for w in trainable if w + GRAD_SUFFIX in produced]
+    ordered = [produced[n] for n in output_names] + [produced[w + GRAD_SUFFIX] for w in has_grad]
+    del model.graph.output[:]
+    model.graph.output.extend(ordered)
+    return model, has_grad
+
+
+def _explain_gradient_failure(message: str, forward: onnx.ModelProto) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    op_match = re.search(r"(?:op|Op|operator|OpType)[^A-Za-z0-9]*([A-Z][A-Za-z0-9_]+)", message)
+    op = op_match.group(1) if op_match else None
+    if op is None:
+        for node in forward.graph.node:
+            if node.op_type in message:
+                op = node.op_type
+                break
+    if op is None:
+        return f"ONNX Runtime could not build the gradient graph: {first}"
+    modules = sorted({module_of(n.name) for n in forward.graph.node if n.op_type == op})
+    where = f" (used in module {', '.join(modules)})" if modules else ""
+    return (
+        f"ONNX Runtime has no gradient for operator {op}{where}: {first}. "
+        "Rewrite that part of the model with differentiable operations, freeze the weights that feed it "
+        "(utils.frozen_weights), or register a gradient with onnxruntime's register_gradient_definition."
+    )
+
+
+def module_of(node_name: str) -> str:
+    """The torch module path of an exported node name (``/model/enc/layers.0/Gemm`` -> ``enc.layers.0``)."""
+    parts = [p for p in node_name.split("/") if p][:-1]
+    if parts and parts[0] == "model":
+        parts = parts[1:]
+    return ".".join(parts) or "<top-level forward>"
+
+
+def build_eval_graph(forward: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``forward`` with Dropout off and BatchNormalization in inference mode."""
+    model = copy.deepcopy(forward)
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            node.input[2] = ""
+        elif node.op_type == "BatchNormalization":
+            for attr in node.attribute:
+                if attr.name == "training_mode":
+                    attr.i = 0
+            del node.output[1:]
+    return model
+
+
+def build_inference_graph(
+    eval_model: onnx.ModelProto, keep_inputs: list[str], keep_outputs: list[str], weights: dict[str, np.ndarray]
+) -> onnx.ModelProto:
+    """A deployable model: weights as initializers, Dropout removed, only the wanted inputs/outputs.
+
+    Inputs outside ``keep_inputs`` (a label read only by the loss) are dropped when nothing the
+    kept outputs need reads them.
+    """
+    model = copy.deepcopy(eval_model)
+    graph = model.graph
+    rename: dict[str, str] = {}
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Dropout":
+            rename[node.output[0]] = node.input[0]
+        else:
+            nodes.append(node)
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            while name in rename:
+                name = rename[name]
+            node.input[i] = name
+    outputs = [o for o in graph.output if o.name in keep_outputs]
+    for out in outputs:
+        source = out.name
+        while source in rename:
+            source = rename[source]
+        if source != out.name:
+            nodes.append(helper.make_node("Identity", [source], [out.name], name=f"{out.name}_identity"))
+    needed = set(o.name for o in outputs)
+    live = []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            live.append(node)
+            needed.update(i for i in node.input if i)
+            for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    needed.update(_outer_names(attr.g))
+    live.reverse()
+    for node in live:  # trim optional outputs (LayerNorm stats, Dropout masks) nobody reads
+        while len(node.output) > 1 and node.output[-1] not in needed and node.op_type in (
+            "LayerNormalization", "BatchNormalization"
+        ):
+            node.output.pop()
+    del graph.node[:]
+    graph.node.extend(live)
+    missing_inputs = [n for n in needed if n in {i.name for i in graph.input} and n not in keep_inputs
+                      and n not in weights]
+    if missing_inputs:
+        keep_inputs = keep_inputs + missing_inputs
+    new_inputs = [i for i in graph.input if i.name in keep_inputs]
+    del graph.input[:]
+    graph.input.extend(new_inputs)
+    del graph.output[:]
+    graph.output.extend(outputs)
+    graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in weights.items() if name in needed)
+    kept_inits = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(kept_inits)
+    del graph.value_info[:]
+    return model
+
+
+def _outer_names(graph: onnx.GraphProto) -> set[str]:
+    names = set()
+    for node in graph.node:
+        names.update(i for i in node.input if i)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                names |= _outer_names(attr.g)
+    return names

@@ -1,0 +1,214 @@
+"""The graph pipeline: model -> forward -> trainable -> user hook -> gradient + optimizer graphs.
+
+``build_training_graphs`` runs the stages once per job (and per shape signature) and stores the
+result in the graph cache; a later run of the same job loads it without exporting again.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from .._logging import logger
+from ..model_desc import ModelDescription
+from ..optim.config import _OptimizerConfig
+from . import cache as graph_cache
+from .export import export_order, export_torch
+from .gradient import build_eval_graph, build_gradient_graph, specialize, weights_to_inputs
+from .optimizer import build_optimizer_graph, plan
+from .trainable import make_trainable
+
+
+@dataclass
+class TrainingGraphs:
+    """Everything the engine needs, independent of weight values.
+
+    Attributes:
+        gradient: forward + loss + backward; inputs: data then weights; outputs: the description's
+            outputs in order, then ``<weight>_grad`` for each trained weight.
+        optimizer: the update step (``ort_trainer.graph.optimizer``).
+        eval: forward only, Dropout off, BatchNorm in inference mode; weights are inputs.
+        meta: ``weights`` ({name: [shape, dtype]} of every weight input), ``trained`` (weights
+            the optimizer updates, in order), ``torch_keys`` ({weight: [torch state_dict keys]}),
+            ``inputs`` ({name: dtype} of the data inputs the graph reads).
+        from_cache: True when loaded from the graph cache.
+    """
+
+    gradient: onnx.ModelProto
+    optimizer: onnx.ModelProto
+    eval: onnx.ModelProto
+    meta: dict
+    from_cache: bool = False
+
+
+@dataclass
+class GraphJob:
+    """The inputs of the pipeline."""
+
+    model: torch.nn.Module | onnx.ModelProto
+    loss_fn: Callable | None
+    desc: ModelDescription
+    optim_config: _OptimizerConfig
+    frozen_weights: list[str]
+    grad_norm_clip: bool
+    opset: int
+    extra_postprocess: Callable | None
+    save_paths: dict[str, str]
+
+    def cache_key(self, input_dtypes: dict[str, str], dims: dict[str, int] | None) -> str:
+        """Hash of everything that determines the graphs."""
+        if isinstance(self.model, onnx.ModelProto):
+            model_fp: Any = graph_cache.fingerprint_onnx(self.model)
+        else:
+            model_fp = graph_cache.fingerprint_module(self.model)
+        return graph_cache.make_key(
+            {
+                "model": model_fp,
+                "loss_fn": graph_cache.fingerprint_callable(self.loss_fn),
+                "desc": self.desc.fingerprint(),
+                "input_dtypes": input_dtypes,
+                "optimizer": self.optim_config.fingerprint(),
+                "frozen": sorted(self.frozen_weights),
+                "clip": self.grad_norm_clip,
+                "opset": self.opset,
+                "extra_postprocess": graph_cache.fingerprint_callable(self.extra_postprocess),
+                "dims": sorted((dims or {}).items()),
+            }
+        )
+
+
+def build_training_graphs(
+    job: GraphJob,
+    sample_inputs: Sequence[np.ndarray],
+    dims: dict[str, int] | None = None,
+    graph_cache_store: graph_cache.GraphCache | None = None,
+) -> TrainingGraphs:
+    """Build (or load from the cache) the training graphs of ``job``.
+
+    Args:
+        job: the model, loss, description, optimizer and graph-shaping options.
+        sample_inputs: one array per description input (dtype fixes the graph's input dtype;
+            values are used to trace the torch model).
+        dims: concrete values of symbolic dimensions to specialise the graphs to (None: keep
+            them symbolic).
+        graph_cache_store: the cache (default: ``GraphCache()``).
+    """
+    store = graph_cache_store or graph_cache.GraphCache()
+    input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
+    key = job.cache_key(input_dtypes, dims)
+    started = time.perf_counter()
+    cached = store.load(key)
+    if cached is not None:
+        models, meta = cached
+        logger.info("reused the cached training graph %s (%.2f s) from %s", key[:16],
+                    time.perf_counter() - started, store.root)
+        return TrainingGraphs(models["gradient"], models["optimizer"], models["eval"], meta, from_cache=True)
+
+    forward, torch_keys, trainable = _forward_graph(job, sample_inputs)
+    all_weights = list(torch_keys)
+    trainable = [w for w in trainable if w not in set(job.frozen_weights)]
+    opt_plan = plan(job.optim_config, trainable, job.frozen_weights, all_weights)
+
+    if job.save_paths.get("model_after_graph_transforms_path"):
+        onnx.save(forward, job.save_paths["model_after_graph_transforms_path"])
+    weights_to_inputs(forward, all_weights)
+    if dims:
+        forward = specialize(forward, dims)
+    weight_info = {i.name: _value_info(i) for i in forward.graph.input if i.name in torch_keys}
+
+    gradient, trained = build_gradient_graph(forward, opt_plan.weights, job.desc.loss_name, job.desc.output_names)
+    skipped = [w for w in opt_plan.weights if w not in trained]
+    if skipped:
+        logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
+    opt_plan.weights = trained
+    eval_model = build_eval_graph(forward)
+    optimizer = build_optimizer_graph(
+        job.optim_config, opt_plan, {w: weight_info[w][0] for w in trained}, job.grad_norm_clip
+    )
+    if job.save_paths.get("model_with_gradient_graph_path"):
+        onnx.save(gradient, job.save_paths["model_with_gradient_graph_path"])
+    if job.save_paths.get("model_with_training_graph_path"):
+        onnx.save(optimizer, job.save_paths["model_with_training_graph_path"])
+
+    graph_inputs = {i.name for i in forward.graph.input}
+    meta = {
+        "weights": weight_info,
+        "trained": trained,
+        "torch_keys": torch_keys,
+        "inputs": {n: dt for n, dt in input_dtypes.items() if n in graph_inputs},
+    }
+    entry = store.store(key, {"gradient": gradient, "optimizer": optimizer, "eval": eval_model}, meta)
+    logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
+                f"; cached in {entry}" if entry else "")
+    return TrainingGraphs(gradient, optimizer, eval_model, meta)
+
+
+def _value_info(value_info: onnx.ValueInfoProto) -> list:
+    tensor_type = value_info.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
+    return [shape, str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
+
+
+def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[onnx.ModelProto, dict, list]:
+    """Export (or copy) the forward graph, make it trainable and run the user's hook."""
+    if isinstance(job.model, onnx.ModelProto):
+        forward = copy.deepcopy(job.model)
+        _check_onnx_io(forward, job.desc)
+        weights = [i.name for i in forward.graph.initializer if i.data_type in _FLOAT_TYPES]
+        torch_keys = {w: [w] for w in weights}
+        trainable = list(weights)
+    else:
+        exported = export_torch(job.model, job.loss_fn, job.desc, sample_inputs, job.opset)
+        forward, torch_keys, trainable = exported.model, exported.torch_keys, exported.trainable
+    make_trainable(forward)
+    if job.extra_postprocess is not None:
+        returned = job.extra_postprocess(forward)
+        if isinstance(returned, onnx.ModelProto):
+            forward = returned
+    return forward, torch_keys, trainable
+
+
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def _check_onnx_io(model: onnx.ModelProto, desc: ModelDescription) -> None:
+    initializers = {i.name for i in model.graph.initializer}
+    graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
+    graph_outputs = [o.name for o in model.graph.output]
+    problems = []
+    for name in desc.input_names:
+        if name not in graph_inputs:
+            problems.append(f"model_desc input {name!r} is not an input of the ONNX model (inputs: {graph_inputs})")
+    for name in graph_inputs:
+        if name not in desc.input_names:
+            problems.append(f"the ONNX model's input {name!r} is missing from model_desc.inputs")
+    for name in desc.output_names:
+        if name not in graph_outputs:
+            problems.append(f"model_desc output {name!r} is not an output of the ONNX model (outputs: {graph_outputs})")
+    if problems:
+        raise ValueError("the ONNX model does not match the model description:\n  " + "\n  ".join(problems))
+
+
+def initial_weights(
+    model: torch.nn.Module | onnx.ModelProto, meta: dict
+) -> dict[str, np.ndarray]:
+    """Current values of every weight input, read from the torch module or ONNX initializers."""
+    if isinstance(model, onnx.ModelProto):
+        values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+        return {w: np.ascontiguousarray(values[w]) for w in meta["weights"]}
+    state = model.state_dict(keep_vars=True)
+    out = {}
+    for weight, keys in meta["torch_keys"].items():
+        if weight in meta["weights"]:
+            out[weight] = state[keys[0]].detach().cpu().numpy().copy()
+    return out
+
+
+__all__ = ["GraphJob", "TrainingGraphs", "build_training_graphs", "export_order", "initial_weights"]

@@ -1,0 +1,223 @@
+"""Optimizer configurations (api.md section 4).
+
+A config holds the default hyper-parameters and a list of parameter groups
+``{"params": [weight names], <hyper-parameter>: value, ...}``; weights in no group use the defaults.
+The update math itself is built into the ONNX optimizer graph (``ort_trainer.graph.optimizer``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, Sequence
+
+
+class DecayMode(enum.IntEnum):
+    """Where Adam applies weight decay (``lambda_coef``)."""
+
+    BEFORE_WEIGHT_UPDATE = 0
+    AFTER_WEIGHT_UPDATE = 1
+
+
+class _OptimizerConfig:
+    """Base class: validates hyper-parameters and parameter groups at construction."""
+
+    name: str = ""
+    # hyper-parameter -> (type(s), check or None); order is the constructor's.
+    _HYPER: dict[str, tuple] = {}
+    # hyper-parameters that are global, not per group
+    _GLOBAL: frozenset = frozenset()
+
+    def __init__(self, params: Sequence[dict] | None = None, **hyper: Any):
+        problems = []
+        for key, value in hyper.items():
+            problems.extend(self._check(key, value, type(self).__name__))
+        self.defaults = dict(hyper)
+        for key, value in hyper.items():
+            object.__setattr__(self, key, value)
+        groups = [] if params is None else params
+        if not isinstance(groups, (list, tuple)):
+            problems.append(f"{type(self).__name__}.params: expected a list of dicts, got {type(groups).__name__}")
+            groups = []
+        seen: dict[str, int] = {}
+        for i, group in enumerate(groups):
+            where = f"{type(self).__name__}.params[{i}]"
+            if not isinstance(group, dict):
+                problems.append(f"{where}: expected a dict {{'params': [names], ...}}, got {type(group).__name__}")
+                continue
+            names = group.get("params")
+            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+                problems.append(f"{where}.params: expected a list of weight names (str)")
+                names = []
+            for name in names:
+                if name in seen:
+                    problems.append(f"{where}.params: weight {name!r} is already in group {seen[name]}")
+                seen[name] = i
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                if key in self._GLOBAL:
+                    problems.append(f"{where}.{key}: is global to the optimizer and cannot be set per group")
+                elif key not in self._HYPER:
+                    problems.append(
+                        f"{where}.{key}: unknown hyper-parameter for {type(self).__name__}; "
+                        f"known: {sorted(set(self._HYPER) - self._GLOBAL)}"
+                    )
+                else:
+                    problems.extend(self._check(key, value, where))
+        if problems:
+            raise ValueError(f"invalid {type(self).__name__}:\n  " + "\n  ".join(problems))
+        self.params = [dict(g, params=list(g["params"])) for g in groups]
+
+    def _check(self, key: str, value: Any, where: str) -> list[str]:
+        types, check = self._HYPER[key]
+        if isinstance(value, bool) and bool not in types:
+            return [f"{where}.{key}: expected {types[0].__name__}, got bool"]
+        if not isinstance(value, types):
+            return [f"{where}.{key}: expected {'/'.join(t.__name__ for t in types)}, got {type(value).__name__}"]
+        problem = check(value) if check else None
+        return [f"{where}.{key}: {problem}"] if problem else []
+
+    def group_hyperparameters(self, group_index: int | None) -> dict[str, Any]:
+        """Resolved hyper-parameters of a group (``None``: the default group)."""
+        resolved = dict(self.defaults)
+        if group_index is not None:
+            resolved.update({k: v for k, v in self.params[group_index].items() if k != "params"})
+        return resolved
+
+    def fingerprint(self) -> list:
+        """A JSON-able summary used in the graph cache key (lr excluded: it is a graph input)."""
+
+        def plain(d: dict) -> dict:
+            return {k: (int(v) if isinstance(v, enum.Enum) else v) for k, v in sorted(d.items()) if k != "lr"}
+
+        return [type(self).__name__, plain(self.defaults), [sorted(g["params"]) + [plain(g)] for g in self.params]]
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items())
+        return f"{type(self).__name__}(params={self.params!r}, {args})"
+
+
+_NUM = (int, float)
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v}"
+
+
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 else f"must be >= 0, got {v}"
+
+
+def _unit(v: float) -> str | None:
+    return None if 0 <= v < 1 else f"must be in [0, 1), got {v}"
+
+
+class SGDConfig(_OptimizerConfig):
+    """Plain SGD: ``w -= lr * g``. Never clipped.
+
+    Args:
+        params: parameter groups, each ``{"params": [names], "lr": ...}``.
+        lr: learning rate.
+    """
+
+    name = "SGDOptimizer"
+    _HYPER = {"lr": (_NUM, _non_negative)}
+
+    def __init__(self, params: Sequence[dict] | None = None, lr: float = 0.001):
+        super().__init__(params, lr=lr)
+
+
+class AdamConfig(_OptimizerConfig):
+    """Adam with decoupled weight decay (api.md section 4).
+
+    Args:
+        params: parameter groups; a group may set any hyper-parameter below but ``max_norm_clip``.
+        lr: learning rate.
+        alpha: beta1, the first-moment decay.
+        beta: beta2, the second-moment decay.
+        lambda_coef: weight decay.
+        epsilon: added to the denominator.
+        max_norm_clip: global gradient-norm clip threshold (with ``utils.grad_norm_clip``).
+        do_bias_correction: divide the moments by ``1 - alpha^t`` and ``1 - beta^t``.
+        weight_decay_mode: ``DecayMode.BEFORE_WEIGHT_UPDATE`` (torch AdamW) or
+            ``DecayMode.AFTER_WEIGHT_UPDATE`` (Hugging Face's former AdamW).
+    """
+
+    name = "AdamOptimizer"
+    _HYPER = {
+        "lr": (_NUM, _non_negative),
+        "alpha": (_NUM, _unit),
+        "beta": (_NUM, _unit),
+        "lambda_coef": (_NUM, _non_negative),
+        "epsilon": (_NUM, _positive),
+        "max_norm_clip": (_NUM, _positive),
+        "do_bias_correction": ((bool,), None),
+        "weight_decay_mode": ((DecayMode, int), lambda v: None if v in (0, 1) else f"must be a DecayMode, got {v}"),
+    }
+    _GLOBAL = frozenset({"max_norm_clip"})
+
+    def __init__(
+        self,
+        params: Sequence[dict] | None = None,
+        lr: float = 0.001,
+        alpha: float = 0.9,
+        beta: float = 0.999,
+        lambda_coef: float = 0.0,
+        epsilon: float = 1e-8,
+        max_norm_clip: float = 1.0,
+        do_bias_correction: bool = True,
+        weight_decay_mode: DecayMode = DecayMode.BEFORE_WEIGHT_UPDATE,
+    ):
+        super().__init__(
+            params, lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, epsilon=epsilon,
+            max_norm_clip=max_norm_clip, do_bias_correction=do_bias_correction,
+            weight_decay_mode=DecayMode(weight_decay_mode) if weight_decay_mode in (0, 1) else weight_decay_mode,
+        )
+
+
+class LambConfig(_OptimizerConfig):
+    """Lamb (api.md section 4): Adam's direction scaled by the trust ratio ``‖w‖/‖d‖``.
+
+    Args:
+        params: parameter groups; a group may set any hyper-parameter below but ``max_norm_clip``.
+        lr, alpha, beta, lambda_coef, epsilon: as for Adam.
+        ratio_min, ratio_max: clamp of the trust ratio.
+        max_norm_clip: global gradient-norm clip threshold (with ``utils.grad_norm_clip``).
+        do_bias_correction: divide the moments by ``1 - alpha^t`` and ``1 - beta^t``.
+    """
+
+    name = "LambOptimizer"
+    _HYPER = {
+        "lr": (_NUM, _non_negative),
+        "alpha": (_NUM, _unit),
+        "beta": (_NUM, _unit),
+        "lambda_coef": (_NUM, _non_negative),
+        "ratio_min": (_NUM, None),
+        "ratio_max": (_NUM, None),
+        "epsilon": (_NUM, _positive),
+        "max_norm_clip": (_NUM, _positive),
+        "do_bias_correction": ((bool,), None),
+    }
+    _GLOBAL = frozenset({"max_norm_clip"})
+
+    def __init__(
+        self,
+        params: Sequence[dict] | None = None,
+        lr: float = 0.001,
+        alpha: float = 0.9,
+        beta: float = 0.999,
+        lambda_coef: float = 0.0,
+        ratio_min: float = -math.inf,
+        ratio_max: float = math.inf,
+        epsilon: float = 1e-6,
+        max_norm_clip: float = 1.0,
+        do_bias_correction: bool = False,
+    ):
+        super().__init__(
+            params, lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, ratio_min=ratio_min,
+            ratio_max=ratio_max, epsilon=epsilon, max_norm_clip=max_norm_clip,
+            do_bias_correction=do_bias_correction,
+        )
+        if ratio_min > ratio_max:
+            raise ValueError(f"invalid LambConfig:\n  LambConfig.ratio_min: {ratio_min} > ratio_max {ratio_max}")

@@ -1,0 +1,273 @@
+"""``ORTTrainerOptions``: the trainer's settings, typed and validated.
+
+Options are a nested dict with attribute access (``opts.batch.gradient_accumulation_steps``).
+Every key is declared in ``_SCHEMA`` below with its type, default, range and one line of
+documentation; an unknown key, a wrong type or an out-of-range value raises one ``ValueError``
+that lists every problem with the key's path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import onnxruntime as ort
+
+_SENTINEL = object()
+
+
+def _has_cuda() -> bool:
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@dataclass(frozen=True)
+class _Field:
+    types: tuple
+    default: Any
+    doc: str
+    check: Callable[[Any], str | None] | None = None  # returns a problem or None
+    supported: Callable[[Any], bool] | None = None  # False: valid but not built yet
+
+
+def _at_least(low: int) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be >= {low}, got {v}"
+
+
+def _one_of(*allowed: Any) -> Callable[[Any], str | None]:
+    return lambda v: None if v in allowed else f"must be one of {list(allowed)}, got {v!r}"
+
+
+def _in_range(low: int, high: int) -> Callable[[Any], str | None]:
+    return lambda v: None if low <= v <= high else f"must be between {low} and {high}, got {v}"
+
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _check_device(value: str) -> str | None:
+    if not _DEVICE_RE.match(value):
+        return f"expected 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+    if value.startswith("cuda") and not _has_cuda():
+        return (
+            f"{value!r} was asked for but the installed ONNX Runtime has no CUDA provider "
+            f"(available: {ort.get_available_providers()}); install the CUDA build with "
+            "`pip install -e .[cuda]` (it replaces onnxruntime-training-cpu) or use device.id='cpu'"
+        )
+    return None
+
+
+def _check_str_list(value: list) -> str | None:
+    bad = [v for v in value if not isinstance(v, str)]
+    return f"expected a list of weight names (str), got items {bad!r}" if bad else None
+
+
+def _check_callable(value: Any) -> str | None:
+    return None if value is None or callable(value) else f"expected a callable or None, got {type(value).__name__}"
+
+
+def _check_scheduler(value: Any) -> str | None:
+    from .optim.lr_scheduler import _LRScheduler
+
+    ok = value is None or isinstance(value, _LRScheduler)
+    return None if ok else f"expected an ort_trainer.optim.lr_scheduler scheduler or None, got {type(value).__name__}"
+
+
+def _check_loss_scaler(value: Any) -> str | None:
+    from .amp.loss_scaler import LossScaler
+
+    ok = value is None or isinstance(value, LossScaler)
+    return None if ok else f"expected an ort_trainer.amp.LossScaler or None, got {type(value).__name__}"
+
+
+_ANY = (object,)
+_BOOL = (bool,)
+_INT = (int,)
+_STR = (str,)
+
+# The full key set of api.md section 5. ``supported`` marks values whose feature is not built yet:
+# they are rejected with a clear "not supported yet" error, never silently ignored.
+_SCHEMA: dict[str, _Field] = {
+    "batch.gradient_accumulation_steps": _Field(
+        _INT, 1, "micro-batches whose gradients are summed before one optimizer update", _at_least(1),
+        supported=lambda v: v == 1,
+    ),
+    "device.id": _Field(
+        _STR, _SENTINEL, "'cpu', 'cuda' or 'cuda:N'; default 'cuda' when the CUDA build is installed, else 'cpu'",
+        _check_device,
+    ),
+    "device.mem_limit": _Field(_INT, 0, "GPU arena limit in bytes (0: no limit)", _at_least(0)),
+    "distributed.world_rank": _Field(_INT, 0, "this process's rank", _at_least(0)),
+    "distributed.world_size": _Field(
+        _INT, 1, "number of data-parallel processes", _at_least(1), supported=lambda v: v == 1
+    ),
+    "distributed.local_rank": _Field(_INT, 0, "this process's rank on its node", _at_least(0)),
+    "distributed.allreduce_post_accumulation": _Field(
+        _BOOL, False, "all-reduce once per optimizer step instead of per micro-batch", supported=lambda v: not v
+    ),
+    "distributed.deepspeed_zero_optimization.stage": _Field(
+        _INT, 0, "ZeRO stage: 0 off, 1 optimizer state sharded across ranks", _one_of(0, 1),
+        supported=lambda v: v == 0,
+    ),
+    "lr_scheduler": _Field(
+        _ANY, None, "a learning-rate scheduler from ort_trainer.optim.lr_scheduler, or None", _check_scheduler
+    ),
+    "mixed_precision.enabled": _Field(_BOOL, False, "fp16 mixed precision", supported=lambda v: not v),
+    "mixed_precision.loss_scaler": _Field(
+        _ANY, None, "an ort_trainer.amp.LossScaler, or None", _check_loss_scaler, supported=lambda v: v is None
+    ),
+    "utils.frozen_weights": _Field((list, tuple), (), "weight names that are never updated", _check_str_list),
+    "utils.grad_norm_clip": _Field(_BOOL, True, "clip the global gradient L2 norm (Adam and Lamb)"),
+    "debug.deterministic_compute": _Field(_BOOL, False, "ask ONNX Runtime for deterministic kernels"),
+    "debug.check_model_export": _Field(
+        _BOOL, False, "compare PyTorch and ONNX Runtime outputs before the first step", supported=lambda v: not v
+    ),
+    "debug.graph_save_paths.model_after_graph_transforms_path": _Field(
+        _STR, "", "write the forward graph after the trainability pass and the user hook here"
+    ),
+    "debug.graph_save_paths.model_with_gradient_graph_path": _Field(
+        _STR, "", "write the forward + backward graph here"
+    ),
+    "debug.graph_save_paths.model_with_training_graph_path": _Field(
+        _STR, "", "write the optimizer graph (the step after the gradient graph) here"
+    ),
+    "_internal_use.extra_postprocess": _Field(
+        _ANY, None, "callable(onnx.ModelProto) run on the exported forward graph after the trainability pass",
+        _check_callable,
+    ),
+    "_internal_use.onnx_opset_version": _Field(_INT, 17, "ONNX opset of the export", _in_range(14, 20)),
+    "session_options": _Field(
+        _ANY, None, "an onnxruntime.SessionOptions for the trainer's sessions, or None",
+        lambda v: None if v is None or isinstance(v, ort.SessionOptions)
+        else f"expected an onnxruntime.SessionOptions or None, got {type(v).__name__}",
+    ),
+    "provider_options": _Field((dict,), {}, "options passed to the execution provider"),
+}
+
+
+class _Group(dict):
+    """A dict whose keys are also attributes; nested groups are ``_Group`` too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no option {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("options are read-only once validated; build a new ORTTrainerOptions instead")
+
+
+def _flatten(mapping: Mapping, prefix: str, out: dict, problems: list) -> None:
+    for key, value in mapping.items():
+        path = f"{prefix}{key}"
+        if not isinstance(key, str):
+            problems.append(f"{path}: option keys must be str")
+        elif path in _SCHEMA:
+            out[path] = value
+        elif isinstance(value, Mapping) and any(p.startswith(path + ".") for p in _SCHEMA):
+            _flatten(value, path + ".", out, problems)
+        else:
+            known = sorted({p.split(".")[0] for p in _SCHEMA}) if not prefix else sorted(
+                p[len(prefix):].split(".")[0] for p in _SCHEMA if p.startswith(prefix)
+            )
+            problems.append(f"{path}: unknown option; known keys here: {known}")
+
+
+def _type_problem(path: str, field: _Field, value: Any) -> str | None:
+    types = field.types
+    if types == _ANY:
+        return None
+    if bool not in types and isinstance(value, bool):
+        return f"{path}: expected {'/'.join(t.__name__ for t in types)}, got bool {value!r}"
+    if not isinstance(value, types):
+        return f"{path}: expected {'/'.join(t.__name__ for t in types)}, got {type(value).__name__} {value!r}"
+    return None
+
+
+class ORTTrainerOptions(_Group):
+    """Settings of an ``ORTTrainer`` (api.md section 5).
+
+    Build it from a nested dict; keys left out take their defaults::
+
+        ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 1}, "device": {"id": "cpu"}})
+
+    Keys, defaults and meanings are listed by ``ORTTrainerOptions.describe()``.
+
+    Raises:
+        ValueError: listing every unknown key, wrong type, out-of-range value, and every value
+            whose feature this version does not support yet, each with the key's path.
+    """
+
+    def __init__(self, options: Mapping[str, Any] | None = None):
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"options: expected a dict or ORTTrainerOptions, got {type(options).__name__}")
+        given: dict[str, Any] = {}
+        problems: list[str] = []
+        _flatten(options, "", given, problems)
+        values: dict[str, Any] = {}
+        for path, field in _SCHEMA.items():
+            value = given.get(path, _SENTINEL)
+            if value is _SENTINEL:
+                value = field.default
+                if value is _SENTINEL:  # device.id
+                    value = "cuda" if _has_cuda() else "cpu"
+                values[path] = list(value) if isinstance(value, tuple) else (
+                    dict(value) if isinstance(value, dict) else value
+                )
+                continue
+            problem = _type_problem(path, field, value)
+            if problem is None and field.check is not None:
+                detail = field.check(value)
+                problem = f"{path}: {detail}" if detail else None
+            if problem is None and field.supported is not None and not field.supported(value):
+                problem = (
+                    f"{path}: {value!r} is not supported yet by this version of ort_trainer; "
+                    f"leave it at its default ({field.default!r})"
+                )
+            if problem:
+                problems.append(problem)
+            values[path] = list(value) if isinstance(value, tuple) else value
+        if problems:
+            raise ValueError("invalid ORTTrainerOptions:\n  " + "\n  ".join(problems))
+        nested: dict[str, Any] = {}
+        for path, value in values.items():
+            node = nested
+            *parents, leaf = path.split(".")
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[leaf] = value
+        dict.update(self, _to_groups(nested))
+
+    def flat(self) -> dict[str, Any]:
+        """The options as ``{dotted.path: value}``."""
+        out: dict[str, Any] = {}
+
+        def walk(node: Mapping, prefix: str) -> None:
+            for key, value in node.items():
+                if isinstance(value, _Group):
+                    walk(value, f"{prefix}{key}.")
+                else:
+                    out[f"{prefix}{key}"] = value
+
+        walk(self, "")
+        return out
+
+    @staticmethod
+    def describe() -> str:
+        """One line per option: path, default, meaning."""
+        lines = []
+        for path, field in _SCHEMA.items():
+            default = "(auto)" if field.default is _SENTINEL else repr(field.default)
+            lines.append(f"{path} = {default}: {field.doc}")
+        return "\n".join(lines)
+
+
+def _to_groups(node: dict) -> _Group:
+    group = _Group()
+    for key, value in node.items():
+        # provider_options is a user dict value, not an option group
+        dict.__setitem__(group, key, _to_groups(value) if isinstance(value, dict) and key != "provider_options" else value)
+    return group

@@ -1,0 +1,378 @@
+"""``ORTTrainer``: train a PyTorch model (or an ONNX model with its loss) through ONNX Runtime.
+
+The trainer validates its arguments, drives the graph pipeline once, and then runs every step
+through the engine. It keeps the step counters; the math lives in the graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import torch
+
+from ._logging import logger
+from .engine import Engine
+from .graph.gradient import build_inference_graph
+from .graph.optimizer import state_names
+from .graph.pipeline import GraphJob, TrainingGraphs, build_training_graphs, initial_weights
+from .model_desc import ModelDescription, parse_model_desc
+from .optim.config import _OptimizerConfig
+from .options import ORTTrainerOptions
+
+
+class TrainStepInfo:
+    """Step state shared with the user (api.md section 2).
+
+    Attributes:
+        optimizer_config: the trainer's optimizer config.
+        all_finite: False when the last step's gradients had a NaN or inf (its update was skipped).
+        fetches: output names the steps return (empty: all of them).
+        optimization_step: number of updates applied.
+        step: number of ``train_step`` calls.
+    """
+
+    def __init__(self, optimizer_config: _OptimizerConfig, all_finite: bool = True, fetches: list | None = None,
+                 optimization_step: int = 0, step: int = 0):
+        self.optimizer_config = optimizer_config
+        self.all_finite = all_finite
+        self.fetches = [] if fetches is None else fetches
+        self.optimization_step = optimization_step
+        self.step = step
+
+    def __repr__(self) -> str:
+        return (f"TrainStepInfo(all_finite={self.all_finite}, fetches={self.fetches}, "
+                f"optimization_step={self.optimization_step}, step={self.step})")
+
+
+class ORTTrainer:
+    """Trains a model with ONNX Runtime: forward, loss, backward and optimizer in ONNX graphs.
+
+    Args:
+        model: a ``torch.nn.Module``, or an ``onnx.ModelProto`` whose graph computes the loss.
+        model_desc: a ``ModelDescription`` or its dict form
+            ``{"inputs": [(name, shape)], "outputs": [(name, shape, is_loss)]}``.
+        optim_config: ``SGDConfig``, ``AdamConfig`` or ``LambConfig``.
+        loss_fn: ``loss_fn(prediction, label)``; None when the model returns the loss. With a
+            loss_fn the last input is the label and the outputs are ``(loss, *model_outputs)``.
+        options: ``ORTTrainerOptions`` or its dict form; None for defaults.
+
+    Raises:
+        TypeError: for an argument of the wrong type.
+        ValueError: for a malformed description or options, listing every problem with its path.
+
+    The training graph is built on the first ``train_step``/``eval_step``, or here when every
+    input's dtype is given in ``model_desc``; it is cached on disk (``ORT_TRAINER_CACHE_DIR``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | onnx.ModelProto,
+        model_desc: ModelDescription | Mapping[str, Any],
+        optim_config: _OptimizerConfig,
+        loss_fn: Callable | None = None,
+        options: ORTTrainerOptions | Mapping[str, Any] | None = None,
+    ):
+        if not isinstance(model, (torch.nn.Module, onnx.ModelProto)):
+            raise TypeError(f"model: expected a torch.nn.Module or an onnx.ModelProto, got {type(model).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable or None, got {type(loss_fn).__name__}")
+        if isinstance(model, onnx.ModelProto) and loss_fn is not None:
+            raise ValueError("loss_fn must be None when model is an ONNX model: the graph must compute the loss")
+        if not isinstance(optim_config, _OptimizerConfig):
+            raise TypeError(
+                f"optim_config: expected SGDConfig, AdamConfig or LambConfig, got {type(optim_config).__name__}"
+            )
+        self.model = model
+        self.loss_fn = loss_fn
+        self.model_desc: ModelDescription = parse_model_desc(model_desc)
+        if loss_fn is not None and len(self.model_desc.inputs) < 2:
+            raise ValueError("model_desc.inputs: with a loss_fn the last input is the label, so at least two are needed")
+        self.optim_config = optim_config
+        self.options = options if isinstance(options, ORTTrainerOptions) else ORTTrainerOptions(options)
+        self._train_step_info = TrainStepInfo(optim_config)
+        opts = self.options
+        self._job = GraphJob(
+            model=model, loss_fn=loss_fn, desc=self.model_desc, optim_config=optim_config,
+            frozen_weights=list(opts.utils.frozen_weights), grad_norm_clip=opts.utils.grad_norm_clip,
+            opset=opts._internal_use.onnx_opset_version, extra_postprocess=opts._internal_use.extra_postprocess,
+            save_paths=dict(opts.debug.graph_save_paths),
+        )
+        self._graphs: TrainingGraphs | None = None
+        self._engine: Engine | None = None
+        if all(d.dtype is not None for d in self.model_desc.inputs):
+            self._build(self._synthetic_inputs())
+
+    # ---- building -----------------------------------------------------------------------------
+    def _synthetic_inputs(self) -> list[np.ndarray]:
+        """Trace inputs from the description: symbols get distinct sizes > 1, ints are zeros."""
+        sizes: dict[str, int] = {}
+        arrays = []
+        for d in self.model_desc.inputs:
+            shape = [dim if isinstance(dim, int) else sizes.setdefault(dim, 2 + len(sizes)) for dim in d.shape]
+            dtype = d.numpy_dtype
+            if np.issubdtype(dtype, np.floating):
+                arrays.append(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+            else:
+                arrays.append(np.zeros(shape, dtype=dtype))
+        return arrays
+
+    def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
+        graphs = build_training_graphs(self._job, sample_inputs)
+        weights = initial_weights(self.model, graphs.meta)
+        self._engine = Engine(
+            optimizer_graph=graphs.optimizer,
+            graph_provider=lambda signature: (graphs.gradient, graphs.eval),
+            weights=weights,
+            trained=graphs.meta["trained"],
+            state_names=state_names(self.optim_config),
+            output_names=self.model_desc.output_names,
+            device=self.options.device.id,
+            session_options=self.options.session_options,
+            provider_options=self.options.provider_options,
+            mem_limit=self.options.device.mem_limit,
+            deterministic=self.options.debug.deterministic_compute,
+        )
+        self._graphs = graphs
+
+    def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:
+        if self._engine is None:
+            self._build([feeds[name] for name in self.model_desc.input_names])
+        # One signature for now: the symbolic graph serves every shape.
+        self._engine.select(None)
+        return self._engine
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
+        desc = self.model_desc
+        names = desc.input_names
+        problems = []
+        if len(args) > len(names):
+            raise ValueError(f"got {len(args)} positional inputs but model_desc declares {len(names)}: {names}")
+        given: dict[str, Any] = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in names:
+                problems.append(f"input {name!r} is not in model_desc.inputs {names}")
+            elif name in given:
+                problems.append(f"input {name!r} was given both positionally and by name")
+            else:
+                given[name] = value
+        missing = [n for n in names if n not in given]
+        if missing:
+            problems.append(f"missing input(s) {missing}; model_desc.inputs are {names}")
+        if problems:
+            raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
+        feeds, symbols, type_problems = {}, {}, []
+        for d in desc.inputs:
+            array = _to_numpy(given[d.name], d.name)
+            expected = self._expected_dtype(d.name)
+            if expected is not None and array.dtype != expected:
+                type_problems.append(f"input {d.name!r}: expected dtype {expected}, got {array.dtype}")
+            if array.ndim != len(d.shape):
+                problems.append(f"input {d.name!r}: expected {len(d.shape)} dimensions {list(d.shape)}, "
+                                f"got shape {list(array.shape)}")
+            else:
+                for axis, (dim, size) in enumerate(zip(d.shape, array.shape)):
+                    if isinstance(dim, int) and dim != size:
+                        problems.append(f"input {d.name!r}: dimension {axis} must be {dim}, got {size} "
+                                        f"(shape {list(array.shape)})")
+                    elif isinstance(dim, str):
+                        seen = symbols.setdefault(dim, (size, d.name))
+                        if seen[0] != size:
+                            problems.append(f"input {d.name!r}: dimension {axis} ({dim!r}) is {size} but "
+                                            f"{dim!r} is {seen[0]} in input {seen[1]!r}")
+            feeds[d.name] = array
+        if type_problems:
+            raise TypeError("bad inputs:\n  " + "\n  ".join(type_problems + problems))
+        if problems:
+            raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
+        return feeds
+
+    def _expected_dtype(self, name: str) -> np.dtype | None:
+        if self._graphs is not None and name in self._graphs.meta["inputs"]:
+            return np.dtype(self._graphs.meta["inputs"][name])
+        for d in self.model_desc.inputs:
+            if d.name == name:
+                return d.numpy_dtype
+        return None
+
+    def _select_outputs(self, outputs: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        fetches = self._train_step_info.fetches
+        names = self.model_desc.output_names
+        if fetches:
+            unknown = [f for f in fetches if f not in names]
+            if unknown:
+                raise ValueError(f"TrainStepInfo.fetches: {unknown} are not outputs of model_desc {names}")
+            outputs = [outputs[names.index(f)] for f in fetches]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # ---- steps --------------------------------------------------------------------------------
+    def train_step(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Run one training step: forward, loss, backward and the optimizer update.
+
+        Args:
+            *inputs: model inputs in ``model_desc`` order (torch tensors or numpy arrays).
+            **named_inputs: the same, by name.
+
+        Returns:
+            The outputs in ``model_desc`` order (or ``TrainStepInfo.fetches`` order), as torch
+            tensors: the tensor itself when there is one.
+
+        Raises:
+            ValueError: for missing, unknown or misshapen inputs. TypeError: for a wrong dtype.
+        """
+        feeds = self._prepare_inputs(inputs, named_inputs)
+        engine = self._ready(feeds)
+        outputs = engine.forward_backward(feeds)
+        info = self._train_step_info
+        result = engine.optimizer_step(self._learning_rates(), info.optimization_step + 1)
+        info.all_finite = result.all_finite
+        if result.all_finite:
+            info.optimization_step += 1
+        else:
+            logger.warning("step %d: gradients are not finite; the update was skipped", info.step)
+        info.step += 1
+        return self._select_outputs(outputs)
+
+    def eval_step(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Run the forward pass with Dropout off and BatchNorm in inference mode; no state changes.
+
+        Takes and returns the same as ``train_step``.
+        """
+        feeds = self._prepare_inputs(inputs, named_inputs)
+        return self._select_outputs(self._ready(feeds).evaluate(feeds))
+
+    def _learning_rates(self) -> list[float]:
+        """One learning rate per parameter group (group 0: weights in no group)."""
+        base = float(self.optim_config.lr)
+        factor = 1.0
+        scheduler = self.options.lr_scheduler
+        if scheduler is not None:
+            value = scheduler._step(self._train_step_info.optimization_step, base)
+            factor = value / base if base else 0.0
+        return [base * factor] + [float(g.get("lr", base)) * factor for g in self.optim_config.params]
+
+    # ---- weights and export -------------------------------------------------------------------
+    def _require_built(self, what: str) -> Engine:
+        if self._engine is None:
+            raise RuntimeError(
+                f"{what} needs the training graph, which is built on the first train_step/eval_step "
+                "(or at construction when model_desc gives every input's dtype)"
+            )
+        return self._engine
+
+    def save_as_onnx(self, path: str | os.PathLike) -> None:
+        """Write an inference ONNX model with the current weights (no Dropout, BatchNorm in eval mode).
+
+        Its inputs are the model's own (a label read only by ``loss_fn`` is dropped) and its outputs
+        the model's own, named as in the description; it loads in a stock InferenceSession.
+
+        Raises:
+            FileNotFoundError: when the directory of ``path`` does not exist.
+            RuntimeError: before the graph is built.
+        """
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"save_as_onnx: directory {str(path.parent)!r} does not exist")
+        engine = self._require_built("save_as_onnx")
+        desc = self.model_desc
+        inputs, outputs = desc.input_names, desc.output_names
+        if self.loss_fn is not None:
+            inputs = inputs[:-1]
+            outputs = [n for n in outputs if n != desc.loss_name]
+        model = build_inference_graph(self._graphs.eval, inputs, outputs, engine.weights())
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            onnx.save(model, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _weights_by_torch_key(self) -> dict[str, np.ndarray]:
+        engine = self._require_built("reading weights")
+        values = engine.weights()
+        out = {}
+        for weight, keys in self._graphs.meta["torch_keys"].items():
+            if weight in values:
+                for key in keys:
+                    out[key] = values[weight]
+        return out
+
+    def state_dict(self, pytorch_format: bool = False) -> dict:
+        """The trainer's state.
+
+        Args:
+            pytorch_format: False: the nested numpy dict of api.md section 2
+                (``model.full_precision``, ``optimizer``, ``trainer_options``, ``train_step_info``).
+                True: ``{torch state_dict key: torch.Tensor}`` that the model's
+                ``load_state_dict`` accepts (buffers included).
+
+        Works before the first step (the initial weights and zero optimizer state).
+        """
+        info = self._train_step_info
+        if pytorch_format:
+            if isinstance(self.model, torch.nn.Module):
+                state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            else:
+                state = {}
+            if self._engine is not None:
+                state.update({k: torch.from_numpy(v) for k, v in self._weights_by_torch_key().items()})
+            elif not state:
+                state = {i.name: torch.from_numpy(onnx.numpy_helper.to_array(i).copy())
+                         for i in self.model.graph.initializer}
+            return state
+        if self._engine is not None:
+            weights = self._engine.weights()
+            moments = self._engine.optimizer_states()
+        else:
+            weights = {k: v.numpy() for k, v in self.state_dict(pytorch_format=True).items()}
+            moments = {}
+        optimizer = {}
+        for name, states in moments.items():
+            entry = dict(states)
+            entry["Update_Count"] = np.array(info.optimization_step, dtype=np.int64)
+            optimizer[name] = entry
+        return {
+            "model": {"full_precision": weights},
+            "optimizer": optimizer,
+            "trainer_options": {"optimizer_name": self.optim_config.name},
+            "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
+        }
+
+    def update_torch_model(self) -> None:
+        """Copy the trained weights and buffers back into the original ``torch.nn.Module``.
+
+        Raises:
+            TypeError: when the trainer was given an ONNX model.
+        """
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError("update_torch_model: the trainer was given an ONNX model, not a torch.nn.Module")
+        if self._engine is None:
+            return  # nothing trained yet: the module already holds the weights
+        state = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for key, value in self._weights_by_torch_key().items():
+                state[key].copy_(torch.from_numpy(value))
+
+
+def _to_numpy(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.device.type != "cpu":
+            value = value.cpu()
+        return np.ascontiguousarray(value.numpy())
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value)
+    try:
+        return np.ascontiguousarray(np.asarray(value))
+    except Exception as exc:
+        raise TypeError(f"input {name!r}: expected a torch tensor or numpy array, got {type(value).__name__}") from exc
+
+
+__all__ = ["ORTTrainer", "TrainStepInfo"]
