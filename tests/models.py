@@ -1,0 +1,127 @@
+"""Small models used across the tests, with their model descriptions and reference training loops."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 50
+HIDDEN = 32
+
+
+class MLP(torch.nn.Module):
+    """784-style classifier, shrunk: in_features -> hidden -> classes."""
+
+    def __init__(self, in_features: int = 20, hidden: int = 32, classes: int = 5):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(in_features, hidden)
+        self.fc2 = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+MLP_DESC = {
+    "inputs": [("x", ["batch", 20]), ("label", ["batch"])],
+    "outputs": [("loss", [], True), ("logits", ["batch", 5])],
+}
+
+
+class EncoderLayer(torch.nn.Module):
+    """Post-LN transformer layer: multi-head self-attention and a GELU feed-forward block.
+
+    The key projection has no bias: a key bias shifts every score of a row equally, so its true
+    gradient is zero and Adam would amplify rounding noise in it, in PyTorch and ONNX Runtime alike.
+    """
+
+    def __init__(self, hidden: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.query = torch.nn.Linear(hidden, hidden)
+        self.key = torch.nn.Linear(hidden, hidden, bias=False)
+        self.value = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, hidden)
+        self.norm1 = torch.nn.LayerNorm(hidden)
+        self.ff1 = torch.nn.Linear(hidden, 2 * hidden)
+        self.ff2 = torch.nn.Linear(2 * hidden, hidden)
+        self.norm2 = torch.nn.LayerNorm(hidden)
+        self.dropout = torch.nn.Dropout(dropout)
+
+    def _split(self, x):
+        batch, seq, hidden = x.shape
+        return x.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2)
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(hidden // self.heads)
+        attention = self.dropout(torch.softmax(scores, dim=-1)) @ v
+        x = self.norm1(x + self.dropout(self.out(attention.transpose(1, 2).reshape(batch, seq, hidden))))
+        return self.norm2(x + self.dropout(self.ff2(F.gelu(self.ff1(x)))))
+
+
+class TinyEncoder(torch.nn.Module):
+    """Token + position embeddings, post-LN encoder layers, final LayerNorm and an LM head."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = 2, heads: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.position = torch.nn.Embedding(64, hidden)
+        self.layers = torch.nn.ModuleList(EncoderLayer(hidden, heads, dropout) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        x = self.embed(ids) + self.position(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def mlm_loss(logits, labels):
+    """Masked-LM loss: cross-entropy over positions whose label is not -100."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+ENCODER_DESC = {
+    "inputs": [("ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+    "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])],
+}
+
+
+def mlm_batch(generator: torch.Generator, batch: int = 4, seq: int = 12):
+    """Random token ids; labels are the ids themselves with ~70% of positions ignored (-100)."""
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    labels = ids.clone()
+    mask = torch.rand(batch, seq, generator=generator) < 0.7
+    labels[mask] = -100
+    return ids, labels
+
+
+_TEACHER = torch.randn(20, 5, generator=torch.Generator().manual_seed(1234))
+
+
+def mlp_batch(generator: torch.Generator, batch: int = 8):
+    """Random features labelled by a fixed linear teacher, so the task is learnable."""
+    x = torch.randn(batch, 20, generator=generator)
+    return x, (x @ _TEACHER).argmax(dim=1)
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent copy with identical initial weights."""
+    return copy.deepcopy(model)
+
+
+def torch_step(model, optimizer, loss_fn, inputs, label, clip: float | None):
+    """One eager PyTorch training step; returns the loss."""
+    optimizer.zero_grad()
+    loss = loss_fn(model(*inputs), label)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return loss.item()

@@ -1,0 +1,124 @@
+"""Golden parity with PyTorch: identical initial weights give the same losses and weights."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from models import (ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch,
+                    torch_step)
+from ort_trainer import ORTTrainer
+from ort_trainer.optim import AdamConfig, SGDConfig
+
+STEPS = 20
+RTOL = 1e-4
+
+
+def _assert_weights_close(trainer, reference, rtol):
+    """Each tensor's relative error ||got - expected|| / ||expected|| is below rtol."""
+    state = trainer.state_dict(pytorch_format=True)
+    for key, expected in reference.state_dict().items():
+        got = state[key]
+        err = (torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected)).item()
+        assert err < rtol, f"{key}: relative error {err:.2e} >= {rtol}"
+
+
+def _run_pair(model, desc, loss_fn, config, torch_optimizer, batches, clip):
+    reference = clone(model)
+    trainer = ORTTrainer(model, desc, config, loss_fn=loss_fn)
+    optimizer = torch_optimizer(reference.parameters())
+    ort_losses, torch_losses = [], []
+    for inputs, label in batches:
+        ort_losses.append(trainer.train_step(*inputs, label)[0].item())
+        torch_losses.append(torch_step(reference, optimizer, loss_fn, inputs, label, clip))
+    return trainer, reference, np.array(ort_losses), np.array(torch_losses)
+
+
+def test_mlp_sgd_matches_pytorch():
+    gen = torch.Generator().manual_seed(1)
+    batches = [((x,), y) for x, y in (mlp_batch(gen) for _ in range(STEPS))]
+    trainer, reference, ort_losses, torch_losses = _run_pair(
+        MLP(), MLP_DESC, torch.nn.functional.cross_entropy, SGDConfig(lr=0.1),
+        lambda p: torch.optim.SGD(p, lr=0.1), batches, clip=None,
+    )
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=RTOL)
+    assert ort_losses[-1] < ort_losses[0]
+    _assert_weights_close(trainer, reference, RTOL)
+
+
+def test_mlp_adam_matches_pytorch_adamw_with_clipping():
+    gen = torch.Generator().manual_seed(2)
+    batches = [((x,), y) for x, y in (mlp_batch(gen) for _ in range(STEPS))]
+    trainer, reference, ort_losses, torch_losses = _run_pair(
+        MLP(), MLP_DESC, torch.nn.functional.cross_entropy, AdamConfig(lr=1e-2, lambda_coef=0.01),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01), batches, clip=1.0,
+    )
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=RTOL)
+    _assert_weights_close(trainer, reference, RTOL)
+    assert trainer._train_step_info.optimization_step == STEPS
+
+
+def test_transformer_encoder_mlm_adam_matches_pytorch():
+    gen = torch.Generator().manual_seed(3)
+    batches = [((ids,), labels) for ids, labels in (mlm_batch(gen) for _ in range(STEPS))]
+    trainer, reference, ort_losses, torch_losses = _run_pair(
+        TinyEncoder(), ENCODER_DESC, mlm_loss, AdamConfig(lr=3e-3),
+        lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.0), batches, clip=1.0,
+    )
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=RTOL)
+    assert ort_losses[-5:].mean() < ort_losses[:5].mean()
+    _assert_weights_close(trainer, reference, RTOL)
+
+
+def test_transformer_accepts_varying_batch_and_sequence_lengths():
+    gen = torch.Generator().manual_seed(4)
+    model = TinyEncoder()
+    reference = clone(model)
+    trainer = ORTTrainer(model, ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for batch, seq in [(2, 5), (3, 9), (1, 17)]:
+        ids, labels = mlm_batch(gen, batch, seq)
+        loss, logits = trainer.train_step(ids, labels)
+        assert tuple(logits.shape) == (batch, seq, 50)
+        expected = torch_step(reference, optimizer, mlm_loss, (ids,), labels, clip=None)
+        assert loss.item() == pytest.approx(expected, rel=RTOL)
+
+
+class _MLPWithLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x, label):
+        logits = self.mlp(x)
+        return torch.nn.functional.cross_entropy(logits, label), logits
+
+
+def _onnx_with_loss(module):
+    import io
+
+    buffer = io.BytesIO()
+    x, y = torch.randn(3, 20), torch.randint(0, 5, (3,))
+    torch.onnx.export(
+        module, (x, y), buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+        do_constant_folding=False, opset_version=17, input_names=["x", "label"],
+        output_names=["loss", "logits"], dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}, "logits": {0: "batch"}},
+    )
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def test_onnx_model_with_loss_trains_like_the_torch_model():
+    module = _MLPWithLoss()
+    onnx_model = _onnx_with_loss(module)
+    torch_trainer = ORTTrainer(clone(module.mlp), MLP_DESC, AdamConfig(lr=1e-2),
+                               loss_fn=torch.nn.functional.cross_entropy)
+    onnx_trainer = ORTTrainer(onnx_model, MLP_DESC, AdamConfig(lr=1e-2))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        x, y = mlp_batch(gen)
+        a = torch_trainer.train_step(x, y)[0].item()
+        b = onnx_trainer.train_step(x.numpy(), y.numpy())[0].item()  # numpy inputs work too
+        assert b == pytest.approx(a, rel=1e-6)
+    onnx_state = onnx_trainer.state_dict(pytorch_format=True)
+    for key, value in torch_trainer.state_dict(pytorch_format=True).items():
+        torch.testing.assert_close(onnx_state["mlp." + key], value, rtol=1e-6, atol=1e-7)
