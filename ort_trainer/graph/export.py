@@ -8,8 +8,12 @@ in the graph. Symbolic dimensions of the model description become dynamic axes.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import re
+import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -124,7 +128,7 @@ def export_torch(
             )
         dynamic_axes = _dynamic_axes(desc)
         buffer = io.BytesIO()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _native_stdout_to_log():
             warnings.simplefilter("ignore")
             try:
                 torch.onnx.export(
@@ -144,6 +148,28 @@ def export_torch(
     logger.debug("exported %d nodes, %d weights (%d trainable)", len(onnx_model.graph.node), len(torch_keys),
                  len(trainable))
     return ExportedModel(onnx_model, torch_keys, trainable, names)
+
+
+@contextlib.contextmanager
+def _native_stdout_to_log():
+    """Route what the exporter's C++ code prints (its IR dump on failure) to the debug log."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no usable stdout: nothing to capture
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            if text.strip():
+                logger.debug("exporter output:\n%s", text)
 
 
 def _dynamic_axes(desc: ModelDescription) -> dict[str, dict[int, str]]:
@@ -175,13 +201,15 @@ def _modules_using(op: str, wrapper: torch.nn.Module, args: tuple) -> list[str]:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             traced = torch.jit.trace(wrapper, args, check_trace=False, strict=False)
+        modules = dict(wrapper.named_modules())
         found = []
         for node in traced.inlined_graph.nodes():
             if node.kind() == op:
                 scope = node.scopeName().split("/")[-1].replace("__module.", "")
+                module = modules.get(scope)
                 scope = scope[len(MODEL_PREFIX):] if scope.startswith(MODEL_PREFIX) else scope
-                label = scope or "<top-level forward>"
-                if label not in found:
+                label = f"{scope or '<top-level forward>'} ({type(module).__name__})" if module is not None else scope
+                if label and label not in found:
                     found.append(label)
         return found
     except Exception:  # tracing is only used to improve the message

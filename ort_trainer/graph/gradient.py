@@ -84,20 +84,18 @@ def build_gradient_graph(
 
 
 def _explain_gradient_failure(message: str, forward: onnx.ModelProto) -> str:
-    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    op_match = re.search(r"(?:op|Op|operator|OpType)[^A-Za-z0-9]*([A-Z][A-Za-z0-9_]+)", message)
-    op = op_match.group(1) if op_match else None
+    registered = re.search(r"has not been registered: (\w+) for node (\S+)", message)
+    if registered:
+        op, node = registered.group(1), registered.group(2).rstrip(".")
+        modules = [module_of(node)]
+    else:
+        op = next((n.op_type for n in forward.graph.node if re.search(rf"\b{n.op_type}\b", message)), None)
+        modules = sorted({module_of(n.name) for n in forward.graph.node if n.op_type == op}) if op else []
     if op is None:
-        for node in forward.graph.node:
-            if node.op_type in message:
-                op = node.op_type
-                break
-    if op is None:
+        first = message.strip().splitlines()[0] if message.strip() else "unknown error"
         return f"ONNX Runtime could not build the gradient graph: {first}"
-    modules = sorted({module_of(n.name) for n in forward.graph.node if n.op_type == op})
-    where = f" (used in module {', '.join(modules)})" if modules else ""
     return (
-        f"ONNX Runtime has no gradient for operator {op}{where}: {first}. "
+        f"ONNX Runtime has no gradient for operator {op} (in module {', '.join(modules)}). "
         "Rewrite that part of the model with differentiable operations, freeze the weights that feed it "
         "(utils.frozen_weights), or register a gradient with onnxruntime's register_gradient_definition."
     )

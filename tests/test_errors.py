@@ -1,0 +1,169 @@
+"""Bad input gets a clear error naming the problem and the fix, before any work is lost."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from models import MLP, MLP_DESC, mlp_batch
+from ort_trainer import IODescription, ModelDescription, ORTTrainer, ORTTrainerOptions
+from ort_trainer.graph.export import ExportError
+from ort_trainer.graph.gradient import GradientBuildError
+from ort_trainer.optim import AdamConfig, SGDConfig
+
+CE = torch.nn.functional.cross_entropy
+
+
+@pytest.fixture
+def trainer():
+    return ORTTrainer(MLP(), MLP_DESC, SGDConfig(lr=0.1), loss_fn=CE)
+
+
+@pytest.fixture
+def batch():
+    return mlp_batch(torch.Generator().manual_seed(0))
+
+
+def test_too_many_positional_inputs(trainer, batch):
+    with pytest.raises(ValueError, match=r"got 3 positional inputs but model_desc declares 2: \['x', 'label'\]"):
+        trainer.train_step(*batch, batch[1])
+
+
+def test_missing_input(trainer, batch):
+    with pytest.raises(ValueError, match=r"missing input\(s\) \['label'\]"):
+        trainer.train_step(batch[0])
+
+
+def test_unknown_input_name(trainer, batch):
+    with pytest.raises(ValueError, match=r"input 'lable' is not in model_desc.inputs \['x', 'label'\]"):
+        trainer.train_step(batch[0], lable=batch[1])
+
+
+def test_input_given_twice(trainer, batch):
+    with pytest.raises(ValueError, match="'x' was given both positionally and by name"):
+        trainer.train_step(batch[0], batch[1], x=batch[0])
+
+
+def test_static_dimension_mismatch(trainer, batch):
+    with pytest.raises(ValueError, match=r"input 'x': dimension 1 must be 20, got 19 \(shape \[8, 19\]\)"):
+        trainer.train_step(batch[0][:, :19], batch[1])
+
+
+def test_rank_mismatch(trainer, batch):
+    with pytest.raises(ValueError, match=r"input 'x': expected 2 dimensions \['batch', 20\], got shape \[160\]"):
+        trainer.train_step(batch[0].reshape(-1), batch[1])
+
+
+def test_symbolic_dimension_disagreement(trainer, batch):
+    with pytest.raises(ValueError, match=r"input 'label': dimension 0 \('batch'\) is 7 but 'batch' is 8 in input 'x'"):
+        trainer.train_step(batch[0], batch[1][:7])
+
+
+def test_wrong_dtype_after_the_graph_is_built(trainer, batch):
+    trainer.train_step(*batch)
+    with pytest.raises(TypeError, match="input 'x': expected dtype float32, got float64"):
+        trainer.train_step(batch[0].double(), batch[1])
+    with pytest.raises(TypeError, match="input 'label': expected dtype int64, got int32"):
+        trainer.eval_step(batch[0], batch[1].int())
+
+
+def test_wrong_dtype_against_the_description():
+    desc = {"inputs": [("x", ["batch", 20], torch.float32), ("label", ["batch"], np.int64)],
+            "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+    trainer = ORTTrainer(MLP(), desc, SGDConfig(), loss_fn=CE)
+    assert trainer._engine is not None  # all dtypes known: built at construction
+    with pytest.raises(TypeError, match="input 'x': expected dtype float32, got float16"):
+        trainer.train_step(torch.zeros(2, 20, dtype=torch.float16), torch.zeros(2, dtype=torch.int64))
+
+
+class _Diff(torch.nn.Module):
+    def forward(self, x):
+        return torch.diff(x, dim=1)
+
+
+class _WithDiff(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.differences = _Diff()
+
+    def forward(self, x):
+        return self.differences(self.fc(x)).sum()
+
+
+class _Sign(torch.nn.Module):
+    def forward(self, x):
+        return torch.sign(x) * x
+
+
+class _WithSign(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.signs = _Sign()
+
+    def forward(self, x):
+        return self.signs(self.fc(x)).sum()
+
+
+LOSS_ONLY = {"inputs": [("x", ["batch", 4])], "outputs": [("loss", [])]}
+
+
+def test_unexportable_op_names_the_op_and_the_module(capfd):
+    trainer = ORTTrainer(_WithDiff(), LOSS_ONLY, SGDConfig())
+    with pytest.raises(ExportError, match=r"operator aten::diff in module differences \(_Diff\) cannot be exported"):
+        trainer.train_step(torch.randn(2, 4))
+    assert "Torch IR graph" not in capfd.readouterr().out  # the exporter's dump stays out of stdout
+
+
+def test_op_without_gradient_names_the_op_and_the_module():
+    trainer = ORTTrainer(_WithSign(), LOSS_ONLY, SGDConfig())
+    with pytest.raises(GradientBuildError, match=r"no gradient for operator Sign \(in module signs\)"):
+        trainer.train_step(torch.randn(2, 4))
+
+
+def test_output_count_mismatch_is_explained():
+    desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True), ("logits", ["batch", 5]), ("extra", [])]}
+    trainer = ORTTrainer(MLP(), desc, SGDConfig(), loss_fn=CE)
+    with pytest.raises(ExportError, match=r"are 2 tensor\(s\) but model_desc.outputs declares 3"):
+        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+
+
+def test_cuda_without_the_cuda_build():
+    with pytest.raises(ValueError, match=r"device.id: 'cuda' was asked for but the installed ONNX Runtime has no CUDA "
+                                         r"provider .*pip install -e \.\[cuda\]"):
+        ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options={"device": {"id": "cuda"}})
+
+
+def test_bad_arguments_at_construction():
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module or an onnx.ModelProto, got str"):
+        ORTTrainer("model.pt", MLP_DESC, SGDConfig())
+    with pytest.raises(TypeError, match="optim_config: expected SGDConfig, AdamConfig or LambConfig, got dict"):
+        ORTTrainer(MLP(), MLP_DESC, {"lr": 0.1})
+    with pytest.raises(ValueError, match="loss_fn must be None when model is an ONNX model"):
+        ORTTrainer(onnx.ModelProto(), MLP_DESC, SGDConfig(), loss_fn=CE)
+
+
+def test_model_description_errors_name_every_field():
+    bad = {"inputs": [("x", ["batch", -3]), ("x", "batch")], "outputs": [("loss", [], True), ("y", [1.5], True)]}
+    with pytest.raises(ValueError) as info:
+        ORTTrainer(MLP(), bad, SGDConfig())
+    message = str(info.value)
+    assert "model_desc.inputs[0].shape[1]: a static dimension must be >= 0, got -3" in message
+    assert "model_desc.inputs[1].shape: expected a list of int or str dimensions, got 'batch'" in message
+    assert "model_desc.outputs[1].shape[0]: expected an int or a str, got 1.5" in message
+    with pytest.raises(ValueError, match=r"exactly one output may have is_loss=True, got \['loss', 'y'\]"):
+        ModelDescription([IODescription("x", [2])], [IODescription("loss", [], is_loss=True),
+                                                     IODescription("y", [], is_loss=True)]).validate()
+    with pytest.raises(ValueError, match=r"model_desc: unknown keys \['output'\]"):
+        ORTTrainer(MLP(), {"inputs": [], "output": []}, SGDConfig())
+
+
+def test_unknown_weight_names_in_groups_and_frozen_weights(batch):
+    config = AdamConfig(params=[{"params": ["fc1.wieght"], "lambda_coef": 0.0}])
+    trainer = ORTTrainer(MLP(), MLP_DESC, config, loss_fn=CE, options={"utils": {"frozen_weights": ["fc3.bias"]}})
+    with pytest.raises(ValueError) as info:
+        trainer.train_step(*batch)
+    assert "AdamConfig.params[0]: 'fc1.wieght' is not a weight of the model" in str(info.value)
+    assert "utils.frozen_weights: 'fc3.bias' is not a weight of the model" in str(info.value)
+    assert "known weights: fc1.bias, fc1.weight, fc2.bias, fc2.weight" in str(info.value)

@@ -1,0 +1,97 @@
+"""save_as_onnx: a deployable inference model equal to eval_step and to PyTorch's eval outputs."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, mlm_batch, mlm_loss, mlp_batch
+from ort_trainer import ORTTrainer
+from ort_trainer.optim import AdamConfig
+
+ATOL = 1e-5
+
+
+def _train(trainer, batches):
+    for inputs in batches:
+        trainer.train_step(*inputs)
+
+
+def test_encoder_with_dropout_exports_an_inference_model(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    model = TinyEncoder(dropout=0.1)
+    trainer = ORTTrainer(model, ENCODER_DESC, AdamConfig(lr=1e-3), loss_fn=mlm_loss)
+    _train(trainer, [mlm_batch(gen) for _ in range(5)])
+    path = tmp_path / "encoder.onnx"
+    trainer.save_as_onnx(path)
+
+    exported = onnx.load(str(path))
+    onnx.checker.check_model(exported)
+    assert [i.name for i in exported.graph.input] == ["ids"]  # the label is dropped
+    assert [o.name for o in exported.graph.output] == ["logits"]  # the loss is not the model's
+    assert not [n for n in exported.graph.node if n.op_type == "Dropout"]
+    dims = [d.dim_param for d in exported.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq"]
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids, labels = mlm_batch(gen, batch=3, seq=10)
+    (onnx_logits,) = session.run(None, {"ids": ids.numpy()})
+    eval_loss, eval_logits = trainer.eval_step(ids, labels)
+    np.testing.assert_allclose(onnx_logits, eval_logits.numpy(), atol=ATOL, rtol=ATOL)
+
+    trainer.update_torch_model()
+    model.eval()
+    with torch.no_grad():
+        torch_logits = model(ids)
+    np.testing.assert_allclose(onnx_logits, torch_logits.numpy(), atol=ATOL, rtol=ATOL)
+    assert eval_loss.item() == pytest.approx(mlm_loss(torch_logits, labels).item(), rel=1e-5)
+
+
+def test_eval_step_changes_nothing_and_is_deterministic():
+    gen = torch.Generator().manual_seed(8)
+    trainer = ORTTrainer(TinyEncoder(dropout=0.3), ENCODER_DESC, AdamConfig(lr=1e-3), loss_fn=mlm_loss)
+    ids, labels = mlm_batch(gen)
+    first = trainer.eval_step(ids, labels)
+    before = trainer.state_dict()["model"]["full_precision"]
+    second = trainer.eval_step(ids=ids, labels=labels)
+    torch.testing.assert_close(first[1], second[1], rtol=0, atol=0)
+    after = trainer.state_dict()["model"]["full_precision"]
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name])
+    assert trainer._train_step_info.step == 0
+
+
+def test_mlp_export_and_torch_round_trip(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    model = MLP()
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-2), loss_fn=torch.nn.functional.cross_entropy)
+    _train(trainer, [mlp_batch(gen) for _ in range(10)])
+    path = tmp_path / "mlp.onnx"
+    trainer.save_as_onnx(str(path))
+    x, y = mlp_batch(gen, batch=16)
+    (onnx_logits,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+
+    fresh = MLP()
+    fresh.load_state_dict(trainer.state_dict(pytorch_format=True))
+    with torch.no_grad():
+        np.testing.assert_allclose(fresh(x).numpy(), onnx_logits, atol=ATOL, rtol=ATOL)
+    np.testing.assert_allclose(trainer.eval_step(x, y)[1].numpy(), onnx_logits, atol=ATOL, rtol=ATOL)
+
+
+def test_save_as_onnx_into_a_missing_directory_is_an_error(tmp_path):
+    trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    trainer.eval_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        trainer.save_as_onnx(tmp_path / "no" / "such" / "dir" / "m.onnx")
+
+
+def test_state_dict_before_first_step_returns_initial_weights():
+    model = MLP()
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    state = trainer.state_dict(pytorch_format=True)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+    nested = trainer.state_dict()
+    assert set(nested["model"]["full_precision"]) == set(model.state_dict())
+    assert nested["train_step_info"] == {"step": 0, "optimization_step": 0}
