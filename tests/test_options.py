@@ -1,0 +1,117 @@
+"""ORTTrainerOptions and optimizer configs: typed, validated, every problem reported with its path."""
+
+import math
+
+import onnxruntime as ort
+import pytest
+
+from ort_trainer import ORTTrainerOptions
+from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.optim import AdamConfig, DecayMode, LambConfig, SGDConfig
+from ort_trainer.optim.lr_scheduler import LinearWarmupLRScheduler
+
+API_KEYS = {
+    "batch.gradient_accumulation_steps", "device.id", "device.mem_limit", "distributed.world_rank",
+    "distributed.world_size", "distributed.local_rank", "distributed.allreduce_post_accumulation",
+    "distributed.deepspeed_zero_optimization.stage", "lr_scheduler", "mixed_precision.enabled",
+    "mixed_precision.loss_scaler", "utils.frozen_weights", "utils.grad_norm_clip",
+    "debug.deterministic_compute", "debug.check_model_export",
+    "debug.graph_save_paths.model_after_graph_transforms_path",
+    "debug.graph_save_paths.model_with_gradient_graph_path",
+    "debug.graph_save_paths.model_with_training_graph_path", "_internal_use.extra_postprocess",
+    "_internal_use.onnx_opset_version", "session_options", "provider_options",
+}
+
+
+def test_defaults_cover_the_full_key_set():
+    opts = ORTTrainerOptions()
+    assert set(opts.flat()) == API_KEYS
+    assert opts.batch.gradient_accumulation_steps == 1
+    assert opts.device.id == ("cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu")
+    assert opts.utils.grad_norm_clip is True and opts.utils.frozen_weights == []
+    assert opts._internal_use.onnx_opset_version == 17
+    assert opts.debug.graph_save_paths.model_with_gradient_graph_path == ""
+    assert opts.distributed.deepspeed_zero_optimization.stage == 0
+    assert opts.provider_options == {} and opts.session_options is None
+    assert "batch.gradient_accumulation_steps = 1" in ORTTrainerOptions.describe()
+
+
+def test_values_are_read_back_with_attribute_access():
+    scheduler = LinearWarmupLRScheduler(total_steps=10, warmup=0.1)
+    opts = ORTTrainerOptions({"utils": {"frozen_weights": ["fc1.bias"], "grad_norm_clip": False},
+                              "lr_scheduler": scheduler, "provider_options": {"arena_extend_strategy": "x"}})
+    assert opts.utils.frozen_weights == ["fc1.bias"]
+    assert opts.lr_scheduler is scheduler  # the user's object, not a copy
+    assert opts.provider_options == {"arena_extend_strategy": "x"}
+    with pytest.raises(AttributeError, match="no option 'nope'"):
+        opts.utils.nope
+
+
+def test_every_problem_is_listed_with_its_path():
+    with pytest.raises(ValueError) as info:
+        ORTTrainerOptions({
+            "batch": {"gradient_accumulation_steps": 0},
+            "utils": {"grad_norm_clip": "yes", "frozen_weight": []},
+            "debug": {"graph_save_paths": {"model_with_gradient_graph_path": 3}},
+            "_internal_use": {"onnx_opset_version": 9},
+            "devices": {},
+            "session_options": {"intra_op_num_threads": 1},
+        })
+    message = str(info.value)
+    for expected in [
+        "batch.gradient_accumulation_steps: must be >= 1, got 0",
+        "utils.grad_norm_clip: expected bool, got str 'yes'",
+        "utils.frozen_weight: unknown option; known keys here: ['frozen_weights', 'grad_norm_clip']",
+        "debug.graph_save_paths.model_with_gradient_graph_path: expected str, got int 3",
+        "_internal_use.onnx_opset_version: must be between 14 and 20, got 9",
+        "devices: unknown option",
+        "session_options: expected an onnxruntime.SessionOptions or None, got dict",
+    ]:
+        assert expected in message, message
+
+
+def test_bool_is_not_an_int():
+    with pytest.raises(ValueError, match="batch.gradient_accumulation_steps: expected int, got bool True"):
+        ORTTrainerOptions({"batch": {"gradient_accumulation_steps": True}})
+
+
+@pytest.mark.parametrize("options, path", [
+    ({"batch": {"gradient_accumulation_steps": 4}}, "batch.gradient_accumulation_steps"),
+    ({"distributed": {"world_size": 2}}, "distributed.world_size"),
+    ({"distributed": {"allreduce_post_accumulation": True}}, "distributed.allreduce_post_accumulation"),
+    ({"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}, "distributed.deepspeed_zero_optimization.stage"),
+    ({"mixed_precision": {"enabled": True}}, "mixed_precision.enabled"),
+    ({"mixed_precision": {"loss_scaler": DynamicLossScaler()}}, "mixed_precision.loss_scaler"),
+    ({"debug": {"check_model_export": True}}, "debug.check_model_export"),
+])
+def test_features_not_built_yet_are_rejected_not_ignored(options, path):
+    with pytest.raises(ValueError, match=rf"{path}: .* is not supported yet by this version of ort_trainer"):
+        ORTTrainerOptions(options)
+
+
+def test_bad_device_string():
+    with pytest.raises(ValueError, match="device.id: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        ORTTrainerOptions({"device": {"id": "gpu"}})
+
+
+def test_optimizer_configs_expose_arguments_and_reject_unknown_hyperparameters():
+    config = AdamConfig(params=[{"params": ["fc1.bias"], "lambda_coef": 0.0, "lr": 0.1}], lr=1e-3, lambda_coef=0.01)
+    assert config.lr == 1e-3 and config.alpha == 0.9 and config.beta == 0.999 and config.epsilon == 1e-8
+    assert config.max_norm_clip == 1.0 and config.do_bias_correction is True
+    assert config.weight_decay_mode is DecayMode.BEFORE_WEIGHT_UPDATE
+    assert config.params == [{"params": ["fc1.bias"], "lambda_coef": 0.0, "lr": 0.1}]
+    lamb = LambConfig()
+    assert lamb.ratio_min == -math.inf and lamb.ratio_max == math.inf and lamb.epsilon == 1e-6
+    assert lamb.do_bias_correction is False
+    assert SGDConfig().lr == 0.001
+    with pytest.raises(ValueError) as info:
+        AdamConfig(params=[{"params": ["w"], "momentum": 0.9}, {"params": ["w"], "max_norm_clip": 2.0},
+                           {"weights": ["v"]}], alpha=1.5)
+    message = str(info.value)
+    assert "AdamConfig.alpha: must be in [0, 1), got 1.5" in message
+    assert "AdamConfig.params[0].momentum: unknown hyper-parameter for AdamConfig" in message
+    assert "AdamConfig.params[1].params: weight 'w' is already in group 0" in message
+    assert "AdamConfig.params[1].max_norm_clip: is global to the optimizer and cannot be set per group" in message
+    assert "AdamConfig.params[2].params: expected a list of weight names (str)" in message
+    with pytest.raises(ValueError, match="SGDConfig.lr: expected int/float, got str"):
+        SGDConfig(lr="0.1")
