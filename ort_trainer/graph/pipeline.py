@@ -168,6 +168,11 @@ def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[
         exported = export_torch(job.model, job.loss_fn, job.desc, sample_inputs, job.opset)
         forward, torch_keys, trainable = exported.model, exported.torch_keys, exported.trainable
     make_trainable(forward)
+    if any(n.op_type == "BatchNormalization" for n in forward.graph.node):
+        logger.warning(
+            "the model has BatchNormalization: it trains with batch statistics, but its running "
+            "statistics are not updated yet, so eval_step and save_as_onnx use their initial values"
+        )
     if job.extra_postprocess is not None:
         returned = job.extra_postprocess(forward)
         if isinstance(returned, onnx.ModelProto):
