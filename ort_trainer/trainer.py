@@ -123,11 +123,12 @@ class ORTTrainer:
 
     def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
         graphs = build_training_graphs(self._job, sample_inputs)
-        weights = initial_weights(self.model, graphs.meta)
+        self._graphs = graphs
+        self._sample_inputs = list(sample_inputs)
         self._engine = Engine(
             optimizer_graph=graphs.optimizer,
-            graph_provider=lambda signature: (graphs.gradient, graphs.eval),
-            weights=weights,
+            graph_provider=self._graphs_for,
+            weights=initial_weights(self.model, graphs.meta),
             trained=graphs.meta["trained"],
             state_names=state_names(self.optim_config),
             output_names=self.model_desc.output_names,
@@ -137,14 +138,42 @@ class ORTTrainer:
             mem_limit=self.options.device.mem_limit,
             deterministic=self.options.debug.deterministic_compute,
         )
-        self._graphs = graphs
+
+    def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+        """Gradient and eval graphs for a shape signature (None: the symbolic graphs).
+
+        A signature is a sorted tuple of ``(symbol, size)`` pairs; its graphs have those symbolic
+        dimensions fixed, which lets ONNX Runtime plan memory and pick kernels for static shapes.
+        """
+        if signature is None:
+            return self._graphs.gradient, self._graphs.eval
+        graphs = build_training_graphs(self._job, self._sample_inputs, dims=dict(signature))
+        if graphs.meta["trained"] != self._graphs.meta["trained"]:
+            raise RuntimeError("a shape-specialised graph trains different weights than the symbolic graph")
+        return graphs.gradient, graphs.eval
+
+    def _signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
+        """The shape signature whose graphs run these inputs.
+
+        Every shape runs on the symbolic graph for now; specialising hot shapes is the
+        performance work's policy to add here (it must bound how many graphs it builds).
+        """
+        return None
 
     def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:
         if self._engine is None:
             self._build([feeds[name] for name in self.model_desc.input_names])
-        # One signature for now: the symbolic graph serves every shape.
-        self._engine.select(None)
+        self._engine.select(self._signature(feeds))
         return self._engine
+
+    def _symbol_sizes(self, feeds: dict[str, np.ndarray]) -> tuple:
+        """``((symbol, size), ...)`` of the symbolic dimensions in these inputs, sorted."""
+        sizes = {}
+        for d in self.model_desc.inputs:
+            for dim, size in zip(d.shape, feeds[d.name].shape):
+                if isinstance(dim, str):
+                    sizes[dim] = int(size)
+        return tuple(sorted(sizes.items()))
 
     # ---- inputs -------------------------------------------------------------------------------
     def _prepare_inputs(self, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:

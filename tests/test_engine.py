@@ -1,5 +1,6 @@
 """The engine keeps weights, gradients and optimizer state in ONNX Runtime buffers across steps."""
 
+import pytest
 import torch
 
 from models import MLP, MLP_DESC, mlp_batch
@@ -25,3 +26,40 @@ def test_buffers_live_across_steps_and_outputs_are_not_overwritten():
     assert {n: v.data_ptr() for n, v in engine.grads.items()} == grad_pointers
     torch.testing.assert_close(first_logits, kept_logits, rtol=0, atol=0)
     assert engine.parity == 1  # five updates: the double buffers swapped five times
+
+
+def test_graphs_can_be_specialised_per_shape_signature(monkeypatch):
+    """The engine runs per-signature graphs with static shapes; they compute the same losses."""
+    from models import ENCODER_DESC, TinyEncoder, clone, mlm_batch, mlm_loss
+
+    from ort_trainer.optim import SGDConfig
+
+    model = TinyEncoder()
+    symbolic = ORTTrainer(clone(model), ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss)
+    specialised = ORTTrainer(model, ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss)
+    monkeypatch.setattr(specialised, "_signature", specialised._symbol_sizes)
+    gen = torch.Generator().manual_seed(0)
+    for batch, seq in [(2, 6), (3, 9), (2, 6)]:
+        ids, labels = mlm_batch(gen, batch, seq)
+        expected = symbolic.train_step(ids, labels)[0].item()
+        assert specialised.train_step(ids, labels)[0].item() == pytest.approx(expected, rel=1e-5)
+    engine = specialised._engine
+    assert set(engine._session_sets) == {(("batch", 2), ("seq", 6)), (("batch", 3), ("seq", 9))}
+    session = engine._session_sets[(("batch", 3), ("seq", 9))].gradient
+    assert [i.shape for i in session.get_inputs() if i.name == "ids"] == [[3, 9]]
+
+
+def test_building_the_graph_leaves_the_torch_model_and_rng_untouched():
+    model = torch.nn.Sequential(torch.nn.Linear(20, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 5))
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    trainer.eval_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    assert model.training is False

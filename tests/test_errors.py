@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models import MLP, MLP_DESC, mlp_batch
-from ort_trainer import IODescription, ModelDescription, ORTTrainer, ORTTrainerOptions
+from ort_trainer import IODescription, ModelDescription, ORTTrainer
 from ort_trainer.graph.export import ExportError
 from ort_trainer.graph.gradient import GradientBuildError
 from ort_trainer.optim import AdamConfig, SGDConfig

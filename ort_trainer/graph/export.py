@@ -116,37 +116,51 @@ def export_torch(
     names = export_order(desc, loss_fn is not None)
 
     was_training = model.training
-    try:
-        model.train()
-        with torch.no_grad():
-            produced = wrapper(*args)
-        if len(produced) != len(names):
-            what = "loss_fn's loss plus the model's outputs" if loss_fn is not None else "the model's outputs"
-            raise ExportError(
-                f"{what} are {len(produced)} tensor(s) but model_desc.outputs declares {len(names)} "
-                f"({desc.output_names}); make them agree"
+    # Tracing runs forward in training mode: keep the user's RNG stream and buffers (BatchNorm
+    # running statistics) exactly as they were.
+    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b is not None}
+    with torch.random.fork_rng(devices=[]):
+        try:
+            model.train()
+            return _export(wrapper, loss_fn, desc, args, names, opset)
+        finally:
+            model.train(was_training)
+            with torch.no_grad():
+                for name, buffer in model.named_buffers():
+                    if name in saved_buffers:
+                        buffer.copy_(saved_buffers[name])
+
+
+def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDescription, args: tuple,
+            names: list[str], opset: int) -> ExportedModel:
+    """Run the wrapper once (to check the output count), then the TorchScript exporter."""
+    with torch.no_grad():
+        produced = wrapper(*args)
+    if len(produced) != len(names):
+        what = "loss_fn's loss plus the model's outputs" if loss_fn is not None else "the model's outputs"
+        raise ExportError(
+            f"{what} are {len(produced)} tensor(s) but model_desc.outputs declares {len(names)} "
+            f"({desc.output_names}); make them agree"
+        )
+    dynamic_axes = _dynamic_axes(desc)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), _native_stdout_to_log():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(
+                wrapper, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False, opset_version=opset, input_names=desc.input_names,
+                output_names=names, dynamic_axes=dynamic_axes, export_params=True,
+                keep_initializers_as_inputs=False,
             )
-        dynamic_axes = _dynamic_axes(desc)
-        buffer = io.BytesIO()
-        with warnings.catch_warnings(), _native_stdout_to_log():
-            warnings.simplefilter("ignore")
-            try:
-                torch.onnx.export(
-                    wrapper, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-                    do_constant_folding=False, opset_version=opset, input_names=desc.input_names,
-                    output_names=names, dynamic_axes=dynamic_axes, export_params=True,
-                    keep_initializers_as_inputs=False,
-                )
-            except Exception as exc:  # the exporter raises several exception types
-                raise ExportError(_explain_export_failure(exc, wrapper, args)) from exc
-    finally:
-        model.train(was_training)
+        except Exception as exc:  # the exporter raises several exception types
+            raise ExportError(_explain_export_failure(exc, wrapper, args)) from exc
 
     onnx_model = onnx.load_from_string(buffer.getvalue())
     torch_keys, trainable = _map_initializers(onnx_model, wrapper)
     torch_keys, trainable = _rename_weights(onnx_model, torch_keys, trainable, desc)
-    logger.debug("exported %d nodes, %d weights (%d trainable)", len(onnx_model.graph.node), len(torch_keys),
-                 len(trainable))
+    logger.debug("exported %d nodes, %d weights (%d trainable)",
+                 len(onnx_model.graph.node), len(torch_keys), len(trainable))
     return ExportedModel(onnx_model, torch_keys, trainable, names)
 
 
