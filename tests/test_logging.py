@@ -43,3 +43,9 @@ def test_bad_log_level_is_a_clear_error(tmp_path):
     result = subprocess.run([sys.executable, "-c", "import ort_trainer"], env=env, capture_output=True, text=True)
     assert result.returncode != 0
     assert "ORT_TRAINER_LOG_LEVEL='LOUD' is not a logging level" in result.stderr
+
+
+def test_importing_leaves_the_root_logger_alone():
+    script = "import logging, ort_trainer; print(len(logging.getLogger().handlers))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "0"

@@ -122,3 +122,46 @@ def test_onnx_model_with_loss_trains_like_the_torch_model():
     onnx_state = onnx_trainer.state_dict(pytorch_format=True)
     for key, value in torch_trainer.state_dict(pytorch_format=True).items():
         torch.testing.assert_close(onnx_state["mlp." + key], value, rtol=1e-6, atol=1e-7)
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3)
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.nn.functional.avg_pool2d(torch.tanh(self.conv2(x)), 2, stride=1)
+        return self.fc(torch.flatten(x, 1))
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.lstm = torch.nn.LSTM(8, 16, batch_first=True)
+        self.gru = torch.nn.GRU(16, 16, batch_first=True)
+        self.fc = torch.nn.Linear(16, 5)
+
+    def forward(self, ids):
+        hidden, _ = self.lstm(self.embed(ids))
+        hidden, _ = self.gru(hidden)
+        return self.fc(torch.nn.functional.gelu(hidden[:, -1], approximate="tanh"))
+
+
+@pytest.mark.parametrize("model_cls, make_input, shape", [
+    (_ConvNet, lambda g: torch.randn(6, 1, 8, 8, generator=g), ["batch", 1, 8, 8]),
+    (_Recurrent, lambda g: torch.randint(0, 10, (6, 7), generator=g), ["batch", "seq"]),
+])
+def test_common_layers_train_like_pytorch(model_cls, make_input, shape):
+    gen = torch.Generator().manual_seed(6)
+    desc = {"inputs": [("x", shape), ("label", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 5])]}
+    batches = [((make_input(gen),), torch.randint(0, 5, (6,), generator=gen)) for _ in range(10)]
+    trainer, reference, ort_losses, torch_losses = _run_pair(
+        model_cls(), desc, torch.nn.functional.cross_entropy, AdamConfig(lr=1e-2),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0), batches, clip=1.0,
+    )
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=RTOL)
+    _assert_weights_close(trainer, reference, RTOL)
