@@ -21,8 +21,8 @@ import onnxruntime as ort
 import torch
 
 from ._logging import ort_severity
-from .graph.gradient import GRAD_SUFFIX
-from .graph.optimizer import ALL_FINITE, GRAD_NORM, OUT_SUFFIX, STEP_INPUT, lr_input
+from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
+from .graph.optimizer import ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, OUT_SUFFIX, STEP_INPUT, lr_input
 
 GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, onnx.ModelProto]"]
 
@@ -45,9 +45,14 @@ class _SessionSet:
         self.eval_inputs = {i.name for i in self.eval.get_inputs()}
         # get_outputs() lists outputs in first-binding order: the description's outputs go first
         self.grad_bindings = [engine._bind_weights(self.gradient, p, bind_outputs=True) for p in (0, 1)]
+        self.accumulates = RESET_INPUT in self.gradient_inputs
         for binding in self.grad_bindings:
             for w, buffer in engine.grads.items():
-                binding.bind_ortvalue_output(w + GRAD_SUFFIX, buffer)
+                if self.accumulates:  # the graph adds into the buffer in place
+                    binding.bind_ortvalue_input(w + ACCUMULATOR_SUFFIX, buffer)
+                    binding.bind_output(w + ACCUMULATED_FLAG_SUFFIX, "cpu")
+                else:  # the graph writes the gradient straight into the buffer
+                    binding.bind_ortvalue_output(w + GRAD_SUFFIX, buffer)
         self.eval_bindings = [engine._bind_weights(self.eval, p, bind_outputs=True) for p in (0, 1)]
 
 
@@ -152,11 +157,19 @@ class Engine:
             sessions = self._session_sets[signature] = _SessionSet(self, gradient, eval_model)
         self._current = sessions
 
-    def forward_backward(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
-        """Run forward + backward; gradients land in ``self.grads``. Returns the outputs."""
+    def forward_backward(self, feeds: dict[str, np.ndarray], loss_scale: float = 1.0,
+                         reset: bool = True) -> list[torch.Tensor]:
+        """Run forward + backward; returns the outputs.
+
+        Gradients of ``loss * loss_scale`` land in ``self.grads``: written over them, or with an
+        accumulating graph added to them unless ``reset`` (first micro-batch of a window).
+        """
         sessions = self._require_sessions()
         binding = sessions.grad_bindings[self.parity]
-        return self._run(sessions.gradient, binding, sessions.gradient_inputs, feeds)
+        extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
+        if sessions.accumulates:
+            extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
+        return self._run(sessions.gradient, binding, sessions.gradient_inputs, {**feeds, **extra})
 
     def evaluate(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
         """Run the eval graph with the current weights. Returns the outputs."""
@@ -164,16 +177,18 @@ class Engine:
         binding = sessions.eval_bindings[self.parity]
         return self._run(sessions.eval, binding, sessions.eval_inputs, feeds)
 
-    def optimizer_step(self, learning_rates: list[float], step: int) -> StepResult:
+    def optimizer_step(self, learning_rates: list[float], step: int, grad_scale: float = 1.0) -> StepResult:
         """Apply the update (skipped in-graph when a gradient is not finite) and swap buffers.
 
         Args:
             learning_rates: one per parameter group.
             step: the 1-based update count ``t`` of this update.
+            grad_scale: multiplies the gradient buffers into the averaged, unscaled gradient.
         """
         binding = self._opt_bindings[self.parity]
-        keep_alive = [np.array(step, dtype=np.float32)]
+        keep_alive = [np.array(step, dtype=np.float32), np.array(grad_scale, dtype=np.float32)]
         binding.bind_cpu_input(STEP_INPUT, keep_alive[0])
+        binding.bind_cpu_input(GRAD_SCALE_INPUT, keep_alive[1])
         for group, lr in enumerate(learning_rates):
             keep_alive.append(np.array(lr, dtype=np.float32))
             binding.bind_cpu_input(lr_input(group), keep_alive[-1])

@@ -89,8 +89,7 @@ _STR = (str,)
 # they are rejected with a clear "not supported yet" error, never silently ignored.
 _SCHEMA: dict[str, _Field] = {
     "batch.gradient_accumulation_steps": _Field(
-        _INT, 1, "micro-batches whose gradients are summed before one optimizer update", _at_least(1),
-        supported=lambda v: v == 1,
+        _INT, 1, "micro-batches whose gradients are summed before one optimizer update", _at_least(1)
     ),
     "device.id": _Field(
         _STR, _SENTINEL, "'cpu', 'cuda' or 'cuda:N'; default 'cuda' when the CUDA build is installed, else 'cpu'",
@@ -112,9 +111,9 @@ _SCHEMA: dict[str, _Field] = {
     "lr_scheduler": _Field(
         _ANY, None, "a learning-rate scheduler from ort_trainer.optim.lr_scheduler, or None", _check_scheduler
     ),
-    "mixed_precision.enabled": _Field(_BOOL, False, "fp16 mixed precision", supported=lambda v: not v),
+    "mixed_precision.enabled": _Field(_BOOL, False, "fp16 mixed precision (needs CUDA)"),
     "mixed_precision.loss_scaler": _Field(
-        _ANY, None, "an ort_trainer.amp.LossScaler, or None", _check_loss_scaler, supported=lambda v: v is None
+        _ANY, None, "an ort_trainer.amp.LossScaler, or None (works in fp32 too)", _check_loss_scaler
     ),
     "utils.frozen_weights": _Field((list, tuple), (), "weight names that are never updated", _check_str_list),
     "utils.grad_norm_clip": _Field(_BOOL, True, "clip the global gradient L2 norm (Adam and Lamb)"),
@@ -230,6 +229,7 @@ class ORTTrainerOptions(_Group):
             if problem:
                 problems.append(problem)
             values[path] = list(value) if isinstance(value, tuple) else value
+        problems.extend(_cross_field_problems(values) if not problems else [])
         if problems:
             raise ValueError("invalid ORTTrainerOptions:\n  " + "\n  ".join(problems))
         nested: dict[str, Any] = {}
@@ -263,6 +263,27 @@ class ORTTrainerOptions(_Group):
             default = "(auto)" if field.default is _SENTINEL else repr(field.default)
             lines.append(f"{path} = {default}: {field.doc}")
         return "\n".join(lines)
+
+
+def _cross_field_problems(values: dict[str, Any]) -> list[str]:
+    """Problems that involve more than one option."""
+    problems = []
+    if values["mixed_precision.enabled"]:
+        if values["device.id"] == "cpu":
+            problems.append(
+                "mixed_precision.enabled: True needs fp16 training kernels, which ONNX Runtime's CPU "
+                "execution provider does not have; train in fp32 on the CPU (a loss_scaler still "
+                "works with enabled=False), or use device.id='cuda' with the CUDA build"
+            )
+        else:
+            problems.append(
+                "mixed_precision.enabled: True is not supported yet by this version of ort_trainer; "
+                "leave it at its default (False)"
+            )
+    rank, size = values["distributed.world_rank"], values["distributed.world_size"]
+    if rank >= size:
+        problems.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size})")
+    return problems
 
 
 def _to_groups(node: dict) -> _Group:

@@ -101,6 +101,7 @@ class ORTTrainer:
             frozen_weights=list(opts.utils.frozen_weights), grad_norm_clip=opts.utils.grad_norm_clip,
             opset=opts._internal_use.onnx_opset_version, extra_postprocess=opts._internal_use.extra_postprocess,
             save_paths=dict(opts.debug.graph_save_paths),
+            accumulate=opts.batch.gradient_accumulation_steps > 1,
         )
         self._graphs: TrainingGraphs | None = None
         self._engine: Engine | None = None
@@ -241,7 +242,11 @@ class ORTTrainer:
 
     # ---- steps --------------------------------------------------------------------------------
     def train_step(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor | list[torch.Tensor]:
-        """Run one training step: forward, loss, backward and the optimizer update.
+        """Run one training step: forward, loss, backward and, at an accumulation boundary, the update.
+
+        With ``batch.gradient_accumulation_steps = k`` the gradients of k calls are summed; the k-th
+        averages them, clips them and applies the update. A step whose gradients are not all
+        finite applies nothing (``TrainStepInfo.all_finite`` is False) and lowers the loss scale.
 
         Args:
             *inputs: model inputs in ``model_desc`` order (torch tensors or numpy arrays).
@@ -256,16 +261,28 @@ class ORTTrainer:
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
         engine = self._ready(feeds)
-        outputs = engine.forward_backward(feeds)
         info = self._train_step_info
-        result = engine.optimizer_step(self._learning_rates(), info.optimization_step + 1)
+        window = self.options.batch.gradient_accumulation_steps
+        scaler = self.options.mixed_precision.loss_scaler
+        loss_scale = scaler.loss_scale if scaler is not None else 1.0
+        outputs = engine.forward_backward(feeds, loss_scale, reset=info.step % window == 0)
+        if (info.step + 1) % window == 0:
+            self._update(engine, grad_scale=1.0 / (loss_scale * window))
+        info.step += 1
+        return self._select_outputs(outputs)
+
+    def _update(self, engine: Engine, grad_scale: float) -> None:
+        """The optimizer step at an accumulation boundary, and the counters it moves."""
+        info = self._train_step_info
+        result = engine.optimizer_step(self._learning_rates(), info.optimization_step + 1, grad_scale)
         info.all_finite = result.all_finite
         if result.all_finite:
             info.optimization_step += 1
         else:
             logger.warning("step %d: gradients are not finite; the update was skipped", info.step)
-        info.step += 1
-        return self._select_outputs(outputs)
+        scaler = self.options.mixed_precision.loss_scaler
+        if scaler is not None:
+            scaler.update(info)
 
     def eval_step(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor | list[torch.Tensor]:
         """Run the forward pass with Dropout off and BatchNorm in inference mode; no state changes.

@@ -76,17 +76,28 @@ def test_bool_is_not_an_int():
 
 
 @pytest.mark.parametrize("options, path", [
-    ({"batch": {"gradient_accumulation_steps": 4}}, "batch.gradient_accumulation_steps"),
     ({"distributed": {"world_size": 2}}, "distributed.world_size"),
     ({"distributed": {"allreduce_post_accumulation": True}}, "distributed.allreduce_post_accumulation"),
     ({"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}, "distributed.deepspeed_zero_optimization.stage"),
-    ({"mixed_precision": {"enabled": True}}, "mixed_precision.enabled"),
-    ({"mixed_precision": {"loss_scaler": DynamicLossScaler()}}, "mixed_precision.loss_scaler"),
     ({"debug": {"check_model_export": True}}, "debug.check_model_export"),
 ])
 def test_features_not_built_yet_are_rejected_not_ignored(options, path):
     with pytest.raises(ValueError, match=rf"{path}: .* is not supported yet by this version of ort_trainer"):
         ORTTrainerOptions(options)
+
+
+def test_mixed_precision_on_cpu_is_a_clear_error_but_a_loss_scaler_alone_is_fine():
+    with pytest.raises(ValueError, match="mixed_precision.enabled: True needs fp16 training kernels, which ONNX "
+                                         "Runtime's CPU execution provider does not have"):
+        ORTTrainerOptions({"device": {"id": "cpu"}, "mixed_precision": {"enabled": True}})
+    scaler = DynamicLossScaler()
+    assert ORTTrainerOptions({"mixed_precision": {"loss_scaler": scaler}}).mixed_precision.loss_scaler is scaler
+    assert ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 4}}).batch.gradient_accumulation_steps == 4
+
+
+def test_rank_must_be_below_world_size():
+    with pytest.raises(ValueError, match=r"distributed.world_rank: 1 must be < distributed.world_size \(1\)"):
+        ORTTrainerOptions({"distributed": {"world_rank": 1}})
 
 
 def test_bad_device_string():

@@ -18,6 +18,11 @@ from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_m
 from .._logging import ort_severity
 
 GRAD_SUFFIX = "_grad"
+# Extra inputs of the gradient graph (names no model input can take: they start with "__").
+LOSS_SCALE_INPUT = "__loss_scale"
+RESET_INPUT = "__lazy_reset_grad"
+ACCUMULATOR_SUFFIX = "_grad.accumulation.buffer"
+ACCUMULATED_FLAG_SUFFIX = "_grad.accumulation.out"
 
 
 class GradientBuildError(RuntimeError):
@@ -60,6 +65,9 @@ def build_gradient_graph(
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Build forward + backward from a forward graph whose weights are inputs.
 
+    The backward pass starts from ``loss * __loss_scale`` (a scalar input: the loss scaler's
+    value, 1.0 without one); the ``loss`` output itself stays unscaled.
+
     Returns:
         The gradient model, with outputs ``[*output_names, *(w + "_grad" for w in has_grad)]``,
         and ``has_grad``: the trainable weights the loss depends on, in ``trainable`` order.
@@ -68,9 +76,14 @@ def build_gradient_graph(
         GradientBuildError: naming the op (and module) the gradient builder cannot handle.
     """
     options = _session_options()
+    scaled = copy.deepcopy(forward)
+    scaled_loss = f"{loss_name}.scaled"
+    scaled.graph.input.append(helper.make_tensor_value_info(LOSS_SCALE_INPUT, onnx.TensorProto.FLOAT, []))
+    scaled.graph.node.append(helper.make_node("Mul", [loss_name, LOSS_SCALE_INPUT], [scaled_loss], name="loss_scaling"))
+    scaled.graph.output.append(helper.make_tensor_value_info(scaled_loss, onnx.TensorProto.FLOAT, []))
     try:
-        optimized = get_optimized_model(forward.SerializeToString(), set(trainable), options)
-        builder = GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, options)
+        optimized = get_optimized_model(scaled.SerializeToString(), set(trainable), options)
+        builder = GradientGraphBuilder(optimized, {scaled_loss}, set(trainable), scaled_loss, options)
         builder.build()
     except Exception as exc:  # pybind raises RuntimeError/Fail subclasses
         raise GradientBuildError(_explain_gradient_failure(str(exc), forward)) from exc
@@ -81,6 +94,37 @@ def build_gradient_graph(
     del model.graph.output[:]
     model.graph.output.extend(ordered)
     return model, has_grad
+
+
+def add_gradient_accumulation(model: onnx.ModelProto, trained: list[str]) -> None:
+    """Accumulate each gradient into a buffer input instead of returning it, in place.
+
+    Every ``w_grad`` output is replaced by an ``InPlaceAccumulatorV2`` that adds it into the
+    input ``w_grad.accumulation.buffer`` (overwriting instead when the bool input
+    ``__lazy_reset_grad`` is true, on the first micro-batch of a window); the node's flag output
+    ``w_grad.accumulation.out`` takes the gradient's place among the outputs.
+    """
+    grads = {w + GRAD_SUFFIX: w for w in trained}
+    outputs = []
+    for output in model.graph.output:
+        weight = grads.get(output.name)
+        if weight is None:
+            outputs.append(output)
+            continue
+        buffer = copy.deepcopy(output)
+        buffer.name = weight + ACCUMULATOR_SUFFIX
+        model.graph.input.append(buffer)
+        flag = weight + ACCUMULATED_FLAG_SUFFIX
+        model.graph.node.append(helper.make_node(
+            "InPlaceAccumulatorV2", [buffer.name, output.name, RESET_INPUT], [flag],
+            name=f"accumulate_{weight}", domain="com.microsoft",
+        ))
+        outputs.append(helper.make_tensor_value_info(flag, onnx.TensorProto.BOOL, [1]))
+    model.graph.input.append(helper.make_tensor_value_info(RESET_INPUT, onnx.TensorProto.BOOL, [1]))
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
 
 
 def _explain_gradient_failure(message: str, forward: onnx.ModelProto) -> str:

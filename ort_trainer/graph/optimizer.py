@@ -3,8 +3,10 @@
 The update is plain ONNX arithmetic, so every hyper-parameter can differ per parameter group and
 the formulas are exactly those of api.md section 4. Inputs per trained weight ``w``: ``w``,
 ``w_grad`` and its optimizer states (``w.Moment_1``, ``w.Moment_2``); shared inputs: one
-learning rate per group (``lr.group<i>``) and ``step``, the 1-based update count ``t``. Outputs:
-``<input>.out`` for the weight and each state, ``all_finite`` and ``global_gradient_norm``.
+learning rate per group (``lr.group<i>``), ``step``, the 1-based update count ``t``, and
+``grad_scale``, the factor that turns the buffered gradients into the averaged, unscaled
+gradient (``1 / (loss_scale · accumulation_steps · ranks)``). Outputs: ``<input>.out`` for the
+weight and each state, ``all_finite`` and ``global_gradient_norm`` (of the averaged gradient).
 
 When any gradient is not finite, every output equals its input: the update is skipped.
 """
@@ -22,6 +24,7 @@ from .gradient import GRAD_SUFFIX
 
 OUT_SUFFIX = ".out"
 STEP_INPUT = "step"
+GRAD_SCALE_INPUT = "grad_scale"
 ALL_FINITE = "all_finite"
 GRAD_NORM = "global_gradient_norm"
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
@@ -105,34 +108,33 @@ def build_optimizer_graph(
     """
     b = _Builder()
     f32 = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info(STEP_INPUT, f32, [])]
+    inputs = [helper.make_tensor_value_info(STEP_INPUT, f32, []), helper.make_tensor_value_info(GRAD_SCALE_INPUT, f32, [])]
     inputs += [helper.make_tensor_value_info(lr_input(g), f32, []) for g in range(len(opt_plan.groups))]
     outputs = []
     states = state_names(config)
     for w in opt_plan.weights:
         for name in [w, w + GRAD_SUFFIX, *(f"{w}.{s}" for s in states)]:
             inputs.append(helper.make_tensor_value_info(name, f32, shapes[w]))
-    # global norm and finiteness
+    # Global norm and finiteness, from the raw buffers: grad_scale is folded into the norm and
+    # into the one multiplier each gradient gets, so the scaling costs no extra pass.
     squares = [b.op("ReduceSumSquare", w + GRAD_SUFFIX, keepdims=0) for w in opt_plan.weights]
     total = b.op("Sum", *squares) if len(squares) > 1 else squares[0]
-    norm = b.op("Sqrt", total)
+    norm = b.op("Mul", b.op("Sqrt", total), GRAD_SCALE_INPUT)
     # NaN or inf in any gradient makes the sum of squares NaN or inf
-    all_finite = b.op("Not", b.op("Or", b.op("IsNaN", total), b.op("IsInf", total)))
+    all_finite = b.op("Not", b.op("Or", b.op("IsNaN", norm), b.op("IsInf", norm)))
     b.output(norm, GRAD_NORM)
     b.output(all_finite, ALL_FINITE)
     outputs += [helper.make_tensor_value_info(GRAD_NORM, f32, []), helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, [])]
 
-    scale = None
+    scale = GRAD_SCALE_INPUT
     if clip and not isinstance(config, SGDConfig):
         ratio = b.op("Div", b.const(config.max_norm_clip), b.op("Add", norm, b.const(_CLIP_EPS)))
-        scale = b.op("Min", ratio, b.const(1.0))
+        scale = b.op("Mul", b.op("Min", ratio, b.const(1.0)), GRAD_SCALE_INPUT)
 
     group_scalars = [_group_scalars(b, config, hp, g) for g, hp in enumerate(opt_plan.groups)]
     for w in opt_plan.weights:
         g_index = opt_plan.group_of[w]
-        grad = w + GRAD_SUFFIX
-        if scale is not None:
-            grad = b.op("Mul", grad, scale)
+        grad = b.op("Mul", w + GRAD_SUFFIX, scale)
         new_values = _update(b, config, opt_plan.groups[g_index], group_scalars[g_index], w, grad)
         for name, new in zip([w, *(f"{w}.{s}" for s in states)], new_values):
             gated = b.op("Where", all_finite, new, name)

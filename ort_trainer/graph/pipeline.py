@@ -21,7 +21,8 @@ from ..model_desc import ModelDescription
 from ..optim.config import _OptimizerConfig
 from . import cache as graph_cache
 from .export import export_order, export_torch
-from .gradient import build_eval_graph, build_gradient_graph, specialize, weights_to_inputs
+from .gradient import (add_gradient_accumulation, build_eval_graph, build_gradient_graph, specialize,
+                       weights_to_inputs)
 from .optimizer import build_optimizer_graph, plan
 from .trainable import make_trainable
 
@@ -31,8 +32,10 @@ class TrainingGraphs:
     """Everything the engine needs, independent of weight values.
 
     Attributes:
-        gradient: forward + loss + backward; inputs: data then weights; outputs: the description's
-            outputs in order, then ``<weight>_grad`` for each trained weight.
+        gradient: forward + loss + backward; inputs: data, weights and ``__loss_scale``; outputs:
+            the description's outputs in order, then ``<weight>_grad`` for each trained weight
+            (with accumulation: the gradients are added into ``<weight>_grad.accumulation.buffer``
+            inputs instead, see ``gradient.add_gradient_accumulation``).
         optimizer: the update step (``ort_trainer.graph.optimizer``).
         eval: forward only, Dropout off, BatchNorm in inference mode; weights are inputs.
         meta: ``weights`` ({name: [shape, dtype]} of every weight input), ``trained`` (weights
@@ -61,6 +64,7 @@ class GraphJob:
     opset: int
     extra_postprocess: Callable | None
     save_paths: dict[str, str]
+    accumulate: bool = False
 
     def cache_key(self, input_dtypes: dict[str, str], dims: dict[str, int] | None) -> str:
         """Hash of everything that determines the graphs."""
@@ -80,6 +84,7 @@ class GraphJob:
                 "opset": self.opset,
                 "extra_postprocess": graph_cache.fingerprint_callable(self.extra_postprocess),
                 "dims": sorted((dims or {}).items()),
+                "accumulate": self.accumulate,
             }
         )
 
@@ -128,6 +133,8 @@ def build_training_graphs(
     if skipped:
         logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
     opt_plan.weights = trained
+    if job.accumulate:
+        add_gradient_accumulation(gradient, trained)
     eval_model = build_eval_graph(forward)
     optimizer = build_optimizer_graph(
         job.optim_config, opt_plan, {w: weight_info[w][0] for w in trained}, job.grad_norm_clip
