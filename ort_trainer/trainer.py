@@ -21,7 +21,7 @@ from .graph.gradient import build_inference_graph
 from .graph.optimizer import state_names
 from .graph.pipeline import GraphJob, TrainingGraphs, build_training_graphs, initial_weights
 from .model_desc import ModelDescription, parse_model_desc
-from .optim.config import _OptimizerConfig
+from .optim.config import LambConfig, _OptimizerConfig
 from .options import ORTTrainerOptions
 
 
@@ -384,6 +384,8 @@ class ORTTrainer:
             entry = dict(states)
             entry["Update_Count"] = np.array(info.optimization_step, dtype=np.int64)
             optimizer[name] = entry
+        if isinstance(self.optim_config, LambConfig):
+            optimizer["shared_optimizer_state"] = {"Step": np.array(info.optimization_step, dtype=np.int64)}
         return {
             "model": {"full_precision": weights},
             "optimizer": optimizer,
