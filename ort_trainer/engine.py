@@ -86,12 +86,17 @@ class Engine:
         provider_options: dict | None = None,
         mem_limit: int = 0,
         deterministic: bool = False,
+        updated: list[str] | None = None,
+        host_accumulation: bool = False,
+        intra_op_threads: int = 0,
     ):
         kind, _, index = device.partition(":")
         self.device_type = "cuda" if kind == "cuda" else "cpu"
         self.device_id = int(index) if index else 0
         self._session_options = session_options or ort.SessionOptions()
         self._session_options.log_severity_level = ort_severity()
+        if session_options is None and intra_op_threads:
+            self._session_options.intra_op_num_threads = intra_op_threads
         if deterministic:
             self._session_options.use_deterministic_compute = True
         if self.device_type == "cuda":
@@ -101,19 +106,35 @@ class Engine:
         else:
             self._providers = [("CPUExecutionProvider", dict(provider_options or {}))]
         self.trained = list(trained)
+        self.updated = list(trained if updated is None else updated)
         self.state_names = list(state_names)
         self.output_names = list(output_names)
+        self.host_accumulation = host_accumulation
+        shapes = {w: np.shape(weights[w]) for w in trained}
+        not_float32 = [w for w in trained if np.asarray(weights[w]).dtype != np.float32]
+        if not_float32:
+            raise TypeError(f"trained weights must be float32; these are not: {not_float32} "
+                            "(convert the model with model.float(), or freeze them)")
+        self._dtypes = {n: np.asarray(v).dtype for n, v in weights.items()}
+        self.parity = 0
         trained_set = set(trained)
         # fixed: weights nobody updates (frozen, buffers); trained weights and states double-buffered
-        self.fixed = {n: self._ortvalue(v) for n, v in weights.items() if n not in trained_set}
-        self.buffers = [{}, {}]
-        for name in trained:
-            for p in (0, 1):
-                self.buffers[p][name] = self._ortvalue(weights[name])
-                for state in state_names:
-                    self.buffers[p][f"{name}.{state}"] = self._ortvalue(np.zeros_like(weights[name]))
-        self.grads = {w: self._ortvalue(np.zeros_like(weights[w])) for w in trained}
-        self.parity = 0
+        self.fixed = {n: self._ortvalue(np.array(v, copy=True)) for n, v in weights.items() if n not in trained_set}
+        self.buffers: list[dict[str, ort.OrtValue]] = [{}, {}]
+        # Trained weights (and gradients) live in one flat float32 array per role, laid out in
+        # ``trained`` order, so collectives (broadcast, all-reduce, ZeRO all-gather) are one call.
+        self.weights_flat: list[np.ndarray | None] = [None, None]
+        for p in (0, 1):
+            self.weights_flat[p], views = self._allocate(self.trained, shapes)
+            self.buffers[p].update(views)
+            for state in state_names:
+                _, views = self._allocate(self.updated, shapes)
+                self.buffers[p].update({f"{w}.{state}": v for w, v in views.items()})
+        self.load_weights({w: weights[w] for w in trained})
+        self.grads_flat, self.grads = self._allocate(self.trained, shapes)
+        self.accumulated_flat, self.accumulated = (
+            self._allocate(self.trained, shapes) if host_accumulation else (self.grads_flat, self.grads)
+        )
         self._graph_provider = graph_provider
         self._session_sets: dict[Hashable, _SessionSet] = {}
         self._current: _SessionSet | None = None
@@ -125,7 +146,27 @@ class Engine:
         return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers)
 
     def _ortvalue(self, value: np.ndarray) -> ort.OrtValue:
+        """An OrtValue holding ``value``; on the CPU it shares ``value``'s memory."""
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device_type, self.device_id)
+
+    def _allocate(self, names: list[str], shapes: dict[str, tuple]) -> tuple[np.ndarray | None, dict[str, ort.OrtValue]]:
+        """Zeroed float32 buffers for ``names``: on the CPU views into one flat array (returned too)."""
+        if self.device_type != "cpu":
+            return None, {n: self._ortvalue(np.zeros(shapes[n], np.float32)) for n in names}
+        flat = np.zeros(sum(int(np.prod(shapes[n])) for n in names), dtype=np.float32)
+        views, offset = {}, 0
+        for n in names:
+            size = int(np.prod(shapes[n]))
+            views[n] = self._ortvalue(flat[offset:offset + size].reshape(shapes[n]))
+            offset += size
+        return flat, views
+
+    def accumulate_on_host(self, reset: bool) -> None:
+        """Add this micro-batch's (all-reduced) gradients into the accumulation buffers."""
+        if reset:
+            np.copyto(self.accumulated_flat, self.grads_flat)
+        else:
+            np.add(self.accumulated_flat, self.grads_flat, out=self.accumulated_flat)
 
     def _bind_weights(self, session: ort.InferenceSession, parity: int, bind_outputs: bool = False) -> ort.IOBinding:
         binding = session.io_binding()
@@ -142,7 +183,7 @@ class Engine:
         binding = self._bind_weights(self.optimizer, parity)
         binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
         binding.bind_output(GRAD_NORM, "cpu")
-        for w, grad in self.grads.items():
+        for w, grad in self.accumulated.items():
             binding.bind_ortvalue_input(w + GRAD_SUFFIX, grad)
         for name, value in self.buffers[1 - parity].items():
             binding.bind_ortvalue_output(name + OUT_SUFFIX, value)
@@ -224,12 +265,12 @@ class Engine:
         return out
 
     def optimizer_states(self) -> dict[str, dict[str, np.ndarray]]:
-        """``{weight: {state: value}}`` copies of the current optimizer states."""
+        """``{weight: {state: value}}`` copies of the current optimizer states of the updated weights."""
         current = self.buffers[self.parity]
-        return {w: {s: current[f"{w}.{s}"].numpy().copy() for s in self.state_names} for w in self.trained}
+        return {w: {s: current[f"{w}.{s}"].numpy().copy() for s in self.state_names} for w in self.updated}
 
     def load_weights(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite weights in place (names must exist; shapes must match)."""
         for name, value in values.items():
             target = self.buffers[self.parity].get(name) if name in self.trained else self.fixed[name]
-            target.update_inplace(np.ascontiguousarray(value, dtype=target.numpy().dtype))
+            target.update_inplace(np.ascontiguousarray(value, dtype=self._dtypes[name]))

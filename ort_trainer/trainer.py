@@ -19,7 +19,7 @@ from ._logging import logger
 from .engine import Engine
 from .graph.gradient import build_inference_graph
 from .graph.optimizer import state_names
-from .graph.pipeline import GraphJob, TrainingGraphs, build_training_graphs, initial_weights
+from .graph.pipeline import GraphJob, TrainingGraphs, build_optimizer, build_training_graphs, initial_weights
 from .model_desc import ModelDescription, parse_model_desc
 from .optim.config import LambConfig, _OptimizerConfig
 from .options import ORTTrainerOptions
@@ -127,7 +127,7 @@ class ORTTrainer:
         self._graphs = graphs
         self._sample_inputs = list(sample_inputs)
         self._engine = Engine(
-            optimizer_graph=graphs.optimizer,
+            optimizer_graph=build_optimizer(self._job, graphs.meta),
             graph_provider=self._graphs_for,
             weights=initial_weights(self.model, graphs.meta),
             trained=graphs.meta["trained"],

@@ -20,6 +20,7 @@ def test_buffers_live_across_steps_and_outputs_are_not_overwritten():
         f"{w}{suffix}" for w in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         for suffix in ("", ".Moment_1", ".Moment_2")
     }
+    assert engine.buffers[0]["fc1.weight"].data_ptr() != engine.buffers[1]["fc1.weight"].data_ptr()
     for _ in range(4):
         trainer.train_step(*mlp_batch(gen))
     assert {(p, n): v.data_ptr() for p in (0, 1) for n, v in engine.buffers[p].items()} == pointers

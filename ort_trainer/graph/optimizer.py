@@ -96,28 +96,35 @@ class _Builder:
 
 
 def build_optimizer_graph(
-    config: _OptimizerConfig, opt_plan: OptimizerPlan, shapes: dict[str, list], clip: bool
+    config: _OptimizerConfig, opt_plan: OptimizerPlan, shapes: dict[str, list], clip: bool,
+    norm_weights: list[str] | None = None,
 ) -> onnx.ModelProto:
     """Build the optimizer step for ``opt_plan.weights`` (all float32) as an ONNX model.
 
     Args:
         config: the optimizer configuration.
-        opt_plan: weights and their groups.
+        opt_plan: the weights this graph updates, and their groups.
         shapes: weight name -> shape (symbolic-free).
         clip: clip the global gradient norm to ``config.max_norm_clip`` (ignored for SGD).
+        norm_weights: weights whose gradients make up the global norm and the all-finite check
+            (default: ``opt_plan.weights``). Under ZeRO a rank updates a shard of the weights but
+            still reads every gradient, so clipping and skipping agree on all ranks.
     """
+    norm_weights = list(opt_plan.weights if norm_weights is None else norm_weights)
     b = _Builder()
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info(STEP_INPUT, f32, []), helper.make_tensor_value_info(GRAD_SCALE_INPUT, f32, [])]
     inputs += [helper.make_tensor_value_info(lr_input(g), f32, []) for g in range(len(opt_plan.groups))]
     outputs = []
     states = state_names(config)
-    for w in opt_plan.weights:
-        for name in [w, w + GRAD_SUFFIX, *(f"{w}.{s}" for s in states)]:
+    updated = set(opt_plan.weights)
+    for w in norm_weights:
+        names = [w, w + GRAD_SUFFIX, *(f"{w}.{s}" for s in states)] if w in updated else [w + GRAD_SUFFIX]
+        for name in names:
             inputs.append(helper.make_tensor_value_info(name, f32, shapes[w]))
     # Global norm and finiteness, from the raw buffers: grad_scale is folded into the norm and
     # into the one multiplier each gradient gets, so the scaling costs no extra pass.
-    squares = [b.op("ReduceSumSquare", w + GRAD_SUFFIX, keepdims=0) for w in opt_plan.weights]
+    squares = [b.op("ReduceSumSquare", w + GRAD_SUFFIX, keepdims=0) for w in norm_weights]
     total = b.op("Sum", *squares) if len(squares) > 1 else squares[0]
     norm = b.op("Mul", b.op("Sqrt", total), GRAD_SCALE_INPUT)
     # NaN or inf in any gradient makes the sum of squares NaN or inf

@@ -36,16 +36,16 @@ class TrainingGraphs:
             the description's outputs in order, then ``<weight>_grad`` for each trained weight
             (with accumulation: the gradients are added into ``<weight>_grad.accumulation.buffer``
             inputs instead, see ``gradient.add_gradient_accumulation``).
-        optimizer: the update step (``ort_trainer.graph.optimizer``).
         eval: forward only, Dropout off, BatchNorm in inference mode; weights are inputs.
         meta: ``weights`` ({name: [shape, dtype]} of every weight input), ``trained`` (weights
             the optimizer updates, in order), ``torch_keys`` ({weight: [torch state_dict keys]}),
             ``inputs`` ({name: dtype} of the data inputs the graph reads).
+
+    The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
         from_cache: True when loaded from the graph cache.
     """
 
     gradient: onnx.ModelProto
-    optimizer: onnx.ModelProto
     eval: onnx.ModelProto
     meta: dict
     from_cache: bool = False
@@ -78,9 +78,7 @@ class GraphJob:
                 "loss_fn": graph_cache.fingerprint_callable(self.loss_fn),
                 "desc": self.desc.fingerprint(),
                 "input_dtypes": input_dtypes,
-                "optimizer": self.optim_config.fingerprint(),
                 "frozen": sorted(self.frozen_weights),
-                "clip": self.grad_norm_clip,
                 "opset": self.opset,
                 "extra_postprocess": graph_cache.fingerprint_callable(self.extra_postprocess),
                 "dims": sorted((dims or {}).items()),
@@ -114,12 +112,12 @@ def build_training_graphs(
         models, meta = cached
         logger.info("reused the cached training graph %s (%.2f s) from %s", key[:16],
                     time.perf_counter() - started, store.root)
-        return TrainingGraphs(models["gradient"], models["optimizer"], models["eval"], meta, from_cache=True)
+        return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True)
 
     forward, torch_keys, trainable = _forward_graph(job, sample_inputs)
     all_weights = list(torch_keys)
-    trainable = [w for w in trainable if w not in set(job.frozen_weights)]
-    opt_plan = plan(job.optim_config, trainable, job.frozen_weights, all_weights)
+    frozen = set(job.frozen_weights)
+    trainable = [w for w in trainable if w not in frozen]
 
     if job.save_paths.get("model_after_graph_transforms_path"):
         onnx.save(forward, job.save_paths["model_after_graph_transforms_path"])
@@ -128,21 +126,15 @@ def build_training_graphs(
         forward = specialize(forward, dims)
     weight_info = {i.name: _value_info(i) for i in forward.graph.input if i.name in torch_keys}
 
-    gradient, trained = build_gradient_graph(forward, opt_plan.weights, job.desc.loss_name, job.desc.output_names)
-    skipped = [w for w in opt_plan.weights if w not in trained]
+    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, job.desc.output_names)
+    skipped = [w for w in trainable if w not in trained]
     if skipped:
         logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
-    opt_plan.weights = trained
     if job.accumulate:
         add_gradient_accumulation(gradient, trained)
     eval_model = build_eval_graph(forward)
-    optimizer = build_optimizer_graph(
-        job.optim_config, opt_plan, {w: weight_info[w][0] for w in trained}, job.grad_norm_clip
-    )
     if job.save_paths.get("model_with_gradient_graph_path"):
         onnx.save(gradient, job.save_paths["model_with_gradient_graph_path"])
-    if job.save_paths.get("model_with_training_graph_path"):
-        onnx.save(optimizer, job.save_paths["model_with_training_graph_path"])
 
     graph_inputs = {i.name for i in forward.graph.input}
     meta = {
@@ -151,10 +143,31 @@ def build_training_graphs(
         "torch_keys": torch_keys,
         "inputs": {n: dt for n, dt in input_dtypes.items() if n in graph_inputs},
     }
-    entry = store.store(key, {"gradient": gradient, "optimizer": optimizer, "eval": eval_model}, meta)
+    entry = store.store(key, {"gradient": gradient, "eval": eval_model}, meta)
     logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
                 f"; cached in {entry}" if entry else "")
-    return TrainingGraphs(gradient, optimizer, eval_model, meta)
+    return TrainingGraphs(gradient, eval_model, meta)
+
+
+def build_optimizer(job: GraphJob, meta: dict, update: list[str] | None = None) -> onnx.ModelProto:
+    """The optimizer graph for ``job`` (fast to build, so never cached).
+
+    Args:
+        job: the job (optimizer config, frozen weights, clipping).
+        meta: ``TrainingGraphs.meta`` of the gradient graph it follows.
+        update: the weights this process updates (a ZeRO shard); None: all trained weights.
+
+    Raises:
+        ValueError: when a parameter group or ``utils.frozen_weights`` names an unknown weight.
+    """
+    trained = meta["trained"]
+    opt_plan = plan(job.optim_config, trained, job.frozen_weights, list(meta["weights"]))
+    opt_plan.weights = list(trained if update is None else update)
+    shapes = {w: meta["weights"][w][0] for w in trained}
+    optimizer = build_optimizer_graph(job.optim_config, opt_plan, shapes, job.grad_norm_clip, norm_weights=trained)
+    if job.save_paths.get("model_with_training_graph_path"):
+        onnx.save(optimizer, job.save_paths["model_with_training_graph_path"])
+    return optimizer
 
 
 def _value_info(value_info: onnx.ValueInfoProto) -> list:
@@ -223,4 +236,5 @@ def initial_weights(
     return out
 
 
-__all__ = ["GraphJob", "TrainingGraphs", "build_training_graphs", "export_order", "initial_weights"]
+__all__ = ["GraphJob", "TrainingGraphs", "build_optimizer", "build_training_graphs", "export_order",
+           "initial_weights"]
