@@ -16,7 +16,7 @@ $(PY):
 $(STAMP): setup.py | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	$(PY) -m pip install --quiet -e ".[cpu,dev,mpi]"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -86,7 +86,7 @@ class Engine:
         provider_options: dict | None = None,
         mem_limit: int = 0,
         deterministic: bool = False,
-        updated: list[str] | None = None,
+        pieces: list | None = None,
         host_accumulation: bool = False,
         intra_op_threads: int = 0,
     ):
@@ -106,7 +106,9 @@ class Engine:
         else:
             self._providers = [("CPUExecutionProvider", dict(provider_options or {}))]
         self.trained = list(trained)
-        self.updated = list(trained if updated is None else updated)
+        # what this process's optimizer updates: whole weights, or ZeRO pieces of them
+        self.pieces = pieces
+        self.updated = [p.name for p in pieces] if pieces is not None else list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)
         self.host_accumulation = host_accumulation
@@ -116,25 +118,32 @@ class Engine:
             raise TypeError(f"trained weights must be float32; these are not: {not_float32} "
                             "(convert the model with model.float(), or freeze them)")
         self._dtypes = {n: np.asarray(v).dtype for n, v in weights.items()}
+        self._shapes = shapes
         self.parity = 0
         trained_set = set(trained)
         # fixed: weights nobody updates (frozen, buffers); trained weights and states double-buffered
-        self.fixed = {n: self._ortvalue(np.array(v, copy=True)) for n, v in weights.items() if n not in trained_set}
+        self.fixed_arrays = {n: np.array(v, copy=True) for n, v in weights.items() if n not in trained_set}
+        self.fixed = {n: self._ortvalue(v) for n, v in self.fixed_arrays.items()}
         self.buffers: list[dict[str, ort.OrtValue]] = [{}, {}]
         # Trained weights (and gradients) live in one flat float32 array per role, laid out in
         # ``trained`` order, so collectives (broadcast, all-reduce, ZeRO all-gather) are one call.
         self.weights_flat: list[np.ndarray | None] = [None, None]
+        piece_shapes = {**shapes, **{p.name: p.shape for p in pieces or []}}
         for p in (0, 1):
             self.weights_flat[p], views = self._allocate(self.trained, shapes)
             self.buffers[p].update(views)
+            self.buffers[p].update(self._piece_views(self.weights_flat[p], ""))
             for state in state_names:
-                _, views = self._allocate(self.updated, shapes)
+                _, views = self._allocate(self.updated, piece_shapes)
                 self.buffers[p].update({f"{w}.{state}": v for w, v in views.items()})
         self.load_weights({w: weights[w] for w in trained})
         self.grads_flat, self.grads = self._allocate(self.trained, shapes)
         self.accumulated_flat, self.accumulated = (
             self._allocate(self.trained, shapes) if host_accumulation else (self.grads_flat, self.grads)
         )
+        # optimizer gradient inputs: every trained weight's (for the global norm) and each split piece's
+        self._optimizer_grads = {w + GRAD_SUFFIX: v for w, v in self.accumulated.items()}
+        self._optimizer_grads.update(self._piece_views(self.accumulated_flat, GRAD_SUFFIX))
         self._graph_provider = graph_provider
         self._session_sets: dict[Hashable, _SessionSet] = {}
         self._current: _SessionSet | None = None
@@ -161,6 +170,15 @@ class Engine:
             offset += size
         return flat, views
 
+    def _piece_views(self, flat: np.ndarray | None, suffix: str) -> dict[str, ort.OrtValue]:
+        """1-D views of ``flat`` for the split ZeRO pieces, keyed ``piece.name + suffix``."""
+        if not self.pieces:
+            return {}
+        offsets = np.concatenate([[0], np.cumsum([int(np.prod(self._shapes[w])) for w in self.trained])])
+        where = dict(zip(self.trained, offsets.astype(int)))
+        return {p.name + suffix: self._ortvalue(flat[where[p.weight] + p.start:where[p.weight] + p.stop])
+                for p in self.pieces if p.name != p.weight}
+
     def accumulate_on_host(self, reset: bool) -> None:
         """Add this micro-batch's (all-reduced) gradients into the accumulation buffers."""
         if reset:
@@ -183,10 +201,14 @@ class Engine:
         binding = self._bind_weights(self.optimizer, parity)
         binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
         binding.bind_output(GRAD_NORM, "cpu")
-        for w, grad in self.accumulated.items():
-            binding.bind_ortvalue_input(w + GRAD_SUFFIX, grad)
+        inputs = {i.name for i in self.optimizer.get_inputs()}
+        for name, grad in self._optimizer_grads.items():
+            if name in inputs:
+                binding.bind_ortvalue_input(name, grad)
+        outputs = {o.name for o in self.optimizer.get_outputs()}
         for name, value in self.buffers[1 - parity].items():
-            binding.bind_ortvalue_output(name + OUT_SUFFIX, value)
+            if name + OUT_SUFFIX in outputs:  # under ZeRO only this rank's shard is written
+                binding.bind_ortvalue_output(name + OUT_SUFFIX, value)
         return binding
 
     # ---- steps ------------------------------------------------------------------------------

@@ -98,15 +98,14 @@ _SCHEMA: dict[str, _Field] = {
     "device.mem_limit": _Field(_INT, 0, "GPU arena limit in bytes (0: no limit)", _at_least(0)),
     "distributed.world_rank": _Field(_INT, 0, "this process's rank", _at_least(0)),
     "distributed.world_size": _Field(
-        _INT, 1, "number of data-parallel processes", _at_least(1), supported=lambda v: v == 1
+        _INT, 1, "number of data-parallel processes", _at_least(1)
     ),
     "distributed.local_rank": _Field(_INT, 0, "this process's rank on its node", _at_least(0)),
     "distributed.allreduce_post_accumulation": _Field(
-        _BOOL, False, "all-reduce once per optimizer step instead of per micro-batch", supported=lambda v: not v
+        _BOOL, False, "all-reduce once per optimizer step instead of per micro-batch"
     ),
     "distributed.deepspeed_zero_optimization.stage": _Field(
-        _INT, 0, "ZeRO stage: 0 off, 1 optimizer state sharded across ranks", _one_of(0, 1),
-        supported=lambda v: v == 0,
+        _INT, 0, "ZeRO stage: 0 off, 1 optimizer state sharded across ranks", _one_of(0, 1)
     ),
     "lr_scheduler": _Field(
         _ANY, None, "a learning-rate scheduler from ort_trainer.optim.lr_scheduler, or None", _check_scheduler

@@ -15,7 +15,9 @@ import numpy as np
 import onnx
 import torch
 
+from . import distributed
 from ._logging import logger
+from .distributed import Communicator
 from .engine import Engine
 from .graph.gradient import build_inference_graph
 from .graph.optimizer import state_names
@@ -101,8 +103,18 @@ class ORTTrainer:
             frozen_weights=list(opts.utils.frozen_weights), grad_norm_clip=opts.utils.grad_norm_clip,
             opset=opts._internal_use.onnx_opset_version, extra_postprocess=opts._internal_use.extra_postprocess,
             save_paths=dict(opts.debug.graph_save_paths),
-            accumulate=opts.batch.gradient_accumulation_steps > 1,
+            accumulate=opts.batch.gradient_accumulation_steps > 1 and (
+                opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
         )
+        dist = opts.distributed
+        self._comm = Communicator(dist.world_size, dist.world_rank) if dist.world_size > 1 else None
+        # With several ranks and per-micro-batch all-reduce, micro-batch gradients leave the graph
+        # to be all-reduced, then are summed on the host.
+        self._host_accumulation = (
+            self._comm is not None and opts.batch.gradient_accumulation_steps > 1
+            and not dist.allreduce_post_accumulation
+        )
+        self._zero_counts: list[int] | None = None
         self._graphs: TrainingGraphs | None = None
         self._engine: Engine | None = None
         if all(d.dtype is not None for d in self.model_desc.inputs):
@@ -123,14 +135,20 @@ class ORTTrainer:
         return arrays
 
     def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
+        if self._comm is not None and self._comm.rank != 0:
+            self._comm.barrier()  # rank 0 builds and caches the graph; the others then load it
         graphs = build_training_graphs(self._job, sample_inputs)
+        if self._comm is not None and self._comm.rank == 0:
+            self._comm.barrier()
         self._graphs = graphs
         self._sample_inputs = list(sample_inputs)
+        trained = graphs.meta["trained"]
+        pieces = self._zero_shard(trained, graphs.meta["weights"])
         self._engine = Engine(
-            optimizer_graph=build_optimizer(self._job, graphs.meta),
+            optimizer_graph=build_optimizer(self._job, graphs.meta, pieces),
             graph_provider=self._graphs_for,
             weights=initial_weights(self.model, graphs.meta),
-            trained=graphs.meta["trained"],
+            trained=trained,
             state_names=state_names(self.optim_config),
             output_names=self.model_desc.output_names,
             device=self.options.device.id,
@@ -138,7 +156,24 @@ class ORTTrainer:
             provider_options=self.options.provider_options,
             mem_limit=self.options.device.mem_limit,
             deterministic=self.options.debug.deterministic_compute,
+            pieces=pieces,
+            host_accumulation=self._host_accumulation,
+            intra_op_threads=distributed.intra_op_threads(),
         )
+        if self._comm is not None:  # every rank starts from rank 0's weights
+            self._comm.broadcast(self._engine.weights_flat[self._engine.parity])
+            for array in self._engine.fixed_arrays.values():
+                self._comm.broadcast(array)
+
+    def _zero_shard(self, trained: list[str], weights: dict) -> list | None:
+        """With ZeRO stage 1, the pieces of the trained weights this rank updates (None: all)."""
+        if self._comm is None or self.options.distributed.deepspeed_zero_optimization.stage == 0:
+            return None
+        pieces, self._zero_counts = distributed.zero_pieces(
+            trained, {w: tuple(weights[w][0]) for w in trained}, self._comm.size, self._comm.rank,
+            whole_tensors=isinstance(self.optim_config, LambConfig),
+        )
+        return pieces
 
     def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """Gradient and eval graphs for a shape signature (None: the symbolic graphs).
@@ -265,9 +300,16 @@ class ORTTrainer:
         window = self.options.batch.gradient_accumulation_steps
         scaler = self.options.mixed_precision.loss_scaler
         loss_scale = scaler.loss_scale if scaler is not None else 1.0
-        outputs = engine.forward_backward(feeds, loss_scale, reset=info.step % window == 0)
-        if (info.step + 1) % window == 0:
-            self._update(engine, grad_scale=1.0 / (loss_scale * window))
+        first, boundary = info.step % window == 0, (info.step + 1) % window == 0
+        outputs = engine.forward_backward(feeds, loss_scale, reset=first)
+        if self._host_accumulation:
+            self._comm.allreduce_sum(engine.grads_flat)
+            engine.accumulate_on_host(reset=first)
+        elif self._comm is not None and boundary:
+            self._comm.allreduce_sum(engine.grads_flat)
+        if boundary:
+            ranks = self._comm.size if self._comm is not None else 1
+            self._update(engine, grad_scale=1.0 / (loss_scale * window * ranks))
         info.step += 1
         return self._select_outputs(outputs)
 
@@ -275,6 +317,8 @@ class ORTTrainer:
         """The optimizer step at an accumulation boundary, and the counters it moves."""
         info = self._train_step_info
         result = engine.optimizer_step(self._learning_rates(), info.optimization_step + 1, grad_scale)
+        if self._zero_counts is not None:  # each rank updated its shard: share them
+            self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts)
         info.all_finite = result.all_finite
         if result.all_finite:
             info.optimization_step += 1
@@ -325,6 +369,8 @@ class ORTTrainer:
         if not path.parent.is_dir():
             raise FileNotFoundError(f"save_as_onnx: directory {str(path.parent)!r} does not exist")
         engine = self._require_built("save_as_onnx")
+        if self._comm is not None and self._comm.rank != 0:
+            return  # under mpirun only rank 0 writes
         desc = self.model_desc
         inputs, outputs = desc.input_names, desc.output_names
         if self.loss_fn is not None:
@@ -376,6 +422,8 @@ class ORTTrainer:
         if self._engine is not None:
             weights = self._engine.weights()
             moments = self._engine.optimizer_states()
+            if self._zero_counts is not None:  # each rank holds its shard's states: gather them
+                moments = self._gather_zero_states(moments)
         else:
             weights = {k: v.numpy() for k, v in self.state_dict(pytorch_format=True).items()}
             moments = {}
@@ -392,6 +440,24 @@ class ORTTrainer:
             "trainer_options": {"optimizer_name": self.optim_config.name},
             "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
         }
+
+    def _gather_zero_states(self, local: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+        """Reassemble whole-weight optimizer states from every rank's ZeRO pieces (collective)."""
+        pieces = {p.name: p for p in self._engine.pieces}
+        mine = {name: (pieces[name].weight, pieces[name].start, states) for name, states in local.items()}
+        parts: dict[str, list] = {}
+        for rank_parts in self._comm.allgather_object(mine):
+            for weight, start, states in rank_parts.values():
+                parts.setdefault(weight, []).append((start, states))
+        shapes = self._graphs.meta["weights"]
+        gathered = {}
+        for weight in self._graphs.meta["trained"]:
+            ordered = [states for _, states in sorted(parts[weight], key=lambda item: item[0])]
+            gathered[weight] = {
+                state: np.concatenate([part[state].ravel() for part in ordered]).reshape(shapes[weight][0])
+                for state in self._engine.state_names
+            }
+        return gathered
 
     def update_torch_model(self) -> None:
         """Copy the trained weights and buffers back into the original ``torch.nn.Module``.

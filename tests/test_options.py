@@ -76,9 +76,6 @@ def test_bool_is_not_an_int():
 
 
 @pytest.mark.parametrize("options, path", [
-    ({"distributed": {"world_size": 2}}, "distributed.world_size"),
-    ({"distributed": {"allreduce_post_accumulation": True}}, "distributed.allreduce_post_accumulation"),
-    ({"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}, "distributed.deepspeed_zero_optimization.stage"),
     ({"debug": {"check_model_export": True}}, "debug.check_model_export"),
 ])
 def test_features_not_built_yet_are_rejected_not_ignored(options, path):

@@ -103,8 +103,9 @@ def build_optimizer_graph(
 
     Args:
         config: the optimizer configuration.
-        opt_plan: the weights this graph updates, and their groups.
-        shapes: weight name -> shape (symbolic-free).
+        opt_plan: the weights this graph updates, and their groups. Under ZeRO these may be
+            pieces of weights (``"w[0:320]"``, 1-D), each with its own shape in ``shapes``.
+        shapes: weight (or piece) name -> shape (symbolic-free).
         clip: clip the global gradient norm to ``config.max_norm_clip`` (ignored for SGD).
         norm_weights: weights whose gradients make up the global norm and the all-finite check
             (default: ``opt_plan.weights``). Under ZeRO a rank updates a shard of the weights but
@@ -117,11 +118,18 @@ def build_optimizer_graph(
     inputs += [helper.make_tensor_value_info(lr_input(g), f32, []) for g in range(len(opt_plan.groups))]
     outputs = []
     states = state_names(config)
-    updated = set(opt_plan.weights)
+    declared: set[str] = set()
+
+    def declare(name: str, shape: list) -> None:
+        if name not in declared:
+            declared.add(name)
+            inputs.append(helper.make_tensor_value_info(name, f32, shape))
+
     for w in norm_weights:
-        names = [w, w + GRAD_SUFFIX, *(f"{w}.{s}" for s in states)] if w in updated else [w + GRAD_SUFFIX]
-        for name in names:
-            inputs.append(helper.make_tensor_value_info(name, f32, shapes[w]))
+        declare(w + GRAD_SUFFIX, shapes[w])
+    for w in opt_plan.weights:
+        for name in [w, w + GRAD_SUFFIX, *(f"{w}.{s}" for s in states)]:
+            declare(name, shapes[w])
     # Global norm and finiteness, from the raw buffers: grad_scale is folded into the norm and
     # into the one multiplier each gradient gets, so the scaling costs no extra pass.
     squares = [b.op("ReduceSumSquare", w + GRAD_SUFFIX, keepdims=0) for w in norm_weights]

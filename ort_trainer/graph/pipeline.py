@@ -149,21 +149,26 @@ def build_training_graphs(
     return TrainingGraphs(gradient, eval_model, meta)
 
 
-def build_optimizer(job: GraphJob, meta: dict, update: list[str] | None = None) -> onnx.ModelProto:
+def build_optimizer(job: GraphJob, meta: dict, pieces: list | None = None) -> onnx.ModelProto:
     """The optimizer graph for ``job`` (fast to build, so never cached).
 
     Args:
         job: the job (optimizer config, frozen weights, clipping).
         meta: ``TrainingGraphs.meta`` of the gradient graph it follows.
-        update: the weights this process updates (a ZeRO shard); None: all trained weights.
+        pieces: what this process updates (``distributed.Piece``s of a ZeRO shard); None: every
+            trained weight, whole.
 
     Raises:
         ValueError: when a parameter group or ``utils.frozen_weights`` names an unknown weight.
     """
     trained = meta["trained"]
     opt_plan = plan(job.optim_config, trained, job.frozen_weights, list(meta["weights"]))
-    opt_plan.weights = list(trained if update is None else update)
     shapes = {w: meta["weights"][w][0] for w in trained}
+    if pieces is not None:
+        for piece in pieces:
+            shapes[piece.name] = list(piece.shape)
+            opt_plan.group_of[piece.name] = opt_plan.group_of[piece.weight]
+        opt_plan.weights = [piece.name for piece in pieces]
     optimizer = build_optimizer_graph(job.optim_config, opt_plan, shapes, job.grad_norm_clip, norm_weights=trained)
     if job.save_paths.get("model_with_training_graph_path"):
         onnx.save(optimizer, job.save_paths["model_with_training_graph_path"])

@@ -1,0 +1,60 @@
+"""A data-parallel job for the MPI tests: run it plainly (1 rank) or under ``mpiexec -n 2``.
+
+Every rank trains the MLP on its shard of the same global batches and writes its final weights
+to ``<out>/weights_rank<r>.npz`` and a few facts to ``<out>/facts_rank<r>.json``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import MLP, MLP_DESC, mlp_batch  # noqa: E402
+
+from ort_trainer import ORTTrainer  # noqa: E402
+from ort_trainer.distributed import setup_onnxruntime_with_mpi  # noqa: E402
+from ort_trainer.optim import AdamConfig, LambConfig  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=Path, required=True)
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--global-batch", type=int, default=16)
+parser.add_argument("--accumulation", type=int, default=1)
+parser.add_argument("--post-accumulation", action="store_true")
+parser.add_argument("--zero", type=int, default=0)
+parser.add_argument("--fail-at-step", type=int, default=-1)
+parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
+args = parser.parse_args()
+
+ctx = setup_onnxruntime_with_mpi(seed=1)
+torch.manual_seed(100 + ctx.world_rank)  # ranks start from different weights: rank 0's must win
+options = ctx.trainer_options(
+    batch={"gradient_accumulation_steps": args.accumulation},
+    distributed={"allreduce_post_accumulation": args.post_accumulation,
+                 "deepspeed_zero_optimization": {"stage": args.zero}},
+)
+config = (AdamConfig if args.optimizer == "adam" else LambConfig)(lr=1e-2, lambda_coef=0.01)
+trainer = ORTTrainer(MLP(), MLP_DESC, config, loss_fn=torch.nn.functional.cross_entropy, options=options)
+gen = torch.Generator().manual_seed(7)
+micro = args.global_batch // args.accumulation  # the global micro-batch, split across ranks
+share = micro // ctx.world_size
+losses = []
+for step in range(args.steps * args.accumulation):
+    if step == args.fail_at_step and ctx.world_rank == 1:
+        raise RuntimeError(f"deliberate failure on rank {ctx.world_rank} at step {step}")
+    x, y = mlp_batch(gen, batch=micro)
+    mine = slice(ctx.world_rank * share, (ctx.world_rank + 1) * share)
+    losses.append(trainer.train_step(x[mine], y[mine])[0].item())
+
+state = trainer.state_dict()
+np.savez(args.out / f"weights_rank{ctx.world_rank}.npz", **state["model"]["full_precision"])
+local_states = sum(v.size for entry in trainer._engine.optimizer_states().values() for v in entry.values())
+(args.out / f"facts_rank{ctx.world_rank}.json").write_text(json.dumps({
+    "rank": ctx.world_rank, "size": ctx.world_size, "local_rank": ctx.local_rank, "threads": ctx.threads,
+    "optimization_step": trainer._train_step_info.optimization_step, "local_optimizer_state_elements": int(local_states),
+    "gathered_optimizer_weights": len(state["optimizer"]), "first_loss": losses[0],
+}))
