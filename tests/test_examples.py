@@ -1,12 +1,14 @@
 """The main job and the README's usage snippet run as documented."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,3 +37,34 @@ def test_readme_usage_snippet_runs(tmp_path, monkeypatch):
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert (tmp_path / "model.onnx").exists()
     assert namespace["loss"].dim() == 0 and tuple(namespace["logits"].shape) == (64, 10)
+
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec: pip install -e '.[mpi]'")
+
+
+@needs_mpi
+def test_digits_main_job_under_mpirun(tmp_path):
+    result = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "examples" / "digits_classifier.py"),
+         "--output-dir", str(tmp_path), "--epochs", "20"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("test accuracy") == 1  # only rank 0 reports
+    assert "on 2 rank(s)" in result.stdout
+    assert float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1)) >= 0.95
+    assert (tmp_path / "digits.onnx").exists()
+
+
+@needs_mpi
+def test_data_parallel_benchmark_writes_its_table(tmp_path):
+    out = tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "data_parallel.py"), "--steps", "2", "--warmup", "1",
+         "--rounds", "1", "--write", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = out.read_text()
+    assert "| 1 rank x 2 threads |" in text and "| 2 ranks x 1 thread |" in text
