@@ -20,6 +20,7 @@ setup(
         "numpy>=1.24",
         # onnx >= 1.18 writes IR versions ONNX Runtime 1.19 cannot read
         "onnx>=1.16,<1.18",
+        "h5py>=3.8",
     ],
     extras_require={
         # exactly one of cpu / cuda: both install the `onnxruntime` module

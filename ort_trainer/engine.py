@@ -53,6 +53,10 @@ class _SessionSet:
                     binding.bind_output(w + ACCUMULATED_FLAG_SUFFIX, "cpu")
                 else:  # the graph writes the gradient straight into the buffer
                     binding.bind_ortvalue_output(w + GRAD_SUFFIX, buffer)
+            # Forward-updated buffers (BatchNorm statistics) are written over themselves: every
+            # reader of the old value is upstream of the node that writes the new one.
+            for buffer_name, output in engine.buffer_updates.items():
+                binding.bind_ortvalue_output(output, engine.fixed[buffer_name])
         self.eval_bindings = [engine._bind_weights(self.eval, p, bind_outputs=True) for p in (0, 1)]
 
 
@@ -71,6 +75,10 @@ class Engine:
         provider_options: extra execution-provider options.
         mem_limit: GPU arena limit in bytes (0: none).
         deterministic: ask for deterministic kernels.
+        pieces: ZeRO pieces this process updates (None: every trained weight).
+        host_accumulation: sum micro-batch gradients on the host (after their all-reduce).
+        intra_op_threads: threads per session when no session_options are given (0: default).
+        buffer_updates: ``{buffer: gradient-graph output}`` written back into the buffer each step.
     """
 
     def __init__(
@@ -89,6 +97,7 @@ class Engine:
         pieces: list | None = None,
         host_accumulation: bool = False,
         intra_op_threads: int = 0,
+        buffer_updates: dict[str, str] | None = None,
     ):
         kind, _, index = device.partition(":")
         self.device_type = "cuda" if kind == "cuda" else "cpu"
@@ -112,6 +121,7 @@ class Engine:
         self.state_names = list(state_names)
         self.output_names = list(output_names)
         self.host_accumulation = host_accumulation
+        self.buffer_updates = dict(buffer_updates or {})
         shapes = {w: np.shape(weights[w]) for w in trained}
         not_float32 = [w for w in trained if np.asarray(weights[w]).dtype != np.float32]
         if not_float32:
@@ -290,6 +300,28 @@ class Engine:
         """``{weight: {state: value}}`` copies of the current optimizer states of the updated weights."""
         current = self.buffers[self.parity]
         return {w: {s: current[f"{w}.{s}"].numpy().copy() for s in self.state_names} for w in self.updated}
+
+    def load_optimizer_states(self, states: dict[str, dict[str, np.ndarray]]) -> None:
+        """Overwrite optimizer states from whole-weight values (sliced for ZeRO pieces)."""
+        current = self.buffers[self.parity]
+        for piece in self.pieces or [None]:
+            for weight in ([piece.weight] if piece else self.trained):
+                if weight not in states:
+                    continue
+                for state, value in states[weight].items():
+                    value = np.asarray(value, dtype=np.float32)
+                    if piece is not None:
+                        value = value.ravel()[piece.start:piece.stop].reshape(piece.shape)
+                    current[f"{piece.name if piece else weight}.{state}"].update_inplace(np.ascontiguousarray(value))
+
+    def accumulated_values(self) -> dict[str, np.ndarray]:
+        """Copies of the gradients accumulated so far in the current window."""
+        return {w: v.numpy().copy() for w, v in self.accumulated.items()}
+
+    def load_accumulated(self, values: dict[str, np.ndarray]) -> None:
+        """Overwrite the accumulated gradients (resuming inside an accumulation window)."""
+        for name, value in values.items():
+            self.accumulated[name].update_inplace(np.ascontiguousarray(value, dtype=np.float32))
 
     def load_weights(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite weights in place (names must exist; shapes must match)."""

@@ -6,6 +6,7 @@ through the engine. It keeps the step counters; the math lives in the graphs.
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from . import distributed
 from ._logging import logger
+from ._state import _StateMixin
 from .distributed import Communicator
 from .engine import Engine
 from .graph.gradient import build_inference_graph
@@ -51,7 +53,7 @@ class TrainStepInfo:
                 f"optimization_step={self.optimization_step}, step={self.step})")
 
 
-class ORTTrainer:
+class ORTTrainer(_StateMixin):
     """Trains a model with ONNX Runtime: forward, loss, backward and optimizer in ONNX graphs.
 
     Args:
@@ -89,7 +91,8 @@ class ORTTrainer:
             raise TypeError(
                 f"optim_config: expected SGDConfig, AdamConfig or LambConfig, got {type(optim_config).__name__}"
             )
-        self.model = model
+        # an ONNX model is copied: loading a state before the first step writes its initializers
+        self.model = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
         self.loss_fn = loss_fn
         self.model_desc: ModelDescription = parse_model_desc(model_desc)
         if loss_fn is not None and len(self.model_desc.inputs) < 2:
@@ -117,17 +120,19 @@ class ORTTrainer:
         self._zero_counts: list[int] | None = None
         self._graphs: TrainingGraphs | None = None
         self._engine: Engine | None = None
+        self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
+        self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         if all(d.dtype is not None for d in self.model_desc.inputs):
             self._build(self._synthetic_inputs())
 
     # ---- building -----------------------------------------------------------------------------
-    def _synthetic_inputs(self) -> list[np.ndarray]:
+    def _synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None) -> list[np.ndarray]:
         """Trace inputs from the description: symbols get distinct sizes > 1, ints are zeros."""
         sizes: dict[str, int] = {}
         arrays = []
         for d in self.model_desc.inputs:
             shape = [dim if isinstance(dim, int) else sizes.setdefault(dim, 2 + len(sizes)) for dim in d.shape]
-            dtype = d.numpy_dtype
+            dtype = (dtypes or {}).get(d.name, d.numpy_dtype)
             if np.issubdtype(dtype, np.floating):
                 arrays.append(np.random.default_rng(0).standard_normal(shape).astype(dtype))
             else:
@@ -159,11 +164,18 @@ class ORTTrainer:
             pieces=pieces,
             host_accumulation=self._host_accumulation,
             intra_op_threads=distributed.intra_op_threads(),
+            buffer_updates=graphs.meta.get("buffer_updates", {}),
         )
         if self._comm is not None:  # every rank starts from rank 0's weights
             self._comm.broadcast(self._engine.weights_flat[self._engine.parity])
             for array in self._engine.fixed_arrays.values():
                 self._comm.broadcast(array)
+        if isinstance(self.model, torch.nn.Module):
+            self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
+                                  if k.endswith("num_batches_tracked")}
+        if self._pending_optimizer:
+            self._engine.load_optimizer_states(self._pending_optimizer)
+            self._pending_optimizer = {}
 
     def _zero_shard(self, trained: list[str], weights: dict) -> list | None:
         """With ZeRO stage 1, the pieces of the trained weights this rank updates (None: all)."""
@@ -385,94 +397,6 @@ class ORTTrainer:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-
-    def _weights_by_torch_key(self) -> dict[str, np.ndarray]:
-        engine = self._require_built("reading weights")
-        values = engine.weights()
-        out = {}
-        for weight, keys in self._graphs.meta["torch_keys"].items():
-            if weight in values:
-                for key in keys:
-                    out[key] = values[weight]
-        return out
-
-    def state_dict(self, pytorch_format: bool = False) -> dict:
-        """The trainer's state.
-
-        Args:
-            pytorch_format: False: the nested numpy dict of api.md section 2
-                (``model.full_precision``, ``optimizer``, ``trainer_options``, ``train_step_info``).
-                True: ``{torch state_dict key: torch.Tensor}`` that the model's
-                ``load_state_dict`` accepts (buffers included).
-
-        Works before the first step (the initial weights and zero optimizer state).
-        """
-        info = self._train_step_info
-        if pytorch_format:
-            if isinstance(self.model, torch.nn.Module):
-                state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            else:
-                state = {}
-            if self._engine is not None:
-                state.update({k: torch.from_numpy(v) for k, v in self._weights_by_torch_key().items()})
-            elif not state:
-                state = {i.name: torch.from_numpy(onnx.numpy_helper.to_array(i).copy())
-                         for i in self.model.graph.initializer}
-            return state
-        if self._engine is not None:
-            weights = self._engine.weights()
-            moments = self._engine.optimizer_states()
-            if self._zero_counts is not None:  # each rank holds its shard's states: gather them
-                moments = self._gather_zero_states(moments)
-        else:
-            weights = {k: v.numpy() for k, v in self.state_dict(pytorch_format=True).items()}
-            moments = {}
-        optimizer = {}
-        for name, states in moments.items():
-            entry = dict(states)
-            entry["Update_Count"] = np.array(info.optimization_step, dtype=np.int64)
-            optimizer[name] = entry
-        if isinstance(self.optim_config, LambConfig):
-            optimizer["shared_optimizer_state"] = {"Step": np.array(info.optimization_step, dtype=np.int64)}
-        return {
-            "model": {"full_precision": weights},
-            "optimizer": optimizer,
-            "trainer_options": {"optimizer_name": self.optim_config.name},
-            "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
-        }
-
-    def _gather_zero_states(self, local: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
-        """Reassemble whole-weight optimizer states from every rank's ZeRO pieces (collective)."""
-        pieces = {p.name: p for p in self._engine.pieces}
-        mine = {name: (pieces[name].weight, pieces[name].start, states) for name, states in local.items()}
-        parts: dict[str, list] = {}
-        for rank_parts in self._comm.allgather_object(mine):
-            for weight, start, states in rank_parts.values():
-                parts.setdefault(weight, []).append((start, states))
-        shapes = self._graphs.meta["weights"]
-        gathered = {}
-        for weight in self._graphs.meta["trained"]:
-            ordered = [states for _, states in sorted(parts[weight], key=lambda item: item[0])]
-            gathered[weight] = {
-                state: np.concatenate([part[state].ravel() for part in ordered]).reshape(shapes[weight][0])
-                for state in self._engine.state_names
-            }
-        return gathered
-
-    def update_torch_model(self) -> None:
-        """Copy the trained weights and buffers back into the original ``torch.nn.Module``.
-
-        Raises:
-            TypeError: when the trainer was given an ONNX model.
-        """
-        if not isinstance(self.model, torch.nn.Module):
-            raise TypeError("update_torch_model: the trainer was given an ONNX model, not a torch.nn.Module")
-        if self._engine is None:
-            return  # nothing trained yet: the module already holds the weights
-        state = self.model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for key, value in self._weights_by_torch_key().items():
-                state[key].copy_(torch.from_numpy(value))
 
 
 def _to_numpy(value: Any, name: str) -> np.ndarray:

@@ -28,6 +28,8 @@ parser.add_argument("--post-accumulation", action="store_true")
 parser.add_argument("--zero", type=int, default=0)
 parser.add_argument("--fail-at-step", type=int, default=-1)
 parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
+parser.add_argument("--load", default="", help="checkpoint to resume from")
+parser.add_argument("--save", default="", help="checkpoint to write at the end")
 args = parser.parse_args()
 
 ctx = setup_onnxruntime_with_mpi(seed=1)
@@ -39,17 +41,19 @@ options = ctx.trainer_options(
 )
 config = (AdamConfig if args.optimizer == "adam" else LambConfig)(lr=1e-2, lambda_coef=0.01)
 trainer = ORTTrainer(MLP(), MLP_DESC, config, loss_fn=torch.nn.functional.cross_entropy, options=options)
-gen = torch.Generator().manual_seed(7)
+start = trainer.load_checkpoint(args.load)["next_step"] if args.load else 0
 micro = args.global_batch // args.accumulation  # the global micro-batch, split across ranks
 share = micro // ctx.world_size
 losses = []
-for step in range(args.steps * args.accumulation):
+for step in range(start, start + args.steps * args.accumulation):
     if step == args.fail_at_step and ctx.world_rank == 1:
         raise RuntimeError(f"deliberate failure on rank {ctx.world_rank} at step {step}")
-    x, y = mlp_batch(gen, batch=micro)
+    x, y = mlp_batch(torch.Generator().manual_seed(1000 + step), batch=micro)
     mine = slice(ctx.world_rank * share, (ctx.world_rank + 1) * share)
     losses.append(trainer.train_step(x[mine], y[mine])[0].item())
 
+if args.save:
+    trainer.save_checkpoint(args.save, user_dict={"next_step": start + args.steps * args.accumulation})
 state = trainer.state_dict()
 np.savez(args.out / f"weights_rank{ctx.world_rank}.npz", **state["model"]["full_precision"])
 local_states = sum(v.size for entry in trainer._engine.optimizer_states().values() for v in entry.values())

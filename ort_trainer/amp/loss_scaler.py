@@ -24,6 +24,14 @@ class LossScaler:
         """Update the scale from the step's ``TrainStepInfo`` and return the new scale."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """The scaler's state (for checkpoints)."""
+        return {"loss_scale": self.loss_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state from ``state_dict()``."""
+        self.loss_scale = float(state["loss_scale"])
+
 
 class DynamicLossScaler(LossScaler):
     """Doubles the scale after ``up_scale_window`` finite steps, halves it on a non-finite one.
@@ -61,6 +69,15 @@ class DynamicLossScaler(LossScaler):
         """Restore the initial scale and the finite-step counter."""
         super().reset()
         self._stable_steps = 0
+
+    def state_dict(self) -> dict:
+        """The scale and the count of finite steps since the last change."""
+        return {"loss_scale": self.loss_scale, "stable_steps": self._stable_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state from ``state_dict()``."""
+        super().load_state_dict(state)
+        self._stable_steps = int(state.get("stable_steps", 0))
 
     def update(self, train_step_info) -> float:
         """Apply one step's outcome (``train_step_info.all_finite``); return the new scale."""

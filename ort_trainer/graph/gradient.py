@@ -61,7 +61,8 @@ def _session_options() -> ort.SessionOptions:
 
 
 def build_gradient_graph(
-    forward: onnx.ModelProto, trainable: list[str], loss_name: str, output_names: list[str]
+    forward: onnx.ModelProto, trainable: list[str], loss_name: str, output_names: list[str],
+    extra_outputs: list[str] = (),
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Build forward + backward from a forward graph whose weights are inputs.
 
@@ -69,8 +70,9 @@ def build_gradient_graph(
     value, 1.0 without one); the ``loss`` output itself stays unscaled.
 
     Returns:
-        The gradient model, with outputs ``[*output_names, *(w + "_grad" for w in has_grad)]``,
-        and ``has_grad``: the trainable weights the loss depends on, in ``trainable`` order.
+        The gradient model, with outputs ``[*output_names, *(w + "_grad" for w in has_grad),
+        *extra_outputs]``, and ``has_grad``: the trainable weights the loss depends on, in
+        ``trainable`` order.
 
     Raises:
         GradientBuildError: naming the op (and module) the gradient builder cannot handle.
@@ -90,7 +92,7 @@ def build_gradient_graph(
     model = onnx.load_from_string(builder.get_model())
     produced = {o.name: o for o in model.graph.output}
     has_grad = [w for w in trainable if w + GRAD_SUFFIX in produced]
-    ordered = [produced[n] for n in output_names] + [produced[w + GRAD_SUFFIX] for w in has_grad]
+    ordered = [produced[n] for n in [*output_names, *(w + GRAD_SUFFIX for w in has_grad), *extra_outputs]]
     del model.graph.output[:]
     model.graph.output.extend(ordered)
     return model, has_grad

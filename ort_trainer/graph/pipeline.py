@@ -20,6 +20,7 @@ from .._logging import logger
 from ..model_desc import ModelDescription
 from ..optim.config import _OptimizerConfig
 from . import cache as graph_cache
+from .buffers import expose_running_statistics
 from .export import export_order, export_torch
 from .gradient import (add_gradient_accumulation, build_eval_graph, build_gradient_graph, specialize,
                        weights_to_inputs)
@@ -39,7 +40,8 @@ class TrainingGraphs:
         eval: forward only, Dropout off, BatchNorm in inference mode; weights are inputs.
         meta: ``weights`` ({name: [shape, dtype]} of every weight input), ``trained`` (weights
             the optimizer updates, in order), ``torch_keys`` ({weight: [torch state_dict keys]}),
-            ``inputs`` ({name: dtype} of the data inputs the graph reads).
+            ``inputs`` ({name: dtype} of the data inputs the graph reads), ``buffer_updates``
+            ({buffer: gradient-graph output with its new value}, e.g. BatchNorm statistics).
 
     The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
         from_cache: True when loaded from the graph cache.
@@ -126,13 +128,15 @@ def build_training_graphs(
         forward = specialize(forward, dims)
     weight_info = {i.name: _value_info(i) for i in forward.graph.input if i.name in torch_keys}
 
-    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, job.desc.output_names)
+    eval_model = build_eval_graph(forward)
+    buffer_updates = expose_running_statistics(forward, set(all_weights) - set(trainable))
+    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, job.desc.output_names,
+                                             list(buffer_updates.values()))
     skipped = [w for w in trainable if w not in trained]
     if skipped:
         logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
     if job.accumulate:
         add_gradient_accumulation(gradient, trained)
-    eval_model = build_eval_graph(forward)
     if job.save_paths.get("model_with_gradient_graph_path"):
         onnx.save(gradient, job.save_paths["model_with_gradient_graph_path"])
 
@@ -142,6 +146,7 @@ def build_training_graphs(
         "trained": trained,
         "torch_keys": torch_keys,
         "inputs": {n: dt for n, dt in input_dtypes.items() if n in graph_inputs},
+        "buffer_updates": buffer_updates,
     }
     entry = store.store(key, {"gradient": gradient, "eval": eval_model}, meta)
     logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
@@ -193,11 +198,6 @@ def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[
         exported = export_torch(job.model, job.loss_fn, job.desc, sample_inputs, job.opset)
         forward, torch_keys, trainable = exported.model, exported.torch_keys, exported.trainable
     make_trainable(forward)
-    if any(n.op_type == "BatchNormalization" for n in forward.graph.node):
-        logger.warning(
-            "the model has BatchNormalization: it trains with batch statistics, but its running "
-            "statistics are not updated yet, so eval_step and save_as_onnx use their initial values"
-        )
     if job.extra_postprocess is not None:
         returned = job.extra_postprocess(forward)
         if isinstance(returned, onnx.ModelProto):

@@ -1,0 +1,99 @@
+"""BatchNorm trains as in PyTorch: running statistics, eval mode, export and the torch round trip."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from models import clone, torch_step
+from ort_trainer import ORTTrainer
+from ort_trainer.optim import AdamConfig
+
+CE = torch.nn.functional.cross_entropy
+DESC = {"inputs": [("images", ["batch", 1, 10, 10]), ("label", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", 4])]}
+
+
+class SmallCNN(torch.nn.Module):
+    """Conv/BN/pool/dropout classifier. Layers before a BatchNorm have no bias: BatchNorm removes
+    any constant shift, so such a bias has a zero true gradient and Adam would amplify noise in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 6, 3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(6)
+        self.conv2 = torch.nn.Conv2d(6, 8, 3, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(8, momentum=0.3)
+        self.dropout = torch.nn.Dropout(0.2)
+        self.fc = torch.nn.Linear(8 * 3 * 3, 16, bias=False)
+        self.bn3 = torch.nn.BatchNorm1d(16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, images):
+        x = torch.relu(self.bn1(self.conv1(images)))
+        x = torch.nn.functional.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
+        x = torch.relu(self.bn3(self.fc(torch.flatten(x, 1))))
+        return self.out(self.dropout(x))
+
+
+def _batch(gen, size=8):
+    images = torch.randn(size, 1, 10, 10, generator=gen)
+    return images, (images.mean(dim=(1, 2, 3)) > 0).long() + 2 * (images[:, 0, 0, 0] > 0).long()
+
+
+def test_batchnorm_cnn_trains_like_pytorch(tmp_path):
+    model = SmallCNN()
+    model.dropout.p = 0.0  # parity needs the same dropout masks: none
+    reference = clone(model)
+    trainer = ORTTrainer(model, DESC, AdamConfig(lr=1e-2), loss_fn=CE)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    ort_losses, torch_losses = [], []
+    for step in range(20):
+        images, label = _batch(gen, size=8 if step % 3 else 5)  # varying batch size
+        ort_losses.append(trainer.train_step(images, label)[0].item())
+        torch_losses.append(torch_step(reference, optimizer, CE, (images,), label, clip=1.0))
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=1e-4)
+    state = trainer.state_dict(pytorch_format=True)
+    for key, expected in reference.state_dict().items():
+        if key.endswith("num_batches_tracked"):
+            assert int(state[key]) == int(expected) == 20
+        else:
+            err = (torch.linalg.vector_norm(state[key] - expected) / torch.linalg.vector_norm(expected)).item()
+            assert err < 1e-4, f"{key}: {err:.2e}"
+
+    # eval mode uses the running statistics: eval_step == torch eval == exported ONNX == updated module
+    images, label = _batch(gen, size=6)
+    reference.eval()
+    with torch.no_grad():
+        expected_logits = reference(images)
+    _, logits = trainer.eval_step(images, label)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+
+    path = tmp_path / "cnn.onnx"
+    trainer.save_as_onnx(path)
+    exported = onnx.load(str(path))
+    assert {n.domain for n in exported.graph.node} <= {"", "ai.onnx"}  # no training-only ops
+    for node in exported.graph.node:
+        if node.op_type == "BatchNormalization":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs.get("training_mode", 0) == 0 and len(node.output) == 1
+    assert [i.name for i in exported.graph.input] == ["images"]
+    (onnx_logits,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"images": images.numpy()})
+    np.testing.assert_allclose(onnx_logits, logits.numpy(), rtol=1e-5, atol=1e-5)
+
+    trainer.update_torch_model()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), logits, rtol=1e-5, atol=1e-5)
+    assert int(model.bn1.num_batches_tracked) == 20
+
+
+def test_dropout_is_off_in_eval_and_export():
+    trainer = ORTTrainer(SmallCNN(), DESC, AdamConfig(), loss_fn=CE)
+    images, label = _batch(torch.Generator().manual_seed(1))
+    trainer.train_step(images, label)
+    first = trainer.eval_step(images, label)[1]
+    second = trainer.eval_step(images, label)[1]
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
