@@ -78,9 +78,8 @@ class _StateMixin:
             return state
         moments = {}
         if self._engine is not None:
-            moments = self._engine.optimizer_states()
-            if self._zero_counts is not None:  # each rank holds its shard's states: gather them
-                moments = self._gather_zero_states(moments)
+            # under ZeRO each rank holds its range of the states: gather them
+            moments = self._gather_zero_states() if self._zero_counts is not None else self._engine.optimizer_states()
         elif self._pending_optimizer:
             moments = self._pending_optimizer
         optimizer = {}
@@ -106,23 +105,15 @@ class _StateMixin:
             "input_dtypes": dtypes,
         }
 
-    def _gather_zero_states(self, local: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
-        """Reassemble whole-weight optimizer states from every rank's ZeRO pieces (collective)."""
-        pieces = {p.name: p for p in self._engine.pieces}
-        mine = {name: (pieces[name].weight, pieces[name].start, states) for name, states in local.items()}
-        parts: dict[str, list] = {}
-        for rank_parts in self._comm.allgather_object(mine):
-            for weight, start, states in rank_parts.values():
-                parts.setdefault(weight, []).append((start, states))
-        shapes = self._graphs.meta["weights"]
-        gathered = {}
-        for weight in self._graphs.meta["trained"]:
-            ordered = [states for _, states in sorted(parts[weight], key=lambda item: item[0])]
-            gathered[weight] = {
-                state: np.concatenate([part[state].ravel() for part in ordered]).reshape(shapes[weight][0])
-                for state in self._engine.state_names
-            }
-        return gathered
+    def _gather_zero_states(self) -> dict[str, dict[str, np.ndarray]]:
+        """Every weight's optimizer state, assembled from each rank's ZeRO range (collective)."""
+        full = {}
+        for state, local in self._engine.state_arrays().items():
+            whole = np.zeros(sum(self._zero_counts), np.float32)
+            whole[self._engine.begin:self._engine.end] = local
+            self._comm.allgather(whole, self._zero_counts)
+            full[state] = whole
+        return self._engine.optimizer_states(full)
 
     # ---- loading --------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: Mapping, strict: bool = True) -> None:

@@ -22,7 +22,8 @@ import torch
 
 from ._logging import ort_severity
 from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
-from .graph.optimizer import ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, OUT_SUFFIX, STEP_INPUT, lr_input
+from .graph.optimizer import (ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, GRADIENTS_INPUT, OUT_SUFFIX, STEP_INPUT,
+                              lr_input)
 
 GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, onnx.ModelProto]"]
 
@@ -75,7 +76,7 @@ class Engine:
         provider_options: extra execution-provider options.
         mem_limit: GPU arena limit in bytes (0: none).
         deterministic: ask for deterministic kernels.
-        pieces: ZeRO pieces this process updates (None: every trained weight).
+        optimizer_spec: the optimizer's flat layout, segments and ZeRO range (``pipeline.OptimizerSpec``).
         host_accumulation: sum micro-batch gradients on the host (after their all-reduce).
         intra_op_threads: threads per session when no session_options are given (0: default).
         buffer_updates: ``{buffer: gradient-graph output}`` written back into the buffer each step.
@@ -94,66 +95,62 @@ class Engine:
         provider_options: dict | None = None,
         mem_limit: int = 0,
         deterministic: bool = False,
-        pieces: list | None = None,
+        optimizer_spec=None,
         host_accumulation: bool = False,
         intra_op_threads: int = 0,
         buffer_updates: dict[str, str] | None = None,
     ):
         kind, _, index = device.partition(":")
-        self.device_type = "cuda" if kind == "cuda" else "cpu"
-        self.device_id = int(index) if index else 0
+        if kind == "cuda":
+            raise RuntimeError(
+                "training on CUDA is not supported yet by this version of ort_trainer: its buffers are "
+                "host memory; use device.id='cpu'"
+            )
+        self.device_type, self.device_id = "cpu", 0
         self._session_options = session_options or ort.SessionOptions()
         self._session_options.log_severity_level = ort_severity()
         if session_options is None and intra_op_threads:
             self._session_options.intra_op_num_threads = intra_op_threads
         if deterministic:
             self._session_options.use_deterministic_compute = True
-        if self.device_type == "cuda":
-            cuda_options = {"device_id": self.device_id, **({"gpu_mem_limit": mem_limit} if mem_limit else {})}
-            self._providers = [("CUDAExecutionProvider", {**cuda_options, **(provider_options or {})}),
-                               "CPUExecutionProvider"]
-        else:
-            self._providers = [("CPUExecutionProvider", dict(provider_options or {}))]
+        self._providers = [("CPUExecutionProvider", dict(provider_options or {}))]
         self.trained = list(trained)
-        # what this process's optimizer updates: whole weights, or ZeRO pieces of them
-        self.pieces = pieces
-        self.updated = [p.name for p in pieces] if pieces is not None else list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)
         self.host_accumulation = host_accumulation
         self.buffer_updates = dict(buffer_updates or {})
-        shapes = {w: np.shape(weights[w]) for w in trained}
         not_float32 = [w for w in trained if np.asarray(weights[w]).dtype != np.float32]
         if not_float32:
             raise TypeError(f"trained weights must be float32; these are not: {not_float32} "
                             "(convert the model with model.float(), or freeze them)")
         self._dtypes = {n: np.asarray(v).dtype for n, v in weights.items()}
-        self._shapes = shapes
         self.parity = 0
+        # fixed: weights nobody updates (frozen weights, buffers)
         trained_set = set(trained)
-        # fixed: weights nobody updates (frozen, buffers); trained weights and states double-buffered
         self.fixed_arrays = {n: np.array(v, copy=True) for n, v in weights.items() if n not in trained_set}
         self.fixed = {n: self._ortvalue(v) for n, v in self.fixed_arrays.items()}
-        self.buffers: list[dict[str, ort.OrtValue]] = [{}, {}]
-        # Trained weights (and gradients) live in one flat float32 array per role, laid out in
-        # ``trained`` order, so collectives (broadcast, all-reduce, ZeRO all-gather) are one call.
-        self.weights_flat: list[np.ndarray | None] = [None, None]
-        piece_shapes = {**shapes, **{p.name: p.shape for p in pieces or []}}
-        for p in (0, 1):
-            self.weights_flat[p], views = self._allocate(self.trained, shapes)
-            self.buffers[p].update(views)
-            self.buffers[p].update(self._piece_views(self.weights_flat[p], ""))
-            for state in state_names:
-                _, views = self._allocate(self.updated, piece_shapes)
-                self.buffers[p].update({f"{w}.{state}": v for w, v in views.items()})
+
+        # Trained weights, gradients and optimizer states live in flat float32 arrays laid out as
+        # ``optimizer_spec.layout`` (group by group); each weight is a view into them. Weights and
+        # states are double-buffered (parity 0/1). Collectives are one call on a flat array.
+        self.layout = list(optimizer_spec.layout)
+        self.shapes = {w: tuple(np.shape(weights[w])) for w in self.layout}
+        sizes = [int(np.prod(self.shapes[w])) for w in self.layout]
+        self.offsets = dict(zip(self.layout, np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()))
+        total = int(sum(sizes))
+        self.begin, self.end = optimizer_spec.begin, optimizer_spec.end
+        self.segments = list(optimizer_spec.segments)
+        self.weights_flat = [np.zeros(total, np.float32) for _ in (0, 1)]
+        self.states_flat = [{s: np.zeros(self.end - self.begin, np.float32) for s in state_names} for _ in (0, 1)]
+        self.buffers: list[dict[str, ort.OrtValue]] = [self._weight_views(self.weights_flat[p]) for p in (0, 1)]
         self.load_weights({w: weights[w] for w in trained})
-        self.grads_flat, self.grads = self._allocate(self.trained, shapes)
-        self.accumulated_flat, self.accumulated = (
-            self._allocate(self.trained, shapes) if host_accumulation else (self.grads_flat, self.grads)
-        )
-        # optimizer gradient inputs: every trained weight's (for the global norm) and each split piece's
-        self._optimizer_grads = {w + GRAD_SUFFIX: v for w, v in self.accumulated.items()}
-        self._optimizer_grads.update(self._piece_views(self.accumulated_flat, GRAD_SUFFIX))
+        self.grads_flat = np.zeros(total, np.float32)
+        self.grads = self._weight_views(self.grads_flat)
+        if host_accumulation:
+            self.accumulated_flat = np.zeros(total, np.float32)
+            self.accumulated = self._weight_views(self.accumulated_flat)
+        else:
+            self.accumulated_flat, self.accumulated = self.grads_flat, self.grads
         self._graph_provider = graph_provider
         self._session_sets: dict[Hashable, _SessionSet] = {}
         self._current: _SessionSet | None = None
@@ -168,26 +165,10 @@ class Engine:
         """An OrtValue holding ``value``; on the CPU it shares ``value``'s memory."""
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device_type, self.device_id)
 
-    def _allocate(self, names: list[str], shapes: dict[str, tuple]) -> tuple[np.ndarray | None, dict[str, ort.OrtValue]]:
-        """Zeroed float32 buffers for ``names``: on the CPU views into one flat array (returned too)."""
-        if self.device_type != "cpu":
-            return None, {n: self._ortvalue(np.zeros(shapes[n], np.float32)) for n in names}
-        flat = np.zeros(sum(int(np.prod(shapes[n])) for n in names), dtype=np.float32)
-        views, offset = {}, 0
-        for n in names:
-            size = int(np.prod(shapes[n]))
-            views[n] = self._ortvalue(flat[offset:offset + size].reshape(shapes[n]))
-            offset += size
-        return flat, views
-
-    def _piece_views(self, flat: np.ndarray | None, suffix: str) -> dict[str, ort.OrtValue]:
-        """1-D views of ``flat`` for the split ZeRO pieces, keyed ``piece.name + suffix``."""
-        if not self.pieces:
-            return {}
-        offsets = np.concatenate([[0], np.cumsum([int(np.prod(self._shapes[w])) for w in self.trained])])
-        where = dict(zip(self.trained, offsets.astype(int)))
-        return {p.name + suffix: self._ortvalue(flat[where[p.weight] + p.start:where[p.weight] + p.stop])
-                for p in self.pieces if p.name != p.weight}
+    def _weight_views(self, flat: np.ndarray) -> dict[str, ort.OrtValue]:
+        """One OrtValue per trained weight, viewing its part of ``flat``."""
+        return {w: self._ortvalue(flat[o:o + int(np.prod(self.shapes[w]))].reshape(self.shapes[w]))
+                for w, o in self.offsets.items()}
 
     def accumulate_on_host(self, reset: bool) -> None:
         """Add this micro-batch's (all-reduced) gradients into the accumulation buffers."""
@@ -208,17 +189,22 @@ class Engine:
         return binding
 
     def _optimizer_binding(self, parity: int) -> ort.IOBinding:
-        binding = self._bind_weights(self.optimizer, parity)
+        """Read weights and states of set ``parity``, write set ``1 - parity``, segment by segment."""
+        binding = self.optimizer.io_binding()
         binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
         binding.bind_output(GRAD_NORM, "cpu")
-        inputs = {i.name for i in self.optimizer.get_inputs()}
-        for name, grad in self._optimizer_grads.items():
-            if name in inputs:
-                binding.bind_ortvalue_input(name, grad)
-        outputs = {o.name for o in self.optimizer.get_outputs()}
-        for name, value in self.buffers[1 - parity].items():
-            if name + OUT_SUFFIX in outputs:  # under ZeRO only this rank's shard is written
-                binding.bind_ortvalue_output(name + OUT_SUFFIX, value)
+        binding.bind_ortvalue_input(GRADIENTS_INPUT, self._ortvalue(self.accumulated_flat))
+        read, write = self.weights_flat[parity], self.weights_flat[1 - parity]
+        for seg in self.segments:
+            a, b = seg.start, seg.stop
+            binding.bind_ortvalue_input(seg.name, self._ortvalue(read[a:b]))
+            binding.bind_ortvalue_input(seg.name + GRAD_SUFFIX, self._ortvalue(self.accumulated_flat[a:b]))
+            binding.bind_ortvalue_output(seg.name + OUT_SUFFIX, self._ortvalue(write[a:b]))
+            for state in self.state_names:
+                lo, hi = a - self.begin, b - self.begin
+                binding.bind_ortvalue_input(f"{seg.name}.{state}", self._ortvalue(self.states_flat[parity][state][lo:hi]))
+                binding.bind_ortvalue_output(f"{seg.name}.{state}{OUT_SUFFIX}",
+                                             self._ortvalue(self.states_flat[1 - parity][state][lo:hi]))
         return binding
 
     # ---- steps ------------------------------------------------------------------------------
@@ -251,7 +237,7 @@ class Engine:
         return self._run(sessions.eval, binding, sessions.eval_inputs, feeds)
 
     def optimizer_step(self, learning_rates: list[float], step: int, grad_scale: float = 1.0) -> StepResult:
-        """Apply the update (skipped in-graph when a gradient is not finite) and swap buffers.
+        """Compute the update into the other buffer set, and switch to it when the gradients are finite.
 
         Args:
             learning_rates: one per parameter group.
@@ -268,9 +254,10 @@ class Engine:
         binding.bind_output(ALL_FINITE, "cpu")
         binding.bind_output(GRAD_NORM, "cpu")
         self.optimizer.run_with_iobinding(binding)
-        all_finite, norm = binding.get_outputs()[:2]
-        self.parity = 1 - self.parity
-        return StepResult(bool(all_finite.numpy()), float(norm.numpy()))
+        all_finite, norm = (bool(binding.get_outputs()[0].numpy()), float(binding.get_outputs()[1].numpy()))
+        if all_finite:  # keep the update; otherwise the old weights and states stay current
+            self.parity = 1 - self.parity
+        return StepResult(all_finite, norm)
 
     def _require_sessions(self) -> _SessionSet:
         if self._current is None:
@@ -291,28 +278,41 @@ class Engine:
     # ---- state access -----------------------------------------------------------------------
     def weights(self) -> dict[str, np.ndarray]:
         """Copies of the current value of every weight (trained and fixed)."""
-        current = self.buffers[self.parity]
-        out = {n: v.numpy().copy() for n, v in self.fixed.items()}
-        out.update({n: current[n].numpy().copy() for n in self.trained})
+        current = self.weights_flat[self.parity]
+        out = {n: v.copy() for n, v in self.fixed_arrays.items()}
+        out.update({w: current[o:o + int(np.prod(self.shapes[w]))].reshape(self.shapes[w]).copy()
+                    for w, o in self.offsets.items()})
         return out
 
-    def optimizer_states(self) -> dict[str, dict[str, np.ndarray]]:
-        """``{weight: {state: value}}`` copies of the current optimizer states of the updated weights."""
-        current = self.buffers[self.parity]
-        return {w: {s: current[f"{w}.{s}"].numpy().copy() for s in self.state_names} for w in self.updated}
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The current optimizer states as flat arrays over ``[begin, end)`` of the layout (no copy)."""
+        return self.states_flat[self.parity]
+
+    def optimizer_states(self, full: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
+        """``{weight: {state: value}}`` copies, from ``full`` (whole-layout arrays) or this process's range.
+
+        Without ``full`` only the weights inside ``[begin, end)`` are returned (all of them without ZeRO).
+        """
+        source, base = (full, 0) if full is not None else (self.states_flat[self.parity], self.begin)
+        out = {}
+        for w, o in self.offsets.items():
+            size = int(np.prod(self.shapes[w]))
+            if full is None and not (self.begin <= o and o + size <= self.end):
+                continue
+            out[w] = {s: source[s][o - base:o - base + size].reshape(self.shapes[w]).copy() for s in self.state_names}
+        return out
 
     def load_optimizer_states(self, states: dict[str, dict[str, np.ndarray]]) -> None:
-        """Overwrite optimizer states from whole-weight values (sliced for ZeRO pieces)."""
-        current = self.buffers[self.parity]
-        for piece in self.pieces or [None]:
-            for weight in ([piece.weight] if piece else self.trained):
-                if weight not in states:
-                    continue
-                for state, value in states[weight].items():
-                    value = np.asarray(value, dtype=np.float32)
-                    if piece is not None:
-                        value = value.ravel()[piece.start:piece.stop].reshape(piece.shape)
-                    current[f"{piece.name if piece else weight}.{state}"].update_inplace(np.ascontiguousarray(value))
+        """Overwrite optimizer states from whole-weight values (the part inside ``[begin, end)``)."""
+        current = self.states_flat[self.parity]
+        for w, values in states.items():
+            o = self.offsets[w]
+            lo, hi = max(o, self.begin), min(o + int(np.prod(self.shapes[w])), self.end)
+            if lo >= hi:
+                continue
+            for state, value in values.items():
+                flat = np.asarray(value, dtype=np.float32).ravel()
+                current[state][lo - self.begin:hi - self.begin] = flat[lo - o:hi - o]
 
     def accumulated_values(self) -> dict[str, np.ndarray]:
         """Copies of the gradients accumulated so far in the current window."""
@@ -326,5 +326,8 @@ class Engine:
     def load_weights(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite weights in place (names must exist; shapes must match)."""
         for name, value in values.items():
-            target = self.buffers[self.parity].get(name) if name in self.trained else self.fixed[name]
-            target.update_inplace(np.ascontiguousarray(value, dtype=self._dtypes[name]))
+            if name in self.offsets:
+                o = self.offsets[name]
+                self.weights_flat[self.parity][o:o + int(np.prod(self.shapes[name]))] = np.asarray(value).ravel()
+            else:
+                np.copyto(self.fixed_arrays[name], np.asarray(value, dtype=self._dtypes[name]))

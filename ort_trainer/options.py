@@ -54,6 +54,8 @@ def _check_device(value: str) -> str | None:
             f"(available: {ort.get_available_providers()}); install the CUDA build with "
             "`pip install -e .[cuda]` (it replaces onnxruntime-training-cpu) or use device.id='cpu'"
         )
+    if value.startswith("cuda"):
+        return f"{value!r}: training on CUDA is not supported yet by this version of ort_trainer; use 'cpu'"
     return None
 
 

@@ -148,9 +148,12 @@ class ORTTrainer(_StateMixin):
         self._graphs = graphs
         self._sample_inputs = list(sample_inputs)
         trained = graphs.meta["trained"]
-        pieces = self._zero_shard(trained, graphs.meta["weights"])
+        dist = self.options.distributed
+        spec = build_optimizer(self._job, graphs.meta, dist.world_size, dist.world_rank,
+                               zero=dist.deepspeed_zero_optimization.stage == 1)
+        self._zero_counts = spec.counts
         self._engine = Engine(
-            optimizer_graph=build_optimizer(self._job, graphs.meta, pieces),
+            optimizer_graph=spec.graph,
             graph_provider=self._graphs_for,
             weights=initial_weights(self.model, graphs.meta),
             trained=trained,
@@ -161,7 +164,7 @@ class ORTTrainer(_StateMixin):
             provider_options=self.options.provider_options,
             mem_limit=self.options.device.mem_limit,
             deterministic=self.options.debug.deterministic_compute,
-            pieces=pieces,
+            optimizer_spec=spec,
             host_accumulation=self._host_accumulation,
             intra_op_threads=distributed.intra_op_threads(),
             buffer_updates=graphs.meta.get("buffer_updates", {}),
@@ -176,16 +179,6 @@ class ORTTrainer(_StateMixin):
         if self._pending_optimizer:
             self._engine.load_optimizer_states(self._pending_optimizer)
             self._pending_optimizer = {}
-
-    def _zero_shard(self, trained: list[str], weights: dict) -> list | None:
-        """With ZeRO stage 1, the pieces of the trained weights this rank updates (None: all)."""
-        if self._comm is None or self.options.distributed.deepspeed_zero_optimization.stage == 0:
-            return None
-        pieces, self._zero_counts = distributed.zero_pieces(
-            trained, {w: tuple(weights[w][0]) for w in trained}, self._comm.size, self._comm.rank,
-            whole_tensors=isinstance(self.optim_config, LambConfig),
-        )
-        return pieces
 
     def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """Gradient and eval graphs for a shape signature (None: the symbolic graphs).
@@ -329,7 +322,7 @@ class ORTTrainer(_StateMixin):
         """The optimizer step at an accumulation boundary, and the counters it moves."""
         info = self._train_step_info
         result = engine.optimizer_step(self._learning_rates(), info.optimization_step + 1, grad_scale)
-        if self._zero_counts is not None:  # each rank updated its shard: share them
+        if self._zero_counts is not None and result.all_finite:  # each rank updated its range: share them
             self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts)
         info.all_finite = result.all_finite
         if result.all_finite:

@@ -56,7 +56,7 @@ if args.save:
     trainer.save_checkpoint(args.save, user_dict={"next_step": start + args.steps * args.accumulation})
 state = trainer.state_dict()
 np.savez(args.out / f"weights_rank{ctx.world_rank}.npz", **state["model"]["full_precision"])
-local_states = sum(v.size for entry in trainer._engine.optimizer_states().values() for v in entry.values())
+local_states = sum(a.size for a in trainer._engine.state_arrays().values())
 (args.out / f"facts_rank{ctx.world_rank}.json").write_text(json.dumps({
     "rank": ctx.world_rank, "size": ctx.world_size, "local_rank": ctx.local_rank, "threads": ctx.threads,
     "optimization_step": trainer._train_step_info.optimization_step, "local_optimizer_state_elements": int(local_states),

@@ -14,17 +14,21 @@ def test_buffers_live_across_steps_and_outputs_are_not_overwritten():
     first_loss, first_logits = trainer.train_step(*mlp_batch(gen))
     kept_logits = first_logits.clone()
     engine = trainer._engine
-    pointers = {(p, name): value.data_ptr() for p in (0, 1) for name, value in engine.buffers[p].items()}
-    grad_pointers = {name: value.data_ptr() for name, value in engine.grads.items()}
-    assert set(name for _, name in pointers) == {
-        f"{w}{suffix}" for w in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
-        for suffix in ("", ".Moment_1", ".Moment_2")
-    }
-    assert engine.buffers[0]["fc1.weight"].data_ptr() != engine.buffers[1]["fc1.weight"].data_ptr()
+
+    def pointers():
+        arrays = [*engine.weights_flat, engine.grads_flat, *(a for p in (0, 1) for a in engine.states_flat[p].values())]
+        views = [v.data_ptr() for p in (0, 1) for v in engine.buffers[p].values()]
+        return [a.ctypes.data for a in arrays] + views + [v.data_ptr() for v in engine.grads.values()]
+
+    before = pointers()
+    assert set(engine.buffers[0]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert set(engine.states_flat[0]) == {"Moment_1", "Moment_2"}
+    assert engine.weights_flat[0].ctypes.data != engine.weights_flat[1].ctypes.data
+    # every weight is a view into the flat array of its parity, laid out back to back
+    assert engine.buffers[0]["fc1.bias"].data_ptr() == engine.weights_flat[0].ctypes.data + 4 * engine.offsets["fc1.bias"]
     for _ in range(4):
         trainer.train_step(*mlp_batch(gen))
-    assert {(p, n): v.data_ptr() for p in (0, 1) for n, v in engine.buffers[p].items()} == pointers
-    assert {n: v.data_ptr() for n, v in engine.grads.items()} == grad_pointers
+    assert pointers() == before
     torch.testing.assert_close(first_logits, kept_logits, rtol=0, atol=0)
     assert engine.parity == 1  # five updates: the double buffers swapped five times
 

@@ -1,14 +1,22 @@
 """Stage 4: the optimizer graph — clipping, the all-finite gate and the SGD/Adam/Lamb update.
 
 The update is plain ONNX arithmetic, so every hyper-parameter can differ per parameter group and
-the formulas are exactly those of api.md section 4. Inputs per trained weight ``w``: ``w``,
-``w_grad`` and its optimizer states (``w.Moment_1``, ``w.Moment_2``); shared inputs: one
-learning rate per group (``lr.group<i>``), ``step``, the 1-based update count ``t``, and
-``grad_scale``, the factor that turns the buffered gradients into the averaged, unscaled
-gradient (``1 / (loss_scale · accumulation_steps · ranks)``). Outputs: ``<input>.out`` for the
-weight and each state, ``all_finite`` and ``global_gradient_norm`` (of the averaged gradient).
+the formulas are exactly those of api.md section 4.
 
-When any gradient is not finite, every output equals its input: the update is skipped.
+The graph works on *segments*: 1-D views into the engine's flat buffers, where the trained
+weights are laid out group by group (``layout_order``). With SGD and Adam a segment is a whole
+run of same-group weights, so a model with a few hundred tensors is updated by a few dozen
+elementwise nodes; Lamb needs per-tensor norms, so each of its segments is one tensor. Inputs:
+``gradients`` (the whole flat gradient buffer, for the global norm), per segment ``<seg>``,
+``<seg>_grad`` and its states ``<seg>.Moment_1``/``<seg>.Moment_2``; one learning rate per
+group (``lr.group<i>``), ``step`` (the 1-based update count ``t``) and ``grad_scale`` (turns the
+buffered gradients into the averaged, unscaled gradient: ``1 / (loss_scale · accumulation_steps ·
+ranks)``). Outputs: ``<input>.out`` for each segment and state, ``all_finite`` and
+``global_gradient_norm`` (of the averaged gradient).
+
+The graph always computes the update; the engine keeps it only when ``all_finite`` is true (it
+writes into the second set of buffers and simply does not swap to them otherwise), so skipping a
+non-finite step costs nothing inside the graph.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from .gradient import GRAD_SUFFIX
 
 OUT_SUFFIX = ".out"
 STEP_INPUT = "step"
+GRADIENTS_INPUT = "gradients"
 GRAD_SCALE_INPUT = "grad_scale"
 ALL_FINITE = "all_finite"
 GRAD_NORM = "global_gradient_norm"
@@ -78,6 +87,7 @@ class _Builder:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._count = 0
+        self._renames: dict[str, str] = {}
 
     def op(self, op_type: str, *inputs: str, **attrs) -> str:
         self._count += 1
@@ -92,71 +102,109 @@ class _Builder:
         return name
 
     def output(self, source: str, name: str) -> None:
-        self.nodes.append(helper.make_node("Identity", [source], [name], name=f"{name}_identity"))
+        """Make ``source`` a graph output called ``name`` (applied by ``finish``)."""
+        self._renames[source] = name
+
+    def finish(self) -> list[onnx.NodeProto]:
+        """The nodes, with each output-producing node writing its graph output directly (no copy)."""
+        for source, name in self._renames.items():
+            producer = next((n for n in self.nodes if source in n.output), None)
+            if producer is None:  # a graph input: copy it
+                self.nodes.append(helper.make_node("Identity", [source], [name], name=f"{name}_identity"))
+                continue
+            producer.output[list(producer.output).index(source)] = name
+            for node in self.nodes:
+                for i, value in enumerate(node.input):
+                    if value == source:
+                        node.input[i] = name
+        return self.nodes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous range ``[start, stop)`` of the flat weight layout, updated with one group's settings."""
+
+    name: str
+    group: int
+    start: int
+    stop: int
+
+
+def layout_order(trained: list[str], group_of: dict[str, int]) -> list[str]:
+    """The flat layout of the trained weights: group by group, in model order within a group."""
+    return sorted(trained, key=lambda w: group_of[w])
+
+
+def make_segments(layout: list[str], sizes: dict[str, int], group_of: dict[str, int], whole_tensors: bool,
+                  begin: int = 0, end: int | None = None) -> list[Segment]:
+    """Segments covering ``[begin, end)`` of the layout: one per tensor, or per same-group run."""
+    end = sum(sizes[w] for w in layout) if end is None else end
+    runs: list[list] = []  # [group, start, stop, name]
+    offset = 0
+    for w in layout:
+        start, stop = offset, offset + sizes[w]
+        offset = stop
+        if whole_tensors or not runs or runs[-1][0] != group_of[w]:
+            runs.append([group_of[w], start, stop, w])
+        else:
+            runs[-1][2] = stop
+    segments = []
+    for group, start, stop, first in runs:
+        start, stop = max(start, begin), min(stop, end)
+        if start < stop:
+            name = first if whole_tensors else f"group{group}[{start}:{stop}]"
+            segments.append(Segment(name, group, start, stop))
+    return segments
 
 
 def build_optimizer_graph(
-    config: _OptimizerConfig, opt_plan: OptimizerPlan, shapes: dict[str, list], clip: bool,
-    norm_weights: list[str] | None = None,
+    config: _OptimizerConfig, groups: list[dict], segments: list[Segment], total: int, clip: bool,
 ) -> onnx.ModelProto:
-    """Build the optimizer step for ``opt_plan.weights`` (all float32) as an ONNX model.
+    """Build the optimizer step over ``segments`` of a flat float32 layout of ``total`` elements.
 
     Args:
         config: the optimizer configuration.
-        opt_plan: the weights this graph updates, and their groups. Under ZeRO these may be
-            pieces of weights (``"w[0:320]"``, 1-D), each with its own shape in ``shapes``.
-        shapes: weight (or piece) name -> shape (symbolic-free).
+        groups: resolved hyper-parameters per group (group 0: the config's defaults).
+        segments: what this graph updates (under ZeRO, the rank's share of the layout).
+        total: size of the whole flat layout; the global norm and the all-finite check read all
+            of it, so clipping and skipping agree on every rank.
         clip: clip the global gradient norm to ``config.max_norm_clip`` (ignored for SGD).
-        norm_weights: weights whose gradients make up the global norm and the all-finite check
-            (default: ``opt_plan.weights``). Under ZeRO a rank updates a shard of the weights but
-            still reads every gradient, so clipping and skipping agree on all ranks.
     """
-    norm_weights = list(opt_plan.weights if norm_weights is None else norm_weights)
     b = _Builder()
     f32 = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info(STEP_INPUT, f32, []), helper.make_tensor_value_info(GRAD_SCALE_INPUT, f32, [])]
-    inputs += [helper.make_tensor_value_info(lr_input(g), f32, []) for g in range(len(opt_plan.groups))]
+    inputs = [helper.make_tensor_value_info(name, f32, []) for name in (STEP_INPUT, GRAD_SCALE_INPUT)]
+    inputs += [helper.make_tensor_value_info(lr_input(g), f32, []) for g in range(len(groups))]
+    inputs.append(helper.make_tensor_value_info(GRADIENTS_INPUT, f32, [total]))
     outputs = []
     states = state_names(config)
-    declared: set[str] = set()
-
-    def declare(name: str, shape: list) -> None:
-        if name not in declared:
-            declared.add(name)
-            inputs.append(helper.make_tensor_value_info(name, f32, shape))
-
-    for w in norm_weights:
-        declare(w + GRAD_SUFFIX, shapes[w])
-    for w in opt_plan.weights:
-        for name in [w, w + GRAD_SUFFIX, *(f"{w}.{s}" for s in states)]:
-            declare(name, shapes[w])
-    # Global norm and finiteness, from the raw buffers: grad_scale is folded into the norm and
+    for seg in segments:
+        for name in [seg.name, seg.name + GRAD_SUFFIX, *(f"{seg.name}.{s}" for s in states)]:
+            inputs.append(helper.make_tensor_value_info(name, f32, [seg.stop - seg.start]))
+    # Global norm and finiteness from the raw buffer: grad_scale is folded into the norm and
     # into the one multiplier each gradient gets, so the scaling costs no extra pass.
-    squares = [b.op("ReduceSumSquare", w + GRAD_SUFFIX, keepdims=0) for w in norm_weights]
-    total = b.op("Sum", *squares) if len(squares) > 1 else squares[0]
-    norm = b.op("Mul", b.op("Sqrt", total), GRAD_SCALE_INPUT)
+    norm = b.op("Mul", b.op("Sqrt", b.op("ReduceSumSquare", GRADIENTS_INPUT, keepdims=0)), GRAD_SCALE_INPUT)
     # NaN or inf in any gradient makes the sum of squares NaN or inf
     all_finite = b.op("Not", b.op("Or", b.op("IsNaN", norm), b.op("IsInf", norm)))
     b.output(norm, GRAD_NORM)
     b.output(all_finite, ALL_FINITE)
-    outputs += [helper.make_tensor_value_info(GRAD_NORM, f32, []), helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, [])]
+    outputs += [helper.make_tensor_value_info(GRAD_NORM, f32, []),
+                helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, [])]
 
     scale = GRAD_SCALE_INPUT
     if clip and not isinstance(config, SGDConfig):
         ratio = b.op("Div", b.const(config.max_norm_clip), b.op("Add", norm, b.const(_CLIP_EPS)))
         scale = b.op("Mul", b.op("Min", ratio, b.const(1.0)), GRAD_SCALE_INPUT)
 
-    group_scalars = [_group_scalars(b, config, hp, g) for g, hp in enumerate(opt_plan.groups)]
-    for w in opt_plan.weights:
-        g_index = opt_plan.group_of[w]
-        grad = b.op("Mul", w + GRAD_SUFFIX, scale)
-        new_values = _update(b, config, opt_plan.groups[g_index], group_scalars[g_index], w, grad)
-        for name, new in zip([w, *(f"{w}.{s}" for s in states)], new_values):
-            gated = b.op("Where", all_finite, new, name)
-            b.output(gated, name + OUT_SUFFIX)
-            outputs.append(helper.make_tensor_value_info(name + OUT_SUFFIX, f32, shapes[w]))
+    used_groups = sorted({seg.group for seg in segments})
+    group_scalars = {g: _group_scalars(b, config, groups[g], g) for g in used_groups}
+    for seg in segments:
+        grad = b.op("Mul", seg.name + GRAD_SUFFIX, scale)
+        new_values = _update(b, config, groups[seg.group], group_scalars[seg.group], seg.name, grad)
+        for name, new in zip([seg.name, *(f"{seg.name}.{s}" for s in states)], new_values):
+            b.output(new, name + OUT_SUFFIX)
+            outputs.append(helper.make_tensor_value_info(name + OUT_SUFFIX, f32, [seg.stop - seg.start]))
 
-    graph = helper.make_graph(b.nodes, "ort_trainer_optimizer", inputs, outputs, b.initializers)
+    graph = helper.make_graph(b.finish(), "ort_trainer_optimizer", inputs, outputs, b.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="ort_trainer")
     model.ir_version = 8
     return model

@@ -18,13 +18,13 @@ from onnx import numpy_helper
 
 from .._logging import logger
 from ..model_desc import ModelDescription
-from ..optim.config import _OptimizerConfig
+from ..optim.config import LambConfig, _OptimizerConfig
 from . import cache as graph_cache
 from .buffers import expose_running_statistics
 from .export import export_order, export_torch
 from .gradient import (add_gradient_accumulation, build_eval_graph, build_gradient_graph, specialize,
                        weights_to_inputs)
-from .optimizer import build_optimizer_graph, plan
+from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
 from .trainable import make_trainable
 
 
@@ -154,30 +154,77 @@ def build_training_graphs(
     return TrainingGraphs(gradient, eval_model, meta)
 
 
-def build_optimizer(job: GraphJob, meta: dict, pieces: list | None = None) -> onnx.ModelProto:
-    """The optimizer graph for ``job`` (fast to build, so never cached).
+@dataclass
+class OptimizerSpec:
+    """The optimizer graph and the flat layout it works on.
+
+    Attributes:
+        graph: the optimizer step (``graph.optimizer.build_optimizer_graph``).
+        layout: trained weights in flat-buffer order (group by group).
+        segments: what this process updates.
+        begin, end: the layout range this process updates (all of it without ZeRO).
+        counts: elements each rank updates (ZeRO), else None.
+    """
+
+    graph: onnx.ModelProto
+    layout: list[str]
+    segments: list[Segment]
+    begin: int
+    end: int
+    counts: list[int] | None
+
+
+def build_optimizer(job: GraphJob, meta: dict, world_size: int = 1, rank: int = 0,
+                    zero: bool = False) -> OptimizerSpec:
+    """The optimizer graph for ``job`` (milliseconds to build, so never cached).
 
     Args:
         job: the job (optimizer config, frozen weights, clipping).
         meta: ``TrainingGraphs.meta`` of the gradient graph it follows.
-        pieces: what this process updates (``distributed.Piece``s of a ZeRO shard); None: every
-            trained weight, whole.
+        world_size, rank, zero: with ZeRO stage 1 this rank updates only its share of the layout.
 
     Raises:
         ValueError: when a parameter group or ``utils.frozen_weights`` names an unknown weight.
     """
     trained = meta["trained"]
     opt_plan = plan(job.optim_config, trained, job.frozen_weights, list(meta["weights"]))
-    shapes = {w: meta["weights"][w][0] for w in trained}
-    if pieces is not None:
-        for piece in pieces:
-            shapes[piece.name] = list(piece.shape)
-            opt_plan.group_of[piece.name] = opt_plan.group_of[piece.weight]
-        opt_plan.weights = [piece.name for piece in pieces]
-    optimizer = build_optimizer_graph(job.optim_config, opt_plan, shapes, job.grad_norm_clip, norm_weights=trained)
+    layout = layout_order(trained, opt_plan.group_of)
+    sizes = {w: int(np.prod(meta["weights"][w][0])) for w in trained}
+    total = sum(sizes.values())
+    whole_tensors = isinstance(job.optim_config, LambConfig)  # the trust ratio needs whole-tensor norms
+    begin, end, counts = 0, total, None
+    if zero and world_size > 1:
+        ranges = zero_ranges([sizes[w] for w in layout], world_size, whole_tensors)
+        counts = [b - a for a, b in ranges]
+        begin, end = ranges[rank]
+    segments = make_segments(layout, sizes, opt_plan.group_of, whole_tensors, begin, end)
+    graph = build_optimizer_graph(job.optim_config, opt_plan.groups, segments, total, job.grad_norm_clip)
     if job.save_paths.get("model_with_training_graph_path"):
-        onnx.save(optimizer, job.save_paths["model_with_training_graph_path"])
-    return optimizer
+        onnx.save(graph, job.save_paths["model_with_training_graph_path"])
+    return OptimizerSpec(graph, layout, segments, begin, end, counts)
+
+
+def zero_ranges(sizes: list[int], world_size: int, whole_tensors: bool) -> list[tuple[int, int]]:
+    """Each rank's ``[begin, end)`` of a flat layout of tensors with these sizes.
+
+    Equal element counts; with ``whole_tensors`` the boundaries fall between tensors instead,
+    as evenly as they can.
+    """
+    total = sum(sizes)
+    if not whole_tensors:
+        edges = [total * r // world_size for r in range(world_size + 1)]
+        return list(zip(edges[:-1], edges[1:]))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    ranges, start, running = [], 0, 0
+    for r in range(world_size):
+        target = total * (r + 1) / world_size
+        stop = start
+        while stop < len(sizes) and (r == world_size - 1 or running + sizes[stop] / 2 <= target):
+            running += sizes[stop]
+            stop += 1
+        ranges.append((int(offsets[start]), int(offsets[stop])))
+        start = stop
+    return ranges
 
 
 def _value_info(value_info: onnx.ValueInfoProto) -> list:
@@ -241,5 +288,5 @@ def initial_weights(
     return out
 
 
-__all__ = ["GraphJob", "TrainingGraphs", "build_optimizer", "build_training_graphs", "export_order",
-           "initial_weights"]
+__all__ = ["GraphJob", "OptimizerSpec", "TrainingGraphs", "build_optimizer", "build_training_graphs",
+           "export_order", "initial_weights", "zero_ranges"]
