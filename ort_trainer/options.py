@@ -136,6 +136,22 @@ _SCHEMA: dict[str, _Field] = {
         _check_callable,
     ),
     "_internal_use.onnx_opset_version": _Field(_INT, 17, "ONNX opset of the export", _in_range(14, 20)),
+    "graph_optimizations.shape_specialization": _Field(
+        _BOOL, True, "build static-shape graphs for the first input-shape signatures seen (see max_shape_graphs)"
+    ),
+    "graph_optimizations.max_shape_graphs": _Field(
+        _INT, 4, "at most this many shape-specialised graph sets; further shapes use the symbolic graph",
+        _at_least(1),
+    ),
+    "graph_optimizations.cross_entropy": _Field(
+        _BOOL, True, "SoftmaxCrossEntropyLoss as LogSoftmax + GatherElements, with an elementwise LogSoftmax gradient"
+    ),
+    "graph_optimizations.embedding_gradient": _Field(
+        _BOOL, True, "embedding (2-D Gather) gradients as one ScatterElements(add) instead of GatherGrad"
+    ),
+    "graph_optimizations.fast_gelu_gradient": _Field(
+        _BOOL, True, "tanh-GELU gradient in elementwise operators instead of the FastGeluGrad kernel"
+    ),
     "session_options": _Field(
         _ANY, None, "an onnxruntime.SessionOptions for the trainer's sessions, or None",
         lambda v: None if v is None or isinstance(v, ort.SessionOptions)

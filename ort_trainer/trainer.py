@@ -21,6 +21,7 @@ from ._logging import logger
 from ._state import _StateMixin
 from .distributed import Communicator
 from .engine import Engine
+from .graph import rewrites
 from .graph.gradient import build_inference_graph
 from .graph.optimizer import state_names
 from .graph.pipeline import GraphJob, TrainingGraphs, build_optimizer, build_training_graphs, initial_weights
@@ -108,6 +109,7 @@ class ORTTrainer(_StateMixin):
             save_paths=dict(opts.debug.graph_save_paths),
             accumulate=opts.batch.gradient_accumulation_steps > 1 and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
+            passes={name: opts.graph_optimizations[name] for name in rewrites.FORWARD_PASSES + rewrites.GRADIENT_PASSES},
         )
         dist = opts.distributed
         self._comm = Communicator(dist.world_size, dist.world_rank) if dist.world_size > 1 else None

@@ -20,6 +20,7 @@ from .._logging import logger
 from ..model_desc import ModelDescription
 from ..optim.config import LambConfig, _OptimizerConfig
 from . import cache as graph_cache
+from . import rewrites
 from .buffers import expose_running_statistics
 from .export import export_order, export_torch
 from .gradient import (add_gradient_accumulation, build_eval_graph, build_gradient_graph, specialize,
@@ -67,6 +68,7 @@ class GraphJob:
     extra_postprocess: Callable | None
     save_paths: dict[str, str]
     accumulate: bool = False
+    passes: dict = None  # graph_optimizations flags: {pass name: enabled}
 
     def cache_key(self, input_dtypes: dict[str, str], dims: dict[str, int] | None) -> str:
         """Hash of everything that determines the graphs."""
@@ -85,6 +87,7 @@ class GraphJob:
                 "extra_postprocess": graph_cache.fingerprint_callable(self.extra_postprocess),
                 "dims": sorted((dims or {}).items()),
                 "accumulate": self.accumulate,
+                "passes": sorted((self.passes or {}).items()),
             }
         )
 
@@ -132,6 +135,9 @@ def build_training_graphs(
     buffer_updates = expose_running_statistics(forward, set(all_weights) - set(trainable))
     gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, job.desc.output_names,
                                              list(buffer_updates.values()))
+    rewritten = rewrites.apply_gradient_passes(gradient, job.passes or {},
+                                               {w: len(info[0]) for w, info in weight_info.items()})
+    logger.debug("gradient graph rewrites: %s", rewritten)
     skipped = [w for w in trainable if w not in trained]
     if skipped:
         logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
@@ -249,6 +255,8 @@ def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[
         returned = job.extra_postprocess(forward)
         if isinstance(returned, onnx.ModelProto):
             forward = returned
+    if (job.passes or {}).get("cross_entropy"):
+        rewrites.cross_entropy_forward(forward)
     return forward, torch_keys, trainable
 
 
