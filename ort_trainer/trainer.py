@@ -123,6 +123,8 @@ class ORTTrainer(_StateMixin):
         self._graphs: TrainingGraphs | None = None
         self._engine: Engine | None = None
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
+        self._specialised: set[tuple] = set()  # shape signatures that have static-shape graphs
+        self._fallback_logged = False
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         if all(d.dtype is not None for d in self.model_desc.inputs):
             self._build(self._synthetic_inputs())
@@ -190,17 +192,32 @@ class ORTTrainer(_StateMixin):
         """
         if signature is None:
             return self._graphs.gradient, self._graphs.eval
-        graphs = build_training_graphs(self._job, self._sample_inputs, dims=dict(signature))
+        graphs = build_training_graphs(self._job, self._sample_inputs, dims=dict(signature),
+                                       forward=self._graphs.forward)
         if graphs.meta["trained"] != self._graphs.meta["trained"]:
             raise RuntimeError("a shape-specialised graph trains different weights than the symbolic graph")
         return graphs.gradient, graphs.eval
 
     def _signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
-        """The shape signature whose graphs run these inputs.
+        """The shape signature whose graphs run these inputs (None: the symbolic graph).
 
-        Every shape runs on the symbolic graph for now; specialising hot shapes is the
-        performance work's policy to add here (it must bound how many graphs it builds).
+        With ``graph_optimizations.shape_specialization`` the first ``max_shape_graphs`` distinct
+        signatures each get static-shape graphs (ONNX Runtime plans memory and picks kernels for
+        the exact shapes); any later new signature runs on the symbolic graph, so a job with many
+        sequence lengths builds a bounded number of graphs.
         """
+        opts = self.options.graph_optimizations
+        signature = self._symbol_sizes(feeds)
+        if not opts.shape_specialization or not signature:
+            return None
+        if signature in self._specialised:
+            return signature
+        if len(self._specialised) < opts.max_shape_graphs:
+            self._specialised.add(signature)
+            return signature
+        if not self._fallback_logged:
+            logger.info("more than %d input-shape signatures: new ones run on the symbolic graph", opts.max_shape_graphs)
+            self._fallback_logged = True
         return None
 
     def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:

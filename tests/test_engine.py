@@ -1,5 +1,6 @@
 """The engine keeps weights, gradients and optimizer state in ONNX Runtime buffers across steps."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,25 +34,30 @@ def test_buffers_live_across_steps_and_outputs_are_not_overwritten():
     assert engine.parity == 1  # five updates: the double buffers swapped five times
 
 
-def test_graphs_can_be_specialised_per_shape_signature(monkeypatch):
-    """The engine runs per-signature graphs with static shapes; they compute the same losses."""
+def test_shape_specialisation_is_bounded_and_computes_the_same():
+    """Static-shape graphs for the first max_shape_graphs shapes, the symbolic graph after that."""
     from models import ENCODER_DESC, TinyEncoder, clone, mlm_batch, mlm_loss
 
     from ort_trainer.optim import SGDConfig
 
     model = TinyEncoder()
-    symbolic = ORTTrainer(clone(model), ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss)
-    specialised = ORTTrainer(model, ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss)
-    monkeypatch.setattr(specialised, "_signature", specialised._symbol_sizes)
+    symbolic = ORTTrainer(clone(model), ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss,
+                          options={"graph_optimizations": {"shape_specialization": False}})
+    specialised = ORTTrainer(model, ENCODER_DESC, SGDConfig(lr=0.05), loss_fn=mlm_loss,
+                             options={"graph_optimizations": {"max_shape_graphs": 2}})
     gen = torch.Generator().manual_seed(0)
-    for batch, seq in [(2, 6), (3, 9), (2, 6)]:
+    for batch, seq in [(2, 6), (3, 9), (2, 6), (4, 5), (3, 9)]:
         ids, labels = mlm_batch(gen, batch, seq)
         expected = symbolic.train_step(ids, labels)[0].item()
         assert specialised.train_step(ids, labels)[0].item() == pytest.approx(expected, rel=1e-5)
     engine = specialised._engine
-    assert set(engine._session_sets) == {(("batch", 2), ("seq", 6)), (("batch", 3), ("seq", 9))}
+    assert set(engine._session_sets) == {(("batch", 2), ("seq", 6)), (("batch", 3), ("seq", 9)), None}
     session = engine._session_sets[(("batch", 3), ("seq", 9))].gradient
     assert [i.shape for i in session.get_inputs() if i.name == "ids"] == [[3, 9]]
+    assert set(symbolic._engine._session_sets) == {None}
+    for name, value in symbolic.state_dict()["model"]["full_precision"].items():
+        np.testing.assert_allclose(specialised.state_dict()["model"]["full_precision"][name], value,
+                                   rtol=1e-5, atol=1e-7)
 
 
 def test_building_the_graph_leaves_the_torch_model_and_rng_untouched():

@@ -52,6 +52,7 @@ class TrainingGraphs:
     eval: onnx.ModelProto
     meta: dict
     from_cache: bool = False
+    forward: tuple | None = None  # (forward graph, torch_keys, trainable) before specialisation; in memory only
 
 
 @dataclass
@@ -97,6 +98,7 @@ def build_training_graphs(
     sample_inputs: Sequence[np.ndarray],
     dims: dict[str, int] | None = None,
     graph_cache_store: graph_cache.GraphCache | None = None,
+    forward: tuple | None = None,
 ) -> TrainingGraphs:
     """Build (or load from the cache) the training graphs of ``job``.
 
@@ -107,6 +109,8 @@ def build_training_graphs(
         dims: concrete values of symbolic dimensions to specialise the graphs to (None: keep
             them symbolic).
         graph_cache_store: the cache (default: ``GraphCache()``).
+        forward: the forward graph an earlier build of the same job made (with
+            ``TrainingGraphs.forward``), to skip the export when specialising shapes.
     """
     store = graph_cache_store or graph_cache.GraphCache()
     input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
@@ -119,7 +123,11 @@ def build_training_graphs(
                     time.perf_counter() - started, store.root)
         return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True)
 
-    forward, torch_keys, trainable = _forward_graph(job, sample_inputs)
+    if forward is not None:  # reuse an earlier export of the same job
+        forward, torch_keys, trainable = copy.deepcopy(forward[0]), forward[1], list(forward[2])
+    else:
+        forward, torch_keys, trainable = _forward_graph(job, sample_inputs)
+    source = (copy.deepcopy(forward), torch_keys, list(trainable))
     all_weights = list(torch_keys)
     frozen = set(job.frozen_weights)
     trainable = [w for w in trainable if w not in frozen]
@@ -157,7 +165,7 @@ def build_training_graphs(
     entry = store.store(key, {"gradient": gradient, "eval": eval_model}, meta)
     logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
                 f"; cached in {entry}" if entry else "")
-    return TrainingGraphs(gradient, eval_model, meta)
+    return TrainingGraphs(gradient, eval_model, meta, forward=source)
 
 
 @dataclass
