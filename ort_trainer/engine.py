@@ -42,10 +42,13 @@ class _SessionSet:
     def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: onnx.ModelProto):
         self.gradient = engine._session(gradient)
         self.eval = engine._session(eval_model)
+        produced = {o.name for o in self.gradient.get_outputs()}
+        # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
+        self.output_names = [n for n in engine.output_names if n in produced]
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
         self.eval_inputs = {i.name for i in self.eval.get_inputs()}
         # get_outputs() lists outputs in first-binding order: the description's outputs go first
-        self.grad_bindings = [engine._bind_weights(self.gradient, p, bind_outputs=True) for p in (0, 1)]
+        self.grad_bindings = [engine._bind_weights(self.gradient, p, self.output_names) for p in (0, 1)]
         self.accumulates = RESET_INPUT in self.gradient_inputs
         for binding in self.grad_bindings:
             for w, buffer in engine.grads.items():
@@ -58,7 +61,7 @@ class _SessionSet:
             # reader of the old value is upstream of the node that writes the new one.
             for buffer_name, output in engine.buffer_updates.items():
                 binding.bind_ortvalue_output(output, engine.fixed[buffer_name])
-        self.eval_bindings = [engine._bind_weights(self.eval, p, bind_outputs=True) for p in (0, 1)]
+        self.eval_bindings = [engine._bind_weights(self.eval, p, self.output_names) for p in (0, 1)]
 
 
 class Engine:
@@ -177,11 +180,10 @@ class Engine:
         else:
             np.add(self.accumulated_flat, self.grads_flat, out=self.accumulated_flat)
 
-    def _bind_weights(self, session: ort.InferenceSession, parity: int, bind_outputs: bool = False) -> ort.IOBinding:
+    def _bind_weights(self, session: ort.InferenceSession, parity: int, outputs: list[str] = ()) -> ort.IOBinding:
         binding = session.io_binding()
-        if bind_outputs:
-            for name in self.output_names:
-                binding.bind_output(name, self.device_type, self.device_id)
+        for name in outputs:  # first: get_outputs() lists outputs in first-binding order
+            binding.bind_output(name, self.device_type, self.device_id)
         names = {i.name for i in session.get_inputs()}
         for name, value in [*self.fixed.items(), *self.buffers[parity].items()]:
             if name in names:
@@ -217,7 +219,7 @@ class Engine:
         self._current = sessions
 
     def forward_backward(self, feeds: dict[str, np.ndarray], loss_scale: float = 1.0,
-                         reset: bool = True) -> list[torch.Tensor]:
+                         reset: bool = True) -> dict[str, torch.Tensor]:
         """Run forward + backward; returns the outputs.
 
         Gradients of ``loss * loss_scale`` land in ``self.grads``: written over them, or with an
@@ -228,13 +230,13 @@ class Engine:
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
         if sessions.accumulates:
             extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
-        return self._run(sessions.gradient, binding, sessions.gradient_inputs, {**feeds, **extra})
+        return self._run(sessions.gradient, binding, sessions, {**feeds, **extra})
 
-    def evaluate(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
-        """Run the eval graph with the current weights. Returns the outputs."""
+    def evaluate(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Run the eval graph with the current weights. Returns the outputs by name."""
         sessions = self._require_sessions()
         binding = sessions.eval_bindings[self.parity]
-        return self._run(sessions.eval, binding, sessions.eval_inputs, feeds)
+        return self._run(sessions.eval, binding, sessions, feeds, inputs=sessions.eval_inputs)
 
     def optimizer_step(self, learning_rates: list[float], step: int, grad_scale: float = 1.0) -> StepResult:
         """Compute the update into the other buffer set, and switch to it when the gradients are finite.
@@ -264,16 +266,18 @@ class Engine:
             raise RuntimeError("Engine.select(signature) must be called before running a step")
         return self._current
 
-    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, accepted: set[str],
-             feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
+    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, sessions: _SessionSet,
+             feeds: dict[str, np.ndarray], inputs: set[str] | None = None) -> dict[str, torch.Tensor]:
+        accepted = sessions.gradient_inputs if inputs is None else inputs
         for name, value in feeds.items():
             if name in accepted:
                 binding.bind_cpu_input(name, value)
-        for name in self.output_names:  # fresh buffers: returned tensors must not be overwritten
+        for name in sessions.output_names:  # fresh buffers: returned tensors must not be overwritten
             binding.bind_output(name, self.device_type, self.device_id)
         session.run_with_iobinding(binding)
-        values = binding.get_outputs()[: len(self.output_names)]
-        return [torch.utils.dlpack.from_dlpack(v._ortvalue.to_dlpack()) for v in values]
+        values = binding.get_outputs()[: len(sessions.output_names)]
+        return {name: torch.utils.dlpack.from_dlpack(v._ortvalue.to_dlpack())
+                for name, v in zip(sessions.output_names, values)}
 
     # ---- state access -----------------------------------------------------------------------
     def weights(self) -> dict[str, np.ndarray]:

@@ -143,6 +143,9 @@ _SCHEMA: dict[str, _Field] = {
         _INT, 4, "at most this many shape-specialised graph sets; further shapes use the symbolic graph",
         _at_least(1),
     ),
+    "graph_optimizations.sparse_labels": _Field(
+        _BOOL, True, "when the logits are not fetched, project only the rows whose label is not ignored"
+    ),
     "graph_optimizations.cross_entropy": _Field(
         _BOOL, True, "SoftmaxCrossEntropyLoss as LogSoftmax + GatherElements, with an elementwise LogSoftmax gradient"
     ),

@@ -185,15 +185,17 @@ class ORTTrainer(_StateMixin):
             self._pending_optimizer = {}
 
     def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-        """Gradient and eval graphs for a shape signature (None: the symbolic graphs).
+        """Gradient and eval graphs for a signature (None: the symbolic graphs with every output).
 
-        A signature is a sorted tuple of ``(symbol, size)`` pairs; its graphs have those symbolic
-        dimensions fixed, which lets ONNX Runtime plan memory and pick kernels for static shapes.
+        A signature is ``(shape, outputs)``: ``shape`` a sorted tuple of ``(symbol, size)`` pairs
+        whose graphs have those dimensions fixed (ONNX Runtime then plans memory and picks kernels
+        for static shapes), or None; ``outputs`` the fetched outputs, or None for all of them.
         """
         if signature is None:
             return self._graphs.gradient, self._graphs.eval
-        graphs = build_training_graphs(self._job, self._sample_inputs, dims=dict(signature),
-                                       forward=self._graphs.forward)
+        shape, outputs = signature
+        graphs = build_training_graphs(self._job, self._sample_inputs, dims=dict(shape) if shape else None,
+                                       forward=self._graphs.forward, outputs=outputs)
         if graphs.meta["trained"] != self._graphs.meta["trained"]:
             raise RuntimeError("a shape-specialised graph trains different weights than the symbolic graph")
         return graphs.gradient, graphs.eval
@@ -207,18 +209,22 @@ class ORTTrainer(_StateMixin):
         sequence lengths builds a bounded number of graphs.
         """
         opts = self.options.graph_optimizations
-        signature = self._symbol_sizes(feeds)
-        if not opts.shape_specialization or not signature:
+        fetched = self._fetched()
+        outputs = tuple(n for n in fetched if n != self.model_desc.loss_name)
+        outputs = None if set(fetched) == set(self.model_desc.output_names) else outputs
+        shape = self._symbol_sizes(feeds) if opts.shape_specialization else ()
+        if shape and shape not in self._specialised:
+            if len(self._specialised) < opts.max_shape_graphs:
+                self._specialised.add(shape)
+            else:
+                if not self._fallback_logged:
+                    logger.info("more than %d input-shape signatures: new ones run on the symbolic graph",
+                                opts.max_shape_graphs)
+                    self._fallback_logged = True
+                shape = ()
+        if not shape and outputs is None:
             return None
-        if signature in self._specialised:
-            return signature
-        if len(self._specialised) < opts.max_shape_graphs:
-            self._specialised.add(signature)
-            return signature
-        if not self._fallback_logged:
-            logger.info("more than %d input-shape signatures: new ones run on the symbolic graph", opts.max_shape_graphs)
-            self._fallback_logged = True
-        return None
+        return (shape or None, outputs)
 
     def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:
         if self._engine is None:
@@ -289,15 +295,18 @@ class ORTTrainer(_StateMixin):
                 return d.numpy_dtype
         return None
 
-    def _select_outputs(self, outputs: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    def _fetched(self) -> list[str]:
+        """The output names the steps return (``TrainStepInfo.fetches``, or all)."""
         fetches = self._train_step_info.fetches
         names = self.model_desc.output_names
-        if fetches:
-            unknown = [f for f in fetches if f not in names]
-            if unknown:
-                raise ValueError(f"TrainStepInfo.fetches: {unknown} are not outputs of model_desc {names}")
-            outputs = [outputs[names.index(f)] for f in fetches]
-        return outputs[0] if len(outputs) == 1 else outputs
+        unknown = [f for f in fetches if f not in names]
+        if unknown:
+            raise ValueError(f"TrainStepInfo.fetches: {unknown} are not outputs of model_desc {names}")
+        return list(fetches) or names
+
+    def _select_outputs(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        selected = [outputs[name] for name in self._fetched()]
+        return selected[0] if len(selected) == 1 else selected
 
     # ---- steps --------------------------------------------------------------------------------
     def train_step(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor | list[torch.Tensor]:

@@ -71,7 +71,8 @@ class GraphJob:
     accumulate: bool = False
     passes: dict = None  # graph_optimizations flags: {pass name: enabled}
 
-    def cache_key(self, input_dtypes: dict[str, str], dims: dict[str, int] | None) -> str:
+    def cache_key(self, input_dtypes: dict[str, str], dims: dict[str, int] | None,
+                  outputs: tuple | None = None) -> str:
         """Hash of everything that determines the graphs."""
         if isinstance(self.model, onnx.ModelProto):
             model_fp: Any = graph_cache.fingerprint_onnx(self.model)
@@ -87,6 +88,7 @@ class GraphJob:
                 "opset": self.opset,
                 "extra_postprocess": graph_cache.fingerprint_callable(self.extra_postprocess),
                 "dims": sorted((dims or {}).items()),
+                "outputs": list(outputs) if outputs is not None else None,
                 "accumulate": self.accumulate,
                 "passes": sorted((self.passes or {}).items()),
             }
@@ -99,6 +101,7 @@ def build_training_graphs(
     dims: dict[str, int] | None = None,
     graph_cache_store: graph_cache.GraphCache | None = None,
     forward: tuple | None = None,
+    outputs: tuple | None = None,
 ) -> TrainingGraphs:
     """Build (or load from the cache) the training graphs of ``job``.
 
@@ -111,10 +114,12 @@ def build_training_graphs(
         graph_cache_store: the cache (default: ``GraphCache()``).
         forward: the forward graph an earlier build of the same job made (with
             ``TrainingGraphs.forward``), to skip the export when specialising shapes.
+        outputs: the description outputs this graph returns besides the loss (None: all). Leaving
+            outputs out lets passes such as ``sparse_labels`` skip work nobody reads.
     """
     store = graph_cache_store or graph_cache.GraphCache()
     input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
-    key = job.cache_key(input_dtypes, dims)
+    key = job.cache_key(input_dtypes, dims, outputs)
     started = time.perf_counter()
     cached = store.load(key)
     if cached is not None:
@@ -132,16 +137,26 @@ def build_training_graphs(
     frozen = set(job.frozen_weights)
     trainable = [w for w in trainable if w not in frozen]
 
-    if job.save_paths.get("model_after_graph_transforms_path"):
-        onnx.save(forward, job.save_paths["model_after_graph_transforms_path"])
     weights_to_inputs(forward, all_weights)
     if dims:
         forward = specialize(forward, dims)
+    returned = [n for n in job.desc.output_names if outputs is None or n in outputs or n == job.desc.loss_name]
+    if outputs is not None:
+        kept = [o for o in forward.graph.output if o.name in returned]
+        del forward.graph.output[:]
+        forward.graph.output.extend(kept)
+    passes = job.passes or {}
+    if passes.get("sparse_labels") and outputs is not None:
+        rewrites.sparse_labels_forward(forward)
+    if passes.get("cross_entropy"):
+        rewrites.cross_entropy_forward(forward)
+    if job.save_paths.get("model_after_graph_transforms_path"):
+        onnx.save(forward, job.save_paths["model_after_graph_transforms_path"])
     weight_info = {i.name: _value_info(i) for i in forward.graph.input if i.name in torch_keys}
 
     eval_model = build_eval_graph(forward)
     buffer_updates = expose_running_statistics(forward, set(all_weights) - set(trainable))
-    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, job.desc.output_names,
+    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, returned,
                                              list(buffer_updates.values()))
     rewritten = rewrites.apply_gradient_passes(gradient, job.passes or {},
                                                {w: len(info[0]) for w, info in weight_info.items()})
@@ -161,6 +176,7 @@ def build_training_graphs(
         "torch_keys": torch_keys,
         "inputs": {n: dt for n, dt in input_dtypes.items() if n in graph_inputs},
         "buffer_updates": buffer_updates,
+        "outputs": returned,
     }
     entry = store.store(key, {"gradient": gradient, "eval": eval_model}, meta)
     logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
@@ -263,8 +279,6 @@ def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[
         returned = job.extra_postprocess(forward)
         if isinstance(returned, onnx.ModelProto):
             forward = returned
-    if (job.passes or {}).get("cross_entropy"):
-        rewrites.cross_entropy_forward(forward)
     return forward, torch_keys, trainable
 
 

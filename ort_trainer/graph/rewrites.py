@@ -6,6 +6,11 @@ without it (against float64 PyTorch). Measured effects are in ``docs/benchmarks.
 
 Forward passes run on the forward graph before the gradient builder:
 
+- ``sparse_labels``: when the logits are not fetched (``TrainStepInfo.fetches`` leaves them
+  out) and the loss ignores labelled-out positions (``ignore_index``, e.g. masked-LM), the output
+  projection feeding the cross-entropy runs only on the rows whose label counts: a masked-LM
+  head with 15% of the positions labelled does 15% of its largest matrix products. The loss and
+  every gradient are unchanged (ignored rows contribute exactly zero to both).
 - ``cross_entropy``: ``SoftmaxCrossEntropyLoss`` (whose CPU kernels are slow for a large
   vocabulary) becomes ``LogSoftmax`` + ``GatherElements`` + a masked mean.
 
@@ -31,9 +36,9 @@ from onnx import helper, numpy_helper
 
 MS_DOMAIN = "com.microsoft"
 
-FORWARD_PASSES = ("cross_entropy",)
+FORWARD_PASSES = ("sparse_labels", "cross_entropy")
 GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient")
-ALL_PASSES = ("shape_specialization", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
+ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
 
 
 class _Editor:
@@ -118,6 +123,69 @@ def cross_entropy_forward(model: onnx.ModelProto) -> int:
         replacements[index] = e.nodes
     _replace(graph, replacements)
     return len(replacements)
+
+
+def sparse_labels_forward(model: onnx.ModelProto) -> int:
+    """Run the projection before a cross-entropy only on rows whose label is not ``ignore_index``.
+
+    Pattern: ``SoftmaxCrossEntropyLoss(Reshape(Add(bias, MatMul(h, W))), labels)`` (the Add is
+    optional) where the MatMul/Add results are not graph outputs and feed nothing else. Becomes
+    ``SoftmaxCrossEntropyLoss(Add(bias, MatMul(Gather(h_rows, kept), W)), Gather(labels, kept))``
+    with ``kept = NonZero(labels != ignore_index)``. Returns the number of rewrites.
+    """
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    ranks = _ranks(model)
+    count = 0
+    for sce in [n for n in graph.node if n.op_type == "SoftmaxCrossEntropyLoss" and n.domain in ("", "ai.onnx")]:
+        attrs = _attrs(sce)
+        if "ignore_index" not in attrs or len(sce.input) != 2 or ranks.get(sce.input[0]) != 2:
+            continue
+        reshape = producers.get(sce.input[0])
+        if reshape is None or reshape.op_type != "Reshape":
+            continue
+        chain = [reshape]
+        node = producers.get(reshape.input[0])
+        bias_add = None
+        if node is not None and node.op_type == "Add":
+            bias_add = node
+            chain.append(node)
+            node = next((producers.get(i) for i in node.input if producers.get(i) is not None
+                         and producers[i].op_type == "MatMul"), None)
+        if node is None or node.op_type != "MatMul" or ranks.get(node.input[1]) != 2:
+            continue
+        matmul = node
+        chain.append(matmul)
+        if any(n.output[0] in outputs or consumers.get(n.output[0], 0) != 1 for n in chain[1:]):
+            continue
+        e = _Editor(graph, f"{sce.name or 'sce'}/sparse_labels")
+        labels = sce.input[1]
+        ignore = e.const([attrs["ignore_index"]], np.int64)
+        kept = e.op("Not", [e.op("Equal", [labels, e.op("Cast", [ignore], to=onnx.TensorProto.INT64)])])
+        rows = e.op("Squeeze", [e.op("NonZero", [kept]), e.const([0], np.int64)])
+        hidden = matmul.input[0]
+        width = e.op("Slice", [e.op("Shape", [hidden]), e.const([-1], np.int64), e.const([2**62], np.int64)])
+        flat = e.op("Reshape", [hidden, e.op("Concat", [e.const([-1], np.int64), width], axis=0)])
+        scores = e.op("MatMul", [e.op("Gather", [flat, rows], axis=0), matmul.input[1]])
+        if bias_add is not None:
+            inputs = [scores if i == matmul.output[0] else i for i in bias_add.input]
+            scores = e.op("Add", inputs)
+        new_labels = e.op("Gather", [labels, rows], axis=0)
+        # the new nodes go just before the loss; the old chain is dropped
+        index = list(graph.node).index(sce)
+        dead = {id(n) for n in chain}
+        kept_nodes = [n for i, n in enumerate(graph.node) if id(n) not in dead and i < index]
+        rest = [n for i, n in enumerate(graph.node) if id(n) not in dead and i >= index]
+        sce.input[0], sce.input[1] = scores, new_labels
+        del graph.node[:]
+        graph.node.extend(kept_nodes + e.nodes + rest)
+        count += 1
+    return count
 
 
 def _ranks(model: onnx.ModelProto) -> dict[str, int]:

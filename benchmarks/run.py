@@ -1,0 +1,303 @@
+"""Benchmark ort_trainer against PyTorch eager and torch.compile; write docs/benchmarks.md and a chart.
+
+Run: ``make bench`` (or ``python benchmarks/run.py``). For each model of ``benchmarks/models.py``:
+
+1. timing: one process holds ort_trainer, eager PyTorch and torch.compile versions of the model
+   (same initial weights, AdamW, clipping at 1.0) and runs them in alternating rounds; the table
+   reports medians of the per-step times after warm-up, and the same for evaluation
+   (``eval_step`` vs ``torch.no_grad()`` eager);
+2. peak RSS: one fresh process per implementation trains a few steps and reports ``ru_maxrss``;
+3. graph build: ort_trainer's first step in a process with an empty graph cache, then in a
+   second process that finds the graph in the cache;
+4. ablation: ort_trainer with all graph optimisations against the same with one turned off,
+   alternating in one process.
+
+The training loops read back only the loss (``TrainStepInfo.fetches = ["loss"]`` for
+ort_trainer), as a training script does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+PASSES = ("shape_specialization", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
+
+
+# ---- the implementations -------------------------------------------------------------------------
+def _ort(workload, model, passes_off=()):
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import AdamConfig
+
+    options = {"graph_optimizations": {name: False for name in passes_off}}
+    trainer = ORTTrainer(model, workload.desc, AdamConfig(lr=1e-4, lambda_coef=0.01), loss_fn=workload.loss_fn,
+                         options=options)
+    trainer._train_step_info.fetches = list(workload.fetches)
+    return (lambda: trainer.train_step(*workload.batch)), (lambda: trainer.eval_step(*workload.batch))
+
+
+def _torch(workload, model, compiled: bool):
+    import torch
+
+    runner = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def train():
+        runner.train()
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.torch_loss(runner)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    def evaluate():
+        runner.eval()
+        with torch.no_grad():
+            return workload.torch_loss(runner)
+
+    return train, evaluate
+
+
+def _make(impl: str, workload, model, passes_off=()):
+    if impl == "ort":
+        return _ort(workload, model, passes_off)
+    if impl == "ort_without":
+        return _ort(workload, model, passes_off)
+    return _torch(workload, model, compiled=impl == "compile")
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# ---- workers (one process each) ----------------------------------------------------------------
+def worker_timing(args) -> dict:
+    """Alternate the implementations in one process; per-step times after warm-up."""
+    import torch
+
+    from models import workload as make_workload
+
+    torch.manual_seed(0)
+    work = make_workload(args.model)
+    base = work.make_model()
+    import copy
+
+    impls, result = {}, {"train": {}, "eval": {}, "errors": {}}
+    for impl in args.impls.split(","):
+        model = copy.deepcopy(base)
+        try:
+            started = time.perf_counter()
+            train, evaluate = _make(impl.split(":")[0], work, model,
+                                    passes_off=tuple(p for p in impl.split(":")[1:] if p))
+            for _ in range(args.warmup):
+                train()
+                evaluate()
+            result.setdefault("warmup_s", {})[impl] = time.perf_counter() - started
+            impls[impl] = (train, evaluate)
+        except Exception as exc:  # torch.compile may fail on a machine: report it honestly
+            result["errors"][impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    for _ in range(args.rounds):
+        for impl, (train, evaluate) in impls.items():
+            result["train"].setdefault(impl, []).extend(_timed(train) for _ in range(args.steps))
+            result["eval"].setdefault(impl, []).extend(_timed(evaluate) for _ in range(max(3, args.steps // 4)))
+    return result
+
+
+def worker_rss(args) -> dict:
+    """Peak RSS of one implementation training a few steps."""
+    import torch
+
+    from models import workload as make_workload
+
+    torch.manual_seed(0)
+    work = make_workload(args.model)
+    train, _ = _make(args.impls, work, work.make_model())
+    for _ in range(args.steps):
+        train()
+    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def worker_build(args) -> dict:
+    """Time to the end of ort_trainer's first step (graph build included), and of a second step."""
+    import torch
+
+    from models import workload as make_workload
+
+    torch.manual_seed(0)
+    work = make_workload(args.model)
+    model = work.make_model()
+    started = time.perf_counter()
+    train, _ = _ort(work, model)
+    train()
+    first = time.perf_counter() - started
+    step = _timed(train)
+    return {"first_step_s": first, "step_s": step}
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+def _spawn(kind: str, model: str, impls: str, steps: int, warmup: int = 3, rounds: int = 1,
+           env: dict | None = None) -> dict:
+    command = [sys.executable, __file__, "--worker", kind, "--model", model, "--impls", impls,
+               "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _median_ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values)
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import onnxruntime
+    import torch
+
+    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"onnxruntime-training {onnxruntime.__version__}")
+
+
+def main() -> None:
+    """Parse arguments; run a worker, or orchestrate every measurement and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=["timing", "rss", "build"])
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--models", default="mlp,bert,gpt2")
+    parser.add_argument("--impls", default="ort,eager,compile")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-ablation", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    if args.worker:
+        result = {"timing": worker_timing, "rss": worker_rss, "build": worker_build}[args.worker](args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    report = {"machine": _machine(), "models": {}}
+    for model in args.models.split(","):
+        print(f"== {model}", flush=True)
+        entry = report["models"][model] = {}
+        with tempfile.TemporaryDirectory() as cache:
+            env = {"ORT_TRAINER_CACHE_DIR": cache}
+            entry["build_cold"] = _spawn("build", model, "ort", 1, env=env)
+            entry["build_cached"] = _spawn("build", model, "ort", 1, env=env)
+            entry["timing"] = _spawn("timing", model, args.impls, args.steps, args.warmup, args.rounds, env=env)
+            entry["rss"] = {impl: _spawn("rss", model, impl, 8, env=env) for impl in args.impls.split(",")}
+            if not args.no_ablation:
+                entry["ablation"] = {}
+                for name in PASSES:
+                    impls = f"ort,ort_without:{name}"
+                    entry["ablation"][name] = _spawn("timing", model, impls, max(5, args.steps // 2), 3,
+                                                     args.rounds, env=env)
+        print(json.dumps(_summary(entry)), flush=True)
+    write_report(report, args.out)
+
+
+def _summary(entry: dict) -> dict:
+    timing = entry["timing"]
+    return {impl: round(_median_ms(times), 1) for impl, times in timing.get("train", {}).items()}
+
+
+def write_report(report: dict, out: Path) -> None:
+    """The markdown table and the PNG chart."""
+    lines = ["# Benchmarks", "", f"Machine: {report['machine']}.", "",
+             "Written by `make bench` (`benchmarks/run.py`); medians of per-step times after warm-up, the "
+             "implementations alternating in one process. Speed-up = PyTorch time / ort_trainer time "
+             "(> 1: ort_trainer is faster). RSS = peak resident memory of a process training that model.", "",
+             "## Training step", "",
+             "| model | ort_trainer ms | eager ms | torch.compile ms | vs eager | vs compile | RSS ort / eager MB | RSS ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    chart = {}
+    for model, entry in report["models"].items():
+        train = entry["timing"].get("train", {})
+        med = {impl: _median_ms(times) for impl, times in train.items()}
+        rss = {impl: value.get("peak_rss_mb") for impl, value in entry["rss"].items()}
+        errors = entry["timing"].get("errors", {})
+        ort, eager, comp = med.get("ort"), med.get("eager"), med.get("compile")
+        compile_cell = f"{comp:.1f}" if comp else f"failed: {errors.get('compile', 'not run')}"
+        lines.append(
+            f"| {model} | {ort:.1f} | {eager:.1f} | {compile_cell} | {eager / ort:.2f}× | "
+            f"{(comp / ort) if comp else float('nan'):.2f}× | {rss.get('ort') or 0:.0f} / {rss.get('eager') or 0:.0f} | "
+            f"{(rss.get('ort') or 0) / (rss.get('eager') or 1):.2f} |"
+        )
+        chart[model] = {"ort_trainer": ort, "eager": eager, **({"torch.compile": comp} if comp else {})}
+    lines += ["", "## Evaluation step", "", "| model | eval_step ms | eager no_grad ms | speed-up |", "|---|---|---|---|"]
+    for model, entry in report["models"].items():
+        ev = {impl: _median_ms(times) for impl, times in entry["timing"].get("eval", {}).items()}
+        if "ort" in ev and "eager" in ev:
+            lines.append(f"| {model} | {ev['ort']:.1f} | {ev['eager']:.1f} | {ev['eager'] / ev['ort']:.2f}× |")
+    lines += ["", "## Graph build", "",
+              "| model | first step, empty cache (s) | first step, graph from the cache (s) |", "|---|---|---|"]
+    for model, entry in report["models"].items():
+        cold, warm = entry["build_cold"], entry["build_cached"]
+        cold_s = cold.get("first_step_s", float("nan")) - cold.get("step_s", 0)
+        warm_s = warm.get("first_step_s", float("nan")) - warm.get("step_s", 0)
+        lines.append(f"| {model} | {cold_s:.2f} | {warm_s:.2f} |")
+    if any("ablation" in entry for entry in report["models"].values()):
+        lines += ["", "## Graph optimisations", "",
+                  "Each row: the step time with every optimisation on, and with that one turned off "
+                  "(`graph_optimizations.<name>: false`), alternating in one process.", "",
+                  "| model | optimisation | all on ms | without it ms | its effect |", "|---|---|---|---|---|"]
+        for model, entry in report["models"].items():
+            for name, result in entry.get("ablation", {}).items():
+                train = result.get("train", {})
+                if "ort" not in train or f"ort_without:{name}" not in train:
+                    lines.append(f"| {model} | {name} | | | failed: {result.get('error', result.get('errors'))} |")
+                    continue
+                on, off = _median_ms(train["ort"]), _median_ms(train[f"ort_without:{name}"])
+                lines.append(f"| {model} | {name} | {on:.1f} | {off:.1f} | {off / on:.2f}× |")
+    out.write_text("\n".join(lines) + "\n")
+    _chart(chart, out.with_suffix(".png"))
+    print("\n".join(lines))
+
+
+def _chart(chart: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(chart)
+    impls = ["ort_trainer", "eager", "torch.compile"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for i, impl in enumerate(impls):
+        values = [chart[m].get(impl, 0) / chart[m]["eager"] for m in models]
+        ax.bar([x + (i - 1) * width for x in range(len(models))], values, width, label=impl)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("training step time / eager")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_title("Training step time relative to PyTorch eager (lower is faster)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
