@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test bench install clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# ort_trainer vs PyTorch eager vs torch.compile; writes docs/benchmarks.md and docs/benchmarks.png
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

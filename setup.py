@@ -28,6 +28,8 @@ setup(
         "cuda": [f"onnxruntime-training=={ORT_VERSION}"],
         "mpi": ["mpi4py>=3.1", "mpich"],
         "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
+        "hf": ["transformers>=4.40"],
+        "bench": ["transformers>=4.40", "matplotlib>=3.7"],
         "dev": ["pytest>=7", "scikit-learn>=1.3", "tqdm>=4.60"],
     },
     entry_points={},

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PASSES = ("shape_specialization", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
+PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
 
 
 # ---- the implementations -------------------------------------------------------------------------

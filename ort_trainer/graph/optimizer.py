@@ -196,10 +196,10 @@ def build_optimizer_graph(
         scale = b.op("Mul", b.op("Min", ratio, b.const(1.0)), GRAD_SCALE_INPUT)
 
     used_groups = sorted({seg.group for seg in segments})
-    group_scalars = {g: _group_scalars(b, config, groups[g], g) for g in used_groups}
+    group_scalars = {g: _group_scalars(b, config, groups[g], g, scale) for g in used_groups}
     for seg in segments:
-        grad = b.op("Mul", seg.name + GRAD_SUFFIX, scale)
-        new_values = _update(b, config, groups[seg.group], group_scalars[seg.group], seg.name, grad)
+        # the raw buffer: its scale is folded into the per-group scalar factors
+        new_values = _update(b, config, groups[seg.group], group_scalars[seg.group], seg.name, seg.name + GRAD_SUFFIX)
         for name, new in zip([seg.name, *(f"{seg.name}.{s}" for s in states)], new_values):
             b.output(new, name + OUT_SUFFIX)
             outputs.append(helper.make_tensor_value_info(name + OUT_SUFFIX, f32, [seg.stop - seg.start]))
@@ -210,32 +210,35 @@ def build_optimizer_graph(
     return model
 
 
-def _group_scalars(b: _Builder, config: _OptimizerConfig, hp: dict, group: int) -> dict[str, str]:
-    """Scalars shared by a group's weights: lr and the bias corrections."""
+def _group_scalars(b: _Builder, config: _OptimizerConfig, hp: dict, group: int, scale: str) -> dict[str, str]:
+    """Scalars shared by a group's weights: lr, the bias corrections, and the factors that apply
+    the gradient's scale ``s`` (unscaling, averaging, clipping) inside the moment updates:
+    ``(1-α)·s`` for the first moment, ``(1-β)·s²`` for the second, ``lr·s`` for SGD."""
     scalars = {"lr": lr_input(group)}
     if isinstance(config, SGDConfig):
+        scalars["lr_scaled"] = b.op("Mul", lr_input(group), scale)
         return scalars
+    scalars["m_factor"] = b.op("Mul", b.const(1.0 - hp["alpha"]), scale)
+    scalars["v_factor"] = b.op("Mul", b.const(1.0 - hp["beta"]), b.op("Mul", scale, scale))
     if hp["do_bias_correction"]:
         scalars["c1"] = b.op("Sub", b.const(1.0), b.op("Pow", b.const(hp["alpha"]), STEP_INPUT))
         scalars["c2"] = b.op("Sub", b.const(1.0), b.op("Pow", b.const(hp["beta"]), STEP_INPUT))
     return scalars
 
 
-def _moments(b: _Builder, hp: dict, w: str, grad: str) -> tuple[str, str]:
-    m = b.op("Add", b.op("Mul", f"{w}.Moment_1", b.const(hp["alpha"])), b.op("Mul", grad, b.const(1.0 - hp["alpha"])))
-    v = b.op(
-        "Add",
-        b.op("Mul", f"{w}.Moment_2", b.const(hp["beta"])),
-        b.op("Mul", b.op("Mul", grad, grad), b.const(1.0 - hp["beta"])),
-    )
+def _moments(b: _Builder, hp: dict, s: dict[str, str], w: str, grad: str) -> tuple[str, str]:
+    """``m = α·m + (1-α)·g`` and ``v = β·v + (1-β)·g²`` for the scaled gradient ``g = s·grad``."""
+    m = b.op("Add", b.op("Mul", f"{w}.Moment_1", b.const(hp["alpha"])), b.op("Mul", grad, s["m_factor"]))
+    v = b.op("Add", b.op("Mul", f"{w}.Moment_2", b.const(hp["beta"])),
+             b.op("Mul", b.op("Mul", grad, grad), s["v_factor"]))
     return m, v
 
 
 def _update(b: _Builder, config: _OptimizerConfig, hp: dict, s: dict[str, str], w: str, grad: str) -> list[str]:
     lr = s["lr"]
     if isinstance(config, SGDConfig):
-        return [b.op("Sub", w, b.op("Mul", grad, lr))]
-    m, v = _moments(b, hp, w, grad)
+        return [b.op("Sub", w, b.op("Mul", grad, s["lr_scaled"]))]
+    m, v = _moments(b, hp, s, w, grad)
     eps, decay = b.const(hp["epsilon"]), hp["lambda_coef"]
     if isinstance(config, AdamConfig):
         if hp["weight_decay_mode"] == DecayMode.BEFORE_WEIGHT_UPDATE:
