@@ -1,4 +1,5 @@
-# `make run` trains the bundled main job; `make test` runs the test suite.
+# `make run` trains the bundled main job (a small GPT on the Python standard library's source,
+# then text sampled from its ONNX export); `make test` runs the test suite.
 # Both create .venv on first use (torch==2.13.0 first, then this package with its extras) and
 # are idempotent: the install step re-runs only when setup.py changes.
 PYTHON ?= python3
@@ -20,7 +21,7 @@ $(STAMP): setup.py | $(PY)
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) examples/digits_classifier.py
+	$(VENV)/bin/ort-trainer train configs/gpt_stdlib.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

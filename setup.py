@@ -21,17 +21,20 @@ setup(
         # onnx >= 1.18 writes IR versions ONNX Runtime 1.19 cannot read
         "onnx>=1.16,<1.18",
         "h5py>=3.8",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
     ],
     extras_require={
         # exactly one of cpu / cuda: both install the `onnxruntime` module
         "cpu": [f"onnxruntime-training-cpu=={ORT_VERSION}"],
         "cuda": [f"onnxruntime-training=={ORT_VERSION}"],
         "mpi": ["mpi4py>=3.1", "mpich"],
-        "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
+        "examples": ["scikit-learn>=1.3"],
         "hf": ["transformers>=4.40"],
         "bench": ["transformers>=4.40", "matplotlib>=3.7"],
-        "dev": ["pytest>=7", "scikit-learn>=1.3", "tqdm>=4.60"],
+        "dev": ["pytest>=7", "scikit-learn>=1.3", "transformers>=4.40"],
     },
-    entry_points={},
+    entry_points={"console_scripts": ["ort-trainer=ort_trainer.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
 )

@@ -120,7 +120,7 @@ _SCHEMA: dict[str, _Field] = {
     "utils.grad_norm_clip": _Field(_BOOL, True, "clip the global gradient L2 norm (Adam and Lamb)"),
     "debug.deterministic_compute": _Field(_BOOL, False, "ask ONNX Runtime for deterministic kernels"),
     "debug.check_model_export": _Field(
-        _BOOL, False, "compare PyTorch and ONNX Runtime outputs before the first step", supported=lambda v: not v
+        _BOOL, False, "compare PyTorch and ONNX Runtime outputs before the first step"
     ),
     "debug.graph_save_paths.model_after_graph_transforms_path": _Field(
         _STR, "", "write the forward graph after the trainability pass and the user hook here"

@@ -183,6 +183,39 @@ class ORTTrainer(_StateMixin):
         if self._pending_optimizer:
             self._engine.load_optimizer_states(self._pending_optimizer)
             self._pending_optimizer = {}
+        if self.options.debug.check_model_export and isinstance(self.model, torch.nn.Module):
+            self._check_model_export(sample_inputs)
+
+    def _check_model_export(self, sample_inputs: Sequence[np.ndarray]) -> None:
+        """Compare the torch model's eval-mode outputs with the ONNX eval graph's on the first batch.
+
+        Raises:
+            ExportMismatchError: naming the first output that differs (beyond rtol 1e-3, atol 1e-5).
+        """
+        from .graph.export import ExportMismatchError, _ModelWithLoss, export_order
+
+        desc = self.model_desc
+        count = len(desc.inputs) - (1 if self.loss_fn is not None else 0)
+        wrapper = _ModelWithLoss(self.model, self.loss_fn, desc.input_names[:count])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                expected = dict(zip(export_order(desc, self.loss_fn is not None),
+                                    wrapper(*(torch.from_numpy(np.asarray(a)) for a in sample_inputs))))
+        finally:
+            self.model.train(was_training)
+        self._engine.select(None)
+        got = self._engine.evaluate(dict(zip(desc.input_names, sample_inputs)))
+        for name in desc.output_names:
+            a, b = expected[name].detach().numpy(), got[name].numpy()
+            if a.shape != b.shape or not np.allclose(b, a, rtol=1e-3, atol=1e-5):
+                detail = (f"shapes {list(a.shape)} vs {list(b.shape)}" if a.shape != b.shape
+                          else f"max abs difference {float(np.abs(a - b).max()):.3g}")
+                raise ExportMismatchError(
+                    f"debug.check_model_export: output {name!r} of the exported model differs from PyTorch "
+                    f"({detail}); the export does not reproduce the model")
+        logger.info("debug.check_model_export: %d outputs match PyTorch", len(desc.output_names))
 
     def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """Gradient and eval graphs for a signature (None: the symbolic graphs with every output).

@@ -167,3 +167,24 @@ def test_unknown_weight_names_in_groups_and_frozen_weights(batch):
     assert "AdamConfig.params[0]: 'fc1.wieght' is not a weight of the model" in str(info.value)
     assert "utils.frozen_weights: 'fc3.bias' is not a weight of the model" in str(info.value)
     assert "known weights: fc1.bias, fc1.weight, fc2.bias, fc2.weight" in str(info.value)
+
+
+def test_check_model_export_names_the_diverging_output():
+    from ort_trainer.graph.export import ExportMismatchError
+
+    def corrupt(model):  # a broken graph transform: the logits pick up a constant
+        import onnx.helper as h
+        import onnx.numpy_helper as nh
+
+        graph = model.graph
+        producer = next(n for n in graph.node if "logits" in n.output)
+        producer.output[list(producer.output).index("logits")] = "logits_before"
+        graph.initializer.append(nh.from_array(np.array(0.5, np.float32), "half"))
+        graph.node.append(h.make_node("Add", ["logits_before", "half"], ["logits"]))
+
+    options = {"debug": {"check_model_export": True}, "_internal_use": {"extra_postprocess": corrupt}}
+    trainer = ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options=options)
+    with pytest.raises(ExportMismatchError, match="output 'loss' of the exported model differs from PyTorch"):
+        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    healthy = ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options={"debug": {"check_model_export": True}})
+    healthy.train_step(*mlp_batch(torch.Generator().manual_seed(0)))  # a faithful export passes the check

@@ -68,3 +68,24 @@ def test_data_parallel_benchmark_writes_its_table(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()
     assert "| 1 rank x 2 threads |" in text and "| 2 ranks x 1 thread |" in text
+
+
+def _example(name, tmp_path, *args):
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--output-dir", str(tmp_path), *args],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_bert_pretraining_example(tmp_path):
+    out = _example("bert_pretraining.py", tmp_path, "--max-steps", "12", "--gradient-accumulation-steps", "2",
+                   "--layers", "1", "--seq-length", "32")
+    assert "12 optimizer steps" in out and "held-out" in out
+    assert (tmp_path / "bert.onnx").exists()
+
+
+def test_gpt2_finetune_example(tmp_path):
+    out = _example("gpt2_finetune.py", tmp_path, "--max-steps", "20", "--layers", "1", "--sample-tokens", "16")
+    assert "held-out perplexity" in out
+    assert (tmp_path / "gpt2.onnx").exists()

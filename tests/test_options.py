@@ -80,14 +80,6 @@ def test_bool_is_not_an_int():
         ORTTrainerOptions({"batch": {"gradient_accumulation_steps": True}})
 
 
-@pytest.mark.parametrize("options, path", [
-    ({"debug": {"check_model_export": True}}, "debug.check_model_export"),
-])
-def test_features_not_built_yet_are_rejected_not_ignored(options, path):
-    with pytest.raises(ValueError, match=rf"{path}: .* is not supported yet by this version of ort_trainer"):
-        ORTTrainerOptions(options)
-
-
 def test_mixed_precision_on_cpu_is_a_clear_error_but_a_loss_scaler_alone_is_fine():
     with pytest.raises(ValueError, match="mixed_precision.enabled: True needs fp16 training kernels, which ONNX "
                                          "Runtime's CPU execution provider does not have"):

@@ -9,6 +9,7 @@ in the graph. Symbolic dimensions of the model description become dynamic axes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import os
 import re
@@ -32,17 +33,37 @@ class ExportError(RuntimeError):
     """The model could not be exported to ONNX; the message names the operator and module."""
 
 
-class _ModelWithLoss(torch.nn.Module):
-    """Wraps the user's model and loss so one forward returns ``(loss, *model_outputs)``."""
+class ExportMismatchError(RuntimeError):
+    """The exported graph computes different outputs than the torch model (``debug.check_model_export``)."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, num_model_inputs: int):
+
+class _ModelWithLoss(torch.nn.Module):
+    """Wraps the user's model and loss so one forward returns ``(loss, *model_outputs)``.
+
+    When every model input's name is a parameter of the model's ``forward`` (as with Hugging Face
+    models: ``input_ids``, ``attention_mask``, ``labels``), the inputs are passed by keyword.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, input_names: list[str]):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
-        self.num_model_inputs = num_model_inputs
+        self.input_names = list(input_names)
+        self.num_model_inputs = len(input_names)
+        try:
+            parameters = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        positional_only = any(p.kind == p.VAR_POSITIONAL for p in parameters.values())
+        self.by_name = not positional_only and all(name in parameters for name in input_names) and any(
+            list(parameters).index(name) != i for i, name in enumerate(input_names))
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
-        prediction = self.model(*inputs[: self.num_model_inputs])
+        model_inputs = inputs[: self.num_model_inputs]
+        if self.by_name:
+            prediction = self.model(**dict(zip(self.input_names, model_inputs)))
+        else:
+            prediction = self.model(*model_inputs)
         outputs = flatten_outputs(prediction)
         if self.loss_fn is None:
             return tuple(outputs)
@@ -111,7 +132,7 @@ def export_torch(
             returns a different number of outputs than the description declares.
     """
     num_model_inputs = len(desc.inputs) - (1 if loss_fn is not None else 0)
-    wrapper = _ModelWithLoss(model, loss_fn, num_model_inputs)
+    wrapper = _ModelWithLoss(model, loss_fn, desc.input_names[:num_model_inputs])
     args = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in sample_inputs)
     names = export_order(desc, loss_fn is not None)
 

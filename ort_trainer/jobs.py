@@ -1,0 +1,147 @@
+"""The jobs the command line runs: a model, its data and its model description, from a config.
+
+``build_job(config, rank)`` turns the ``model`` and ``data`` sections of a config (see
+``ort_trainer.cli``) into a ``Job``. Batches depend only on (seed, step, rank), so a resumed run
+sees exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import zoo
+from .text import ByteTokenizer, token_splits
+
+
+@dataclass
+class Job:
+    """Everything the training loop needs besides the trainer.
+
+    Attributes:
+        model: the torch module to train.
+        desc: its model description (dict form).
+        loss_fn: ``loss_fn(prediction, label)`` or None when the model returns its loss.
+        train_batch: ``step -> tuple of arrays`` (this rank's micro-batch).
+        eval_batch: ``index -> tuple of arrays`` from held-out data.
+        samples_per_batch: examples in one micro-batch.
+        kind: ``"lm"`` (text generation after export) or ``"classifier"``.
+    """
+
+    model: torch.nn.Module
+    desc: dict
+    loss_fn: Callable | None
+    train_batch: Callable[[int], tuple]
+    eval_batch: Callable[[int], tuple]
+    samples_per_batch: int
+    kind: str
+
+
+def _rng(seed: int, step: int, rank: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream, step, rank])
+
+
+def _windows(ids: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    starts = rng.integers(0, len(ids) - length - 1, size=batch)
+    return np.stack([ids[s:s + length + 1] for s in starts])
+
+
+def build_job(config: dict, rank: int = 0) -> Job:
+    """The job a config describes, for process ``rank``.
+
+    Raises:
+        ValueError: for an unknown model type or data set, or a combination that does not fit.
+        ImportError: for a Hugging Face model without ``transformers`` (``pip install -e ".[hf]"``).
+    """
+    model_cfg, data_cfg, seed = config["model"], config["data"], config["seed"]
+    batch = config["train"]["batch_size"]
+    kind = model_cfg["type"]
+    if data_cfg["name"] == "digits":
+        if kind != "mlp":
+            raise ValueError(f"data.name=digits needs model.type=mlp, got {kind!r}")
+        return _digits_job(model_cfg, seed, rank, batch)
+    if data_cfg["name"] != "stdlib":
+        raise ValueError(f"data.name: expected 'stdlib' or 'digits', got {data_cfg['name']!r}")
+    if kind not in ("gpt", "hf_gpt2", "hf_bert"):
+        raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert or mlp, got {kind!r}")
+    train_ids, val_ids = token_splits(data_cfg["max_bytes"], data_cfg["validation_fraction"])
+    length = model_cfg["block_size"]
+    vocab = ByteTokenizer.vocab_size
+    torch.manual_seed(seed)
+
+    def windows(source: np.ndarray, step: int, stream: int) -> np.ndarray:
+        return _windows(source, batch, length, _rng(seed, step, rank, stream))
+
+    if kind == "gpt":
+        model = zoo.GPT(vocab, length, model_cfg["n_layer"], model_cfg["n_head"], model_cfg["n_embd"],
+                        model_cfg["dropout"])
+        desc = {"inputs": [("ids", ["batch", "seq"]), ("targets", ["batch", "seq"])],
+                "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+
+        def lm_batch(source, step, stream):
+            w = windows(source, step, stream)
+            return w[:, :-1], w[:, 1:]
+
+        return Job(model, desc, zoo.lm_loss, lambda s: lm_batch(train_ids, s, 0), lambda i: lm_batch(val_ids, i, 1),
+                   batch, "lm")
+    model = _hf_model(kind, model_cfg, vocab, length)
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                       ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+    probability = data_cfg["mask_probability"]
+
+    def hf_batch(source, step, stream):
+        ids = windows(source, step, stream)[:, :-1]
+        mask = np.ones_like(ids)
+        if kind == "hf_gpt2":  # the model shifts the labels itself
+            return ids, mask, ids.copy()
+        chosen = _rng(seed, step, rank, stream + 10).random(ids.shape) < probability
+        labels = np.where(chosen, ids, -100)
+        return np.where(chosen, 0, ids), mask, labels  # byte 0 serves as the [MASK] token
+
+    return Job(model, desc, None, lambda s: hf_batch(train_ids, s, 0), lambda i: hf_batch(val_ids, i, 1),
+               batch, "lm" if kind == "hf_gpt2" else "mlm")
+
+
+def _hf_model(kind: str, cfg: dict, vocab: int, length: int) -> torch.nn.Module:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"model.type={kind} needs Hugging Face transformers: pip install -e \".[hf]\"") from exc
+    if kind == "hf_gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=cfg["n_embd"],
+                                         n_layer=cfg["n_layer"], n_head=cfg["n_head"], resid_pdrop=cfg["dropout"],
+                                         embd_pdrop=cfg["dropout"], attn_pdrop=cfg["dropout"], bos_token_id=0,
+                                         eos_token_id=0, loss_type="ForCausalLM")
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.BertConfig(vocab_size=vocab, hidden_size=cfg["n_embd"], num_hidden_layers=cfg["n_layer"],
+                                     num_attention_heads=cfg["n_head"], intermediate_size=4 * cfg["n_embd"],
+                                     max_position_embeddings=length, hidden_dropout_prob=cfg["dropout"],
+                                     attention_probs_dropout_prob=cfg["dropout"])
+    return transformers.BertForMaskedLM(config)
+
+
+def _digits_job(cfg: dict, seed: int, rank: int, batch: int) -> Job:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = (digits.data / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        pixels, digits.target.astype(np.int64), test_size=0.2, stratify=digits.target, random_state=seed)
+    torch.manual_seed(seed)
+    model = zoo.MLPClassifier(64, cfg["hidden"], 10, cfg["dropout"])
+    desc = {"inputs": [("pixels", ["batch", 64]), ("label", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
+
+    def train_batch(step):
+        chosen = _rng(seed, step, rank, 0).choice(len(x_train), size=batch, replace=False)
+        return x_train[chosen], y_train[chosen]
+
+    def eval_batch(index):
+        return x_test, y_test
+
+    return Job(model, desc, torch.nn.functional.cross_entropy, train_batch, eval_batch, batch, "classifier")
