@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     config = GPT2Config(vocab_size=ByteTokenizer.vocab_size, n_positions=args.block_size, n_embd=args.embd,
                         n_layer=args.layers, n_head=4, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+                        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM", use_cache=False)
     model = GPT2LMHeadModel(config)
     desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch", "seq"])],
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]}

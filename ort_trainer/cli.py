@@ -109,7 +109,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
         else:
             node[parts[-1]] = yaml.safe_load(text)
     config = _check(raw, DEFAULTS, "", problems)
-    if not problems:
+    if isinstance(config.get("options"), dict) and "lr_scheduler" not in config["options"]:
         from .options import ORTTrainerOptions
 
         try:
@@ -264,6 +264,7 @@ def sample_onnx(path: Path, prompt: str, tokens: int, block_size: int, seed: int
     tokenizer = ByteTokenizer()
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
+    logits_index = [o.name for o in session.get_outputs()].index("logits")
     rng = np.random.default_rng(seed)
     ids = tokenizer.encode(prompt) or [10]
     for _ in range(tokens):
@@ -271,7 +272,9 @@ def sample_onnx(path: Path, prompt: str, tokens: int, block_size: int, seed: int
         feeds = {names[0]: context}
         if "attention_mask" in names:
             feeds["attention_mask"] = np.ones_like(context)
-        logits = session.run(None, feeds)[0][0, -1].astype(np.float64) / temperature
+        if "labels" in names:  # a model that computes its own loss keeps its label input
+            feeds["labels"] = context
+        logits = session.run(None, feeds)[logits_index][0, -1].astype(np.float64) / temperature
         probs = np.exp(logits - logits.max())
         ids.append(int(rng.choice(len(probs), p=probs / probs.sum())))
     return tokenizer.decode(ids)

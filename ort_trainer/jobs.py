@@ -115,7 +115,7 @@ def _hf_model(kind: str, cfg: dict, vocab: int, length: int) -> torch.nn.Module:
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=cfg["n_embd"],
                                          n_layer=cfg["n_layer"], n_head=cfg["n_head"], resid_pdrop=cfg["dropout"],
                                          embd_pdrop=cfg["dropout"], attn_pdrop=cfg["dropout"], bos_token_id=0,
-                                         eos_token_id=0, loss_type="ForCausalLM")
+                                         eos_token_id=0, loss_type="ForCausalLM", use_cache=False)
         return transformers.GPT2LMHeadModel(config)
     config = transformers.BertConfig(vocab_size=vocab, hidden_size=cfg["n_embd"], num_hidden_layers=cfg["n_layer"],
                                      num_attention_heads=cfg["n_head"], intermediate_size=4 * cfg["n_embd"],

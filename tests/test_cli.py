@@ -42,7 +42,7 @@ def test_every_shipped_config_trains(tmp_path, config):
     assert [r["step"] for r in records if "eval_loss" in r] == [4]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
-    assert session.get_outputs()[0].name in ("logits",)
+    assert "logits" in [o.name for o in session.get_outputs()]  # (and the loss, for models that return it)
     if (tmp_path / "samples.txt").exists():
         assert len((tmp_path / "samples.txt").read_text()) >= 12
 

@@ -135,3 +135,28 @@ def test_fast_gelu_gradient_formula_at_extreme_inputs():
     t = torch.tanh(k * (x + c * x ** 3))
     formula = 0.5 * (1 + t) + 0.5 * x * (1 - t ** 2) * k * (1 + 3 * c * x ** 2)
     torch.testing.assert_close(formula, x.grad)
+
+
+@pytest.mark.parametrize("embedding_gradient", [False, True])
+def test_embedding_padding_idx_gets_no_gradient_like_pytorch(embedding_gradient):
+    """nn.Embedding(padding_idx=...) never updates that row from the lookup; the export must agree."""
+
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, HIDDEN, padding_idx=0)
+            self.out = torch.nn.Linear(HIDDEN, VOCAB)
+
+        def forward(self, ids, labels):
+            logits = self.out(self.embed(ids))
+            return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), logits
+
+    model = Padded()
+    ids, labels = _batch(3)
+    ids[:, -4:] = 0  # padding positions
+    labels = ids.clone()
+    expected = _reference_grads(model, (ids, labels))
+    assert np.abs(expected["embed.weight"][0]).sum() == 0
+    _, grads = _ort_grads(copy.deepcopy(model), (ids, labels), **{**ALL_OFF, "embedding_gradient": embedding_gradient})
+    assert np.abs(grads["embed.weight"][0]).sum() == 0
+    _assert_close(grads, expected)

@@ -72,10 +72,14 @@ class _ModelWithLoss(torch.nn.Module):
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:
-    """Flatten a model's return value (tensor, tuple, list, dict, Hugging Face ModelOutput)."""
+    """Flatten a model's return value (tensor, tuple, list, dict, Hugging Face ModelOutput).
+
+    Hugging Face key/value caches (``DynamicCache``...) are not outputs: set ``use_cache=False``
+    in the model config, or they are skipped here.
+    """
     if isinstance(value, torch.Tensor):
         return [value]
-    if value is None:
+    if value is None or type(value).__name__.endswith("Cache"):  # Hugging Face key/value caches
         return []
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
@@ -102,6 +106,7 @@ class ExportedModel:
     torch_keys: dict[str, list[str]]
     trainable: list[str]
     output_order: list[str]
+    padding: dict[str, int]  # weight -> padding_idx of the nn.Embedding that uses it
 
 
 def export_order(desc: ModelDescription, has_loss_fn: bool) -> list[str]:
@@ -180,9 +185,16 @@ def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDesc
     onnx_model = onnx.load_from_string(buffer.getvalue())
     torch_keys, trainable = _map_initializers(onnx_model, wrapper)
     torch_keys, trainable = _rename_weights(onnx_model, torch_keys, trainable, desc)
+    by_key = {key: weight for weight, keys in torch_keys.items() for key in keys}
+    padding = {}
+    for name, module in wrapper.model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            weight = by_key.get(f"{name}.weight" if name else "weight")
+            if weight is not None:
+                padding[weight] = int(module.padding_idx) % module.num_embeddings
     logger.debug("exported %d nodes, %d weights (%d trainable)",
                  len(onnx_model.graph.node), len(torch_keys), len(trainable))
-    return ExportedModel(onnx_model, torch_keys, trainable, names)
+    return ExportedModel(onnx_model, torch_keys, trainable, names, padding)
 
 
 @contextlib.contextmanager

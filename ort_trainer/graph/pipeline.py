@@ -129,10 +129,10 @@ def build_training_graphs(
         return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True)
 
     if forward is not None:  # reuse an earlier export of the same job
-        forward, torch_keys, trainable = copy.deepcopy(forward[0]), forward[1], list(forward[2])
+        forward, torch_keys, trainable, padding = copy.deepcopy(forward[0]), forward[1], list(forward[2]), forward[3]
     else:
-        forward, torch_keys, trainable = _forward_graph(job, sample_inputs)
-    source = (copy.deepcopy(forward), torch_keys, list(trainable))
+        forward, torch_keys, trainable, padding = _forward_graph(job, sample_inputs)
+    source = (copy.deepcopy(forward), torch_keys, list(trainable), padding)
     all_weights = list(torch_keys)
     frozen = set(job.frozen_weights)
     trainable = [w for w in trainable if w not in frozen]
@@ -158,6 +158,7 @@ def build_training_graphs(
     buffer_updates = expose_running_statistics(forward, set(all_weights) - set(trainable))
     gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, returned,
                                              list(buffer_updates.values()))
+    rewrites.mask_padding_rows(gradient, padding)  # semantics, not speed: always
     rewritten = rewrites.apply_gradient_passes(gradient, job.passes or {},
                                                {w: len(info[0]) for w, info in weight_info.items()})
     logger.debug("gradient graph rewrites: %s", rewritten)
@@ -263,8 +264,12 @@ def _value_info(value_info: onnx.ValueInfoProto) -> list:
     return [shape, str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
 
 
-def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[onnx.ModelProto, dict, list]:
-    """Export (or copy) the forward graph, make it trainable and run the user's hook."""
+def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[onnx.ModelProto, dict, list, dict]:
+    """Export (or copy) the forward graph, make it trainable and run the user's hook.
+
+    Returns the graph, ``{weight: torch keys}``, the trainable weights and ``{weight: padding_idx}``.
+    """
+    padding: dict[str, int] = {}
     if isinstance(job.model, onnx.ModelProto):
         forward = copy.deepcopy(job.model)
         _check_onnx_io(forward, job.desc)
@@ -273,13 +278,14 @@ def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[
         trainable = list(weights)
     else:
         exported = export_torch(job.model, job.loss_fn, job.desc, sample_inputs, job.opset)
-        forward, torch_keys, trainable = exported.model, exported.torch_keys, exported.trainable
+        forward, torch_keys, trainable, padding = (exported.model, exported.torch_keys, exported.trainable,
+                                                   exported.padding)
     make_trainable(forward)
     if job.extra_postprocess is not None:
         returned = job.extra_postprocess(forward)
         if isinstance(returned, onnx.ModelProto):
             forward = returned
-    return forward, torch_keys, trainable
+    return forward, torch_keys, trainable, padding
 
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}

@@ -274,6 +274,33 @@ def fast_gelu_grad(model: onnx.ModelProto) -> int:
     return len(replacements)
 
 
+def mask_padding_rows(model: onnx.ModelProto, padding: dict[str, int]) -> int:
+    """Zero the embedding gradient at each table's ``padding_idx``, as ``torch.nn.Embedding`` does.
+
+    Not a speed pass but semantics: an exported Gather knows nothing of ``padding_idx``. Each
+    ``GatherGrad`` of a table in ``padding`` gets its incoming gradient multiplied by
+    ``indices != padding_idx``. Returns the number of gradients masked.
+    """
+    graph = model.graph
+    count = 0
+    for node in list(graph.node):
+        if node.op_type != "GatherGrad" or node.domain != MS_DOMAIN:
+            continue
+        table = _table_of(node)
+        if table not in padding:
+            continue
+        e = _Editor(graph, f"{node.name or 'gather_grad'}/padding_idx")
+        indices, d_y = node.input[1], node.input[2]
+        keep = e.op("Cast", [e.op("Not", [e.op("Equal", [indices, e.const(padding[table], np.int64)])])],
+                    to=onnx.TensorProto.FLOAT)
+        node.input[2] = e.op("Mul", [d_y, e.op("Unsqueeze", [keep, e.const([-1], np.int64)])])
+        index = list(graph.node).index(node)
+        for offset, new in enumerate(e.nodes):
+            graph.node.insert(index + offset, new)
+        count += 1
+    return count
+
+
 def apply_gradient_passes(model: onnx.ModelProto, enabled: dict[str, bool], table_ranks: dict[str, int]) -> dict:
     """Run the enabled gradient passes in place; returns ``{pass: nodes rewritten}``."""
     counts = {}
