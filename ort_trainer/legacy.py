@@ -40,6 +40,7 @@ class _FedLearningRate(_LRScheduler):
         self.value = 0.0
 
     def get_lr_at(self, step: int, lr: float) -> float:
+        """The learning rate fed to the current step, whatever the step."""
         return self.value
 
 

@@ -26,7 +26,7 @@ from .graph.gradient import build_inference_graph
 from .graph.optimizer import state_names
 from .graph.pipeline import GraphJob, TrainingGraphs, build_optimizer, build_training_graphs, initial_weights
 from .model_desc import ModelDescription, parse_model_desc
-from .optim.config import LambConfig, _OptimizerConfig
+from .optim.config import _OptimizerConfig
 from .options import ORTTrainerOptions
 
 

@@ -25,6 +25,7 @@ class CausalSelfAttention(torch.nn.Module):
                              persistent=False)
 
     def forward(self, x):
+        """[batch, seq, width] -> [batch, seq, width]; position t attends to positions <= t."""
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -47,6 +48,7 @@ class Block(torch.nn.Module):
         self.dropout = torch.nn.Dropout(dropout)
 
     def forward(self, x):
+        """Attention then MLP, each around a residual connection."""
         x = x + self.attn(self.ln1(x))
         return x + self.dropout(self.out(F.gelu(self.fc(self.ln2(x)))))
 
@@ -75,6 +77,7 @@ class GPT(torch.nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, ids):
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         x = self.dropout(self.tokens(ids) + self.positions(positions))
         for block in self.blocks:
@@ -97,4 +100,5 @@ class MLPClassifier(torch.nn.Module):
         self.classifier = torch.nn.Linear(hidden, classes)
 
     def forward(self, x):
+        """Features [batch, in_features] -> logits [batch, classes]."""
         return self.classifier(self.dropout(torch.relu(self.hidden(x))))

@@ -89,3 +89,15 @@ def test_gpt2_finetune_example(tmp_path):
     out = _example("gpt2_finetune.py", tmp_path, "--max-steps", "20", "--layers", "1", "--sample-tokens", "16")
     assert "held-out perplexity" in out
     assert (tmp_path / "gpt2.onnx").exists()
+
+
+def test_benchmark_runner_writes_its_report(tmp_path):
+    """`make bench` in miniature: the MLP only, two steps, no ablation."""
+    out = tmp_path / "bench.md"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--models", "mlp", "--steps", "2",
+                             "--rounds", "1", "--warmup", "1", "--impls", "ort,eager", "--no-ablation", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = out.read_text()
+    assert "| mlp |" in text and "## Targets" in text and "mlp: step ≥ 1.3× eager" in text
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

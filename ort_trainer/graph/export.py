@@ -59,6 +59,7 @@ class _ModelWithLoss(torch.nn.Module):
             list(parameters).index(name) != i for i, name in enumerate(input_names))
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
+        """``(loss, *flattened model outputs)``, or the model's own outputs without a loss_fn."""
         model_inputs = inputs[: self.num_model_inputs]
         if self.by_name:
             prediction = self.model(**dict(zip(self.input_names, model_inputs)))

@@ -90,12 +90,14 @@ class _Builder:
         self._renames: dict[str, str] = {}
 
     def op(self, op_type: str, *inputs: str, **attrs) -> str:
+        """Add a node; returns its (unique) output name."""
         self._count += 1
         out = f"{op_type.lower()}_{self._count}"
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
     def const(self, value: float, dtype=np.float32) -> str:
+        """Add a constant initializer; returns its name."""
         self._count += 1
         name = f"const_{self._count}"
         self.initializers.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))

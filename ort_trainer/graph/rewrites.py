@@ -51,6 +51,7 @@ class _Editor:
         self._count = 0
 
     def op(self, op_type: str, inputs: list[str], output: str | None = None, domain: str = "", **attrs) -> str:
+        """Add a replacement node; returns its output name (``output`` when given)."""
         self._count += 1
         name = f"{self.prefix}/{op_type}_{self._count}"
         out = output or f"{name}_out"
@@ -58,6 +59,7 @@ class _Editor:
         return out
 
     def const(self, value, dtype=np.float32) -> str:
+        """Add a constant initializer to the graph; returns its name."""
         self._count += 1
         name = f"{self.prefix}/const_{self._count}"
         self.graph.initializer.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
