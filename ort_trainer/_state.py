@@ -204,17 +204,12 @@ class _StateMixin:
         problems = self._check_weights(given, expected, strict)
         if problems:
             raise ValueError("the state does not fit this trainer:\n  " + "\n  ".join(problems))
-        if not isinstance(self.model, torch.nn.Module):
-            self._apply_weights(given)
-            return
-        if self._engine is None:
+        if self._engine is None or not isinstance(self.model, torch.nn.Module):
             self._apply_weights(given)
             return
         by_key = {key: weight for weight, keys in self._graphs.meta["torch_keys"].items() for key in keys}
-        self._engine.load_weights({by_key[k]: v for k, v in given.items() if k in by_key})
-        for key in self._counter_base:
-            if key in given:
-                self._counter_base[key] = int(given[key]) - self._train_step_info.step
+        self._apply_weights({**{by_key[k]: v for k, v in given.items() if k in by_key},
+                             **{k: v for k, v in given.items() if k in self._counter_base}})
         with torch.no_grad():  # parameters the graph does not use live in the module only
             module_state = self.model.state_dict(keep_vars=True)
             for key, value in given.items():

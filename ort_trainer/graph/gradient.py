@@ -215,17 +215,14 @@ def build_inference_graph(
             node.output.pop()
     del graph.node[:]
     graph.node.extend(live)
-    missing_inputs = [n for n in needed if n in {i.name for i in graph.input} and n not in keep_inputs
-                      and n not in weights]
-    if missing_inputs:
-        keep_inputs = keep_inputs + missing_inputs
-    new_inputs = [i for i in graph.input if i.name in keep_inputs]
+    # the wanted inputs, and any other data input the kept outputs still read; weights become initializers
+    new_inputs = [i for i in graph.input if i.name in keep_inputs or (i.name in needed and i.name not in weights)]
     del graph.input[:]
     graph.input.extend(new_inputs)
     del graph.output[:]
     graph.output.extend(outputs)
-    graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in weights.items() if name in needed)
     kept_inits = [i for i in graph.initializer if i.name in needed]
+    kept_inits += [numpy_helper.from_array(v, name) for name, v in weights.items() if name in needed]
     del graph.initializer[:]
     graph.initializer.extend(kept_inits)
     del graph.value_info[:]
