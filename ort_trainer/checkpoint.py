@@ -1,26 +1,38 @@
-"""Checkpoint files: one HDF5 file per checkpoint, written atomically, verified on load.
+"""Checkpoint files: one HDF5 file per checkpoint, written atomically, verified before use.
 
-Layout (every array a dataset, everything else JSON in attributes)::
+Layout of format version 2 (every array a dataset, everything else JSON)::
 
     /model/full_precision/<weight>            weights and buffers
     /optimizer/<weight>/<state>               Moment_1, Moment_2, Update_Count
     /optimizer/shared_optimizer_state/Step    Lamb
     /accumulated_gradients/<weight>           only when saved inside an accumulation window
-    attrs: format, version, train_step_info, trainer_options, lr_scheduler, loss_scaler,
-           user_dict (pickled, hex)
+    /user_dict/value                          the user dict as UTF-8 JSON (uint8), arrays as references
+    /user_dict/arrays/<i>                     the user dict's numpy arrays and scalars
+    /user_dict/pickle                         pickled user dict (uint8), only when saved with allow_pickle=True
+    attrs: format, version, train_step_info, trainer_options, lr_scheduler, loss_scaler (JSON)
+
+Version 1 stored the user dict pickled in the ``user_dict`` attribute; it is read but never
+unpickled unless the caller passes ``allow_pickle=True``.
 
 The file starts with a 512-byte HDF5 user block (HDF5 ignores it) whose first 64 bytes hold the
-hex SHA-256 of every byte after them. ``read`` checks it before parsing, so a flipped byte
-anywhere in the file, or a truncated file, raises ``CheckpointError`` before anything is returned.
+hex SHA-256 of every byte after them. Whoever writes a file can also write its checksum, so the
+checksum only detects damage; safety comes from what reading does and never does:
 
-The user dict is stored with ``pickle`` (like ``torch.save``): load checkpoints you trust only.
+- it never unpickles, unless the caller opts in;
+- it reads only datasets stored inside the file: external storage, virtual datasets, soft and
+  external links are refused by name, before anything is read;
+- every dataset must be contiguous, uncompressed, numeric and fully stored in the file, so the
+  memory a load allocates is bounded by the file's size; the trainer checks each dataset's name,
+  shape and dtype against its own (``CheckpointFile.arrays``) before any data is read.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import tempfile
@@ -29,16 +41,24 @@ from typing import Any
 
 import numpy as np
 
+from ._logging import logger
+from ._temporaries import remove_stale_temporaries, temporary_prefix
+from ._user_dict import NUMERIC_KINDS, SCALAR_TAG, array_references, decode_user_dict, encode_user_dict
+
 FORMAT = "ort_trainer.checkpoint"
-VERSION = 1
+VERSION = 2
 _USERBLOCK = 512
 _DIGEST_BYTES = 64
 _JSON_ATTRS = ("train_step_info", "trainer_options", "lr_scheduler", "loss_scaler")
 _ARRAY_GROUPS = ("model", "optimizer", "accumulated_gradients")
+_USER = "user_dict"
+# pickle.dumps(None) under every protocol: a version-1 file holding only these has no user dict
+_PICKLED_NONE = {pickle.dumps(None, protocol=p) for p in range(pickle.HIGHEST_PROTOCOL + 1)}
+_ANY = object()
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read or does not fit the trainer; nothing was changed."""
+class CheckpointError(ValueError, RuntimeError):
+    """A checkpoint cannot be read, is unsafe, or does not fit the trainer; nothing was changed."""
 
 
 def _h5py():
@@ -49,6 +69,7 @@ def _h5py():
     return h5py
 
 
+# ---- writing ------------------------------------------------------------------------------------
 def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
     out = {}
     for key, value in tree.items():
@@ -62,27 +83,23 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def _unflatten(flat: dict[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.strip("/").split("/")
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return tree
-
-
-def write(path: str | os.PathLike, content: dict[str, Any]) -> None:
+def write(path: str | os.PathLike, content: dict[str, Any], allow_pickle: bool = False) -> None:
     """Write ``content`` to a new checkpoint file at ``path``.
 
-    ``content`` keys: ``model``, ``optimizer``, ``accumulated_gradients`` (nested dicts of arrays),
-    ``train_step_info``, ``trainer_options``, ``lr_scheduler``, ``loss_scaler`` (JSON-able) and
-    ``user_dict`` (any picklable object).
+    Stale temporaries of interrupted saves in the same directory are removed first
+    (``remove_stale_temporaries``).
+
+    Args:
+        path: the new file; never overwritten.
+        content: ``model``, ``optimizer``, ``accumulated_gradients`` (nested dicts of arrays),
+            ``train_step_info``, ``trainer_options``, ``lr_scheduler``, ``loss_scaler`` (JSON-able)
+            and ``user_dict`` (plain data, see ``encode_user_dict``).
+        allow_pickle: pickle a ``user_dict`` that is not plain data instead of refusing it.
 
     Raises:
         FileExistsError: ``path`` exists (it is never overwritten).
         FileNotFoundError: the directory of ``path`` does not exist.
+        TypeError: ``user_dict`` is not plain data and ``allow_pickle`` is False.
     """
     h5py = _h5py()
     path = Path(path)
@@ -90,15 +107,20 @@ def write(path: str | os.PathLike, content: dict[str, Any]) -> None:
         raise FileExistsError(f"save_checkpoint: {str(path)!r} already exists; choose a new path or delete it first")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"save_checkpoint: directory {str(path.parent)!r} does not exist")
+    user_json, user_arrays, pickled = encode_user_dict(content.get("user_dict"), allow_pickle)
     arrays = {}
     for group in _ARRAY_GROUPS:
         if content.get(group):
             arrays.update(_flatten(content[group], f"/{group}"))
+    arrays[f"/{_USER}/value"] = np.frombuffer(user_json.encode(), np.uint8)
+    arrays.update({f"/{_USER}/arrays/{i}": a for i, a in enumerate(user_arrays)})
+    if pickled is not None:
+        arrays[f"/{_USER}/pickle"] = np.frombuffer(pickled, np.uint8)
     attrs = {key: json.dumps(content.get(key)) for key in _JSON_ATTRS}
-    attrs["user_dict"] = pickle.dumps(content.get("user_dict")).hex()
     attrs["format"] = FORMAT
     attrs["version"] = str(VERSION)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         with h5py.File(tmp, "w", userblock_size=_USERBLOCK) as handle:
@@ -117,14 +139,208 @@ def write(path: str | os.PathLike, content: dict[str, Any]) -> None:
     except FileExistsError:
         raise FileExistsError(f"save_checkpoint: {str(path)!r} already exists; choose a new path") from None
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
 
 
-def read(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and verify a checkpoint written by ``write``; returns the same ``content`` dict.
+# ---- reading ------------------------------------------------------------------------------------
+class StoredArray:
+    """A dataset of a verified checkpoint: its name, shape and dtype, with the data not yet read.
+
+    Attributes:
+        name: the dataset's path in the file (``/model/full_precision/fc1.weight``).
+        shape: its shape.
+        dtype: its numpy dtype.
+    """
+
+    __slots__ = ("_file", "name", "shape", "dtype", "_offset")
+
+    def __init__(self, file: "CheckpointFile", name: str, shape: tuple[int, ...], dtype: np.dtype, offset: int | None):
+        self._file, self.name, self.shape, self.dtype, self._offset = file, name, shape, dtype, offset
+
+    def read(self) -> np.ndarray:
+        """The data, as a new native-byte-order array (its bytes were checked to lie inside the file)."""
+        count = math.prod(self.shape)
+        if count == 0:
+            return np.zeros(self.shape, self.dtype.newbyteorder("="))
+        data = np.frombuffer(self._file._raw, dtype=self.dtype, count=count, offset=self._offset)
+        return data.reshape(self.shape).astype(self.dtype.newbyteorder("="), copy=True)
+
+    def __repr__(self) -> str:
+        return f"StoredArray({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+class CheckpointFile:
+    """A checkpoint whose checksum, structure and metadata were verified; array data not read yet.
+
+    Attributes:
+        path: the file.
+        version: its format version.
+        arrays: ``{"model": {...}, "optimizer": {...}, "accumulated_gradients": {...}}`` with
+            ``StoredArray`` leaves: check their names, shapes and dtypes, then ``read`` them.
+        metadata: the JSON entries ``train_step_info``, ``trainer_options``, ``lr_scheduler``,
+            ``loss_scaler`` (parsed, not yet validated: the trainer validates them).
+    """
+
+    def __init__(self, path: Path, raw: bytes, version: int):
+        self.path = path
+        self._raw = raw
+        self.version = version
+        self.arrays: dict[str, dict] = {group: {} for group in _ARRAY_GROUPS}
+        self.metadata: dict[str, Any] = {}
+        self._user_json: Any = None
+        self._user_arrays: dict[int, StoredArray] = {}
+        self._user_pickle: bytes | None = None
+
+    def user_dict(self, allow_pickle: bool = False) -> Any:
+        """The user dict (reads its arrays).
+
+        A pickled user dict is unpickled only with ``allow_pickle=True``; otherwise a warning says
+        so and None is returned (the rest of the checkpoint is unaffected).
+
+        Args:
+            allow_pickle: unpickle a pickled user dict. Unpickling runs code chosen by whoever wrote
+                the file: only for files you trust.
+
+        Raises:
+            CheckpointError: unpickling failed.
+        """
+        if self._user_pickle is not None:
+            if self._user_pickle in _PICKLED_NONE:
+                return None
+            if not allow_pickle:
+                logger.warning(
+                    "load_checkpoint: %r stores its user_dict pickled (%s); it was NOT unpickled, since unpickling "
+                    "runs code from the file, and None is returned in its place. The weights and training state "
+                    "were loaded. If you trust the file, load it again with load_checkpoint(..., allow_pickle=True)",
+                    str(self.path), "format version 1" if self.version == 1 else "saved with allow_pickle=True")
+                return None
+            try:
+                return pickle.loads(self._user_pickle)
+            except Exception as exc:
+                raise CheckpointError(f"load_checkpoint: {str(self.path)!r}: the pickled user_dict cannot be "
+                                      f"unpickled: {type(exc).__name__}: {exc}") from exc
+        arrays = {i: a.read() for i, a in self._user_arrays.items()}
+        try:
+            return decode_user_dict(self._user_json, arrays)
+        except RecursionError:
+            raise CheckpointError(f"load_checkpoint: {str(self.path)!r}: the user_dict is nested too deeply") from None
+
+
+def _check_dataset(h5py, dataset, name: str, raw_size: int) -> tuple[str | None, tuple | None]:
+    """``(problem, (shape, dtype, offset))``: whether a dataset is plain numeric data inside the file."""
+    h5d = h5py.h5d
+    plist = dataset.id.get_create_plist()
+    layout = plist.get_layout()
+    if layout == getattr(h5d, "VIRTUAL", -1):
+        return f"dataset {name!r} is a virtual dataset (it maps data from other files)", None
+    if plist.get_external_count() > 0:
+        target = plist.get_external(0)[0]
+        return f"dataset {name!r} keeps its data in the external file {target.decode(errors='replace')!r}", None
+    if layout != h5d.CONTIGUOUS or plist.get_nfilters() > 0:
+        kind = {h5d.CHUNKED: "chunked or compressed", h5d.COMPACT: "compact"}.get(layout, "non-contiguous")
+        return f"dataset {name!r} uses {kind} storage, which ort_trainer never writes", None
+    shape, dtype = dataset.shape, dataset.dtype
+    if shape is None:
+        return f"dataset {name!r} has no dataspace", None
+    if dtype.kind not in NUMERIC_KINDS or dtype.fields is not None:
+        return f"dataset {name!r} has dtype {dtype}, not a numeric array", None
+    try:
+        standard = dataset.id.get_type() == h5py.h5t.py_create(dtype)
+    except Exception:
+        standard = False
+    if not standard:
+        return f"dataset {name!r} has a non-standard HDF5 type for {dtype}", None
+    nbytes = math.prod(shape) * dtype.itemsize
+    stored = dataset.id.get_storage_size()
+    if stored != nbytes:
+        return (f"dataset {name!r} declares shape {list(shape)} of {dtype} ({nbytes} bytes) but stores "
+                f"{stored} bytes in the file"), None
+    offset = dataset.id.get_offset() if nbytes else None
+    if nbytes and (offset is None or offset < _USERBLOCK or offset + nbytes > raw_size):
+        return f"dataset {name!r}: its data lies outside the file", None
+    return None, (tuple(int(d) for d in shape), np.dtype(dtype), offset)
+
+
+def _walk(h5py, group, schema: dict, prefix: str, raw_size: int, found: dict, problems: list[str]) -> None:
+    """Collect the datasets of ``group`` that ``schema`` allows, refusing links and unknown objects.
+
+    ``schema`` maps a name (or ``_ANY``) to a sub-schema (a group) or to None (a dataset).
+    """
+    for name in group:
+        path = f"{prefix}/{name}"
+        link = group.get(name, getlink=True)
+        if isinstance(link, h5py.SoftLink):
+            problems.append(f"{path!r} is a soft link to {link.path!r}; a checkpoint holds only its own datasets")
+            continue
+        if isinstance(link, h5py.ExternalLink):
+            problems.append(f"{path!r} is an external link to {link.filename!r}:{link.path!r}; a checkpoint holds "
+                            "only its own datasets")
+            continue
+        if not isinstance(link, h5py.HardLink):
+            problems.append(f"{path!r} is a {type(link).__name__}, not an object stored in the file")
+            continue
+        if name in schema:
+            spec = schema[name]
+        elif _ANY in schema:
+            spec = schema[_ANY]
+        else:
+            problems.append(f"unexpected object {path!r}")
+            continue
+        item = group[name]
+        if spec is None:
+            if not isinstance(item, h5py.Dataset):
+                problems.append(f"{path!r} should be a dataset, found a {type(item).__name__}")
+                continue
+            problem, info = _check_dataset(h5py, item, path, raw_size)
+            if problem:
+                problems.append(problem)
+            else:
+                found[path] = info
+        elif not isinstance(item, h5py.Group):
+            problems.append(f"{path!r} should be a group, found a {type(item).__name__}")
+        else:
+            _walk(h5py, item, spec, path, raw_size, found, problems)
+
+
+_SCHEMA = {
+    "model": {"full_precision": {_ANY: None}},
+    "optimizer": {_ANY: {_ANY: None}},
+    "accumulated_gradients": {_ANY: None},
+    _USER: {"value": None, "pickle": None, "arrays": {_ANY: None}},
+}
+
+
+def _string_attribute(h5py, handle, key: str) -> tuple[str | None, str | None]:
+    """``(value, problem)`` of a root attribute that must be one string (checked before it is read)."""
+    attr = h5py.h5a.open(handle.id, key.encode())
+    if attr.get_space().get_simple_extent_type() != h5py.h5s.SCALAR or attr.get_type().get_class() != h5py.h5t.STRING:
+        return None, f"attribute {key!r} is not a string"
+    value = handle.attrs[key]
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="strict")
+    return str(value), None
+
+
+def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
+    """Verify a checkpoint and list its contents without reading any array data.
+
+    Checks the checksum, the format and version, and that every object is where the format puts
+    it: plain numeric datasets stored contiguously inside the file (no external storage, virtual
+    datasets, links or compression), whose data together fit in the file.
+
+    Args:
+        path: the checkpoint file.
+
+    Returns:
+        A ``CheckpointFile``: check ``arrays`` against what you expect, then ``StoredArray.read``.
 
     Raises:
-        CheckpointError: missing, truncated, corrupted (checksum mismatch) or not a checkpoint.
+        CheckpointError: missing, truncated, corrupted, not a checkpoint, from a newer version, or
+            holding anything the format does not allow (every such object named).
     """
     h5py = _h5py()
     path = Path(path)
@@ -136,28 +352,134 @@ def read(path: str | os.PathLike) -> dict[str, Any]:
             f"load_checkpoint: {str(path)!r} is corrupted or truncated: its checksum does not match its "
             "contents (or it is not an ort_trainer checkpoint)"
         )
+    problems: list[str] = []
+    found: dict[str, tuple] = {}
+    attrs: dict[str, str] = {}
     try:
         with h5py.File(io.BytesIO(raw), "r") as handle:
-            attrs = {key: str(value) for key, value in handle.attrs.items()}
-            arrays: dict[str, np.ndarray] = {}
-
-            def visit(name, item):
-                if isinstance(item, h5py.Dataset):
-                    arrays["/" + name] = item[()]
-
-            handle.visititems(visit)
-    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            for key in handle.attrs:
+                if key not in (*_JSON_ATTRS, "format", "version", _USER):
+                    problems.append(f"unexpected attribute {key!r}")
+                    continue
+                value, problem = _string_attribute(h5py, handle, key)
+                if problem:
+                    problems.append(problem)
+                else:
+                    attrs[key] = value
+            if attrs.get("format") != FORMAT:
+                raise CheckpointError(f"load_checkpoint: {str(path)!r} is not an ort_trainer checkpoint")
+            _walk(h5py, handle, _SCHEMA, "", len(raw), found, problems)
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointError(
             f"load_checkpoint: {str(path)!r} is not a readable checkpoint (truncated or corrupted?): {exc}"
         ) from exc
-    if attrs.get("format") != FORMAT:
-        raise CheckpointError(f"load_checkpoint: {str(path)!r} is not an ort_trainer checkpoint")
-    if int(attrs["version"]) > VERSION:
-        raise CheckpointError(f"load_checkpoint: {str(path)!r} has format version {attrs['version']}, "
-                              f"newer than this ort_trainer reads ({VERSION}); upgrade ort_trainer")
-    tree = _unflatten(arrays)
-    content: dict[str, Any] = {group: tree.get(group, {}) for group in _ARRAY_GROUPS}
+    try:
+        version = int(attrs.get("version", ""))
+    except ValueError:
+        raise CheckpointError(f"load_checkpoint: {str(path)!r} has no valid format version") from None
+    if version > VERSION or version < 1:
+        raise CheckpointError(f"load_checkpoint: {str(path)!r} has format version {version}; this ort_trainer "
+                              f"reads versions 1 to {VERSION}" + ("; upgrade ort_trainer" if version > VERSION else ""))
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in found.values())
+    if total > len(raw):
+        problems.append(f"its datasets declare {total} bytes of data, more than the file's {len(raw)} bytes")
+    result = CheckpointFile(path, raw, version)
     for key in _JSON_ATTRS:
-        content[key] = json.loads(attrs[key])
-    content["user_dict"] = pickle.loads(bytes.fromhex(attrs["user_dict"]))
+        if key not in attrs:
+            problems.append(f"attribute {key!r} is missing")
+            continue
+        try:
+            result.metadata[key] = json.loads(attrs[key])
+        except (ValueError, RecursionError) as exc:
+            problems.append(f"attribute {key!r} is not valid JSON: {exc}")
+    stored = {name: StoredArray(result, name, *info) for name, info in found.items()}
+    _read_user_dict(result, stored, attrs, problems)
+    for name, array in stored.items():
+        group, *rest = name.strip("/").split("/")
+        if group in _ARRAY_GROUPS:
+            node = result.arrays[group]
+            for part in rest[:-1]:
+                node = node.setdefault(part, {})
+            node[rest[-1]] = array
+    if problems:
+        raise CheckpointError(f"load_checkpoint: {str(path)!r} is not a valid ort_trainer checkpoint; nothing was "
+                              "loaded:\n  " + "\n  ".join(problems))
+    return result
+
+
+def _read_user_dict(result: CheckpointFile, stored: dict[str, StoredArray], attrs: dict[str, str],
+                    problems: list[str]) -> None:
+    """Parse the user dict's JSON and pickle (both small: their bytes are in the file) and match its arrays."""
+    prefix = f"/{_USER}/"
+    user = {name[len(prefix):]: array for name, array in stored.items() if name.startswith(prefix)}
+    if result.version == 1:
+        if user:
+            problems.append(f"a version-1 checkpoint has no {prefix!r} group, but this one holds {sorted(user)}")
+        if _USER not in attrs:
+            problems.append(f"attribute {_USER!r} is missing")
+            return
+        try:
+            result._user_pickle = bytes.fromhex(attrs[_USER])
+        except ValueError:
+            problems.append(f"attribute {_USER!r} is not hex-encoded")
+        return
+    if _USER in attrs:
+        problems.append(f"unexpected attribute {_USER!r} (format version {result.version} stores it under {prefix})")
+    value = user.pop("value", None)
+    if value is None or value.dtype != np.uint8 or len(value.shape) != 1:
+        problems.append(f"dataset '{prefix}value' (the user dict as UTF-8 JSON, uint8) is missing or malformed")
+        return
+    try:
+        result._user_json = json.loads(value.read().tobytes().decode("utf-8"))
+        references = array_references(result._user_json, [])
+    except (ValueError, RecursionError) as exc:
+        problems.append(f"dataset '{prefix}value' is not valid UTF-8 JSON: {exc}")
+        return
+    pickled = user.pop("pickle", None)
+    if pickled is not None:
+        if pickled.dtype != np.uint8 or len(pickled.shape) != 1:
+            problems.append(f"dataset '{prefix}pickle' must be 1-D uint8")
+        else:
+            result._user_pickle = pickled.read().tobytes()
+    arrays = {name[len("arrays/"):]: array for name, array in user.items()}
+    referenced = set()
+    for tag, index in references:
+        array = arrays.get(str(index)) if isinstance(index, int) and not isinstance(index, bool) else None
+        referenced.add(str(index))
+        if array is None:
+            problems.append(f"the user dict refers to array {index!r}, which '{prefix}arrays' does not hold")
+        elif tag == SCALAR_TAG and array.shape != ():
+            problems.append(f"dataset '{prefix}arrays/{index}' holds a numpy scalar but has shape {list(array.shape)}")
+        else:
+            result._user_arrays[index] = array
+    unused = sorted(set(arrays) - referenced)
+    if unused:
+        problems.append(f"unexpected datasets {[prefix + 'arrays/' + n for n in unused]} (not referenced by the user dict)")
+
+
+def read(path: str | os.PathLike, allow_pickle: bool = False) -> dict[str, Any]:
+    """Read and verify a whole checkpoint; returns the ``content`` dict ``write`` was given.
+
+    Every array is read (bounded by the file's size); use ``open_checkpoint`` to check names and
+    shapes against a trainer first.
+
+    Args:
+        path: the checkpoint file.
+        allow_pickle: unpickle a pickled user dict (runs code from the file: only for files you
+            trust); without it a pickled user dict comes back as None, with a warning.
+
+    Raises:
+        CheckpointError: see ``open_checkpoint``.
+    """
+    file = open_checkpoint(path)
+    content: dict[str, Any] = {group: _read_tree(tree) for group, tree in file.arrays.items()}
+    content.update(file.metadata)
+    content["user_dict"] = file.user_dict(allow_pickle)
     return content
+
+
+def _read_tree(tree: dict) -> dict:
+    return {k: _read_tree(v) if isinstance(v, dict) else v.read() for k, v in tree.items()}
+

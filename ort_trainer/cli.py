@@ -4,11 +4,13 @@
     ort-trainer export CHECKPOINT OUT.onnx
     python -m ort_trainer ...            (the same)
 
-A config has the sections of ``DEFAULTS`` below; a key left out takes its default. ``options`` is
-an ``ORTTrainerOptions`` dict, one to one. Overrides are dotted paths (``train.max_steps=10``,
-``options.batch.gradient_accumulation_steps=2``); their values are read as YAML. Unknown keys
-and wrong types are errors that name the key. Under ``mpirun -n N`` every rank trains on its own
-batches; rank 0 prints and writes.
+A config has the sections of ``DEFAULTS`` (``ort_trainer._cli_config``); a key left out takes its
+default. ``options`` is an ``ORTTrainerOptions`` dict, one to one. Overrides are dotted paths
+(``train.max_steps=10``, ``options.batch.gradient_accumulation_steps=2``); their values are read
+as YAML. Unknown keys, wrong types and out-of-range values are errors that name the key. A user
+error (bad config, missing file, unreadable checkpoint) exits with status 2 and one message, no
+traceback (``--debug`` shows it). Under ``mpirun -n N`` every rank trains on its own batches;
+rank 0 prints and writes.
 
 Files in ``output_dir``: ``metrics.jsonl`` (one JSON object per logged step or evaluation),
 ``loss.png`` (the loss curve), ``checkpoints/step_<N>.h5``, ``model.onnx`` and, for language
@@ -20,105 +22,22 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
-import yaml
 
+from ._cli_config import DEFAULTS, ConfigError, load_config
 from ._logging import logger
+from ._metrics import MetricsLog, read_metrics
 
-DEFAULTS: dict[str, Any] = {
-    "output_dir": "outputs/run",
-    "seed": 0,
-    "model": {"type": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64, "dropout": 0.0,
-              "hidden": 128},
-    "data": {"name": "stdlib", "max_bytes": 1_000_000, "validation_fraction": 0.1, "mask_probability": 0.15},
-    "optimizer": {"type": "adam", "lr": 1e-3, "lambda_coef": 0.01, "no_decay": ["bias", "ln", "norm"]},
-    "lr_scheduler": {"type": "cosine", "warmup": 0.05},
-    "train": {"max_steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 50, "eval_batches": 4,
-              "checkpoint_every": 0},
-    "export": {"onnx": True, "sample_tokens": 200, "prompt": "def "},
-    "options": {},
-}
-
-
-class ConfigError(ValueError):
-    """A config or override names an unknown key or has a value of the wrong type."""
-
-
-# ---- configs ----------------------------------------------------------------------------------
-def _check(value: Any, default: Any, path: str, problems: list[str]) -> Any:
-    if path == "options":
-        if not isinstance(value, dict):
-            problems.append(f"options: expected a mapping (ORTTrainerOptions), got {type(value).__name__}")
-        elif "lr_scheduler" in value:
-            problems.append("options.lr_scheduler: set the schedule in the lr_scheduler section instead")
-        return value
-    if isinstance(default, dict):
-        if not isinstance(value, dict):
-            problems.append(f"{path}: expected a mapping, got {type(value).__name__}")
-            return default
-        merged = copy.deepcopy(default)
-        for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
-            if key not in default:
-                problems.append(f"{where}: unknown key; known keys: {sorted(default)}")
-            else:
-                merged[key] = _check(item, default[key], where, problems)
-        return merged
-    if isinstance(default, bool) or isinstance(value, bool):
-        ok = isinstance(value, bool) and isinstance(default, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float))
-        value = float(value) if ok else value
-    elif isinstance(default, list):
-        ok = isinstance(value, list)
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        problems.append(f"{path}: expected {type(default).__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
-    """Read a YAML config, apply ``key=value`` overrides and validate everything.
-
-    Raises:
-        ConfigError: listing every unknown key and wrong type, with its dotted path.
-    """
-    raw: dict = {}
-    if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-    problems: list[str] = []
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not key:
-            problems.append(f"override {override!r}: expected key=value")
-            continue
-        node, parts = raw, key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                problems.append(f"override {key}: {part} is not a section")
-                break
-        else:
-            node[parts[-1]] = yaml.safe_load(text)
-    config = _check(raw, DEFAULTS, "", problems)
-    if isinstance(config.get("options"), dict) and "lr_scheduler" not in config["options"]:
-        from .options import ORTTrainerOptions
-
-        try:
-            ORTTrainerOptions(config["options"])
-        except ValueError as exc:
-            problems.append(str(exc).replace("invalid ORTTrainerOptions:\n  ", "options: "))
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-    return config
+__all__ = ["DEFAULTS", "ConfigError", "export", "load_config", "main", "make_trainer", "plot_metrics",
+           "sample_onnx", "train"]
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -153,20 +72,61 @@ def _scheduler(config: dict):
 
 
 def make_trainer(config: dict, mpi=None):
-    """The ``ORTTrainer`` and ``Job`` of a validated config (and the MPI context it used)."""
+    """The ``ORTTrainer`` and ``Job`` of a validated config (and the MPI context it used).
+
+    Raises:
+        ConfigError: when the job the config describes cannot be built (a data set too small for
+            the batch or the block size, a missing optional dependency).
+    """
     from .distributed import setup_onnxruntime_with_mpi
     from .jobs import build_job
     from .trainer import ORTTrainer
 
     mpi = mpi or setup_onnxruntime_with_mpi(seed=config["seed"])
-    job = build_job(config, mpi.world_rank)
+    try:
+        job = build_job(config, mpi.world_rank)
+    except (ValueError, ImportError) as exc:  # build_job's documented errors are all about the config
+        raise ConfigError(str(exc)) from exc
     options = mpi.trainer_options(**copy.deepcopy(config["options"]), lr_scheduler=_scheduler(config))
     trainer = ORTTrainer(job.model, job.desc, _optimizer(config, job.model), loss_fn=job.loss_fn, options=options)
     return trainer, job, mpi
 
 
+def _resume(trainer, checkpoints: Path) -> None:
+    """Load the newest checkpoint in ``checkpoints``.
+
+    Raises:
+        ConfigError: when there is none, or it does not fit the trainer the config describes.
+    """
+    found = sorted(checkpoints.glob("step_*.h5"))
+    if not found:
+        raise ConfigError(f"--resume: no checkpoint in {checkpoints}: the run there saved none (set "
+                          "train.checkpoint_every > 0 to save some), or output_dir is not that run's; "
+                          "leave out --resume to start afresh")
+    from .checkpoint import CheckpointError
+
+    try:
+        trainer.load_checkpoint(found[-1])
+    except (ValueError, CheckpointError) as exc:
+        raise ConfigError(f"--resume: {found[-1]} does not fit this config ({exc}); resume with the settings the "
+                          "run was started with, or give a new output_dir") from exc
+    logger.info("resumed from %s at step %d", found[-1], trainer._train_step_info.step)
+
+
 def train(config: dict, resume: bool = False) -> dict:
-    """Run a training job; returns a summary (final step, last losses, files written)."""
+    """Run a training job; returns a summary (final step, last losses, files written).
+
+    Args:
+        config: a config from ``load_config``.
+        resume: continue from the newest checkpoint in ``output_dir`` instead of starting afresh.
+
+    Returns:
+        ``{"step", "losses", "files"}`` (and ``"sample"``, text generated by a language model).
+
+    Raises:
+        ConfigError: for an ``output_dir`` that cannot be written, and for ``resume`` without a
+            fitting checkpoint.
+    """
     from tqdm import tqdm
 
     trainer, job, mpi = make_trainer(config)
@@ -174,51 +134,55 @@ def train(config: dict, resume: bool = False) -> dict:
     out = Path(config["output_dir"])
     checkpoints = out / "checkpoints"
     if main_rank:
-        checkpoints.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
+        try:
+            checkpoints.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"output_dir={str(out)!r}: cannot create {str(checkpoints)!r} ({exc.strerror}); "
+                              "choose a directory you can write to") from exc
+    metrics = MetricsLog(out / "metrics.jsonl") if main_rank else None
     info = trainer._train_step_info
     if resume:
-        found = sorted(checkpoints.glob("step_*.h5"))
-        if not found:
-            raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints}")
-        trainer.load_checkpoint(found[-1])
-        logger.info("resumed from %s at step %d", found[-1], info.step)
-    elif main_rank and metrics_path.exists():
-        metrics_path.unlink()  # a fresh run starts a fresh log
+        _resume(trainer, checkpoints)
+        if info.step >= config["train"]["max_steps"]:
+            logger.warning("--resume: the checkpoint is at step %d, train.max_steps is %d: nothing left to train; "
+                           "raise train.max_steps to train further", info.step, config["train"]["max_steps"])
+    if metrics is not None and resume:
+        metrics.resume(info.step)
+    elif metrics is not None:
+        metrics.start()
     train_cfg = config["train"]
     scheduler = trainer.options.lr_scheduler
     trainer._train_step_info.fetches = ["loss"]
-    progress = tqdm(total=train_cfg["max_steps"], initial=info.step, disable=not main_rank or None,
-                    desc="training", unit="step")
+    progress = tqdm(total=train_cfg["max_steps"], initial=min(info.step, train_cfg["max_steps"]),
+                    disable=not main_rank or None, desc="training", unit="step")
     losses, started, window_samples = [], time.perf_counter(), 0
-    with open(metrics_path, "a") if main_rank else open("/dev/null", "w") as metrics:
-        while info.step < train_cfg["max_steps"]:
-            step = info.step
-            loss = float(trainer.train_step(*job.train_batch(step)))
-            losses.append(loss)
-            window_samples += job.samples_per_batch * mpi.world_size
-            done = info.step
-            lr = scheduler.get_last_lr()[0] if scheduler else config["optimizer"]["lr"]
-            if done % train_cfg["log_every"] == 0 or done == train_cfg["max_steps"]:
-                elapsed = time.perf_counter() - started
-                record = {"step": done, "loss": loss, "lr": lr, "samples_per_s": window_samples / max(elapsed, 1e-9)}
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.0f}")
-                started, window_samples = time.perf_counter(), 0
-            if train_cfg["eval_every"] and (done % train_cfg["eval_every"] == 0 or done == train_cfg["max_steps"]):
-                eval_loss = float(np.mean([float(trainer.eval_step(*job.eval_batch(i)))  # fetches: the loss
-                                           for i in range(train_cfg["eval_batches"])]))
-                metrics.write(json.dumps({"step": done, "eval_loss": eval_loss}) + "\n")
-                metrics.flush()
-            if train_cfg["checkpoint_every"] and done % train_cfg["checkpoint_every"] == 0:
-                trainer.save_checkpoint(checkpoints / f"step_{done:07d}.h5", user_dict={"config": config})
-            progress.update(1)
+    while info.step < train_cfg["max_steps"]:
+        step = info.step
+        loss = float(trainer.train_step(*job.train_batch(step)))
+        losses.append(loss)
+        window_samples += job.samples_per_batch * mpi.world_size
+        done = info.step
+        lr = scheduler.get_last_lr()[0] if scheduler else config["optimizer"]["lr"]
+        if done % train_cfg["log_every"] == 0 or done == train_cfg["max_steps"]:
+            elapsed = time.perf_counter() - started
+            record = {"step": done, "loss": loss, "lr": lr, "samples_per_s": window_samples / max(elapsed, 1e-9)}
+            if metrics is not None:
+                metrics.append(record)
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.0f}")
+            started, window_samples = time.perf_counter(), 0
+        if train_cfg["eval_every"] and (done % train_cfg["eval_every"] == 0 or done == train_cfg["max_steps"]):
+            eval_loss = float(np.mean([float(trainer.eval_step(*job.eval_batch(i)))  # fetches: the loss
+                                       for i in range(train_cfg["eval_batches"])]))
+            if metrics is not None:
+                metrics.append({"step": done, "eval_loss": eval_loss})
+        if train_cfg["checkpoint_every"] and done % train_cfg["checkpoint_every"] == 0:
+            trainer.save_checkpoint(checkpoints / f"step_{done:07d}.h5", user_dict={"config": config})
+        progress.update(1)
     progress.close()
     summary = {"step": info.step, "losses": losses, "files": []}
     if not main_rank:
         return summary
-    plot_metrics(metrics_path, out / "loss.png")
+    plot_metrics(out / "metrics.jsonl", out / "loss.png")
     summary["files"] += ["metrics.jsonl", "loss.png"]
     if config["export"]["onnx"]:
         trainer.save_as_onnx(out / "model.onnx")
@@ -233,15 +197,15 @@ def train(config: dict, resume: bool = False) -> dict:
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> None:
-    """Plot the training (and evaluation) loss of a metrics log."""
+    """Plot the training (and evaluation) loss of a metrics log (unreadable lines are skipped)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "step" in r and "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "step" in r and "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
         ax.plot(*zip(*train), label="training loss")
@@ -249,7 +213,8 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
         ax.plot(*zip(*evals), "o-", label="evaluation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.legend()
+    if train or evals:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -281,13 +246,24 @@ def sample_onnx(path: Path, prompt: str, tokens: int, block_size: int, seed: int
 
 
 def export(checkpoint_path: str, out_path: str) -> None:
-    """Rebuild the job recorded in a CLI checkpoint, load it, and write the inference ONNX model."""
+    """Rebuild the job recorded in a CLI checkpoint, load it, and write the inference ONNX model.
+
+    Raises:
+        ConfigError: when the checkpoint was not written by ``ort-trainer train``.
+        CheckpointError: when it cannot be read. FileNotFoundError: when ``out_path``'s directory is missing.
+    """
     from . import checkpoint
 
+    if not Path(checkpoint_path).is_file():
+        raise ConfigError(f"export: checkpoint {checkpoint_path!r} does not exist; pass one that `ort-trainer train` "
+                          "wrote (OUTPUT_DIR/checkpoints/step_<N>.h5, with train.checkpoint_every > 0)")
+    if not Path(out_path).parent.is_dir():
+        raise ConfigError(f"export: the directory of {out_path!r} does not exist; create it first")
     content = checkpoint.read(checkpoint_path)
-    user = content["user_dict"] or {}
-    if "config" not in user:
-        raise ConfigError(f"{checkpoint_path}: not written by `ort-trainer train` (it records no config)")
+    user = content.get("user_dict") or {}
+    if not isinstance(user, dict) or not isinstance(user.get("config"), dict):
+        raise ConfigError(f"{checkpoint_path}: not written by `ort-trainer train` (it records no config); load it "
+                          "with ORTTrainer.load_checkpoint in the script that wrote it and call save_as_onnx there")
     trainer, _, _ = make_trainer(load_config(None, _flatten_overrides(user["config"])))
     trainer.load_checkpoint(checkpoint_path)
     trainer.save_as_onnx(out_path)
@@ -304,32 +280,94 @@ def _flatten_overrides(config: dict, prefix: str = "") -> list[str]:
     return items
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ort-trainer`` and ``python -m ort_trainer``."""
+# ---- the command ------------------------------------------------------------------------------
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="ort-trainer", description="Train PyTorch models with ONNX Runtime.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (as ORT_TRAINER_LOG_LEVEL=DEBUG does)")
     commands = parser.add_subparsers(dest="command", required=True)
-    train_cmd = commands.add_parser("train", help="train the job a YAML config describes")
+    train_cmd = commands.add_parser("train", parents=[common], help="train the job a YAML config describes")
     train_cmd.add_argument("config", help="YAML config (see configs/)")
     train_cmd.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=10")
     train_cmd.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    export_cmd = commands.add_parser("export", help="export a checkpoint written by `train` to ONNX")
-    export_cmd.add_argument("checkpoint")
-    export_cmd.add_argument("out")
-    args = parser.parse_args(argv)
+    export_cmd = commands.add_parser("export", parents=[common], help="export a checkpoint written by `train` to ONNX")
+    export_cmd.add_argument("checkpoint", help="a checkpoint written by `ort-trainer train`")
+    export_cmd.add_argument("out", help="the ONNX file to write")
+    return parser, {"train": train_cmd, "export": export_cmd}
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return str(exc)
+
+
+def _mpi_world():
+    """``MPI.COMM_WORLD`` when this process is one of several ranks of a running MPI job, else None."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
+        return None
+    return mpi.COMM_WORLD
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher set it (0 outside a launcher), without starting MPI."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _fail(message: str, status: int) -> int:
+    """Report a user error without a traceback; under mpirun, end every rank."""
+    world = _mpi_world()
+    if world is not None:
+        sys.stderr.write(f"[rank {world.Get_rank()}] ort-trainer: {message}\n")
+        sys.stderr.flush()
+        world.Abort(status)
+    if _launcher_rank() == 0:  # before MPI starts every rank meets the same error: rank 0 reports it
+        sys.stderr.write(f"ort-trainer: {message}\n")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ort-trainer`` and ``python -m ort_trainer``.
+
+    Returns:
+        0 on success; 2 for a user error (bad config or override, missing file, unreadable
+        checkpoint), reported in one message without a traceback (``--debug`` adds it); 130 when
+        interrupted. Anything else is a bug and raises with its traceback.
+    """
+    from .checkpoint import CheckpointError
+
+    parser, commands = _parsers()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in commands:
+        parser.parse_args(argv)  # prints the usage (exit 2), or the help for -h (exit 0)
+    if all(a.startswith("-") for a in argv[1:]):
+        commands[argv[0]].parse_args(argv[1:])  # the usage, or the help for -h
+    args = commands[argv[0]].parse_intermixed_args(argv[1:])  # options may follow the overrides
     try:
-        if args.command == "train":
-            summary = train(load_config(args.config, args.overrides), resume=args.resume)
+        if argv[0] == "train":
+            config = load_config(args.config, args.overrides)
+            summary = train(config, resume=args.resume)
             if summary["files"]:
-                print(f"step {summary['step']}: last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}")
-                print(f"wrote {', '.join(summary['files'])} in {load_config(args.config, args.overrides)['output_dir']}")
+                last = summary["losses"][-1] if summary["losses"] else float("nan")
+                print(f"step {summary['step']}: last loss {last:.4f}")
+                print(f"wrote {', '.join(summary['files'])} in {config['output_dir']}")
                 if "sample" in summary:
                     print("sample from the exported model:\n" + summary["sample"])
         else:
             export(args.checkpoint, args.out)
             print(f"wrote {args.out}")
-    except ConfigError as exc:
-        print(f"ort-trainer: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return _fail("interrupted (a run with train.checkpoint_every > 0 continues from its last checkpoint "
+                     "with --resume)", 130)
+    except (ConfigError, CheckpointError, OSError) as exc:
+        if args.debug or logger.isEnabledFor(logging.DEBUG):
+            traceback.print_exc()
+        return _fail(_message(exc), 2)
     return 0
 
 

@@ -1,7 +1,9 @@
 """The engine: ONNX Runtime sessions over buffers the trainer owns.
 
 Weights, gradients and optimizer states are ``OrtValue`` buffers that live across steps; a step
-binds them once (IOBinding) and copies nothing but its inputs. Trained weights and their states
+binds them once (IOBinding) and copies nothing but its inputs. Nothing a step computes becomes
+current until the trainer commits it (``commit_update``, ``commit_buffers``), so a step that
+fails or is refused half-way changes no state. Trained weights and their states
 are double-buffered: the optimizer session reads buffer set ``p`` and writes set ``1 - p``, then
 the sets swap, so no node can read a weight after it was overwritten in the same run.
 
@@ -23,17 +25,25 @@ import torch
 from ._logging import ort_severity
 from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from .graph.optimizer import (ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, GRADIENTS_INPUT, OUT_SUFFIX, STEP_INPUT,
-                              lr_input)
+                              WEIGHTS_FINITE, lr_input)
 
 GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, onnx.ModelProto]"]
 
 
 @dataclass
 class StepResult:
-    """What one optimizer run reports."""
+    """What one optimizer run reports.
+
+    Attributes:
+        all_finite: every gradient is finite.
+        global_gradient_norm: L2 norm of the averaged, unscaled gradient.
+        weights_finite: every updated weight is finite (false when the update itself overflowed,
+            e.g. from an enormous learning rate).
+    """
 
     all_finite: bool
     global_gradient_norm: float
+    weights_finite: bool = True
 
 
 _SHARED_ARENA = False
@@ -67,7 +77,10 @@ class _SessionSet:
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
         self.eval_inputs = {i.name for i in self.eval.get_inputs()}
         # get_outputs() lists outputs in first-binding order: the description's outputs go first
-        self.grad_bindings = [engine._bind_weights(self.gradient, p, self.output_names) for p in (0, 1)]
+        # ONNX Runtime's training BatchNorm kernel writes the running statistics it reads in
+        # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
+        self.grad_bindings = [engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs)
+                              for p in (0, 1)]
         self.accumulates = RESET_INPUT in self.gradient_inputs
         for binding in self.grad_bindings:
             for w, buffer in engine.grads.items():
@@ -76,10 +89,10 @@ class _SessionSet:
                     binding.bind_output(w + ACCUMULATED_FLAG_SUFFIX, "cpu")
                 else:  # the graph writes the gradient straight into the buffer
                     binding.bind_ortvalue_output(w + GRAD_SUFFIX, buffer)
-            # Forward-updated buffers (BatchNorm statistics) are written over themselves: every
-            # reader of the old value is upstream of the node that writes the new one.
+            # Forward-updated buffers (BatchNorm statistics) land in scratch buffers; the trainer
+            # commits them once the whole step has succeeded (``Engine.commit_buffers``).
             for buffer_name, output in engine.buffer_updates.items():
-                binding.bind_ortvalue_output(output, engine.fixed[buffer_name])
+                binding.bind_ortvalue_output(output, engine.buffer_scratch[buffer_name])
         self.eval_bindings = [engine._bind_weights(self.eval, p, self.output_names) for p in (0, 1)]
 
 
@@ -101,7 +114,8 @@ class Engine:
         optimizer_spec: the optimizer's flat layout, segments and ZeRO range (``pipeline.OptimizerSpec``).
         host_accumulation: sum micro-batch gradients on the host (after their all-reduce).
         intra_op_threads: threads per session when no session_options are given (0: default).
-        buffer_updates: ``{buffer: gradient-graph output}`` written back into the buffer each step.
+        buffer_updates: ``{buffer: gradient-graph output}``: the buffer's new value each step
+            (committed by ``commit_buffers``).
     """
 
     def __init__(
@@ -153,6 +167,10 @@ class Engine:
         trained_set = set(trained)
         self.fixed_arrays = {n: np.array(v, copy=True) for n, v in weights.items() if n not in trained_set}
         self.fixed = {n: self._ortvalue(v) for n, v in self.fixed_arrays.items()}
+        self.buffer_scratch_arrays = {n: np.empty_like(self.fixed_arrays[n]) for n in self.buffer_updates}
+        self.buffer_scratch = {n: self._ortvalue(v) for n, v in self.buffer_scratch_arrays.items()}
+        self.buffer_input_arrays = {n: np.empty_like(self.fixed_arrays[n]) for n in self.buffer_updates}
+        self.buffer_inputs = {n: self._ortvalue(v) for n, v in self.buffer_input_arrays.items()}
 
         # Trained weights, gradients and optimizer states live in flat float32 arrays laid out as
         # ``optimizer_spec.layout`` (group by group); each weight is a view into them. Weights and
@@ -201,12 +219,13 @@ class Engine:
         else:
             np.add(self.accumulated_flat, self.grads_flat, out=self.accumulated_flat)
 
-    def _bind_weights(self, session: ort.InferenceSession, parity: int, outputs: list[str] = ()) -> ort.IOBinding:
+    def _bind_weights(self, session: ort.InferenceSession, parity: int, outputs: list[str] = (),
+                      replaced: dict[str, ort.OrtValue] | None = None) -> ort.IOBinding:
         binding = session.io_binding()
         for name in outputs:  # first: get_outputs() lists outputs in first-binding order
             binding.bind_output(name, self.device_type, self.device_id)
         names = {i.name for i in session.get_inputs()}
-        for name, value in [*self.fixed.items(), *self.buffers[parity].items()]:
+        for name, value in [*{**self.fixed, **(replaced or {})}.items(), *self.buffers[parity].items()]:
             if name in names:
                 binding.bind_ortvalue_input(name, value)
         return binding
@@ -216,6 +235,7 @@ class Engine:
         binding = self.optimizer.io_binding()
         binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
         binding.bind_output(GRAD_NORM, "cpu")
+        binding.bind_output(WEIGHTS_FINITE, "cpu")
         binding.bind_ortvalue_input(GRADIENTS_INPUT, self._ortvalue(self.accumulated_flat))
         read, write = self.weights_flat[parity], self.weights_flat[1 - parity]
         for seg in self.segments:
@@ -240,13 +260,23 @@ class Engine:
         self._current = sessions
 
     def forward_backward(self, feeds: dict[str, np.ndarray], loss_scale: float = 1.0,
-                         reset: bool = True) -> dict[str, torch.Tensor]:
+                         reset: bool = True, seed: int | None = None) -> dict[str, torch.Tensor]:
         """Run forward + backward; returns the outputs.
 
         Gradients of ``loss * loss_scale`` land in ``self.grads``: written over them, or with an
-        accumulating graph added to them unless ``reset`` (first micro-batch of a window).
+        accumulating graph added to them unless ``reset`` (first micro-batch of a window). New
+        values of forward-updated buffers land in scratch buffers until ``commit_buffers``.
+
+        Args:
+            seed: reseeds ONNX Runtime's default random generator first. Dropout nodes draw
+                their masks from it (each run takes the next seeds in node order), so masks are a
+                function of ``seed`` alone: a resumed run draws the same masks as an uninterrupted one.
         """
         sessions = self._require_sessions()
+        if seed is not None:
+            ort.set_seed(seed)
+        for name, array in self.buffer_input_arrays.items():
+            np.copyto(array, self.fixed_arrays[name])
         binding = sessions.grad_bindings[self.parity]
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
         if sessions.accumulates:
@@ -260,7 +290,7 @@ class Engine:
         return self._run(sessions.eval, binding, sessions, feeds, inputs=sessions.eval_inputs)
 
     def optimizer_step(self, learning_rates: list[float], step: int, grad_scale: float = 1.0) -> StepResult:
-        """Compute the update into the other buffer set, and switch to it when the gradients are finite.
+        """Compute the update into the other buffer set; ``commit_update`` makes it current.
 
         Args:
             learning_rates: one per parameter group.
@@ -276,12 +306,31 @@ class Engine:
             binding.bind_cpu_input(lr_input(group), keep_alive[-1])
         binding.bind_output(ALL_FINITE, "cpu")
         binding.bind_output(GRAD_NORM, "cpu")
+        binding.bind_output(WEIGHTS_FINITE, "cpu")
         self.optimizer.run_with_iobinding(binding)
         produced = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
-        all_finite, norm = bool(produced[0].numpy()), float(produced[1].numpy())
-        if all_finite:  # keep the update; otherwise the old weights and states stay current
-            self.parity = 1 - self.parity
-        return StepResult(all_finite, norm)
+        return StepResult(bool(produced[0].numpy()), float(produced[1].numpy()), bool(produced[2].numpy()))
+
+    def commit_update(self) -> None:
+        """Make the update computed by the last ``optimizer_step`` current (swap the buffer sets).
+
+        Not calling it drops the update: the old weights and states stay current.
+        """
+        self.parity = 1 - self.parity
+
+    def commit_buffers(self) -> list[str]:
+        """Write the last step's new buffer values (BatchNorm statistics) into the buffers.
+
+        Returns the buffers left unchanged because their new value was not finite (a NaN or inf
+        batch would otherwise poison running statistics for good).
+        """
+        rejected = []
+        for name, scratch in self.buffer_scratch_arrays.items():
+            if np.issubdtype(scratch.dtype, np.floating) and not np.isfinite(scratch).all():
+                rejected.append(name)
+            else:
+                np.copyto(self.fixed_arrays[name], scratch)
+        return rejected
 
     def _require_sessions(self) -> _SessionSet:
         if self._current is None:

@@ -69,6 +69,12 @@ def build_job(config: dict, rank: int = 0) -> Job:
         raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert or mlp, got {kind!r}")
     train_ids, val_ids = token_splits(data_cfg["max_bytes"], data_cfg["validation_fraction"])
     length = model_cfg["block_size"]
+    splits = (("training", train_ids), ("validation", val_ids))
+    short = [f"the {part} split has {len(ids)} bytes" for part, ids in splits if len(ids) < length + 2]
+    if short:
+        raise ValueError(f"model.block_size={length} needs at least {length + 2} bytes of text per split, but "
+                         f"{' and '.join(short)} (data.max_bytes={data_cfg['max_bytes']}, data.validation_fraction="
+                         f"{data_cfg['validation_fraction']}): raise data.max_bytes or lower model.block_size")
     vocab = ByteTokenizer.vocab_size
     torch.manual_seed(seed)
 
@@ -125,13 +131,19 @@ def _hf_model(kind: str, cfg: dict, vocab: int, length: int) -> torch.nn.Module:
 
 
 def _digits_job(cfg: dict, seed: int, rank: int, batch: int) -> Job:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as exc:
+        raise ImportError("data.name=digits needs scikit-learn: pip install -e \".[examples]\"") from exc
 
     digits = load_digits()
     pixels = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
         pixels, digits.target.astype(np.int64), test_size=0.2, stratify=digits.target, random_state=seed)
+    if batch > len(x_train):
+        raise ValueError(f"train.batch_size={batch} is more than the {len(x_train)} training images of "
+                         f"data.name=digits (batches are drawn without replacement): use at most {len(x_train)}")
     torch.manual_seed(seed)
     model = zoo.MLPClassifier(64, cfg["hidden"], 10, cfg["dropout"])
     desc = {"inputs": [("pixels", ["batch", 64]), ("label", ["batch"])],

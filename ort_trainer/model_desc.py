@@ -30,9 +30,16 @@ _TORCH_TO_NUMPY = {
 def to_numpy_dtype(dtype: Any) -> np.dtype:
     """Normalise a torch dtype, numpy dtype or dtype name to a ``numpy.dtype``.
 
+    Args:
+        dtype: e.g. ``torch.int64``, ``np.float32`` or ``"float32"``.
+
+    Returns:
+        The ``numpy.dtype``.
+
     Raises:
         TypeError: if ``dtype`` is not a dtype this library can feed to ONNX Runtime.
     """
+    supported = ", ".join(sorted(np.dtype(d).name for d in _TORCH_TO_NUMPY.values()))
     if isinstance(dtype, torch.dtype):
         if dtype not in _TORCH_TO_NUMPY:
             raise TypeError(f"torch dtype {dtype} is not supported; use one of {sorted(map(str, _TORCH_TO_NUMPY))}")
@@ -40,9 +47,9 @@ def to_numpy_dtype(dtype: Any) -> np.dtype:
     try:
         result = np.dtype(dtype)
     except TypeError as exc:
-        raise TypeError(f"{dtype!r} is not a torch or numpy dtype") from exc
+        raise TypeError(f"{dtype!r} is not a torch or numpy dtype; use one of {supported}") from exc
     if result not in {np.dtype(d) for d in _TORCH_TO_NUMPY.values()}:
-        raise TypeError(f"dtype {result} is not supported")
+        raise TypeError(f"dtype {result} is not supported; use one of {supported}")
     return result
 
 
@@ -139,35 +146,52 @@ class ModelDescription:
         Raises:
             ValueError: naming each offending field (``model_desc.inputs[1].shape[0]: ...``).
         """
+        problems = self._problems()
+        if problems:
+            raise ValueError(_report(problems))
+
+    def _problems(self) -> list[str]:
+        """Every problem of the description, each with its path (entries marked ``_UNREAD`` are skipped)."""
         problems = []
+        valid: dict[str, list[tuple[int, IODescription]]] = {}
         for kind in ("inputs", "outputs"):
             items = getattr(self, kind)
-            if not isinstance(items, (list, tuple)) or not items:
-                problems.append(f"model_desc.{kind}: expected a non-empty list of IODescription")
+            valid[kind] = []
+            if items is _UNREAD:
                 continue
-            seen: set[str] = set()
+            if not isinstance(items, (list, tuple)) or not items:
+                problems.append(f"model_desc.{kind}: expected a non-empty list, got {items!r}")
+                continue
+            seen: dict[str, int] = {}
             for i, item in enumerate(items):
                 where = f"model_desc.{kind}[{i}]"
+                if item is _UNREAD:
+                    continue
                 if not isinstance(item, IODescription):
                     problems.append(f"{where}: expected an IODescription, got {type(item).__name__}")
                     continue
+                valid[kind].append((i, item))
                 problems.extend(item._problems(where))
-                if isinstance(item.name, str):
+                if isinstance(item.name, str) and item.name:
                     if item.name in seen:
-                        problems.append(f"{where}.name: duplicate name {item.name!r}")
-                    seen.add(item.name)
-        if not problems:
-            flagged = [o.name for o in self.outputs if o.is_loss]
-            if len(flagged) > 1:
-                problems.append(f"model_desc.outputs: exactly one output may have is_loss=True, got {flagged}")
-            for i, inp in enumerate(self.inputs):
-                if inp.is_loss:
-                    problems.append(f"model_desc.inputs[{i}].is_loss: only an output can be the loss")
-            clash = set(self.input_names) & set(self.output_names)
-            if clash:
-                problems.append(f"model_desc: names used for both an input and an output: {sorted(clash)}")
-        if problems:
-            raise ValueError("invalid model description:\n  " + "\n  ".join(problems))
+                        problems.append(f"{where}.name: duplicate name {item.name!r} (also "
+                                        f"model_desc.{kind}[{seen[item.name]}].name); names must be unique")
+                    seen.setdefault(item.name, i)
+        flagged = [o.name for _, o in valid["outputs"] if o.is_loss is True]
+        if len(flagged) > 1:
+            problems.append(f"model_desc.outputs: exactly one output may have is_loss=True, got {flagged}; "
+                            "mark the loss only")
+        for i, item in valid["inputs"]:
+            if item.is_loss is True:
+                problems.append(f"model_desc.inputs[{i}].is_loss: only an output can be the loss")
+
+        def names(kind: str) -> set[str]:
+            return {x.name for _, x in valid[kind] if isinstance(x.name, str) and x.name}
+
+        clash = names("inputs") & names("outputs")
+        if clash:
+            problems.append(f"model_desc: names used for both an input and an output: {sorted(clash)}; rename one")
+        return problems
 
     def fingerprint(self) -> list:
         """A JSON-able summary used in the graph cache key."""
@@ -178,27 +202,36 @@ class ModelDescription:
         ]
 
 
-def _from_tuple(item: Any, where: str, is_output: bool) -> IODescription:
+# Marks an entry (or a whole list) of a dict-form description that could not be read; its
+# problem is already reported, so the checks of the rest skip it.
+_UNREAD: Any = object()
+
+
+def _from_item(item: Any, where: str, is_output: bool, problems: list[str]) -> Any:
+    """One input or output in any accepted form, or ``_UNREAD`` (with its problem added)."""
     if isinstance(item, IODescription):
         return item
     if isinstance(item, Mapping):
-        unknown = set(item) - {"name", "shape", "dtype", "num_classes", "is_loss"}
+        known = {"name", "shape", "dtype", "num_classes", "is_loss"}
+        unknown = sorted(map(str, set(item) - known))
+        missing = [k for k in ("name", "shape") if k not in item]
         if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
-        if "name" not in item or "shape" not in item:
-            raise ValueError(f"{where}: needs 'name' and 'shape'")
-        return IODescription(**item)
-    if not isinstance(item, (list, tuple)) or len(item) < 2:
-        form = "(name, shape[, is_loss])" if is_output else "(name, shape)"
-        raise ValueError(f"{where}: expected {form}, got {item!r}")
+            problems.append(f"{where}: unknown keys {unknown}; known keys: {sorted(known)}")
+        if missing:
+            problems.append(f"{where}: missing {missing}; every entry needs 'name' and 'shape'")
+        return _UNREAD if unknown or missing else IODescription(**item)
+    if not isinstance(item, (list, tuple)) or not 2 <= len(item) <= 3:
+        form = "(name, shape[, is_loss])" if is_output else "(name, shape[, dtype])"
+        problems.append(f"{where}: expected {form}, got {item!r}")
+        return _UNREAD
     name, shape, *rest = item
     if is_output:
-        if len(rest) > 1:
-            raise ValueError(f"{where}: expected (name, shape[, is_loss]), got {item!r}")
         return IODescription(name, shape, is_loss=rest[0] if rest else False)
-    if len(rest) > 1:
-        raise ValueError(f"{where}: expected (name, shape[, dtype]), got {item!r}")
     return IODescription(name, shape, dtype=rest[0] if rest else None)
+
+
+def _report(problems: list[str]) -> str:
+    return "invalid model description:\n  " + "\n  ".join(problems)
 
 
 def parse_model_desc(desc: ModelDescription | Mapping[str, Any]) -> ModelDescription:
@@ -207,26 +240,42 @@ def parse_model_desc(desc: ModelDescription | Mapping[str, Any]) -> ModelDescrip
     The dict form is ``{"inputs": [(name, shape)], "outputs": [(name, shape, is_loss)]}``; lists are
     accepted where tuples are, and an input may carry a dtype as a third element.
 
+    Args:
+        desc: the description.
+
+    Returns:
+        A validated ``ModelDescription`` (a new object; ``desc`` is left as it is).
+
     Raises:
-        ValueError: for a malformed description, naming the field.
+        ValueError: for a malformed description, listing every problem with its path
+            (``model_desc.inputs[1].name: ...``), not only the first.
         TypeError: when ``desc`` is neither a ModelDescription nor a dict.
     """
+    problems: list[str] = []
     if isinstance(desc, ModelDescription):
-        result = ModelDescription(list(desc.inputs), list(desc.outputs))
+        result = ModelDescription(*(list(items) if isinstance(items, (list, tuple)) else items
+                                    for items in (desc.inputs, desc.outputs)))
     elif isinstance(desc, Mapping):
-        unknown = set(desc) - {"inputs", "outputs"}
+        unknown = sorted(map(str, set(desc) - {"inputs", "outputs"}))
         if unknown:
-            raise ValueError(f"model_desc: unknown keys {sorted(unknown)}; expected 'inputs' and 'outputs'")
+            problems.append(f"model_desc: unknown keys {unknown}; expected 'inputs' and 'outputs'")
+        parsed = {}
         for key in ("inputs", "outputs"):
+            items = desc.get(key)
             if key not in desc:
-                raise ValueError(f"model_desc.{key}: missing")
-            if not isinstance(desc[key], (list, tuple)):
-                raise ValueError(f"model_desc.{key}: expected a list, got {type(desc[key]).__name__}")
-        result = ModelDescription(
-            [_from_tuple(x, f"model_desc.inputs[{i}]", False) for i, x in enumerate(desc["inputs"])],
-            [_from_tuple(x, f"model_desc.outputs[{i}]", True) for i, x in enumerate(desc["outputs"])],
-        )
+                form = "(name, shape, is_loss)" if key == "outputs" else "(name, shape)"
+                problems.append(f"model_desc.{key}: missing; give a list of {form}")
+                parsed[key] = _UNREAD
+            elif not isinstance(items, (list, tuple)):
+                problems.append(f"model_desc.{key}: expected a list, got {type(items).__name__}")
+                parsed[key] = _UNREAD
+            else:
+                parsed[key] = [_from_item(x, f"model_desc.{key}[{i}]", key == "outputs", problems)
+                               for i, x in enumerate(items)]
+        result = ModelDescription(parsed["inputs"], parsed["outputs"])
     else:
         raise TypeError(f"model_desc: expected a ModelDescription or a dict, got {type(desc).__name__}")
-    result.validate()
+    problems.extend(result._problems())
+    if problems:
+        raise ValueError(_report(problems))
     return result

@@ -8,6 +8,7 @@ that lists every problem with the key's path.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -179,16 +180,21 @@ def _flatten(mapping: Mapping, prefix: str, out: dict, problems: list) -> None:
     for key, value in mapping.items():
         path = f"{prefix}{key}"
         if not isinstance(key, str):
-            problems.append(f"{path}: option keys must be str")
+            problems.append(f"{path}: option keys must be str, got {type(key).__name__} {key!r}")
         elif path in _SCHEMA:
             out[path] = value
-        elif isinstance(value, Mapping) and any(p.startswith(path + ".") for p in _SCHEMA):
-            _flatten(value, path + ".", out, problems)
+        elif any(p.startswith(path + ".") for p in _SCHEMA):
+            if isinstance(value, Mapping):
+                _flatten(value, path + ".", out, problems)
+            else:
+                inner = sorted({p[len(path) + 1:].split(".")[0] for p in _SCHEMA if p.startswith(path + ".")})
+                problems.append(f"{path}: expected a group of options (a dict with keys {inner}), "
+                                f"got {type(value).__name__} {value!r}")
         else:
-            known = sorted({p.split(".")[0] for p in _SCHEMA}) if not prefix else sorted(
-                p[len(prefix):].split(".")[0] for p in _SCHEMA if p.startswith(prefix)
-            )
-            problems.append(f"{path}: unknown option; known keys here: {known}")
+            known = sorted({p[len(prefix):].split(".")[0] for p in _SCHEMA if p.startswith(prefix)})
+            guess = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {prefix + guess[0]!r}?" if guess else ""
+            problems.append(f"{path}: unknown option; known keys here: {known}{hint}")
 
 
 def _type_problem(path: str, field: _Field, value: Any) -> str | None:
@@ -197,6 +203,8 @@ def _type_problem(path: str, field: _Field, value: Any) -> str | None:
         return None
     if bool not in types and isinstance(value, bool):
         return f"{path}: expected {'/'.join(t.__name__ for t in types)}, got bool {value!r}"
+    if list in types and isinstance(value, str):
+        return f"{path}: expected a list, got the str {value!r}; write [{value!r}]"
     if not isinstance(value, types):
         return f"{path}: expected {'/'.join(t.__name__ for t in types)}, got {type(value).__name__} {value!r}"
     return None
@@ -242,7 +250,7 @@ class ORTTrainerOptions(_Group):
             if problem:
                 problems.append(problem)
             values[path] = list(value) if isinstance(value, tuple) else value
-        problems.extend(_cross_field_problems(values) if not problems else [])
+        problems.extend(_cross_field_problems(values, problems))
         if problems:
             raise ValueError("invalid ORTTrainerOptions:\n  " + "\n  ".join(problems))
         nested: dict[str, Any] = {}
@@ -278,25 +286,27 @@ class ORTTrainerOptions(_Group):
         return "\n".join(lines)
 
 
-def _cross_field_problems(values: dict[str, Any]) -> list[str]:
-    """Problems that involve more than one option."""
-    problems = []
-    if values["mixed_precision.enabled"]:
+def _cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[str]:
+    """Problems that involve more than one option (each option's own problems are in ``problems``)."""
+    own = {p.split(":")[0] for p in problems}
+    found = []
+    if values["mixed_precision.enabled"] is True:
         if values["device.id"] == "cpu":
-            problems.append(
+            found.append(
                 "mixed_precision.enabled: True needs fp16 training kernels, which ONNX Runtime's CPU "
                 "execution provider does not have; train in fp32 on the CPU (a loss_scaler still "
                 "works with enabled=False), or use device.id='cuda' with the CUDA build"
             )
-        else:
-            problems.append(
+        elif "device.id" not in own:
+            found.append(
                 "mixed_precision.enabled: True is not supported yet by this version of ort_trainer; "
                 "leave it at its default (False)"
             )
     rank, size = values["distributed.world_rank"], values["distributed.world_size"]
-    if rank >= size:
-        problems.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size})")
-    return problems
+    if not own & {"distributed.world_rank", "distributed.world_size"} and rank >= size:
+        found.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size}); "
+                     "fill both from setup_onnxruntime_with_mpi() (MPIContext.trainer_options)")
+    return found
 
 
 def _to_groups(node: dict) -> _Group:

@@ -17,16 +17,18 @@ import onnx
 import torch
 
 from . import distributed
+from ._interrupt import deferred_interrupt
 from ._logging import logger
 from ._state import _StateMixin
 from .distributed import Communicator
 from .engine import Engine
 from .graph import rewrites
 from .graph.gradient import build_inference_graph
+from .graph.input_checks import check_inputs
 from .graph.optimizer import state_names
 from .graph.pipeline import GraphJob, TrainingGraphs, build_optimizer, build_training_graphs, initial_weights
 from .model_desc import ModelDescription, parse_model_desc
-from .optim.config import _OptimizerConfig
+from .optim.config import _OptimizerConfig, check_learning_rate
 from .options import ORTTrainerOptions
 
 
@@ -126,6 +128,9 @@ class ORTTrainer(_StateMixin):
         self._specialised: set[tuple] = set()  # shape signatures that have static-shape graphs
         self._fallback_logged = False
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
+        # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
+        # resumed run (the seed is checkpointed) draws the masks an uninterrupted run would.
+        self._seed = int(torch.initial_seed()) % 2**63
         if all(d.dtype is not None for d in self.model_desc.inputs):
             self._build(self._synthetic_inputs())
 
@@ -187,35 +192,52 @@ class ORTTrainer(_StateMixin):
             self._check_model_export(sample_inputs)
 
     def _check_model_export(self, sample_inputs: Sequence[np.ndarray]) -> None:
-        """Compare the torch model's eval-mode outputs with the ONNX eval graph's on the first batch.
+        """Compare the torch model's eval-mode outputs with the ONNX eval graph's on two inputs.
+
+        The first batch, then a second input made from it with other values (reversed along the
+        first axis, floating-point values negated): a branch or value the export froze at the
+        traced batch's value shows up on the second one.
 
         Raises:
-            ExportMismatchError: naming the first output that differs (beyond rtol 1e-3, atol 1e-5).
+            ExportMismatchError: naming the first output that differs (beyond rtol 1e-3, atol 1e-5)
+                and the input it differs on.
         """
         from .graph.export import ExportMismatchError, _ModelWithLoss, export_order
 
         desc = self.model_desc
         count = len(desc.inputs) - (1 if self.loss_fn is not None else 0)
         wrapper = _ModelWithLoss(self.model, self.loss_fn, desc.input_names[:count])
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                expected = dict(zip(export_order(desc, self.loss_fn is not None),
-                                    wrapper(*(torch.from_numpy(np.asarray(a)) for a in sample_inputs))))
-        finally:
-            self.model.train(was_training)
+
+        def other_values(array: np.ndarray) -> np.ndarray:
+            array = np.asarray(array)
+            flipped = np.flip(array, axis=0) if array.ndim else array
+            return np.ascontiguousarray(-flipped if np.issubdtype(array.dtype, np.floating) else flipped)
+
+        checks = [("the first batch", [np.asarray(a) for a in sample_inputs]),
+                  ("a second input (the first batch reversed along its first axis, floating-point values "
+                   "negated): the export froze a value or branch at the batch it traced",
+                   [other_values(a) for a in sample_inputs])]
         self._engine.select(None)
-        got = self._engine.evaluate(dict(zip(desc.input_names, sample_inputs)))
-        for name in desc.output_names:
-            a, b = expected[name].detach().numpy(), got[name].numpy()
-            if a.shape != b.shape or not np.allclose(b, a, rtol=1e-3, atol=1e-5):
-                detail = (f"shapes {list(a.shape)} vs {list(b.shape)}" if a.shape != b.shape
-                          else f"max abs difference {float(np.abs(a - b).max()):.3g}")
-                raise ExportMismatchError(
-                    f"debug.check_model_export: output {name!r} of the exported model differs from PyTorch "
-                    f"({detail}); the export does not reproduce the model")
-        logger.info("debug.check_model_export: %d outputs match PyTorch", len(desc.output_names))
+        for which, inputs in checks:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    expected = dict(zip(export_order(desc, self.loss_fn is not None),
+                                        wrapper(*(torch.from_numpy(a) for a in inputs))))
+            finally:
+                self.model.train(was_training)
+            got = self._engine.evaluate(dict(zip(desc.input_names, inputs)))
+            for name in desc.output_names:
+                a, b = expected[name].detach().numpy(), got[name].numpy()
+                if a.shape != b.shape or not np.allclose(b, a, rtol=1e-3, atol=1e-5, equal_nan=True):
+                    detail = (f"shapes {list(a.shape)} vs {list(b.shape)}" if a.shape != b.shape
+                              else f"max abs difference {float(np.nanmax(np.abs(a - b))):.3g}")
+                    raise ExportMismatchError(
+                        f"debug.check_model_export: output {name!r} of the exported model differs from PyTorch "
+                        f"({detail}) on {which}; the export does not reproduce the model "
+                        "(see docs/export_limits.md)")
+        logger.info("debug.check_model_export: %d outputs match PyTorch on two inputs", len(desc.output_names))
 
     def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """Gradient and eval graphs for a signature (None: the symbolic graphs with every output).
@@ -309,6 +331,9 @@ class ORTTrainer(_StateMixin):
                         problems.append(f"input {d.name!r}: dimension {axis} must be {dim}, got {size} "
                                         f"(shape {list(array.shape)})")
                     elif isinstance(dim, str):
+                        if size == 0:
+                            problems.append(f"input {d.name!r}: dimension {axis} ({dim!r}) is 0, an empty batch "
+                                            f"(shape {list(array.shape)}); skip empty batches")
                         seen = symbols.setdefault(dim, (size, d.name))
                         if seen[0] != size:
                             problems.append(f"input {d.name!r}: dimension {axis} ({dim!r}) is {size} but "
@@ -362,34 +387,74 @@ class ORTTrainer(_StateMixin):
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
         engine = self._ready(feeds)
+        self._check_batch(feeds, training=True)
         info = self._train_step_info
         window = self.options.batch.gradient_accumulation_steps
         scaler = self.options.mixed_precision.loss_scaler
         loss_scale = scaler.loss_scale if scaler is not None else 1.0
         first, boundary = info.step % window == 0, (info.step + 1) % window == 0
-        outputs = engine.forward_backward(feeds, loss_scale, reset=first)
-        if self._host_accumulation:
-            self._comm.allreduce_sum(engine.grads_flat)
-            engine.accumulate_on_host(reset=first)
-        elif self._comm is not None and boundary:
-            self._comm.allreduce_sum(engine.grads_flat)
-        if boundary:
-            ranks = self._comm.size if self._comm is not None else 1
-            self._update(engine, grad_scale=1.0 / (loss_scale * window * ranks))
-        info.step += 1
+        learning_rates = self._learning_rates() if boundary else None  # checked before any work
+        # From here the step changes state: it is applied whole or not at all (Ctrl-C waits).
+        with deferred_interrupt():
+            outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed())
+            if self._host_accumulation:
+                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
+                engine.accumulate_on_host(reset=first)
+            elif self._comm is not None and boundary:
+                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
+            if boundary:
+                ranks = self._comm.size if self._comm is not None else 1
+                self._update(engine, learning_rates, grad_scale=1.0 / (loss_scale * window * ranks))
+            rejected = engine.commit_buffers()
+            if rejected:
+                logger.warning("step %d: the new values of %s are not finite (a NaN or inf batch?); they were "
+                               "not updated", info.step, ", ".join(rejected))
+            info.step += 1
         return self._select_outputs(outputs)
 
-    def _update(self, engine: Engine, grad_scale: float) -> None:
-        """The optimizer step at an accumulation boundary, and the counters it moves."""
+    def _step_seed(self) -> int:
+        """The random seed of this step's dropout masks: a function of (seed, rank, step) only."""
+        rank = self._comm.rank if self._comm is not None else 0
+        state = np.random.SeedSequence([self._seed, rank, self._train_step_info.step]).generate_state(1, np.uint64)
+        return int(state[0] >> np.uint64(1))  # ONNX Runtime takes a signed 64-bit seed
+
+    def _check_batch(self, feeds: dict[str, np.ndarray], training: bool) -> None:
+        """Refuse values PyTorch would refuse (negative labels, one value per BatchNorm channel...).
+
+        Raises:
+            ValueError: listing every problem, before anything runs.
+        """
+        constraints = self._graphs.meta.get("input_constraints") if self._graphs is not None else None
+        if not constraints:
+            return
+        problems = check_inputs(constraints, feeds, dict(self._symbol_sizes(feeds)), training)
+        if problems:
+            raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
+
+    def _update(self, engine: Engine, learning_rates: list[float], grad_scale: float) -> None:
+        """The optimizer step at an accumulation boundary, and the counters it moves.
+
+        The update is committed only when every gradient and every updated weight is finite
+        (on every rank); otherwise weights and optimizer states stay as they were.
+        """
         info = self._train_step_info
-        result = engine.optimizer_step(self._learning_rates(), info.optimization_step + 1, grad_scale)
-        if self._zero_counts is not None and result.all_finite:  # each rank updated its range: share them
-            self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts)
-        info.all_finite = result.all_finite
-        if result.all_finite:
+        result = engine.optimizer_step(learning_rates, info.optimization_step + 1, grad_scale)
+        weights_finite = result.weights_finite
+        if self._zero_counts is not None:  # each rank checked only the range it updated
+            weights_finite = all(self._comm.allgather_object(weights_finite, step=info.step))
+        applied = result.all_finite and weights_finite
+        if applied:
+            engine.commit_update()
+            if self._zero_counts is not None:  # each rank updated its range: share them
+                self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts, step=info.step)
             info.optimization_step += 1
-        else:
+        elif not result.all_finite:
             logger.warning("step %d: gradients are not finite; the update was skipped", info.step)
+        else:
+            logger.warning("step %d: the update would make weights non-finite (learning rates %s, gradient norm "
+                           "%.3g); it was skipped: lower the learning rate", info.step,
+                           [f"{lr:.3g}" for lr in learning_rates], result.global_gradient_norm)
+        info.all_finite = applied
         scaler = self.options.mixed_precision.loss_scaler
         if scaler is not None:
             scaler.update(info)
@@ -400,17 +465,34 @@ class ORTTrainer(_StateMixin):
         Takes and returns the same as ``train_step``.
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
-        return self._select_outputs(self._ready(feeds).evaluate(feeds))
+        engine = self._ready(feeds)
+        self._check_batch(feeds, training=False)
+        return self._select_outputs(engine.evaluate(feeds))
 
     def _learning_rates(self) -> list[float]:
-        """One learning rate per parameter group (group 0: weights in no group)."""
-        base = float(self.optim_config.lr)
+        """One learning rate per parameter group (group 0: weights in no group).
+
+        Raises:
+            ValueError: when a learning rate is not a finite, non-negative float32 number (the
+                config may have been changed since construction, or the scheduler produced it).
+        """
+        config = self.optim_config
+        problems = [check_learning_rate(config.lr, "optim_config.lr")]
+        problems += [check_learning_rate(g["lr"], f"optim_config.params[{i}].lr")
+                     for i, g in enumerate(config.params) if "lr" in g]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("invalid learning rate:\n  " + "\n  ".join(problems))
+        base = float(config.lr)
         factor = 1.0
         scheduler = self.options.lr_scheduler
         if scheduler is not None:
             value = scheduler._step(self._train_step_info.optimization_step, base)
+            problem = check_learning_rate(value, f"the learning rate from {type(scheduler).__name__}")
+            if problem:
+                raise ValueError(problem)
             factor = value / base if base else 0.0
-        return [base * factor] + [float(g.get("lr", base)) * factor for g in self.optim_config.params]
+        return [base * factor] + [float(g.get("lr", base)) * factor for g in config.params]
 
     # ---- weights and export -------------------------------------------------------------------
     def _require_built(self, what: str) -> Engine:

@@ -24,6 +24,18 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class MLPWithLoss(torch.nn.Module):
+    """The MLP with its cross-entropy inside: ``forward(x, label)`` returns ``(loss, logits)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x, label):
+        logits = self.mlp(x)
+        return torch.nn.functional.cross_entropy(logits, label), logits
+
+
 MLP_DESC = {
     "inputs": [("x", ["batch", 20]), ("label", ["batch"])],
     "outputs": [("loss", [], True), ("logits", ["batch", 5])],

@@ -6,7 +6,9 @@ to ``<out>/weights_rank<r>.npz`` and a few facts to ``<out>/facts_rank<r>.json``
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,15 @@ parser.add_argument("--accumulation", type=int, default=1)
 parser.add_argument("--post-accumulation", action="store_true")
 parser.add_argument("--zero", type=int, default=0)
 parser.add_argument("--fail-at-step", type=int, default=-1)
+parser.add_argument("--bad-batch-at-step", type=int, default=-1,
+                    help="rank 1 gets a malformed batch at this step, catches the error and skips the step")
+parser.add_argument("--leave-at-step", type=int, default=-1, help="rank 1 leaves its loop at this step")
+parser.add_argument("--stall-at-step", type=int, default=-1, help="rank 1 stops responding at this step")
+parser.add_argument("--vanish-at-step", type=int, default=-1, help="rank 1's process ends at once at this step")
 parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
 parser.add_argument("--load", default="", help="checkpoint to resume from")
 parser.add_argument("--save", default="", help="checkpoint to write at the end")
+parser.add_argument("--load-on-rank-0-only", action="store_true", help="rank 1 forgets to load the checkpoint")
 args = parser.parse_args()
 
 ctx = setup_onnxruntime_with_mpi(seed=1)
@@ -41,15 +49,27 @@ options = ctx.trainer_options(
 )
 config = (AdamConfig if args.optimizer == "adam" else LambConfig)(lr=1e-2, lambda_coef=0.01)
 trainer = ORTTrainer(MLP(), MLP_DESC, config, loss_fn=torch.nn.functional.cross_entropy, options=options)
-start = trainer.load_checkpoint(args.load)["next_step"] if args.load else 0
+loads = args.load and not (args.load_on_rank_0_only and ctx.world_rank == 1)
+start = trainer.load_checkpoint(args.load)["next_step"] if loads else 0
 micro = args.global_batch // args.accumulation  # the global micro-batch, split across ranks
 share = micro // ctx.world_size
 losses = []
 for step in range(start, start + args.steps * args.accumulation):
     if step == args.fail_at_step and ctx.world_rank == 1:
         raise RuntimeError(f"deliberate failure on rank {ctx.world_rank} at step {step}")
+    if step == args.leave_at_step and ctx.world_rank == 1:
+        break
+    if step == args.stall_at_step and ctx.world_rank == 1:
+        time.sleep(3600)
+    if step == args.vanish_at_step and ctx.world_rank == 1:
+        os._exit(0)  # no clean-up, no goodbye: as if the process had been killed quietly
     x, y = mlp_batch(torch.Generator().manual_seed(1000 + step), batch=micro)
     mine = slice(ctx.world_rank * share, (ctx.world_rank + 1) * share)
+    if step == args.bad_batch_at_step and ctx.world_rank == 1:
+        try:
+            trainer.train_step(x[mine][:, :19], y[mine])  # a malformed batch: the step is refused
+        except ValueError:
+            continue  # the user skips it on this rank only: the ranks are now one step apart
     losses.append(trainer.train_step(x[mine], y[mine])[0].item())
 
 if args.save:

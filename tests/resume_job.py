@@ -23,6 +23,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, required=True, help="train_step calls to run in this process")
 parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
 parser.add_argument("--accumulation", type=int, default=1)
+parser.add_argument("--dropout", type=float, default=0.0)
 parser.add_argument("--load", default="")
 parser.add_argument("--save", default="")
 parser.add_argument("--out", required=True)
@@ -33,7 +34,7 @@ config = (AdamConfig(lr=3e-3, lambda_coef=0.01) if args.optimizer == "adam"
           else LambConfig(lr=3e-3, lambda_coef=0.01, do_bias_correction=True))
 scheduler = LinearWarmupLRScheduler(total_steps=20, warmup=0.2)
 scaler = DynamicLossScaler(loss_scale=2.0 ** 8, up_scale_window=3)
-trainer = ORTTrainer(TinyEncoder(), ENCODER_DESC, config, loss_fn=mlm_loss, options={
+trainer = ORTTrainer(TinyEncoder(dropout=args.dropout), ENCODER_DESC, config, loss_fn=mlm_loss, options={
     "lr_scheduler": scheduler, "mixed_precision": {"loss_scaler": scaler},
     "batch": {"gradient_accumulation_steps": args.accumulation}})
 start = 0

@@ -95,3 +95,148 @@ def test_command_line_under_mpirun(tmp_path):
     assert result.stdout.count("wrote ") == 1  # rank 0 reports
     assert [r["step"] for r in _records(tmp_path) if "loss" in r] == [2, 4]
     assert (tmp_path / "model.onnx").exists() and (tmp_path / "samples.txt").exists()
+
+
+DIGITS = ROOT / "configs" / "digits_mlp.yaml"
+
+
+def _main(capsys, *args):
+    from ort_trainer.cli import main
+
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_yaml_problems_exit_2_with_one_line_and_no_traceback(tmp_path, capsys):
+    broken, listed = tmp_path / "broken.yaml", tmp_path / "list.yaml"
+    broken.write_text("train: {max_steps: 3\n")
+    listed.write_text("- train\n- model\n")
+    for config, expected in [
+        (broken, f"ort-trainer: {broken}: not valid YAML at line 2, column 1: expected ',' or '}}', but got "
+                 "'<stream end>'\n"),
+        (tmp_path / "nope.yaml", f"ort-trainer: config file '{tmp_path / 'nope.yaml'}' does not exist; pass a YAML "
+                                 "config such as configs/digits_mlp.yaml\n"),
+        (listed, f"ort-trainer: {listed}: expected a mapping of sections (output_dir, seed, model, data, optimizer, "
+                 "lr_scheduler, train, export, options) at the top level, got a list\n"),
+    ]:
+        assert _main(capsys, "train", config) == (2, "", expected)
+
+
+def test_every_bad_value_is_listed_with_its_fix(capsys):
+    status, _, err = _main(capsys, "train", DIGITS, "train.log_every=0", "train.max_steps=-1", "seed=-1",
+                           "optimizer.lr=inf", "model.dropout=1.5", "optimizer.type=adamw", "train.max_stepz=3",
+                           "lr_scheduler.warmup=2", "train.eval_batches=[1", "train.batch_size=", "model.type=gpt",
+                           "options.utils.frozen_weights=fc")
+    assert status == 2
+    lines = err.splitlines()
+    assert lines[0] == "ort-trainer: invalid config:"
+    assert sorted(lines[1:]) == sorted([
+        "  override 'train.eval_batches=[1': not valid YAML at line 1, column 3: expected ',' or ']', but got "
+        "'<stream end>'; quote a string value",
+        "  seed: expected an int >= 0, got -1",
+        "  model.dropout: expected a float in [0, 1), got 1.5",
+        "  optimizer.type: expected one of adam, lamb, sgd, got 'adamw'",
+        "  optimizer.lr: expected a finite float >= 0, got inf",
+        "  lr_scheduler.warmup: expected a float in [0, 1] (a fraction of train.max_steps), got 2.0",
+        "  train.max_steps: expected an int >= 1, got -1",
+        "  train.log_every: expected an int >= 1 (steps between two log records), got 0",
+        "  train.max_stepz: unknown key; known keys: ['batch_size', 'checkpoint_every', 'eval_batches', "
+        "'eval_every', 'log_every', 'max_steps']; did you mean 'max_steps'?",
+        "  train.batch_size: expected int, got no value",
+        "  model.type=gpt does not fit data.name=digits: use model.type=mlp (or data.name=stdlib for the "
+        "language models)",
+        "  options.utils.frozen_weights: expected a list, got the str 'fc'; write ['fc']",
+    ])
+
+
+def test_a_float_in_exponent_form_is_a_float():
+    assert load_config(DIGITS, ["optimizer.lr=1e-3"])["optimizer"]["lr"] == 1e-3  # YAML 1.1 reads it as a str
+
+
+def test_debug_shows_the_traceback_of_a_user_error(capsys):
+    status, _, err = _main(capsys, "train", DIGITS, "train.log_every=0", "--debug")
+    assert status == 2
+    assert err.startswith("Traceback (most recent call last):") and "ConfigError" in err
+    assert err.endswith("train.log_every: expected an int >= 1 (steps between two log records), got 0\n")
+
+
+def test_errors_found_while_running_exit_2_without_traceback_or_mpi_abort(tmp_path):
+    """--resume without a checkpoint and a batch larger than the data set: found after MPI started."""
+    missing = _cli("train", DIGITS, "--resume", f"output_dir={tmp_path}", timeout=300)  # --resume may come first
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.splitlines()[-1] == (
+        f"ort-trainer: --resume: no checkpoint in {tmp_path / 'checkpoints'}: the run there saved none (set "
+        "train.checkpoint_every > 0 to save some), or output_dir is not that run's; leave out --resume to start afresh")
+    too_big = _cli("train", DIGITS, f"output_dir={tmp_path}", "train.batch_size=5000", timeout=300)
+    assert too_big.returncode == 2, too_big.stderr
+    assert too_big.stderr.splitlines()[-1] == (
+        "ort-trainer: train.batch_size=5000 is more than the 1437 training images of data.name=digits (batches are "
+        "drawn without replacement): use at most 1437")
+    for result in (missing, too_big):
+        assert "Traceback" not in result.stderr and "MPI_Abort" not in result.stderr
+
+
+def test_export_names_a_missing_checkpoint(tmp_path, capsys):
+    status, _, err = _main(capsys, "export", tmp_path / "step_0000002.h5", tmp_path / "out.onnx")
+    assert status == 2
+    assert err == (f"ort-trainer: export: checkpoint '{tmp_path / 'step_0000002.h5'}' does not exist; pass one that "
+                   "`ort-trainer train` wrote (OUTPUT_DIR/checkpoints/step_<N>.h5, with train.checkpoint_every > 0)\n")
+
+
+def test_resume_after_a_crash_mid_line_in_the_metrics_log_still_exports(tmp_path):
+    common = [f"output_dir={tmp_path}", "train.log_every=1", "train.eval_every=2", "train.checkpoint_every=2"]
+    first = _cli("train", DIGITS, *common, "train.max_steps=4", timeout=300)
+    assert first.returncode == 0, first.stderr
+    metrics = tmp_path / "metrics.jsonl"
+    with metrics.open("a") as log:  # the crashed run had logged step 5, then died writing step 6
+        log.write('{"step": 5, "loss": 2.1, "lr": 0.003, "samples_per_s": 900.0}\n{"step": 6, "lo')
+    (tmp_path / "model.onnx").unlink()
+    second = _cli("train", DIGITS, *common, "train.max_steps=6", "--resume", timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert (tmp_path / "model.onnx").stat().st_size > 0 and (tmp_path / "loss.png").exists()
+    lines = metrics.read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # every line is whole again
+    assert [(r["step"], "eval_loss" in r) for r in records] == [
+        (1, False), (2, False), (2, True), (3, False), (4, False), (4, True),
+        (5, False), (6, False), (6, True)]
+    assert records[6]["loss"] != 2.1  # step 5 of the crashed run was dropped and logged again
+
+
+def test_the_metrics_reader_skips_a_torn_line_with_a_warning(tmp_path, caplog):
+    from ort_trainer._metrics import MetricsLog, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.append({"step": 1, "loss": 1.0})
+    log.append({"step": 2, "loss": 0.5})
+    with path.open("a") as f:
+        f.write('[1]\n{"step": 3, "lo')
+    with caplog.at_level("WARNING", logger="ort_trainer"):
+        assert read_metrics(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"{path} line 3 is not a JSON object", f"{path} line 4 is not a JSON object"]
+    log.resume(1)
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_rank_options_are_left_to_the_launcher():
+    with pytest.raises(ConfigError) as info:
+        load_config(DIGITS, ["options.distributed.world_size=2", "options.distributed.world_rank=1"])
+    assert ("options.distributed.world_size: set by the launcher; run `mpirun -n N ort-trainer train ...` for N "
+            "ranks instead") in str(info.value)
+    assert "options.distributed.world_rank: set by the launcher" in str(info.value)
+
+
+def test_a_job_that_does_not_fit_its_data_says_which_key_to_change(monkeypatch):
+    from ort_trainer.jobs import build_job
+
+    config = load_config(ROOT / "configs" / "gpt_stdlib.yaml",
+                         ["data.max_bytes=1000", "data.validation_fraction=0.01", "model.block_size=64"])
+    with pytest.raises(ValueError, match=r"model.block_size=64 needs at least 66 bytes of text per split, but the "
+                                         r"validation split has 10 bytes .* raise data.max_bytes or lower "
+                                         r"model.block_size"):
+        build_job(config)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if scikit-learn were not installed
+    with pytest.raises(ImportError, match=r'data.name=digits needs scikit-learn: pip install -e ".\[examples\]"'):
+        build_job(load_config(DIGITS))

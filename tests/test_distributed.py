@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,3 +117,58 @@ def test_an_error_on_one_rank_ends_the_job(tmp_path):
     assert result.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
     assert "deliberate failure on rank 1 at step 3" in result.stderr
+
+
+def _timed(out: Path, *args: str, timeout_variable: str = "", limit: float = 120):
+    env = dict(os.environ, ORT_TRAINER_COLLECTIVE_TIMEOUT=timeout_variable) if timeout_variable else None
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "--out", str(out), *args],
+                            capture_output=True, text=True, timeout=limit, env=env)
+    return result, time.monotonic() - started
+
+
+def test_a_rank_that_skips_a_step_ends_the_job_naming_the_ranks(tmp_path):
+    """Rank 1 catches a bad batch's error and goes on: it makes one train_step fewer than rank 0.
+
+    Before the collectives were checked, rank 0 then waited in its last all-reduce forever.
+    """
+    result, elapsed = _timed(tmp_path, "--bad-batch-at-step", "5")
+    assert result.returncode != 0
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
+    assert re.search(r"rank 0 is in allreduce_sum at train_step 19 \(collective #\d+\); rank 1 has left the job: "
+                     r"its script ended after train_step 18", result.stderr), result.stderr
+    assert "CollectiveMismatchError" in result.stderr
+    assert not (tmp_path / "facts_rank0.json").exists()  # rank 0 never got past its 20th step
+
+
+def test_a_rank_that_leaves_its_loop_early_ends_the_job(tmp_path):
+    result, elapsed = _timed(tmp_path, "--leave-at-step", "7")
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stderr)
+    assert re.search(r"rank 0 is in allreduce_sum at train_step 7 \(collective #\d+\); rank 1 has left the job: "
+                     r"its script ended after train_step 6", result.stderr), result.stderr
+
+
+def test_a_stuck_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    result, elapsed = _timed(tmp_path, "--stall-at-step", "5", timeout_variable="4")
+    assert result.returncode != 0
+    assert 4 <= elapsed < 30, f"the job took {elapsed:.1f} s to end"
+    assert re.search(r"rank 0: waited 4 s in allreduce_sum at train_step 5 \(collective #\d+\), but rank\(s\) \[1\] "
+                     r"never arrived", result.stderr), result.stderr
+    assert "raise ORT_TRAINER_COLLECTIVE_TIMEOUT (seconds, now 4)" in result.stderr
+
+
+def test_a_malformed_collective_timeout_is_refused(tmp_path):
+    result, _ = _timed(tmp_path, "--steps", "1", timeout_variable="ten minutes")
+    assert result.returncode != 0
+    assert ("ORT_TRAINER_COLLECTIVE_TIMEOUT='ten minutes': expected a positive number of seconds (e.g. 600)"
+            in result.stderr), result.stderr
+
+
+def test_ranks_at_different_steps_are_stopped_at_their_first_all_reduce(tmp_path):
+    ckpt = tmp_path / "ckpt.h5"
+    _run(tmp_path / "first", 1, "--steps", "3", "--save", str(ckpt))
+    result, elapsed = _timed(tmp_path / "second", "--steps", "3", "--load", str(ckpt), "--load-on-rank-0-only")
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stderr)
+    assert re.search(r"rank 0 is in allreduce_sum at train_step 3 \(collective #\d+\); rank 1 is in allreduce_sum at "
+                     r"train_step 0 \(collective #\d+\)", result.stderr), result.stderr

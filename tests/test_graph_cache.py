@@ -1,16 +1,24 @@
 """The training graph is built once and reused from the disk cache, also by another process."""
 
+import functools
+import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import onnx
+import pytest
 import torch
 
 from models import MLP, MLP_DESC, mlp_batch
 from ort_trainer import ORTTrainer
+from ort_trainer._logging import logger
+from ort_trainer.graph import cache as graph_cache
 from ort_trainer.optim import AdamConfig, SGDConfig
 
 JOB = textwrap.dedent("""
@@ -116,3 +124,270 @@ def test_weight_names_are_checked_on_a_cache_hit_too(tmp_path, monkeypatch):
     else:
         raise AssertionError("an unknown weight name was accepted")
     assert trainer._graphs.from_cache is True
+
+
+# ---- the key is what was traced: editing model or loss code can never reuse the old graph --------
+def _helper(h):
+    return torch.relu(h)
+
+
+def _loss_helper(logits, label):
+    return torch.nn.functional.cross_entropy(logits, label)
+
+
+def _activation(h):
+    return _activation.op(h)
+
+
+_activation.op = torch.relu
+
+
+class _HelperMLP(MLP):
+    """Calls the module-level ``_helper`` (looked up at call time, as edited source would be)."""
+
+    def forward(self, x):
+        return self.fc2(_helper(self.fc1(x)))
+
+
+class _AttributeMLP(MLP):
+    """Its activation is a callable stored as a module attribute."""
+
+    def __init__(self, act=torch.relu):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _FunctionAttributeMLP(MLP):
+    """Calls ``_activation``, whose behaviour is the function attribute ``_activation.op``."""
+
+    def forward(self, x):
+        return self.fc2(_activation(self.fc1(x)))
+
+
+def _train(model, loss_fn, steps: int = 3) -> tuple[list[float], bool]:
+    """Losses of a few SGD steps of ``model`` on fixed batches, and whether the graph came from the cache."""
+    trainer = ORTTrainer(model, MLP_DESC, SGDConfig(lr=0.5), loss_fn=loss_fn)
+    gen = torch.Generator().manual_seed(0)
+    losses = [float(trainer.train_step(*mlp_batch(gen))[0]) for _ in range(steps)]
+    return losses, trainer._graphs.from_cache
+
+
+def _fresh(model_factory, loss_fn, monkeypatch, cache_dir) -> list[float]:
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", "off")
+    losses, _ = _train(model_factory(), loss_fn)
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(cache_dir))
+    return losses
+
+
+def _assert_new_code_trains(old, new, monkeypatch, tmp_path, old_loss=_loss_helper, new_loss=_loss_helper,
+                            edit=lambda: None):
+    """Train the old code (filling the cache), apply ``edit``, train the new code from the same cache."""
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
+    old_losses, _ = _train(old(), old_loss)
+    edit()
+    expected = _fresh(new, new_loss, monkeypatch, tmp_path)
+    assert abs(expected[-1] - old_losses[-1]) > 1e-3  # the edit changes what is trained
+    got, _ = _train(new(), new_loss)
+    assert got == expected  # the new code's graph, never the old one from the cache
+
+
+def _seeded(factory):
+    """``factory`` with the torch seed reset first, so every model starts from the same weights."""
+    def make():
+        torch.manual_seed(0)
+        return factory()
+    return make
+
+
+def test_editing_a_module_level_helper_called_by_forward_rebuilds(monkeypatch, tmp_path):
+    module = sys.modules[__name__]
+    _assert_new_code_trains(_seeded(_HelperMLP), _seeded(_HelperMLP), monkeypatch, tmp_path,
+                            edit=lambda: monkeypatch.setattr(module, "_helper", torch.sigmoid))
+
+
+def test_changing_a_callable_stored_as_a_module_attribute_rebuilds(monkeypatch, tmp_path):
+    _assert_new_code_trains(_seeded(_AttributeMLP), _seeded(lambda: _AttributeMLP(torch.sigmoid)),
+                            monkeypatch, tmp_path)
+
+
+def test_changing_a_function_attribute_rebuilds(monkeypatch, tmp_path):
+    _assert_new_code_trains(_seeded(_FunctionAttributeMLP), _seeded(_FunctionAttributeMLP), monkeypatch, tmp_path,
+                            edit=lambda: monkeypatch.setattr(_activation, "op", torch.sigmoid))
+
+
+def test_an_instance_level_monkeypatched_forward_rebuilds(monkeypatch, tmp_path):
+    def patched():
+        model = MLP()
+        model.forward = lambda x: model.fc2(torch.sigmoid(model.fc1(x)))
+        return model
+
+    _assert_new_code_trains(_seeded(MLP), _seeded(patched), monkeypatch, tmp_path)
+
+
+def test_a_loss_lambda_calling_an_edited_helper_rebuilds(monkeypatch, tmp_path):
+    module = sys.modules[__name__]
+    loss = lambda logits, label: _loss_helper(logits, label)  # noqa: E731 - the case under test
+    _assert_new_code_trains(_seeded(MLP), _seeded(MLP), monkeypatch, tmp_path, old_loss=loss, new_loss=loss,
+                            edit=lambda: monkeypatch.setattr(module, "_loss_helper", functools.partial(
+                                torch.nn.functional.cross_entropy, reduction="sum")))
+
+
+def test_a_partial_loss_with_other_keywords_rebuilds(monkeypatch, tmp_path):
+    cross_entropy = torch.nn.functional.cross_entropy
+    _assert_new_code_trains(_seeded(MLP), _seeded(MLP), monkeypatch, tmp_path,
+                            old_loss=functools.partial(cross_entropy, reduction="mean"),
+                            new_loss=functools.partial(cross_entropy, reduction="sum"))
+
+
+# ---- debug dumps, damaged entries and stale temporaries ------------------------------------------
+def _dump_paths(folder: Path) -> dict[str, str]:
+    folder.mkdir()
+    return {name: str(folder / f"{name}.onnx") for name in
+            ("model_after_graph_transforms_path", "model_with_gradient_graph_path", "model_with_training_graph_path")}
+
+
+def test_debug_graph_dumps_are_the_same_on_a_cache_hit(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    batch = mlp_batch(torch.Generator().manual_seed(0))
+    dumps = []
+    for run in ("miss", "hit"):
+        paths = _dump_paths(tmp_path / run)
+        trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy,
+                             options={"debug": {"graph_save_paths": paths}})
+        trainer.train_step(*batch)
+        assert trainer._graphs.from_cache is (run == "hit")
+        dumps.append({name: Path(path).read_bytes() if Path(path).exists() else None for name, path in paths.items()})
+    miss, hit = dumps
+    assert all(miss.values())
+    assert hit == miss
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _drop_a_node(entry: Path) -> None:
+    model = onnx.load(str(entry / "gradient.onnx"))
+    del model.graph.node[len(model.graph.node) // 2]
+    onnx.save(model, str(entry / "gradient.onnx"))
+
+
+def _rename_an_input(entry: Path) -> None:
+    model = onnx.load(str(entry / "eval.onnx"))
+    model.graph.input[0].name = "renamed"
+    onnx.save(model, str(entry / "eval.onnx"))
+
+
+def _meta_disagrees(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    meta["trained"] = meta["trained"][:-1]
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
+def _with_checksums_updated(tamper):
+    """``tamper``, then the file checksums in meta.json rewritten to match: only the graph checks can tell."""
+    def tampered(entry: Path) -> None:
+        tamper(entry)
+        meta = json.loads((entry / "meta.json").read_text())
+        meta["_files"] = {name: hashlib.sha256((entry / name).read_bytes()).hexdigest() for name in meta["_files"]}
+        (entry / "meta.json").write_text(json.dumps(meta))
+    tampered.__name__ = f"{tamper.__name__}_checksums_updated"
+    return tampered
+
+
+@pytest.mark.parametrize("tamper", [_drop_a_node, _rename_an_input, _meta_disagrees,
+                                    _with_checksums_updated(_drop_a_node), _with_checksums_updated(_rename_an_input)],
+                         ids=lambda tamper: tamper.__name__)
+def test_a_damaged_entry_that_still_parses_is_rebuilt_with_a_warning(tamper, tmp_path, monkeypatch):
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
+    _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+    entries = sorted(p for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert entries
+    for entry in entries:
+        tamper(entry)
+    records = _Records()
+    logger.addHandler(records)
+    try:
+        losses, from_cache = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+    finally:
+        logger.removeHandler(records)
+    assert from_cache is False
+    assert losses == _fresh(_seeded(MLP), torch.nn.functional.cross_entropy, monkeypatch, tmp_path)
+    for entry in entries:
+        assert any(str(entry) in m and "rebuilding" in m for m in records.messages), records.messages
+    again, from_cache = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+    assert from_cache is True and again == losses  # the entry was overwritten with a good one
+
+
+WRITER = textwrap.dedent("""
+    import os, sys, time
+    import onnx
+    from onnx import helper, TensorProto
+    from ort_trainer.graph import cache
+    mode, root = sys.argv[1], sys.argv[2]
+
+    def save(model, path, *args, **kwargs):
+        open(path, "wb").write(b"partial")
+        if mode == "killed":
+            os._exit(9)  # like kill -9 in the middle of a store
+        open(os.path.join(root, "writing"), "w").close()
+        time.sleep(120)  # a live writer, still busy
+
+    cache.onnx.save = save
+    node = helper.make_node("Identity", ["x"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    cache.GraphCache(cache.Path(root)).store(sys.argv[3], {"gradient": helper.make_model(graph)}, {})
+""")
+
+
+def test_stale_temporaries_are_cleaned_up_by_the_next_store(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    root.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", WRITER, "live", str(root), "b" * 64])
+    try:
+        deadline = time.time() + 120
+        while not (root / "writing").exists():
+            assert live.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        left_by_the_live_writer = [p for p in root.iterdir() if p.name.startswith(".")]
+        assert len(left_by_the_live_writer) == 1
+        killed = subprocess.run([sys.executable, "-c", WRITER, "killed", str(root), "a" * 64], timeout=120)
+        assert killed.returncode == 9
+        left_by_the_killed_writer = [p for p in root.iterdir() if p.name.startswith(".a")]
+        assert len(left_by_the_killed_writer) == 1
+        old = root / ".0123456789ab-x1y2z3w4"  # an older version's temporary, untouched for a day
+        (old / "gradient.onnx").parent.mkdir()
+        (old / "gradient.onnx").write_bytes(b"partial")
+        day_ago = time.time() - 86400
+        for path in (old / "gradient.onnx", old):
+            os.utime(path, (day_ago, day_ago))
+
+        monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(root))
+        _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)  # builds, so stores an entry
+
+        assert not left_by_the_killed_writer[0].exists() and not old.exists()
+        assert left_by_the_live_writer[0].exists()  # its writer is still busy with it
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_failed_store_leaves_no_temporary_behind(tmp_path, monkeypatch):
+    def disk_full(model, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(graph_cache.onnx, "save", disk_full)
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
+    losses, _ = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+    assert list(tmp_path.iterdir()) == []
+    assert losses == _fresh(_seeded(MLP), torch.nn.functional.cross_entropy, monkeypatch, tmp_path)

@@ -1,6 +1,7 @@
 """Model descriptions in both forms, and how outputs map to them."""
 
 import numpy as np
+import pytest
 import torch
 
 from models import MLP, mlp_batch
@@ -47,3 +48,40 @@ def test_fetches_restrict_the_returned_outputs_and_inputs_go_by_name():
     assert isinstance(logits, torch.Tensor) and tuple(logits.shape) == (8, 5)
     trainer._train_step_info.fetches = []
     assert len(trainer.eval_step(x.numpy(), label=y.numpy())) == 2
+
+
+def test_every_problem_of_a_description_is_reported_at_once():
+    """A non-string name used to hide the rest: here each entry has its own problem, and two losses."""
+    bad = {
+        "inputs": [("x", ["batch", 20]), (3, ["batch"]), ("z",), {"name": "w", "shap": [1]}, ("x", [1])],
+        "outputs": [("loss", [], True), ("y", [2.5], True), ("x", [2])],
+        "extra": 1,
+    }
+    with pytest.raises(ValueError) as info:
+        parse_model_desc(bad)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid model description:"
+    assert [line.strip() for line in lines[1:]] == [
+        "model_desc: unknown keys ['extra']; expected 'inputs' and 'outputs'",
+        "model_desc.inputs[2]: expected (name, shape[, dtype]), got ('z',)",
+        "model_desc.inputs[3]: unknown keys ['shap']; known keys: ['dtype', 'is_loss', 'name', 'num_classes', 'shape']",
+        "model_desc.inputs[3]: missing ['shape']; every entry needs 'name' and 'shape'",
+        "model_desc.inputs[1].name: expected a non-empty str, got 3",
+        "model_desc.inputs[4].name: duplicate name 'x' (also model_desc.inputs[0].name); names must be unique",
+        "model_desc.outputs[1].shape[0]: expected an int or a str, got 2.5",
+        "model_desc.outputs: exactly one output may have is_loss=True, got ['loss', 'y']; mark the loss only",
+        "model_desc: names used for both an input and an output: ['x']; rename one",
+    ]
+
+
+def test_missing_or_malformed_lists_are_reported_together():
+    with pytest.raises(ValueError) as info:
+        parse_model_desc({"inputs": "x"})
+    assert "model_desc.inputs: expected a list, got str" in str(info.value)
+    assert "model_desc.outputs: missing; give a list of (name, shape, is_loss)" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        parse_model_desc(ModelDescription([IODescription("x", [2]), None], [IODescription("x", ["b"], is_loss=1)]))
+    message = str(info.value)
+    assert "model_desc.inputs[1]: expected an IODescription, got NoneType" in message
+    assert "model_desc.outputs[0].is_loss: expected a bool, got 1" in message
+    assert "model_desc: names used for both an input and an output: ['x']" in message

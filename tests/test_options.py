@@ -120,3 +120,33 @@ def test_optimizer_configs_expose_arguments_and_reject_unknown_hyperparameters()
     assert "AdamConfig.params[2].params: expected a list of weight names (str)" in message
     with pytest.raises(ValueError, match="SGDConfig.lr: expected int/float, got str"):
         SGDConfig(lr="0.1")
+
+
+def test_problems_between_options_are_listed_with_the_others():
+    """The cross-option checks used to run only when every option was fine on its own."""
+    with pytest.raises(ValueError) as info:
+        ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 0}, "device": {"id": "cpu"},
+                           "mixed_precision": {"enabled": True}, "distributed": {"world_rank": 5, "world_size": 2}})
+    message = str(info.value)
+    assert "batch.gradient_accumulation_steps: must be >= 1, got 0" in message
+    assert "mixed_precision.enabled: True needs fp16 training kernels" in message
+    assert "distributed.world_rank: 5 must be < distributed.world_size (2)" in message
+
+
+def test_a_group_given_a_value_and_a_list_given_a_string_say_what_to_write():
+    with pytest.raises(ValueError) as info:
+        ORTTrainerOptions({"batch": 3, "utils": {"frozen_weights": "fc1.weight", "grad_norm_clp": True},
+                           "devce": {}, 7: 1})
+    message = str(info.value)
+    assert ("batch: expected a group of options (a dict with keys ['gradient_accumulation_steps']), got int 3"
+            in message)
+    assert "utils.frozen_weights: expected a list, got the str 'fc1.weight'; write ['fc1.weight']" in message
+    assert ("utils.grad_norm_clp: unknown option; known keys here: ['frozen_weights', 'grad_norm_clip']; "
+            "did you mean 'utils.grad_norm_clip'?") in message
+    assert "devce: unknown option; known keys here: [" in message and "did you mean 'device'?" in message
+    assert "7: option keys must be str, got int 7" in message
+    with pytest.raises(ValueError) as info:
+        ORTTrainerOptions({"debug": {"graph_save_paths": "out/"}})
+    assert "debug.graph_save_paths: expected a group of options (a dict with keys" in str(info.value)
+    assert "known keys here: ['check_model_export', 'deterministic_compute', 'graph_save_paths', " \
+           "'graph_save_paths'" not in str(info.value)

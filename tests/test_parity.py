@@ -5,8 +5,8 @@ import onnx
 import pytest
 import torch
 
-from models import (ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch,
-                    torch_step)
+from models import (ENCODER_DESC, MLP, MLP_DESC, MLPWithLoss, TinyEncoder, clone, mlm_batch, mlm_loss,
+                    mlp_batch, torch_step)
 from ort_trainer import ORTTrainer
 from ort_trainer.optim import AdamConfig, SGDConfig
 
@@ -84,16 +84,6 @@ def test_transformer_accepts_varying_batch_and_sequence_lengths():
         assert loss.item() == pytest.approx(expected, rel=RTOL)
 
 
-class _MLPWithLoss(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = MLP()
-
-    def forward(self, x, label):
-        logits = self.mlp(x)
-        return torch.nn.functional.cross_entropy(logits, label), logits
-
-
 def _onnx_with_loss(module):
     import io
 
@@ -108,7 +98,7 @@ def _onnx_with_loss(module):
 
 
 def test_onnx_model_with_loss_trains_like_the_torch_model():
-    module = _MLPWithLoss()
+    module = MLPWithLoss()
     onnx_model = _onnx_with_loss(module)
     torch_trainer = ORTTrainer(clone(module.mlp), MLP_DESC, AdamConfig(lr=1e-2),
                                loss_fn=torch.nn.functional.cross_entropy)

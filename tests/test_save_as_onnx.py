@@ -94,4 +94,4 @@ def test_state_dict_before_first_step_returns_initial_weights():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0)
     nested = trainer.state_dict()
     assert set(nested["model"]["full_precision"]) == set(model.state_dict())
-    assert nested["train_step_info"] == {"step": 0, "optimization_step": 0}
+    assert nested["train_step_info"] == {"step": 0, "optimization_step": 0, "seed": trainer._seed}

@@ -1,35 +1,52 @@
 """The on-disk cache of training graphs.
 
-An entry is a directory named by the SHA-256 of everything that determines the graphs: the
-model's structure (module classes and their source, ``repr``, simple attributes, parameter and
-buffer names/shapes/dtypes — not their values, which are graph inputs), the loss function, the
-model description and input dtypes, the options that shape the graph, the optimizer config, the
-shape signature, and the versions of ort_trainer, torch, onnx and onnxruntime.
+An entry is a directory named by a key the pipeline computes from what was actually traced: a
+hash of the exported forward graph (after the trainability pass and the user's hook, with the
+weights already graph inputs, so their values never enter it) plus the options that shape the
+gradient and eval graphs and the versions of the libraries that build them. The export runs on
+every build, so edited model or loss code always changes the key; a hit skips only the
+gradient and eval graph building.
 
-Entries are written to a temporary directory and renamed into place, so a reader never sees a
-half-written entry and two processes building the same job at once both end with a valid one.
-The location is ``$ORT_TRAINER_CACHE_DIR`` (default ``~/.cache/ort_trainer``); set
-``ORT_TRAINER_CACHE_DIR=off`` to disable caching.
+``meta.json`` records the key and the SHA-256 of every graph file. Loading checks them, checks
+that every name a graph reads is defined before it is read, and runs the caller's own
+consistency checks (``onnx.checker`` cannot be used: it rejects ONNX Runtime's gradient
+operators); an entry that fails any of them is
+removed with a warning naming it, and the caller rebuilds and stores it again.
+
+Entries are written to a temporary directory ``.<key[:12]>-<host>-<pid>-<random>`` and renamed
+into place, so a reader never sees a half-written entry and two processes building the same job
+at once both end with a valid one. A store first removes the temporaries a killed or failed
+writer left behind: those whose writer process on this host is gone, and any untouched for
+``STALE_AFTER_S``. The location is ``$ORT_TRAINER_CACHE_DIR`` (default ``~/.cache/ort_trainer``);
+set ``ORT_TRAINER_CACHE_DIR=off`` to disable caching.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import onnx
 import onnxruntime as ort
 import torch
 
 from .._logging import logger
+from .._temporaries import pid_alive
 
-_VERSION = "1"
+_VERSION = "2"
+STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
+_TEMPORARY = re.compile(r"^\.[0-9a-f]{12}-(?:(?P<host>[A-Za-z0-9]*)-(?P<pid>\d+)-)?[a-z0-9_]{8}$")
+
+Validator = Callable[[dict[str, onnx.ModelProto], dict], list[str]]
 
 
 def cache_dir() -> Path | None:
@@ -40,71 +57,24 @@ def cache_dir() -> Path | None:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "ort_trainer"
 
 
-def _source(obj: Any) -> str:
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        code = getattr(obj, "__code__", None)
-        if code is not None:
-            return repr((code.co_code, code.co_consts, code.co_names))
-        return getattr(obj, "__qualname__", type(obj).__qualname__)
+def fingerprint_graph(model: onnx.ModelProto) -> str:
+    """SHA-256 of a serialized ONNX model: structure, attributes and initializer values.
 
+    Args:
+        model: the graph to fingerprint; pass it with its weights as graph inputs so that only
+            their names, shapes and dtypes (not their values) enter the hash.
 
-_SIMPLE = (bool, int, float, str, type(None))
-
-
-def _simple_attributes(module: Any) -> dict:
-    out = {}
-    for key, value in sorted(vars(module).items()):
-        if key.startswith("_") or key == "training":
-            continue
-        if isinstance(value, _SIMPLE):
-            out[key] = value
-        elif isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
-            out[key] = list(value)
-    return out
-
-
-def fingerprint_callable(fn: Callable | None) -> Any:
-    """A JSON-able fingerprint of a function or module (its code, not its identity)."""
-    if fn is None:
-        return None
-    if isinstance(fn, torch.nn.Module):
-        return fingerprint_module(fn)
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    closure = getattr(fn, "__closure__", None) or ()
-    cells = []
-    for cell in closure:
-        try:
-            cells.append(repr(cell.cell_contents) if isinstance(cell.cell_contents, _SIMPLE) else type(cell.cell_contents).__qualname__)
-        except ValueError:
-            cells.append("<empty>")
-    return [getattr(target, "__qualname__", repr(target)), _source(target), cells,
-            _simple_attributes(fn) if not inspect.isfunction(fn) and hasattr(fn, "__dict__") else {}]
-
-
-def fingerprint_module(model: torch.nn.Module) -> Any:
-    """A JSON-able fingerprint of a module's structure (not its weight values)."""
-    classes = sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}")
-    return {
-        "repr": repr(model),
-        "classes": [[f"{c.__module__}.{c.__qualname__}", hashlib.sha256(_source(c).encode()).hexdigest()] for c in classes],
-        "attributes": {name: _simple_attributes(m) for name, m in model.named_modules()},
-        "tensors": [
-            [name, list(t.shape), str(t.dtype), bool(getattr(t, "requires_grad", False))]
-            for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-            if t is not None
-        ],
-    }
-
-
-def fingerprint_onnx(model: onnx.ModelProto) -> str:
-    """SHA-256 of a serialized ONNX model."""
+    Returns:
+        The hex digest.
+    """
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
 def make_key(parts: dict) -> str:
-    """The cache key (hex SHA-256) of a JSON-able dict of everything that determines the graphs."""
+    """The cache key (hex SHA-256) of a JSON-able dict of everything that determines the graphs.
+
+    The versions of the cache format, ort_trainer, torch, onnx and onnxruntime are added.
+    """
     from .. import __version__
 
     payload = dict(parts, _versions=[_VERSION, __version__, torch.__version__, onnx.__version__, ort.__version__])
@@ -112,44 +82,169 @@ def make_key(parts: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 class GraphCache:
-    """Load and store sets of named ONNX models plus JSON metadata under a key."""
+    """Load and store sets of named ONNX models plus JSON metadata under a key.
+
+    Args:
+        root: the cache directory (default: ``cache_dir()``; None there means caching is off).
+    """
 
     def __init__(self, root: Path | None = None):
         self.root = root if root is not None else cache_dir()
 
-    def load(self, key: str) -> tuple[dict[str, onnx.ModelProto], dict] | None:
-        """The cached models and metadata for ``key``, or None when absent (or unreadable)."""
+    def load(self, key: str, validate: Validator | None = None) -> tuple[dict[str, onnx.ModelProto], dict] | None:
+        """The cached models and metadata for ``key``, or None when absent or damaged.
+
+        Args:
+            key: the entry's key.
+            validate: ``validate(models, meta)`` returns the problems the caller finds in an
+                entry that passed the file checks (e.g. graphs that disagree with the metadata).
+
+        Returns:
+            ``(models, meta)``, or None. A damaged entry is removed, with a warning naming it and
+            what is wrong, so that the caller's rebuild stores a good one in its place.
+        """
         if self.root is None:
             return None
         entry = self.root / key
+        if not entry.is_dir():
+            return None
+        try:
+            models, meta, problems = self._read(entry, key)
+            if not problems and validate is not None:
+                problems = validate(models, meta)
+        except Exception as exc:  # a damaged entry is rebuilt, never trusted
+            problems = [f"{type(exc).__name__}: {exc}"]
+        if not problems:
+            return models, meta
+        logger.warning("the graph cache entry %s is damaged (%s); rebuilding it", entry, "; ".join(problems))
+        self._discard(entry, key)
+        return None
+
+    @staticmethod
+    def _read(entry: Path, key: str) -> tuple[dict[str, onnx.ModelProto], dict, list[str]]:
         meta_path = entry / "meta.json"
         if not meta_path.exists():
-            return None
+            return {}, {}, ["it has no meta.json"]
+        meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict) or meta.get("_key") != key or not isinstance(meta.get("_files"), dict):
+            return {}, {}, ["meta.json does not describe this entry (no matching _key or _files)"]
+        problems, models = [], {}
+        for name in meta.get("_models", []):
+            path = entry / f"{name}.onnx"
+            expected = meta["_files"].get(path.name)
+            if not path.exists():
+                problems.append(f"{path.name} is missing")
+            elif _sha256(path) != expected:
+                problems.append(f"{path.name} does not match its SHA-256 in meta.json")
+            else:
+                models[name] = onnx.load(str(path))
+                problems += [f"{path.name}: {p}" for p in _dangling_names(models[name].graph, set())]
+        return models, meta, problems
+
+    def _discard(self, entry: Path, key: str) -> None:
+        """Move a damaged entry out of the way (atomically), then delete it."""
         try:
-            meta = json.loads(meta_path.read_text())
-            models = {name: onnx.load(str(entry / f"{name}.onnx")) for name in meta["_models"]}
-        except Exception as exc:  # a damaged entry is rebuilt, never trusted
-            logger.warning("ignoring unreadable graph cache entry %s (%s)", entry, exc)
-            return None
-        return models, meta
+            trash = self._temporary_path(key)
+        except OSError:  # a read-only cache: the rebuild goes on without storing
+            return
+        try:
+            os.rename(entry, trash)
+        except OSError:  # another process removed or replaced it already
+            pass
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _temporary_path(self, key: str) -> Path:
+        # the writer's host and PID are in the name, so a later store can tell a dead writer's leftovers
+        return Path(tempfile.mkdtemp(prefix=f".{key[:12]}-{_HOST}-{os.getpid()}-", dir=self.root))
 
     def store(self, key: str, models: dict[str, onnx.ModelProto], meta: dict) -> Path | None:
-        """Write an entry atomically; returns its path (None when caching is off or it failed)."""
+        """Write an entry atomically, after removing stale temporaries of earlier stores.
+
+        Args:
+            key: the entry's key.
+            models: ``{name: model}``, written as ``<name>.onnx``.
+            meta: JSON-able metadata; ``_key``, ``_models`` and ``_files`` (SHA-256 per file) are added.
+
+        Returns:
+            The entry's path, or None when caching is off or writing failed (logged; training
+            goes on without the cache).
+        """
         if self.root is None:
             return None
         entry = self.root / key
+        tmp = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.root))
+            self.remove_stale_temporaries()
+            tmp = self._temporary_path(key)
+            files = {}
             for name, model in models.items():
-                onnx.save(model, str(tmp / f"{name}.onnx"))
-            (tmp / "meta.json").write_text(json.dumps(dict(meta, _models=sorted(models)), indent=1))
+                path = tmp / f"{name}.onnx"
+                onnx.save(model, str(path))
+                files[path.name] = _sha256(path)
+            (tmp / "meta.json").write_text(json.dumps(dict(meta, _key=key, _models=sorted(models), _files=files),
+                                                      indent=1))
             try:
                 os.rename(tmp, entry)
+                tmp = None
             except OSError:  # another process stored the same entry first: keep theirs
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError as exc:
+                pass
+        except (OSError, ValueError) as exc:
             logger.warning("could not write the graph cache entry %s (%s); continuing without it", entry, exc)
             return None
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
         return entry
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Delete temporaries left by writers that were killed or failed; returns what was removed.
+
+        A temporary is stale when the process that created it on this host has exited, or when
+        nothing in it changed for ``STALE_AFTER_S`` (a writer on another host, a reused PID, or a
+        temporary of an older version of this library, whose names carry no PID).
+        """
+        if self.root is None or not self.root.is_dir():
+            return []
+        removed = []
+        for path in self.root.iterdir():
+            match = _TEMPORARY.match(path.name)
+            if match is None or not path.is_dir():
+                continue
+            try:
+                dead = match["pid"] is not None and match["host"] == _HOST and not pid_alive(int(match["pid"]))
+                if dead or time.time() - _last_change(path) > STALE_AFTER_S:
+                    shutil.rmtree(path)
+                    removed.append(path)
+            except OSError:  # removed by another process meanwhile, or not ours to remove
+                continue
+        if removed:
+            logger.info("removed %d stale graph cache temporaries from %s", len(removed), self.root)
+        return removed
+
+
+def _dangling_names(graph: onnx.GraphProto, outer: set[str]) -> list[str]:
+    """Names the graph reads before anything defines them (``outer``: names of enclosing graphs)."""
+    defined = set(outer) | {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    defined |= {i.values.name for i in graph.sparse_initializer}
+    problems = []
+    for node in graph.node:
+        missing = [name for name in node.input if name and name not in defined]
+        if missing:
+            problems.append(f"node {node.name or node.op_type!r} reads {missing}, which nothing defines before it")
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                problems += _dangling_names(sub, defined)
+        defined.update(node.output)
+    problems += [f"output {o.name!r} is produced by no node" for o in graph.output if o.name not in defined]
+    return problems
+
+
+def _last_change(path: Path) -> float:
+    """The newest modification time of a directory and the files in it."""
+    return max([path.stat().st_mtime, *(child.stat().st_mtime for child in path.iterdir())])

@@ -4,6 +4,11 @@ The TorchScript exporter is used (``dynamo=False``): in torch 2.13 the default d
 produces graphs ONNX Runtime 1.19's gradient builder does not expect. Export runs in training
 mode without constant folding, so parameters keep their ``state_dict`` names and Dropout stays
 in the graph. Symbolic dimensions of the model description become dynamic axes.
+
+The one traced forward pass runs under ``_export_guard.ExportGuard``: ``detach``/``no_grad`` become
+gradient stops, and what a trace cannot capture (custom autograd backward, tensor values read into
+Python, state changed by the forward...) is refused with every problem listed
+(docs/export_limits.md).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from .._logging import logger
 from ..model_desc import ModelDescription
+from ._export_guard import GUARD_FILE, ExportGuard
 
 MODEL_PREFIX = "model."
 
@@ -57,9 +63,16 @@ class _ModelWithLoss(torch.nn.Module):
         positional_only = any(p.kind == p.VAR_POSITIONAL for p in parameters.values())
         self.by_name = not positional_only and all(name in parameters for name in input_names) and any(
             list(parameters).index(name) != i for i, name in enumerate(input_names))
+        self.guard: ExportGuard | None = None  # set while the exporter traces
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         """``(loss, *flattened model outputs)``, or the model's own outputs without a loss_fn."""
+        if self.guard is None:
+            return self._forward(*inputs)
+        with self.guard.watching(inputs):
+            return self._forward(*inputs)
+
+    def _forward(self, *inputs: torch.Tensor) -> tuple:
         model_inputs = inputs[: self.num_model_inputs]
         if self.by_name:
             prediction = self.model(**dict(zip(self.input_names, model_inputs)))
@@ -160,28 +173,50 @@ def export_torch(
 
 def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDescription, args: tuple,
             names: list[str], opset: int) -> ExportedModel:
-    """Run the wrapper once (to check the output count), then the TorchScript exporter."""
-    with torch.no_grad():
-        produced = wrapper(*args)
-    if len(produced) != len(names):
-        what = "loss_fn's loss plus the model's outputs" if loss_fn is not None else "the model's outputs"
-        raise ExportError(
-            f"{what} are {len(produced)} tensor(s) but model_desc.outputs declares {len(names)} "
-            f"({desc.output_names}); make them agree"
-        )
-    dynamic_axes = _dynamic_axes(desc)
+    """Trace the wrapper once with the TorchScript exporter, watched by an ``ExportGuard``."""
+    guard = ExportGuard(wrapper, loss_fn is not None)
+    produced: list[int] = []
+    handle = wrapper.register_forward_hook(lambda _module, _inputs, outputs: produced.append(len(outputs)))
     buffer = io.BytesIO()
-    with warnings.catch_warnings(), _native_stdout_to_log():
-        warnings.simplefilter("ignore")
+    wrapper.guard = guard
+    with warnings.catch_warnings(record=True) as caught, _native_stdout_to_log(), guard.exporting():
+        warnings.simplefilter("always")
         try:
             torch.onnx.export(
                 wrapper, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
                 do_constant_folding=False, opset_version=opset, input_names=desc.input_names,
-                output_names=names, dynamic_axes=dynamic_axes, export_params=True,
+                output_names=names, dynamic_axes=_dynamic_axes(desc), export_params=True,
                 keep_initializers_as_inputs=False,
             )
+            failure = None
         except Exception as exc:  # the exporter raises several exception types
-            raise ExportError(_explain_export_failure(exc, wrapper, args)) from exc
+            failure = exc
+        finally:
+            wrapper.guard = None
+            handle.remove()
+    for warning in caught:
+        if issubclass(warning.category, torch.jit.TracerWarning) and os.path.abspath(warning.filename) != GUARD_FILE:
+            logger.debug("tracer warning (%s:%d): %s", warning.filename, warning.lineno, warning.message)
+    if produced and produced[0] != len(names):
+        what = "loss_fn's loss plus the model's outputs" if loss_fn is not None else "the model's outputs"
+        raise ExportError(
+            f"{what} are {produced[0]} tensor(s) but model_desc.outputs declares {len(names)} "
+            f"({desc.output_names}); make them agree"
+        ) from failure
+    if failure is not None:
+        failed = _explain_export_failure(failure, wrapper, args)
+        if guard.functions:
+            failed += (f" The model applies custom torch.autograd.Function(s) ({'; '.join(guard.functions)}); the "
+                       "exporter traces a Function's forward only with tensor arguments: call its computation "
+                       "directly instead.")
+    if guard.problems:
+        then = f"\nThe export then failed: {failed}" if failure is not None else ""
+        raise ExportError(
+            f"the model cannot be exported as written ({len(guard.problems)} problem(s); see docs/export_limits.md):"
+            "\n  - " + "\n  - ".join(guard.problems) + then
+        ) from failure
+    if failure is not None:
+        raise ExportError(failed) from failure
 
     onnx_model = onnx.load_from_string(buffer.getvalue())
     torch_keys, trainable = _map_initializers(onnx_model, wrapper)

@@ -15,7 +15,8 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-from .._logging import ort_severity
+from .._logging import logger, ort_severity
+from ._export_guard import STOP_GRADIENT_DOMAIN, STOP_GRADIENT_OP
 
 GRAD_SUFFIX = "_grad"
 # Extra inputs of the gradient graph (names no model input can take: they start with "__").
@@ -67,7 +68,9 @@ def build_gradient_graph(
     """Build forward + backward from a forward graph whose weights are inputs.
 
     The backward pass starts from ``loss * __loss_scale`` (a scalar input: the loss scaler's
-    value, 1.0 without one); the ``loss`` output itself stays unscaled.
+    value, 1.0 without one); the ``loss`` output itself stays unscaled. No gradient flows through
+    a ``StopGradient`` marker (``detach``/``no_grad`` in the torch model); in the result the
+    markers are ``Identity`` nodes. Weights the loss does not reach are left out.
 
     Returns:
         The gradient model, with outputs ``[*output_names, *(w + "_grad" for w in has_grad),
@@ -83,19 +86,146 @@ def build_gradient_graph(
     scaled.graph.input.append(helper.make_tensor_value_info(LOSS_SCALE_INPUT, onnx.TensorProto.FLOAT, []))
     scaled.graph.node.append(helper.make_node("Mul", [loss_name, LOSS_SCALE_INPUT], [scaled_loss], name="loss_scaling"))
     scaled.graph.output.append(helper.make_tensor_value_info(scaled_loss, onnx.TensorProto.FLOAT, []))
-    try:
-        optimized = get_optimized_model(scaled.SerializeToString(), set(trainable), options)
-        builder = GradientGraphBuilder(optimized, {scaled_loss}, set(trainable), scaled_loss, options)
-        builder.build()
-    except Exception as exc:  # pybind raises RuntimeError/Fail subclasses
-        raise GradientBuildError(_explain_gradient_failure(str(exc), forward)) from exc
+    cuts = _cut_stop_gradients(scaled)
+    reached = _inputs_reaching(scaled.graph, scaled_loss)
+    candidates = [w for w in trainable if w in reached]
+    while True:
+        try:
+            optimized = get_optimized_model(scaled.SerializeToString(), set(candidates), options)
+            builder = GradientGraphBuilder(optimized, {scaled_loss}, set(candidates), scaled_loss, options)
+            builder.build()
+            break
+        except Exception as exc:  # pybind raises RuntimeError/Fail subclasses
+            unreachable = re.search(r"partial derivative for '(.+?)' as it's unreachable", str(exc))
+            if unreachable is None or unreachable.group(1) not in candidates:
+                raise GradientBuildError(_explain_gradient_failure(str(exc), forward)) from exc
+            # reachable through edges that carry no gradient (a Shape, an index): no gradient either
+            candidates.remove(unreachable.group(1))
     model = onnx.load_from_string(builder.get_model())
+    _reconnect_cuts(model, cuts)
     produced = {o.name: o for o in model.graph.output}
     has_grad = [w for w in trainable if w + GRAD_SUFFIX in produced]
     ordered = [produced[n] for n in [*output_names, *(w + GRAD_SUFFIX for w in has_grad), *extra_outputs]]
     del model.graph.output[:]
     model.graph.output.extend(ordered)
     return model, has_grad
+
+
+def stop_gradients_to_identity(model: onnx.ModelProto) -> int:
+    """Turn every ``StopGradient`` marker of ``model`` into ``Identity``, in place; returns how many."""
+    count = 0
+    for node in model.graph.node:
+        if _is_stop_gradient(node):
+            node.op_type, node.domain = "Identity", ""
+            del node.attribute[:]
+            count += 1
+    kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
+    if len(kept) != len(model.opset_import):
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
+    return count
+
+
+def _is_stop_gradient(node: onnx.NodeProto) -> bool:
+    return node.domain == STOP_GRADIENT_DOMAIN and node.op_type == STOP_GRADIENT_OP
+
+
+def _cut_stop_gradients(model: onnx.ModelProto) -> dict[str, str]:
+    """Remove the markers: each output becomes a graph input, so no gradient flows through it.
+
+    The marker's input becomes an extra graph output so the optimizer keeps it under its name.
+    Returns ``{marker output: marker input}`` for ``_reconnect_cuts``.
+    """
+    markers = [n for n in model.graph.node if _is_stop_gradient(n)]
+    if not markers:
+        return {}
+    probe = copy.deepcopy(model)
+    stop_gradients_to_identity(probe)
+    del probe.graph.value_info[:]
+    inferred = onnx.shape_inference.infer_shapes(probe)
+    types = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    graph_inputs = {i.name for i in model.graph.input} | {i.name for i in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    cuts = {}
+    for node in markers:
+        source, target = node.input[0], node.output[0]
+        cuts[target] = source
+        known = types.get(target) or types.get(source)
+        value = copy.deepcopy(known) if known is not None else helper.make_empty_tensor_value_info(target)
+        value.name = target
+        model.graph.input.append(value)
+        if source not in graph_inputs and source not in outputs:
+            kept = copy.deepcopy(known) if known is not None else helper.make_empty_tensor_value_info(source)
+            kept.name = source
+            model.graph.output.append(kept)
+            outputs.add(source)
+    kept_nodes = [n for n in model.graph.node if not _is_stop_gradient(n)]
+    del model.graph.node[:]
+    model.graph.node.extend(kept_nodes)
+    logger.debug("gradient stops (detach / no_grad) at: %s", sorted(cuts.values()))
+    return cuts
+
+
+def _reconnect_cuts(model: onnx.ModelProto, cuts: dict[str, str]) -> None:
+    """Feed each cut from its source again with an ``Identity``, in place; nodes re-sorted."""
+    if not cuts:
+        return
+    inputs = [i for i in model.graph.input if i.name not in cuts]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    model.graph.node.extend(helper.make_node("Identity", [source], [target], name=f"{target}/stop_gradient")
+                            for target, source in cuts.items())
+    _sort_nodes(model.graph)
+
+
+def _inputs_reaching(graph: onnx.GraphProto, output: str) -> set[str]:
+    """Names of graph inputs (and initializers) that ``output`` is computed from."""
+    producer = {name: node for node in graph.node for name in node.output if name}
+    seen, stack = set(), [output]
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is None:
+            continue
+        stack.extend(i for i in node.input if i)
+        for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
+            if attr.type == onnx.AttributeProto.GRAPH:
+                stack.extend(_outer_names(attr.g))
+    return seen
+
+
+def _sort_nodes(graph: onnx.GraphProto) -> None:
+    """Order ``graph.node`` topologically (stable: nodes keep their order where they can)."""
+    producer = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
+    needs = []
+    for node in graph.node:
+        names = [i for i in node.input if i]
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                names.extend(_outer_names(attr.g))
+        needs.append({producer[n] for n in names if n in producer})
+    order, placed, visiting = [], set(), set()
+    for start in range(len(graph.node)):
+        stack = [(start, False)]
+        while stack:
+            index, expanded = stack.pop()
+            if index in placed:
+                continue
+            if expanded:
+                placed.add(index)
+                order.append(index)
+                continue
+            if index in visiting:
+                continue
+            visiting.add(index)
+            stack.append((index, True))
+            stack.extend((d, False) for d in sorted(needs[index], reverse=True) if d not in placed)
+    nodes = [graph.node[i] for i in order]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def add_gradient_accumulation(model: onnx.ModelProto, trained: list[str]) -> None:
@@ -156,8 +286,9 @@ def module_of(node_name: str) -> str:
 
 
 def build_eval_graph(forward: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``forward`` with Dropout off and BatchNormalization in inference mode."""
+    """A copy of ``forward`` with Dropout off, BatchNormalization in inference mode, no gradient markers."""
     model = copy.deepcopy(forward)
+    stop_gradients_to_identity(model)
     for node in model.graph.node:
         if node.op_type == "Dropout" and len(node.input) > 2:
             node.input[2] = ""

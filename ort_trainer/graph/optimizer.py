@@ -12,11 +12,12 @@ elementwise nodes; Lamb needs per-tensor norms, so each of its segments is one t
 group (``lr.group<i>``), ``step`` (the 1-based update count ``t``) and ``grad_scale`` (turns the
 buffered gradients into the averaged, unscaled gradient: ``1 / (loss_scale · accumulation_steps ·
 ranks)``). Outputs: ``<input>.out`` for each segment and state, ``all_finite`` and
-``global_gradient_norm`` (of the averaged gradient).
+``global_gradient_norm`` (of the averaged gradient), and ``weights_finite`` (every updated weight
+is finite: false when, say, an overflowing learning rate made the update itself non-finite).
 
-The graph always computes the update; the engine keeps it only when ``all_finite`` is true (it
-writes into the second set of buffers and simply does not swap to them otherwise), so skipping a
-non-finite step costs nothing inside the graph.
+The graph always computes the update; the engine keeps it only when ``all_finite`` and
+``weights_finite`` are true (it writes into the second set of buffers and simply does not swap to
+them otherwise), so skipping a non-finite step costs nothing inside the graph.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ STEP_INPUT = "step"
 GRADIENTS_INPUT = "gradients"
 GRAD_SCALE_INPUT = "grad_scale"
 ALL_FINITE = "all_finite"
+WEIGHTS_FINITE = "weights_finite"
 GRAD_NORM = "global_gradient_norm"
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 _CLIP_EPS = 1e-6
@@ -199,12 +201,20 @@ def build_optimizer_graph(
 
     used_groups = sorted({seg.group for seg in segments})
     group_scalars = {g: _group_scalars(b, config, groups[g], g, scale) for g in used_groups}
+    sums = []
     for seg in segments:
         # the raw buffer: its scale is folded into the per-group scalar factors
         new_values = _update(b, config, groups[seg.group], group_scalars[seg.group], seg.name, seg.name + GRAD_SUFFIX)
         for name, new in zip([seg.name, *(f"{seg.name}.{s}" for s in states)], new_values):
             b.output(new, name + OUT_SUFFIX)
             outputs.append(helper.make_tensor_value_info(name + OUT_SUFFIX, f32, [seg.stop - seg.start]))
+        sums.append(b.op("ReduceSum", new_values[0], keepdims=0))
+    # A NaN or inf in any new weight makes its sum NaN or inf; finite weights sum to inf only
+    # past 3e38, which is an overflow worth refusing as well.
+    total_sum = b.op("Sum", *sums) if sums else b.const(0.0)
+    weights_finite = b.op("Not", b.op("Or", b.op("IsNaN", total_sum), b.op("IsInf", total_sum)))
+    b.output(weights_finite, WEIGHTS_FINITE)
+    outputs.append(helper.make_tensor_value_info(WEIGHTS_FINITE, TensorProto.BOOL, []))
 
     graph = helper.make_graph(b.finish(), "ort_trainer_optimizer", inputs, outputs, b.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="ort_trainer")

@@ -1,7 +1,8 @@
 """The graph pipeline: model -> forward -> trainable -> user hook -> gradient + optimizer graphs.
 
-``build_training_graphs`` runs the stages once per job (and per shape signature) and stores the
-result in the graph cache; a later run of the same job loads it without exporting again.
+``build_training_graphs`` exports the model on every build and keys the graph cache on a hash of
+that exported forward graph, so a hit can never be a graph of other code; a hit skips only the
+gradient and eval graph building.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -23,8 +24,10 @@ from . import cache as graph_cache
 from . import rewrites
 from .buffers import expose_running_statistics
 from .export import export_order, export_torch
-from .gradient import (add_gradient_accumulation, build_eval_graph, build_gradient_graph, specialize,
-                       weights_to_inputs)
+from .gradient import (ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT,
+                       add_gradient_accumulation, build_eval_graph, build_gradient_graph, specialize,
+                       stop_gradients_to_identity, weights_to_inputs)
+from .input_checks import find_input_constraints
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
 from .trainable import make_trainable
 
@@ -43,16 +46,19 @@ class TrainingGraphs:
             the optimizer updates, in order), ``torch_keys`` ({weight: [torch state_dict keys]}),
             ``inputs`` ({name: dtype} of the data inputs the graph reads), ``buffer_updates``
             ({buffer: gradient-graph output with its new value}, e.g. BatchNorm statistics).
+        from_cache: True when loaded from the graph cache.
+        forward: ``(forward graph with weights as inputs, torch_keys, trainable, padding)`` as
+            traced, before specialisation; in memory only, so shape specialisations of the same
+            job skip the export.
 
     The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
-        from_cache: True when loaded from the graph cache.
     """
 
     gradient: onnx.ModelProto
     eval: onnx.ModelProto
     meta: dict
     from_cache: bool = False
-    forward: tuple | None = None  # (forward graph, torch_keys, trainable) before specialisation; in memory only
+    forward: tuple | None = None
 
 
 @dataclass
@@ -71,22 +77,31 @@ class GraphJob:
     accumulate: bool = False
     passes: dict = None  # graph_optimizations flags: {pass name: enabled}
 
-    def cache_key(self, input_dtypes: dict[str, str], dims: dict[str, int] | None,
+    def cache_key(self, forward: tuple, input_dtypes: dict[str, str], dims: dict[str, int] | None,
                   outputs: tuple | None = None) -> str:
-        """Hash of everything that determines the graphs."""
-        if isinstance(self.model, onnx.ModelProto):
-            model_fp: Any = graph_cache.fingerprint_onnx(self.model)
-        else:
-            model_fp = graph_cache.fingerprint_module(self.model)
+        """Hash of the traced forward graph and of everything that shapes the graphs built from it.
+
+        Args:
+            forward: ``(graph, torch_keys, trainable, padding)`` from ``_traced_forward``; the
+                graph already went through the trainability pass and the user's hook, and its
+                weights are graph inputs, so weight values never enter the key.
+            input_dtypes: ``{input name: numpy dtype name}`` of the data inputs.
+            dims, outputs: as in ``build_training_graphs``.
+
+        Returns:
+            The hex SHA-256 key.
+        """
+        graph, torch_keys, trainable, padding = forward
         return graph_cache.make_key(
             {
-                "model": model_fp,
-                "loss_fn": graph_cache.fingerprint_callable(self.loss_fn),
+                "forward": graph_cache.fingerprint_graph(graph),
+                "torch_keys": torch_keys,
+                "trainable": list(trainable),
+                "padding": sorted(padding.items()),
                 "desc": self.desc.fingerprint(),
                 "input_dtypes": input_dtypes,
                 "frozen": sorted(self.frozen_weights),
                 "opset": self.opset,
-                "extra_postprocess": graph_cache.fingerprint_callable(self.extra_postprocess),
                 "dims": sorted((dims or {}).items()),
                 "outputs": list(outputs) if outputs is not None else None,
                 "accumulate": self.accumulate,
@@ -112,34 +127,98 @@ def build_training_graphs(
         dims: concrete values of symbolic dimensions to specialise the graphs to (None: keep
             them symbolic).
         graph_cache_store: the cache (default: ``GraphCache()``).
-        forward: the forward graph an earlier build of the same job made (with
-            ``TrainingGraphs.forward``), to skip the export when specialising shapes.
+        forward: ``TrainingGraphs.forward`` of an earlier build of the same job, to skip the
+            export when specialising shapes (None: export now).
         outputs: the description outputs this graph returns besides the loss (None: all). Leaving
             outputs out lets passes such as ``sparse_labels`` skip work nobody reads.
+
+    Returns:
+        The graphs, loaded from the cache when an entry for exactly this traced forward graph
+        and these options exists and passes its checks, else built (and stored).
+
+    Raises:
+        ExportError, GradientBuildError: when the model cannot be exported or differentiated.
     """
     store = graph_cache_store or graph_cache.GraphCache()
     input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
-    key = job.cache_key(input_dtypes, dims, outputs)
     started = time.perf_counter()
-    cached = store.load(key)
-    if cached is not None:
-        models, meta = cached
-        logger.info("reused the cached training graph %s (%.2f s) from %s", key[:16],
-                    time.perf_counter() - started, store.root)
-        return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True)
-
-    if forward is not None:  # reuse an earlier export of the same job
-        forward, torch_keys, trainable, padding = copy.deepcopy(forward[0]), forward[1], list(forward[2]), forward[3]
-    else:
-        forward, torch_keys, trainable, padding = _forward_graph(job, sample_inputs)
-    source = (copy.deepcopy(forward), torch_keys, list(trainable), padding)
+    traced = forward if forward is not None else _traced_forward(job, sample_inputs)
+    key = job.cache_key(traced, input_dtypes, dims, outputs)
+    source, torch_keys, trainable, padding = traced
     all_weights = list(torch_keys)
     frozen = set(job.frozen_weights)
     trainable = [w for w in trainable if w not in frozen]
 
-    weights_to_inputs(forward, all_weights)
-    if dims:
-        forward = specialize(forward, dims)
+    forward, returned = _transform_forward(job, source, dims, outputs)
+    if job.save_paths.get("model_after_graph_transforms_path"):
+        dump = copy.deepcopy(forward)  # loadable by ONNX Runtime: gradient markers become Identity
+        stop_gradients_to_identity(dump)
+        onnx.save(dump, job.save_paths["model_after_graph_transforms_path"])
+    weight_info = {i.name: _value_info(i) for i in forward.graph.input if i.name in torch_keys}
+    graph_inputs = {i.name for i in forward.graph.input}
+    expected = {"weights": weight_info, "torch_keys": torch_keys, "outputs": returned,
+                "inputs": {n: dt for n, dt in input_dtypes.items() if n in graph_inputs}}
+    cached = store.load(key, validate=lambda models, meta: _entry_problems(models, meta, forward, expected,
+                                                                           trainable, job.accumulate))
+    if cached is not None:
+        models, meta = cached
+        _warn_untrained(trainable, meta["trained"])
+        if job.save_paths.get("model_with_gradient_graph_path"):
+            onnx.save(models["gradient"], job.save_paths["model_with_gradient_graph_path"])
+        logger.info("reused the cached training graph %s (%.2f s, export included) from %s", key[:16],
+                    time.perf_counter() - started, store.root)
+        return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True, forward=traced)
+
+    # what PyTorch would refuse in a batch, read off the graph before any rewrite
+    constraints = find_input_constraints(source, job.desc.input_names)
+
+    eval_model = build_eval_graph(forward)
+    buffer_updates = expose_running_statistics(forward, set(all_weights) - set(trainable))
+    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, returned,
+                                             list(buffer_updates.values()))
+    rewrites.mask_padding_rows(gradient, padding)  # semantics, not speed: always
+    rewritten = rewrites.apply_gradient_passes(gradient, job.passes or {},
+                                               {w: len(info[0]) for w, info in weight_info.items()})
+    logger.debug("gradient graph rewrites: %s", rewritten)
+    _warn_untrained(trainable, trained)
+    if job.accumulate:
+        add_gradient_accumulation(gradient, trained)
+    if job.save_paths.get("model_with_gradient_graph_path"):
+        onnx.save(gradient, job.save_paths["model_with_gradient_graph_path"])
+
+    meta = {
+        "weights": weight_info,
+        "trained": trained,
+        "torch_keys": torch_keys,
+        "inputs": expected["inputs"],
+        "buffer_updates": buffer_updates,
+        "outputs": returned,
+        "input_constraints": constraints,
+    }
+    entry = store.store(key, {"gradient": gradient, "eval": eval_model}, meta)
+    logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
+                f"; cached in {entry}" if entry else "")
+    return TrainingGraphs(gradient, eval_model, meta, forward=traced)
+
+
+def _warn_untrained(trainable: list[str], trained: list[str]) -> None:
+    skipped = [w for w in trainable if w not in trained]
+    if skipped:
+        logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
+
+
+def _traced_forward(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[onnx.ModelProto, dict, list, dict]:
+    """``_forward_graph`` with every weight moved to a graph input: what the cache key hashes."""
+    forward, torch_keys, trainable, padding = _forward_graph(job, sample_inputs)
+    weights_to_inputs(forward, list(torch_keys))
+    return forward, torch_keys, trainable, padding
+
+
+def _transform_forward(job: GraphJob, source: onnx.ModelProto, dims: dict[str, int] | None,
+                       outputs: tuple | None) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of the traced forward graph, specialised, trimmed to ``outputs`` and rewritten by the
+    forward passes; and the description outputs it returns."""
+    forward = specialize(source, dims) if dims else copy.deepcopy(source)
     returned = [n for n in job.desc.output_names if outputs is None or n in outputs or n == job.desc.loss_name]
     if outputs is not None:
         kept = [o for o in forward.graph.output if o.name in returned]
@@ -150,39 +229,49 @@ def build_training_graphs(
         rewrites.sparse_labels_forward(forward)
     if passes.get("cross_entropy"):
         rewrites.cross_entropy_forward(forward)
-    if job.save_paths.get("model_after_graph_transforms_path"):
-        onnx.save(forward, job.save_paths["model_after_graph_transforms_path"])
-    weight_info = {i.name: _value_info(i) for i in forward.graph.input if i.name in torch_keys}
+    return forward, returned
 
-    eval_model = build_eval_graph(forward)
-    buffer_updates = expose_running_statistics(forward, set(all_weights) - set(trainable))
-    gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, returned,
-                                             list(buffer_updates.values()))
-    rewrites.mask_padding_rows(gradient, padding)  # semantics, not speed: always
-    rewritten = rewrites.apply_gradient_passes(gradient, job.passes or {},
-                                               {w: len(info[0]) for w, info in weight_info.items()})
-    logger.debug("gradient graph rewrites: %s", rewritten)
-    skipped = [w for w in trainable if w not in trained]
-    if skipped:
-        logger.warning("weights with no gradient from the loss are not trained: %s", skipped)
-    if job.accumulate:
-        add_gradient_accumulation(gradient, trained)
-    if job.save_paths.get("model_with_gradient_graph_path"):
-        onnx.save(gradient, job.save_paths["model_with_gradient_graph_path"])
 
-    graph_inputs = {i.name for i in forward.graph.input}
-    meta = {
-        "weights": weight_info,
-        "trained": trained,
-        "torch_keys": torch_keys,
-        "inputs": {n: dt for n, dt in input_dtypes.items() if n in graph_inputs},
-        "buffer_updates": buffer_updates,
-        "outputs": returned,
-    }
-    entry = store.store(key, {"gradient": gradient, "eval": eval_model}, meta)
-    logger.info("built the training graph %s in %.2f s%s", key[:16], time.perf_counter() - started,
-                f"; cached in {entry}" if entry else "")
-    return TrainingGraphs(gradient, eval_model, meta, forward=source)
+def _io(graph: onnx.GraphProto) -> tuple[list, list]:
+    return ([[i.name, *_value_info(i)] for i in graph.input], [[o.name, *_value_info(o)] for o in graph.output])
+
+
+def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, forward: onnx.ModelProto, expected: dict,
+                    trainable: list[str], accumulate: bool) -> list[str]:
+    """What makes a cache entry unusable for the forward graph just traced (empty when it is sound).
+
+    ``expected`` holds the metadata fields the traced graph determines; the graphs' inputs and
+    outputs must be those the pipeline derives from it.
+    """
+    if sorted(models) != ["eval", "gradient"]:
+        return [f"it holds the graphs {sorted(models)}, not eval and gradient"]
+    problems = [f"meta.json's {field!r} disagrees with the traced model"
+                for field, value in expected.items() if meta.get(field) != value]
+    trained, updates = meta.get("trained"), meta.get("buffer_updates")
+    if not isinstance(trained, list) or [w for w in trainable if w in trained] != trained:
+        return [*problems, "meta.json's 'trained' is not a list of trainable weights in order"]
+    buffers = set(expected["weights"]) - set(trainable)
+    if not (isinstance(updates, dict) and set(updates) <= buffers
+            and all(isinstance(v, str) for v in updates.values())):
+        return [*problems, "meta.json's 'buffer_updates' does not map buffers to outputs"]
+    if _io(models["eval"].graph) != _io(forward.graph):
+        problems.append("eval.onnx's inputs or outputs differ from the traced forward graph")
+    # the gradient graph may only read what the engine feeds, with the traced graph's types
+    inputs = {i.name: _value_info(i) for i in forward.graph.input}
+    inputs[LOSS_SCALE_INPUT] = [[], "float32"]
+    suffix, fed = GRAD_SUFFIX, set(inputs)
+    if accumulate:
+        suffix, fed = ACCUMULATED_FLAG_SUFFIX, fed | {w + ACCUMULATOR_SUFFIX for w in trained} | {RESET_INPUT}
+    gradient = models["gradient"].graph
+    wrong = sorted(i.name for i in gradient.input
+                   if i.name not in fed or (i.name in inputs and _value_info(i) != inputs[i.name]))
+    if wrong:
+        problems.append(f"gradient.onnx has inputs the traced forward graph does not have ({', '.join(wrong)})")
+    outputs = [*expected["outputs"], *(w + suffix for w in trained), *updates.values()]
+    if [o.name for o in gradient.output] != outputs:
+        problems.append("gradient.onnx's outputs are not the description's outputs, the trained weights' "
+                        "gradients and the buffer updates that meta.json lists")
+    return problems
 
 
 @dataclass

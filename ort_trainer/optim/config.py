@@ -99,18 +99,44 @@ class _OptimizerConfig:
 
 
 _NUM = (int, float)
+# the optimizer runs in float32: a larger value would be inf there
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _finite(v: float) -> str | None:
+    if not math.isfinite(v):
+        return f"must be a finite number, got {v}"
+    if abs(v) > _FLOAT32_MAX:
+        return f"must fit in float32 (|value| <= 3.4e38; the update runs in float32), got {v}"
+    return None
 
 
 def _positive(v: float) -> str | None:
-    return None if v > 0 else f"must be > 0, got {v}"
+    return _finite(v) or (None if v > 0 else f"must be > 0, got {v}")
 
 
 def _non_negative(v: float) -> str | None:
-    return None if v >= 0 else f"must be >= 0, got {v}"
+    return _finite(v) or (None if v >= 0 else f"must be >= 0, got {v}")
 
 
 def _unit(v: float) -> str | None:
     return None if 0 <= v < 1 else f"must be in [0, 1), got {v}"
+
+
+def _not_nan(v: float) -> str | None:
+    return f"must be a number, got {v}" if math.isnan(v) else None
+
+
+def check_learning_rate(value: float, where: str) -> str | None:
+    """The problem with a learning rate about to be used (None when it is usable).
+
+    Learning rates can change after construction (``cfg.lr = ...``, a scheduler), so the trainer
+    checks the value of every step before any work.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{where}: expected a number, got {type(value).__name__}"
+    problem = _non_negative(float(value))
+    return f"{where}: {problem}" if problem else None
 
 
 class SGDConfig(_OptimizerConfig):
@@ -193,8 +219,8 @@ class LambConfig(_OptimizerConfig):
         "alpha": (_NUM, _unit),
         "beta": (_NUM, _unit),
         "lambda_coef": (_NUM, _non_negative),
-        "ratio_min": (_NUM, None),
-        "ratio_max": (_NUM, None),
+        "ratio_min": (_NUM, _not_nan),
+        "ratio_max": (_NUM, _not_nan),
         "epsilon": (_NUM, _positive),
         "max_norm_clip": (_NUM, _positive),
         "do_bias_correction": ((bool,), None),

@@ -10,18 +10,37 @@ rebuilt. A parameter group's own ``lr`` is scaled by ``value / base lr``.
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def _number_problem(where: str, value: Any, expected: str, low: float | None = None, high: float = math.inf,
+                    integer: bool = False) -> list[str]:
+    """``[problem]`` when ``value`` is not a finite number (an int when ``integer``) in [low, high]."""
+    types = (int,) if integer else (int, float)
+    ok = (not isinstance(value, bool) and isinstance(value, types) and math.isfinite(value)
+          and (low is None or low <= value <= high))
+    return [] if ok else [f"{where}: expected {expected}, got {value!r}"]
 
 
 class _LRScheduler:
     """Base class: subclasses implement ``_after_warmup(s, lr)``."""
 
-    def __init__(self, total_steps: int, warmup: float = 0.002):
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"{type(self).__name__}.total_steps: expected a positive int, got {total_steps!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
-            raise ValueError(f"{type(self).__name__}.warmup: expected a float in [0, 1], got {warmup!r}")
+    def __init__(self, total_steps: int, warmup: float = 0.002, **more: tuple):
+        name = type(self).__name__
+        problems = _number_problem(f"{name}.total_steps", total_steps, "a positive int", 1, integer=True)
+        problems += _number_problem(f"{name}.warmup", warmup, "a float in [0, 1]", 0, 1)
+        for key, (value, low) in more.items():
+            expected = "a finite float" if low is None else f"a float >= {low}"
+            problems += _number_problem(f"{name}.{key}", value, expected, low)
+        if problems:
+            raise ValueError(f"invalid {name}:\n  " + "\n  ".join(problems))
         self.total_steps = total_steps
         self.warmup = float(warmup)
+        for key, (value, _) in more.items():
+            setattr(self, key, float(value))
         self.base_lr: float | None = None
         self._last_lr: list[float] = []
 
@@ -59,13 +78,38 @@ class _LRScheduler:
         return {"last_lr": list(self._last_lr), "base_lr": self.base_lr}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state from ``state_dict()``."""
-        self._last_lr = list(state.get("last_lr", []))
-        self.base_lr = state.get("base_lr")
+        """Restore a state from ``state_dict()``.
+
+        Raises:
+            ValueError: when ``state`` is not such a state (nothing is changed then).
+        """
+        problems = _state_problems(type(self).__name__, state)
+        if problems:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: not a scheduler state:\n  "
+                             + "\n  ".join(problems))
+        self._last_lr = [float(v) for v in state.get("last_lr", [])]
+        base = state.get("base_lr")
+        self.base_lr = None if base is None else float(base)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "base_lr")
         return f"{type(self).__name__}({fields})"
+
+
+def _state_problems(name: str, state: Any) -> list[str]:
+    """Every way ``state`` differs from what ``_LRScheduler.state_dict()`` returns."""
+    if not isinstance(state, Mapping):
+        return [f"expected a dict with 'last_lr' and 'base_lr', got {type(state).__name__}"]
+    problems = [f"{key!r}: unknown key; expected 'last_lr' and 'base_lr'" for key in state
+                if key not in ("last_lr", "base_lr")]
+    last = state.get("last_lr", [])
+    if not isinstance(last, (list, tuple, np.ndarray)) or np.ndim(last) != 1 or any(
+            isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in last):
+        problems.append(f"'last_lr': expected a list of finite numbers, got {last!r}")
+    base = state.get("base_lr")
+    if base is not None and (isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base)):
+        problems.append(f"'base_lr': expected a finite number or None, got {base!r}")
+    return problems
 
 
 class ConstantWarmupLRScheduler(_LRScheduler):
@@ -82,10 +126,7 @@ class CosineWarmupLRScheduler(_LRScheduler):
     """Linear warmup, then ``lr * max(0, (1 + cos(2π · cycles · p)) / 2)``."""
 
     def __init__(self, total_steps: int, cycles: float = 0.5, warmup: float = 0.002):
-        super().__init__(total_steps, warmup)
-        if isinstance(cycles, bool) or not isinstance(cycles, (int, float)) or cycles < 0:
-            raise ValueError(f"CosineWarmupLRScheduler.cycles: expected a float >= 0, got {cycles!r}")
-        self.cycles = float(cycles)
+        super().__init__(total_steps, warmup, cycles=(cycles, 0))
 
     def _after_warmup(self, step: int, lr: float) -> float:
         return lr * max(0.0, 0.5 * (1.0 + math.cos(2.0 * math.pi * self.cycles * self._progress(step))))
@@ -105,12 +146,7 @@ class PolyWarmupLRScheduler(_LRScheduler):
     """Linear warmup, then polynomial decay from ``lr`` to ``lr_end``."""
 
     def __init__(self, total_steps: int, lr_end: float = 1e-7, power: float = 1.0, warmup: float = 0.002):
-        super().__init__(total_steps, warmup)
-        for name, value in (("lr_end", lr_end), ("power", power)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"PolyWarmupLRScheduler.{name}: expected a float, got {value!r}")
-        self.lr_end = float(lr_end)
-        self.power = float(power)
+        super().__init__(total_steps, warmup, lr_end=(lr_end, 0), power=(power, None))
 
     def _after_warmup(self, step: int, lr: float) -> float:
         if step > self.total_steps:

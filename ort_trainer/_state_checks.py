@@ -1,0 +1,222 @@
+"""Validation of states before they are loaded: every check that can fail, with no side effects.
+
+``IncomingState`` holds a parsed state waiting to be applied; the functions here return the
+problems they find (each naming its field) so the loader can report all of them at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from . import checkpoint
+
+INFO_KEYS = ("step", "optimization_step", "all_finite", "seed")
+OPTIONS_KEYS = ("optimizer_name", "gradient_accumulation_steps", "frozen_weights", "input_dtypes")
+
+
+def as_array(value: Any) -> Any:
+    """A numpy view of a value from a state dict; a checkpoint's ``StoredArray`` stays as it is."""
+    if isinstance(value, checkpoint.StoredArray):
+        return value
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return value.numpy() if value.dtype != torch.bfloat16 else value.float().numpy()
+    return np.asarray(value)
+
+
+def dtype_family(dtype: np.dtype | torch.dtype) -> str:
+    """The dtype family a value must share with what it replaces: float, int, bool or complex."""
+    if isinstance(dtype, torch.dtype):
+        return ("float" if dtype.is_floating_point else "complex" if dtype.is_complex
+                else "bool" if dtype == torch.bool else "int")
+    return {"f": "float", "i": "int", "u": "int", "b": "bool", "c": "complex"}.get(np.dtype(dtype).kind, str(dtype))
+
+
+def as_count(value: Any, low: int = 0, high: int = 2 ** 63) -> int | None:
+    """``value`` as an int when it is an integer (Python, numpy, or a 0-d integer array) in [low, high)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iu":
+        value = value[()]
+    if isinstance(value, (int, np.integer)) and low <= int(value) < high:
+        return int(value)
+    return None
+
+
+def finite_number(value: Any) -> bool:
+    """True for a finite real number (not a bool)."""
+    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+            and math.isfinite(value))
+
+
+@dataclass
+class WeightSpec:
+    """What one weight of the trainer accepts: shape, dtype family, and whether strict mode needs it."""
+
+    shape: tuple
+    kind: str
+    required: bool = True
+
+
+@dataclass
+class IncomingState:
+    """A parsed state waiting to be applied (values are arrays, or ``StoredArray``s not read yet)."""
+
+    weights: dict[str, Any] = field(default_factory=dict)
+    moments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)  # Update_Count / Step leaves, checked once read
+    accumulated: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    scheduler: Any = None
+    scaler: Any = None
+
+    def read(self) -> None:
+        """Replace every ``StoredArray`` by its data (after its name, shape and dtype were checked)."""
+        def load(value):
+            return value.read() if isinstance(value, checkpoint.StoredArray) else value
+        self.weights = {k: load(v) for k, v in self.weights.items()}
+        self.moments = {w: {s: load(v) for s, v in entry.items()} for w, entry in self.moments.items()}
+        self.counts = {k: load(v) for k, v in self.counts.items()}
+        self.accumulated = {k: load(v) for k, v in self.accumulated.items()}
+
+
+def shape_problems(where: str, value: Any, shape: tuple, kind: str) -> list[str]:
+    """Problems of a value (array or ``StoredArray``) that must have ``shape`` and a ``kind`` dtype."""
+    problems = []
+    if tuple(value.shape) != tuple(shape):
+        problems.append(f"{where}: shape {list(value.shape)} in the state, {list(shape)} in the model")
+    if dtype_family(value.dtype) != kind:
+        article = "an" if kind[0] in "aeiou" else "a"
+        problems.append(f"{where}: dtype {value.dtype} in the state, {article} {kind} dtype in the model")
+    return problems
+
+
+def parse_train_step_info(info: Any, problems: list[str]) -> dict[str, Any]:
+    """Validated ``train_step_info``: non-negative int counters (both or neither), a bool, an int seed.
+
+    Problems are appended to ``problems``; the fields that passed are returned.
+    """
+    if info is None:
+        return {}
+    if not isinstance(info, Mapping):
+        problems.append(f"train_step_info: expected a dict, got {type(info).__name__}")
+        return {}
+    out: dict[str, Any] = {}
+    problems += [f"train_step_info: unknown key {key!r}; expected {list(INFO_KEYS)}" for key in info
+                 if key not in INFO_KEYS]
+    counters = [key for key in ("step", "optimization_step") if key in info]
+    if len(counters) == 1:
+        problems.append(f"train_step_info: has {counters[0]!r} but not the other of 'step' and 'optimization_step'")
+    for key in counters:
+        value = as_count(info[key])
+        if value is None:
+            problems.append(f"train_step_info.{key}: expected a non-negative int, got {info[key]!r}")
+        else:
+            out[key] = value
+    if "all_finite" in info:
+        if isinstance(info["all_finite"], (bool, np.bool_)):
+            out["all_finite"] = bool(info["all_finite"])
+        else:
+            problems.append(f"train_step_info.all_finite: expected a bool, got {info['all_finite']!r}")
+    if info.get("seed") is not None:
+        value = as_count(info["seed"], 0, 2 ** 64)
+        if value is None:
+            problems.append(f"train_step_info.seed: expected an int in [0, 2**64), got {info['seed']!r}")
+        else:
+            out["seed"] = value
+    return out
+
+
+def parse_trainer_options(record: Any, problems: list[str]) -> dict[str, Any]:
+    """Validated ``trainer_options`` record of a state or checkpoint (problems appended to ``problems``)."""
+    if record is None:
+        return {}
+    if not isinstance(record, Mapping):
+        problems.append(f"trainer_options: expected a dict, got {type(record).__name__}")
+        return {}
+    out: dict[str, Any] = {}
+    problems += [f"trainer_options: unknown key {key!r}; expected {list(OPTIONS_KEYS)}" for key in record
+                 if key not in OPTIONS_KEYS]
+    if "optimizer_name" in record:
+        if isinstance(record["optimizer_name"], str):
+            out["optimizer_name"] = record["optimizer_name"]
+        else:
+            problems.append(f"trainer_options.optimizer_name: expected a str, got {record['optimizer_name']!r}")
+    if "gradient_accumulation_steps" in record:
+        value = as_count(record["gradient_accumulation_steps"], 1)
+        if value is None:
+            problems.append("trainer_options.gradient_accumulation_steps: expected a positive int, got "
+                            f"{record['gradient_accumulation_steps']!r}")
+        else:
+            out["gradient_accumulation_steps"] = value
+    frozen = record.get("frozen_weights", [])
+    if not isinstance(frozen, (list, tuple)) or not all(isinstance(w, str) for w in frozen):
+        problems.append(f"trainer_options.frozen_weights: expected a list of names, got {frozen!r}")
+    dtypes = record.get("input_dtypes")
+    if dtypes is not None:
+        if not isinstance(dtypes, Mapping):
+            problems.append(f"trainer_options.input_dtypes: expected a dict, got {type(dtypes).__name__}")
+        else:
+            parsed = {}
+            for name, value in dtypes.items():
+                try:
+                    dtype = np.dtype(value) if isinstance(value, str) else None
+                except Exception:  # whatever numpy's dtype parser refuses
+                    dtype = None
+                if dtype is None or dtype.kind not in "biuf" or dtype.itemsize > 8:
+                    problems.append(f"trainer_options.input_dtypes[{name!r}]: expected a numeric dtype name, "
+                                    f"got {value!r}")
+                else:
+                    parsed[str(name)] = dtype
+            if len(parsed) == len(dtypes):
+                out["input_dtypes"] = parsed
+    return out
+
+
+def loss_scaler_problems(state: Any) -> list[str]:
+    """What ``LossScaler.state_dict()`` returns: ``loss_scale`` > 0 and an optional ``stable_steps`` >= 0."""
+    if not isinstance(state, Mapping):
+        return [f"loss_scaler: expected a dict, got {type(state).__name__}"]
+    problems = []
+    if not finite_number(state.get("loss_scale")) or not state["loss_scale"] > 0:
+        problems.append(f"loss_scaler.loss_scale: expected a positive finite number, got {state.get('loss_scale')!r}")
+    if "stable_steps" in state and as_count(state["stable_steps"]) is None:
+        problems.append(f"loss_scaler.stable_steps: expected a non-negative int, got {state['stable_steps']!r}")
+    return problems
+
+
+def lr_scheduler_problems(state: Any) -> list[str]:
+    """What ``_LRScheduler.state_dict()`` returns: ``last_lr`` (a list of numbers) and ``base_lr``."""
+    if not isinstance(state, Mapping):
+        return [f"lr_scheduler: expected a dict, got {type(state).__name__}"]
+    problems = [f"lr_scheduler: unknown key {key!r}; expected 'last_lr' and 'base_lr'" for key in state
+                if key not in ("last_lr", "base_lr")]
+    last = state.get("last_lr", [])
+    if not isinstance(last, list) or not all(finite_number(v) for v in last):
+        problems.append(f"lr_scheduler.last_lr: expected a list of finite numbers, got {last!r}")
+    base = state.get("base_lr")
+    if base is not None and not finite_number(base):
+        problems.append(f"lr_scheduler.base_lr: expected a finite number or None, got {base!r}")
+    return problems
+
+
+def trial_load(obj: Any, state: Any, where: str) -> list[str]:
+    """Load ``state`` into a copy of ``obj``, so that a state it refuses is found before anything changes.
+
+    An object that cannot be copied is not tried (the explicit checks still apply to its state).
+    """
+    try:
+        probe = copy.deepcopy(obj)
+    except Exception:  # a user's scaler holding something uncopyable
+        return []
+    try:
+        probe.load_state_dict(state)
+    except Exception as exc:  # any refusal of the user's object is a problem of this state
+        return [f"{where}: {type(obj).__name__}.load_state_dict refused the state: {exc}"]
+    return []

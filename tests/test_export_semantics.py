@@ -1,0 +1,429 @@
+"""The export trains what the user wrote, or refuses: detach/no_grad, custom autograd Functions,
+data-dependent Python control flow, weights outside the loss, and ``debug.check_model_export``."""
+
+import copy
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer
+from ort_trainer.graph.export import ExportError, ExportMismatchError
+from ort_trainer.optim import SGDConfig
+
+DESC = {"inputs": [("x", ["batch", 4]), ("label", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", 3])]}
+LR = 0.5
+
+
+def _batch(step):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(6, 4, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+
+
+def _train_both(model, steps=3, desc=DESC):
+    """Train ``model`` with ORTTrainer and a copy with torch.optim.SGD; return both state dicts."""
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(steps):
+        x, label = _batch(step)
+        trainer.train_step(x, label)
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), label).backward()
+        optimizer.step()
+    return trainer, trainer.state_dict(pytorch_format=True), reference.state_dict()
+
+
+def _assert_same_weights(got, expected, atol=1e-6):
+    for key, value in expected.items():
+        difference = float((got[key] - value).abs().max())
+        assert difference <= atol, f"{key}: max abs difference {difference:.3g} from PyTorch"
+
+
+class _Base(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.c = torch.nn.Linear(4, 3)
+
+
+class BehindDetach(_Base):
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(h + self.b(h).detach())
+
+
+class BehindFunctionalDetach(_Base):
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(h + torch.detach(self.b(h)) * self.b.weight.data.sum())
+
+
+class BehindNoGrad(_Base):
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            g = self.b(h) * 2.0
+        return self.c(h + g)
+
+
+class BehindNoGradDecorator(_Base):
+    @torch.no_grad()
+    def _frozen_path(self, h):
+        return torch.sigmoid(self.b(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(h * self._frozen_path(h))
+
+
+class DetachedAndLive(_Base):
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        y = self.b(h)
+        return self.c(y * y.detach() + h)  # d/dy is y.detach(), not 2y
+
+
+@pytest.mark.parametrize("model_class", [BehindDetach, BehindFunctionalDetach, BehindNoGrad,
+                                         BehindNoGradDecorator, DetachedAndLive])
+def test_stopped_gradients_train_like_pytorch(model_class):
+    torch.manual_seed(0)
+    model = model_class()
+    initial_b = model.b.weight.detach().clone()
+    trainer, got, expected = _train_both(model)
+    _assert_same_weights(got, expected)
+    if model_class is not DetachedAndLive:  # b receives no gradient at all
+        torch.testing.assert_close(got["b.weight"], initial_b, rtol=0, atol=0)
+    # the gradient cut is training-only: eval and the exported model compute the same forward
+    x, label = _batch(10)
+    reference = model_class()
+    reference.load_state_dict(expected)
+    reference.eval()
+    with torch.no_grad():
+        logits = reference(x)
+    _, ort_logits = trainer.eval_step(x, label)
+    np.testing.assert_allclose(ort_logits.numpy(), logits.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_stop_gradient_markers_leave_no_trace_in_the_exported_model(tmp_path):
+    torch.manual_seed(0)
+    model = BehindNoGrad()
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    x, label = _batch(0)
+    trainer.train_step(x, label)
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(str(path))
+    import onnx
+
+    exported = onnx.load(str(path))
+    assert not [n for n in exported.graph.node if n.domain == "ort_trainer"]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"x": x.numpy()})
+    _, expected = trainer.eval_step(x, label)
+    np.testing.assert_allclose(logits, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class ClampGrad(torch.autograd.Function):
+    """Identity forward whose backward clamps the gradient: the traced forward cannot carry it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clamp(-0.01, 0.01)
+
+
+class CustomBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return ClampGrad.apply(self.linear(x))
+
+
+class WithCustomFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), CustomBlock())
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_custom_autograd_function_is_refused_naming_class_and_module():
+    trainer = ORTTrainer(WithCustomFunction(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    with pytest.raises(ExportError) as info:
+        trainer.train_step(*_batch(0))
+    message = str(info.value)
+    assert "custom torch.autograd.Function ClampGrad" in message
+    assert "module blocks.1 (CustomBlock)" in message
+    assert "backward" in message
+
+
+class InputOnlyFunction(torch.nn.Module):
+    """A custom Function applied to data only: PyTorch never calls its backward either."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(ClampGrad.apply(x))
+
+
+def test_custom_autograd_function_on_data_alone_trains_like_pytorch():
+    torch.manual_seed(0)
+    _, got, expected = _train_both(InputOnlyFunction())
+    _assert_same_weights(got, expected)
+
+
+class MeanBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.mean() > 0:
+            return h * 2
+        return -h
+
+
+class ItemScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x) / float(x.max().item())
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), inner)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("inner, construct, line", [
+    (MeanBranch, "a tensor's value used as a Python bool", "if h.mean() > 0:"),
+    (ItemScale, "Tensor.item()", "return self.linear(x) / float(x.max().item())"),
+])
+def test_data_dependent_python_values_are_refused(inner, construct, line):
+    trainer = ORTTrainer(Stack(inner()), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    with pytest.raises(ExportError) as info:
+        trainer.train_step(*_batch(0))
+    message = str(info.value)
+    assert construct in message
+    assert f"module blocks.1 ({inner.__name__})" in message
+    assert line in message
+    assert "test_export_semantics.py" in message
+
+
+class ShapeDependent(torch.nn.Module):
+    """Python values derived from shapes (not data) are fine: the trace records them."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        rows = int(x.size(0))
+        if x.shape[0] > 1 and torch.tensor(x.shape[1]) == 4:
+            x = x * 1.5
+        return self.linear(x) + rows * 0.0
+
+
+def test_shape_derived_python_values_are_allowed():
+    torch.manual_seed(0)
+    _, got, expected = _train_both(ShapeDependent())
+    _assert_same_weights(got, expected)
+
+
+class InPlaceUnderNoGrad(_Base):
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h.clamp_(min=0.0)  # PyTorch's gradient passes through h as if unclamped
+        return self.c(h)
+
+
+def test_in_place_change_under_no_grad_of_a_tensor_that_requires_grad_is_refused():
+    trainer = ORTTrainer(InPlaceUnderNoGrad(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    with pytest.raises(ExportError) as info:
+        trainer.train_step(*_batch(0))
+    message = str(info.value)
+    assert "in-place" in message and "clamp_" in message and "torch.no_grad()" in message
+    assert "<top-level forward> (InPlaceUnderNoGrad)" in message
+
+
+class HiddenBranch(torch.nn.Module):
+    """Reads a data value with torch functions disabled, so the export's checks cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        with torch._C.DisableTorchFunction():
+            positive = bool(x.mean() > 0)
+        return self.linear(x) if positive else self.linear(-x)
+
+
+def test_check_model_export_catches_a_branch_frozen_at_export():
+    x, label = _batch(0)
+    x = x.abs()  # the first batch takes the positive branch; a second, sign-flipped input the other
+    options = {"debug": {"check_model_export": True}}
+    trainer = ORTTrainer(HiddenBranch(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=options)
+    with pytest.raises(ExportMismatchError) as info:
+        trainer.train_step(x, label)
+    message = str(info.value)
+    assert "of the exported model differs from PyTorch" in message and "on a second input" in message
+    assert "froze a value or branch" in message
+
+
+class UnusedHead(torch.nn.Module):
+    """``aux`` feeds only the non-loss output ``aux_out``: it gets no gradient and is not trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 3)
+        self.aux = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.body(x), self.aux(x)
+
+
+def test_weights_feeding_only_a_non_loss_output_are_skipped_with_a_warning(caplog):
+    torch.manual_seed(0)
+    model = UnusedHead()
+    initial = copy.deepcopy(model.state_dict())
+    reference = copy.deepcopy(model)
+    desc = {"inputs": [("x", ["batch", 4]), ("label", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 3]), ("aux_out", ["batch", 2])]}
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=LR), loss_fn=lambda out, label: F.cross_entropy(out[0], label))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    with caplog.at_level(logging.WARNING, logger="ort_trainer"):
+        for step in range(3):
+            x, label = _batch(step)
+            loss, logits, aux = trainer.train_step(x, label)
+            optimizer.zero_grad()
+            F.cross_entropy(reference(x)[0], label).backward()
+            optimizer.step()
+    assert "weights with no gradient from the loss are not trained: ['aux.weight', 'aux.bias']" in caplog.text
+    got = trainer.state_dict(pytorch_format=True)
+    _assert_same_weights(got, reference.state_dict())
+    torch.testing.assert_close(got["aux.weight"], initial["aux.weight"], rtol=0, atol=0)
+    assert aux.shape == (6, 2)
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 4)
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.body, self.stem(x), use_reentrant=True))
+
+
+def test_reentrant_gradient_checkpointing_is_refused_with_the_fix():
+    trainer = ORTTrainer(Checkpointed(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    with pytest.raises(ExportError, match=r"gradient checkpointing .* in module <top-level forward> \(Checkpointed\)"
+                                          r".*turn checkpointing off"):
+        trainer.train_step(*_batch(0))
+
+
+class SeveralProblems(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(CustomBlock(), CustomBlock())
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.blocks(x)
+        return self.head(h) * h.abs().max().item()
+
+
+def test_every_problem_is_reported_at_once():
+    trainer = ORTTrainer(SeveralProblems(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    with pytest.raises(ExportError) as info:
+        trainer.train_step(*_batch(0))
+    message = str(info.value)
+    assert "(2 problem(s)" in message
+    # the same line in two modules is one problem naming both
+    assert "custom torch.autograd.Function ClampGrad called in module blocks.0 (CustomBlock), blocks.1 (CustomBlock)" \
+        in message
+    assert "Tensor.item() in module <top-level forward> (SeveralProblems)" in message
+
+
+class TensorHook(_Base):
+    def forward(self, x):
+        h = self.a(x)
+        h.register_hook(lambda grad: grad * 0.5)
+        return self.c(h)
+
+
+class GradientPenalty(_Base):
+    def forward(self, x):
+        h = self.a(x)
+        (slope,) = torch.autograd.grad(h.sum(), x.requires_grad_(), create_graph=True)
+        return self.c(h) + slope.pow(2).mean()
+
+
+class RunningMean(_Base):
+    """Keeps an exponential moving average of its input in a buffer, updated in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.c(self.a(x) - self.average)
+
+
+class ClipsItsWeight(_Base):
+    def forward(self, x):
+        self.a.weight.data.clamp_(-0.1, 0.1)
+        return self.c(self.a(x))
+
+
+def _with_backward_hook():
+    model = _Base()
+    model.forward = lambda x: model.c(model.b(model.a(x)))
+    model.b.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.0,))
+    return model
+
+
+@pytest.mark.parametrize("make, expected", [
+    (TensorHook, r"Tensor.register_hook\(\) in module <top-level forward> \(TensorHook\) at .*h.register_hook"),
+    (GradientPenalty, r"torch.autograd.grad\(\) inside the forward, in module <top-level forward> \(GradientPenalty\)"),
+    (_with_backward_hook, r"a module backward hook \(register_full_backward_hook .* on module b \(Linear\)"),
+    (RunningMean, r"the forward changes buffer 'average' .* in module <top-level forward> \(RunningMean\)"),
+    (ClipsItsWeight, r"the forward changes weight 'a.weight' .* in module a \(Linear\)"),
+], ids=["tensor-hook", "autograd-grad", "module-backward-hook", "buffer-update", "weight-update"])
+def test_what_the_backward_graph_cannot_run_is_refused(make, expected):
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    with pytest.raises(ExportError, match=expected):
+        trainer.train_step(*_batch(0))
+    if make is RunningMean:  # the traced forward's state change is undone
+        torch.testing.assert_close(model.average, before["average"], rtol=0, atol=0)
