@@ -1,10 +1,20 @@
-"""Packaging for ort_trainer. Install with ``pip install -e ".[cpu,dev]"`` after ``pip install torch==2.13.0``."""
+"""Packaging for ort_trainer.
+
+Install with ``pip install -e ".[cpu,dev]"`` after ``pip install torch==2.13.0``. The ONNX Runtime
+comes from exactly one extra: ``cpu`` (the current onnxruntime), ``cuda`` (onnxruntime-gpu) or
+``training`` (the 1.19.2 training build). Every one of them installs the ``onnxruntime`` module, so
+none is in the base requirements and two must never be installed together; importing ort_trainer
+checks that.
+"""
 
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
-ORT_VERSION = "1.19.2"
+CURRENT_ORT = "1.31.*"  # the release the project is tested on
+TRAINING_ORT = "1.19.2"
+ONNXSCRIPT = "onnxscript>=0.7"  # torch.onnx.export(dynamo=True): the torch gradient source
+ONNX2FX = "onnx2fx==0.0.1"  # ONNX models with their loss, as torch modules (needs onnx >= 1.19.1)
 
 setup(
     name="ort_trainer",
@@ -18,17 +28,19 @@ setup(
         # any torch 2.13.0 satisfies; install torch==2.13.0 first so pip takes the local CPU build
         "torch>=2.1",
         "numpy>=1.24",
-        # onnx >= 1.18 writes IR versions ONNX Runtime 1.19 cannot read
-        "onnx>=1.16,<1.18",
+        "onnx>=1.16",
         "h5py>=3.8",
         "pyyaml>=6",
         "tqdm>=4.60",
         "matplotlib>=3.7",
     ],
     extras_require={
-        # exactly one of cpu / cuda: both install the `onnxruntime` module
-        "cpu": [f"onnxruntime-training-cpu=={ORT_VERSION}"],
-        "cuda": [f"onnxruntime-training=={ORT_VERSION}"],
+        # Exactly one runtime extra. The current runtimes read today's ONNX IR versions; onnx >= 1.18
+        # there also makes pip refuse [cpu,training] or [cuda,training] as unresolvable.
+        "cpu": [f"onnxruntime=={CURRENT_ORT}", "onnx>=1.19.1", ONNXSCRIPT, ONNX2FX],
+        "cuda": [f"onnxruntime-gpu=={CURRENT_ORT}", "onnx>=1.19.1", ONNXSCRIPT, ONNX2FX],
+        # onnx >= 1.18 writes IR versions ONNX Runtime 1.19 cannot read; onnxscript needs onnx >= 1.17
+        "training": [f"onnxruntime-training-cpu=={TRAINING_ORT}", "onnx==1.17.*", ONNXSCRIPT],
         "mpi": ["mpi4py>=3.1", "mpich"],
         "examples": ["scikit-learn>=1.3"],
         "hf": ["transformers>=4.40"],

@@ -9,11 +9,17 @@ The public surface (api.md section 1)::
 
 __version__ = "0.1.0"
 
-from . import _logging  # noqa: F401  (configures logging before ONNX Runtime is used)
-from . import amp, optim
-from .model_desc import IODescription, ModelDescription
-from .options import ORTTrainerOptions
-from .trainer import ORTTrainer, TrainStepInfo
+from . import _runtime
+
+# First, before anything imports onnxruntime: none, two, or a damaged one is an ImportError
+# that says what to install or uninstall.
+_runtime.check_runtime()
+
+from . import _logging  # noqa: E402, F401  (configures logging before ONNX Runtime is used)
+from . import amp, optim  # noqa: E402
+from .model_desc import IODescription, ModelDescription  # noqa: E402
+from .options import ORTTrainerOptions  # noqa: E402
+from .trainer import ORTTrainer, TrainStepInfo  # noqa: E402
 
 __all__ = [
     "IODescription",

@@ -9,18 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
-_root_handlers = list(logging.getLogger().handlers)
-_ort_imported = "onnxruntime" in sys.modules
-import onnxruntime as ort  # noqa: E402
-
-if not _ort_imported:
-    # Importing the training build calls logging.basicConfig() as a side effect (its
-    # tools/logger.py); take that root handler back off so the application's logging is its own.
-    for _handler in logging.getLogger().handlers[:]:
-        if _handler not in _root_handlers:
-            logging.getLogger().removeHandler(_handler)
+import onnxruntime as ort  # first imported by _runtime, which keeps the root logger clean
 
 LOGGER_NAME = "ort_trainer"
 logger = logging.getLogger(LOGGER_NAME)

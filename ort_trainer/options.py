@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping
 
 import onnxruntime as ort
 
+from . import _runtime
+
 _SENTINEL = object()
 
 
@@ -51,8 +53,8 @@ def _check_device(value: str) -> str | None:
     if value.startswith("cuda") and not _has_cuda():
         return (
             f"{value!r} was asked for but the installed ONNX Runtime has no CUDA provider "
-            f"(available: {ort.get_available_providers()}); install the CUDA build with "
-            "`pip install -e .[cuda]` (it replaces onnxruntime-training-cpu) or use device.id='cpu'"
+            f"(installed: {_runtime.runtime_description()}); install the CUDA runtime instead "
+            "(pip uninstall -y the installed one, then pip install \"ort_trainer[cuda]\") or use device.id='cpu'"
         )
     if value.startswith("cuda"):
         return f"{value!r}: training on CUDA is not supported yet by this version of ort_trainer; use 'cpu'"
@@ -87,7 +89,7 @@ _BOOL = (bool,)
 _INT = (int,)
 _STR = (str,)
 
-# The full key set of api.md section 5, plus ort_trainer's graph_optimizations.
+# The full key set of api.md section 5 (with graph.gradient_source), plus ort_trainer's graph_optimizations.
 _SCHEMA: dict[str, _Field] = {
     "batch.gradient_accumulation_steps": _Field(
         _INT, 1, "micro-batches whose gradients are summed before one optimizer update", _at_least(1)
@@ -153,6 +155,12 @@ _SCHEMA: dict[str, _Field] = {
     ),
     "graph_optimizations.fast_gelu_gradient": _Field(
         _BOOL, True, "tanh-GELU gradient in elementwise operators instead of the FastGeluGrad kernel"
+    ),
+    "graph.gradient_source": _Field(
+        _STR, "auto", "where the backward graph comes from: 'torch' (PyTorch's autograd exported to standard "
+        "ONNX, any runtime), 'onnxruntime' (ONNX Runtime's gradient builder, training build 1.19.2 only), "
+        "'auto' (the gradient builder when the training build is installed, else torch)",
+        _runtime.gradient_source_problem,
     ),
     "session_options": _Field(
         _ANY, None, "an onnxruntime.SessionOptions for the trainer's sessions, or None",
@@ -290,6 +298,11 @@ def _cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[s
     """Problems that involve more than one option (each option's own problems are in ``problems``)."""
     own = {p.split(":")[0] for p in problems}
     found = []
+    if "graph.gradient_source" not in own:
+        # the default is checked too: "auto" on a runtime without the training build needs onnxscript
+        problem = _runtime.gradient_source_problem(values["graph.gradient_source"])
+        if problem:
+            found.append(f"graph.gradient_source: {problem}")
     if values["mixed_precision.enabled"] is True:
         if values["device.id"] == "cpu":
             found.append(

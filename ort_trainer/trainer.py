@@ -19,6 +19,7 @@ import torch
 from . import distributed
 from ._interrupt import deferred_interrupt
 from ._logging import logger
+from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
 from .distributed import Communicator
 from .engine import Engine
@@ -27,6 +28,7 @@ from .graph.gradient import build_inference_graph
 from .graph.input_checks import check_inputs
 from .graph.optimizer import state_names
 from .graph.pipeline import GraphJob, TrainingGraphs, build_optimizer, build_training_graphs, initial_weights
+from .graph.sources import make_gradient_source
 from .model_desc import ModelDescription, parse_model_desc
 from .optim.config import _OptimizerConfig, check_learning_rate
 from .options import ORTTrainerOptions
@@ -104,23 +106,25 @@ class ORTTrainer(_StateMixin):
         self.options = options if isinstance(options, ORTTrainerOptions) else ORTTrainerOptions(options)
         self._train_step_info = TrainStepInfo(optim_config)
         opts = self.options
+        window = opts.batch.gradient_accumulation_steps
+        source = make_gradient_source(resolve_gradient_source(opts.graph.gradient_source))
         self._job = GraphJob(
             model=model, loss_fn=loss_fn, desc=self.model_desc, optim_config=optim_config,
             frozen_weights=list(opts.utils.frozen_weights), grad_norm_clip=opts.utils.grad_norm_clip,
             opset=opts._internal_use.onnx_opset_version, extra_postprocess=opts._internal_use.extra_postprocess,
             save_paths=dict(opts.debug.graph_save_paths),
-            accumulate=opts.batch.gradient_accumulation_steps > 1 and (
+            accumulate=window > 1 and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
             passes={name: opts.graph_optimizations[name] for name in rewrites.FORWARD_PASSES + rewrites.GRADIENT_PASSES},
+            source=source,
         )
         dist = opts.distributed
         self._comm = Communicator(dist.world_size, dist.world_rank) if dist.world_size > 1 else None
         # With several ranks and per-micro-batch all-reduce, micro-batch gradients leave the graph
-        # to be all-reduced, then are summed on the host.
-        self._host_accumulation = (
-            self._comm is not None and opts.batch.gradient_accumulation_steps > 1
-            and not dist.allreduce_post_accumulation
-        )
+        # to be all-reduced; they, and those of a source that cannot accumulate inside its graph,
+        # are summed on the host.
+        self._allreduce_micro_batches = self._comm is not None and window > 1 and not dist.allreduce_post_accumulation
+        self._host_accumulation = window > 1 and (self._allreduce_micro_batches or not source.accumulates_in_graph)
         self._zero_counts: list[int] | None = None
         self._graphs: TrainingGraphs | None = None
         self._engine: Engine | None = None
@@ -397,11 +401,12 @@ class ORTTrainer(_StateMixin):
         # From here the step changes state: it is applied whole or not at all (Ctrl-C waits).
         with deferred_interrupt():
             outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed())
+            if self._allreduce_micro_batches:
+                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
             if self._host_accumulation:
-                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
                 engine.accumulate_on_host(reset=first)
-            elif self._comm is not None and boundary:
-                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
+            if self._comm is not None and boundary and not self._allreduce_micro_batches:
+                self._comm.allreduce_sum(engine.accumulated_flat, step=info.step)
             if boundary:
                 ranks = self._comm.size if self._comm is not None else 1
                 self._update(engine, learning_rates, grad_scale=1.0 / (loss_scale * window * ranks))

@@ -131,7 +131,7 @@ def test_output_count_mismatch_is_explained():
 
 def test_cuda_without_the_cuda_build():
     with pytest.raises(ValueError, match=r"device.id: 'cuda' was asked for but the installed ONNX Runtime has no CUDA "
-                                         r"provider .*pip install -e \.\[cuda\]"):
+                                         r"provider .*pip install \"ort_trainer\[cuda\]\""):
         ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options={"device": {"id": "cuda"}})
 
 

@@ -1,4 +1,4 @@
-"""Stage 3: the gradient graph (ONNX Runtime's GradientGraphBuilder) and the eval/inference graphs.
+"""The gradient graph of ONNX Runtime's GradientGraphBuilder, and the eval/inference graphs.
 
 All weights become graph inputs, so the graphs hold no weight values: the engine binds the
 weights it owns, and the cached graphs are independent of the initial weights.
@@ -13,7 +13,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
-from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
 from .._logging import logger, ort_severity
 from ._export_guard import STOP_GRADIENT_DOMAIN, STOP_GRADIENT_OP
@@ -80,6 +79,9 @@ def build_gradient_graph(
     Raises:
         GradientBuildError: naming the op (and module) the gradient builder cannot handle.
     """
+    # only the 1.19.2 training build has the builder (gradient source "onnxruntime")
+    from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
+
     options = _session_options()
     scaled = copy.deepcopy(forward)
     scaled_loss = f"{loss_name}.scaled"

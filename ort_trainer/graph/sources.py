@@ -1,0 +1,135 @@
+"""The gradient-source seam: who turns the model into a forward + backward graph.
+
+Two implementations stand behind one small interface, and the pipeline calls only the interface:
+
+- ``OnnxRuntimeGradientSource`` (``source_onnxruntime.py``): the TorchScript exporter's forward
+  graph, differentiated by ONNX Runtime's ``GradientGraphBuilder`` (the 1.19.2 training build).
+- ``TorchGradientSource`` (``source_torch.py``): PyTorch's autograd, exported with the forward
+  as one standard-ONNX graph that any current ONNX Runtime runs.
+
+Both produce graphs of one shape (``Built``): the gradient graph reads the data inputs, the
+weights (graph inputs named by their torch ``state_dict`` key) and ``__loss_scale``, and returns
+the description's outputs, ``<weight>_grad`` per trained weight (or, where the source
+accumulates in the graph, the accumulator flags) and ``<buffer>.updated`` per forward-updated
+buffer; the eval graph reads data and weights and returns the description's outputs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import onnx
+
+if TYPE_CHECKING:  # the pipeline imports this module
+    from .pipeline import GraphJob
+
+
+@dataclass
+class Traced:
+    """What a source traced of the model: the cache key hashes it.
+
+    Attributes:
+        fingerprint: hash of the traced program, with weights by name, shape and dtype only.
+        torch_keys: ``{weight: [torch state_dict keys]}`` of every weight the graphs read.
+        trainable: weights that require grad, in model order.
+        padding: ``{weight: padding_idx}`` of embedding tables (for sources that need it).
+        program: the source's own traced artefact (a forward ONNX graph, an ExportedProgram).
+    """
+
+    fingerprint: str
+    torch_keys: dict[str, list[str]]
+    trainable: list[str]
+    padding: dict[str, int] = field(default_factory=dict)
+    program: Any = None
+
+
+@dataclass
+class Prepared:
+    """What the traced program determines before any graph is built, for one specialisation.
+
+    Attributes:
+        expected: metadata fields a cache entry must carry exactly (``weights``, ``torch_keys``,
+            ``outputs``, ``inputs``).
+        gradient_inputs: ``{name: [shape, dtype]}`` that the graphs may read (``None`` for a type
+            only building tells).
+        eval_io: the eval graph's ``(inputs, outputs)`` as ``[[name, shape, dtype], ...]``, or
+            None when only the names are fixed.
+        state: the source's own intermediate (e.g. the transformed forward graph).
+    """
+
+    expected: dict
+    gradient_inputs: dict[str, list]
+    eval_io: tuple | None = None
+    state: Any = None
+
+
+@dataclass
+class Built:
+    """The graphs a source built, and what the pipeline records about them."""
+
+    gradient: onnx.ModelProto
+    eval: onnx.ModelProto
+    trained: list[str]
+    buffer_updates: dict[str, str]
+    input_constraints: dict
+    #: ``{weight: [shape, dtype]}`` and ``{weight: [torch keys]}`` of the weights the graphs read,
+    #: where only building tells (else ``Prepared.expected`` has them)
+    weights: dict | None = None
+    torch_keys: dict | None = None
+
+
+class GradientSource(ABC):
+    """How the forward + backward graph is made."""
+
+    #: the value of ``graph.gradient_source`` that selects it
+    name: str = ""
+    #: gradient accumulation happens inside the gradient graph (else the engine sums micro-batches)
+    accumulates_in_graph: bool = False
+
+    @abstractmethod
+    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> Traced:
+        """Trace the model (cheaply enough to run on every build: a cache hit still traces)."""
+
+    @abstractmethod
+    def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
+                input_dtypes: dict[str, str]) -> Prepared:
+        """What the graphs for this specialisation must look like; writes the forward debug dump."""
+
+    @abstractmethod
+    def build(self, job: "GraphJob", traced: Traced, prepared: Prepared) -> Built:
+        """Build the gradient and eval graphs."""
+
+
+def value_info(info: onnx.ValueInfoProto) -> list:
+    """``[shape, numpy dtype name]`` of a graph input or output (symbolic dims by name)."""
+    tensor_type = info.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
+    return [shape, str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
+
+
+def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
+    """A graph's inputs and outputs as ``[[name, shape, dtype], ...]`` lists."""
+    return ([[i.name, *value_info(i)] for i in graph.input], [[o.name, *value_info(o)] for o in graph.output])
+
+
+def make_gradient_source(name: str) -> GradientSource:
+    """The source for a resolved ``graph.gradient_source`` value (``"onnxruntime"`` or ``"torch"``).
+
+    Raises:
+        ValueError: for another name.
+    """
+    if name == "onnxruntime":
+        from .source_onnxruntime import OnnxRuntimeGradientSource
+
+        return OnnxRuntimeGradientSource()
+    if name == "torch":
+        from .source_torch import TorchGradientSource
+
+        return TorchGradientSource()
+    raise ValueError(f"graph.gradient_source: unknown source {name!r}; expected 'onnxruntime' or 'torch'")
+
+
+__all__ = ["Built", "GradientSource", "Prepared", "Traced", "io_signature", "make_gradient_source", "value_info"]

@@ -1,0 +1,432 @@
+"""Gradient source without a training build: forward + loss + backward from PyTorch's autograd.
+
+``torch.export`` traces the model with its loss (``trace``); autograd, run over that program
+with core-ATen decompositions, gives the joint forward/backward program, which is translated to
+one ONNX graph of standard operators (``build``; the ONNX side is ``_joint_onnx.py``). The
+gradients are PyTorch's by construction: Dropout masks drawn once in the forward (ONNX
+``Dropout`` without a seed, so ONNX Runtime's default generator, which ``onnxruntime.set_seed``
+reseeds, draws them) and reused by the backward; BatchNorm running statistics updated exactly as
+torch updates them; the embedding ``padding_idx`` rule; frozen and tied weights. The graphs run
+on ``onnxruntime`` 1.31 and on the 1.19.2 training build alike (opset 18, IR version 10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import onnx
+import torch
+
+from .._logging import logger
+from ..model_desc import ModelDescription
+from . import _joint_onnx, _traced_program
+from .export import MODEL_PREFIX, ExportError, _ModelWithLoss, export_order
+
+# the same names as graph/gradient.py and graph/buffers.py use
+GRAD_SUFFIX = "_grad"
+LOSS_SCALE_INPUT = "__loss_scale"
+UPDATED_SUFFIX = ".updated"
+
+
+@dataclass
+class TracedModel:
+    """The model traced by ``torch.export`` in training mode, before any gradient work.
+
+    Attributes:
+        fingerprint: SHA-256 of the traced program (graph code, signature, non-weight constants,
+            weight names/shapes/dtypes/requires_grad) and of the trace settings; a cache key.
+        torch_keys: ``{weight: [torch state_dict keys]}`` of every parameter and persistent
+            buffer, named by its first key (tied weights once).
+        trainable: weights that require grad and are not frozen, in model order.
+        program: the ``torch.export`` program (consumed by ``build``).
+        seconds: how long ``torch.export`` took.
+    """
+
+    fingerprint: str
+    torch_keys: dict[str, list[str]]
+    trainable: list[str]
+    program: Any
+    seconds: float
+    _job: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class JointGraphs:
+    """The gradient and eval graphs, and what the engine needs to run them.
+
+    Attributes:
+        gradient: inputs: the data inputs, the weights it reads, ``__loss_scale`` (float32
+            scalar); outputs: the description's outputs in description order (the loss
+            unscaled), ``<weight>_grad`` per trained weight (gradient of loss × ``__loss_scale``),
+            ``<buffer>.updated`` per buffer the forward updates (BatchNorm running statistics).
+        eval: forward in eval mode (Dropout off, BatchNorm on running statistics); inputs: data
+            and the weights it reads; outputs: the description's outputs. None when built
+            without it (``build(..., with_eval=False)``).
+        meta: ``torch_keys`` ({weight: [state_dict keys]}), ``trained`` (weights with a gradient
+            output, in model order), ``buffer_updates`` ({buffer: output name}), ``weights``
+            ({weight: [shape, dtype]} of every weight either graph reads), ``inputs`` ({data
+            input: dtype}), ``outputs`` (description outputs returned).
+        fingerprint: ``TracedModel.fingerprint``.
+        seconds: time per stage (``torch.export``, ``joint``, ``gradient onnx``, ``eval export``...).
+    """
+
+    gradient: onnx.ModelProto
+    eval: onnx.ModelProto | None
+    meta: dict
+    fingerprint: str
+    seconds: dict[str, float]
+
+
+def export_joint(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescription,
+                 sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), opset: int | None = None,
+                 dynamic: bool = True, outputs: Sequence[str] | None = None, optimize: bool = False) -> JointGraphs:
+    """Trace ``model`` (and ``loss_fn``) and build its gradient and eval graphs: ``build(trace(...))``.
+
+    Args:
+        model: the user's module; left exactly as it was (flags, mode, buffers, RNG state).
+        loss_fn: ``loss_fn(prediction, *labels)``, or None when the model returns its loss.
+        desc: the validated model description; its symbolic dimensions become ``torch.export``
+            dims (one per symbol, shared across inputs) unless ``dynamic`` is False.
+        sample_inputs: one array per description input.
+        frozen_weights: torch ``state_dict`` keys that get no gradient.
+        opset: ONNX opset, 18 (None) to 21.
+        dynamic: False traces the sample's exact shapes (a static graph, several times faster to build).
+        outputs: description outputs to return besides the loss (None: all).
+        optimize: onnxscript's whole optimizer (slower) instead of constant folding + CSE.
+
+    Returns:
+        The graphs (see ``JointGraphs``).
+
+    Raises:
+        ExportError: when the model cannot be traced or differentiated (the message says why).
+        ValueError: for an unknown frozen weight or an unsupported opset.
+    """
+    return build(trace(model, loss_fn, desc, sample_inputs, frozen_weights, dynamic=dynamic), opset=opset,
+                 outputs=outputs, optimize=optimize)
+
+
+def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescription,
+          sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), dynamic: bool = True) -> TracedModel:
+    """``torch.export`` of the model with its loss in training mode, and its fingerprint.
+
+    The traced module returns ``(loss × __loss_scale, *description outputs)`` with the outputs
+    detached: autograd then differentiates the scaled loss only.
+
+    Args: as ``export_joint``.
+
+    Returns:
+        The traced program; ``build`` turns it into graphs, ``fingerprint`` keys a cache.
+
+    Raises:
+        ExportError: when ``torch.export`` fails (its message, first line) or the outputs do not
+            match the description.
+        ValueError: for a frozen weight that is not a weight of the model.
+    """
+    count = len(desc.inputs) - (1 if loss_fn is not None else 0)
+    order = export_order(desc, loss_fn is not None)
+    wrapper = _Scaled(model, loss_fn, desc.input_names[:count], [order.index(n) for n in desc.output_names],
+                      order.index(desc.loss_name))
+    tensors, keys = _tensors_by_name(wrapper)
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in tensors.items():
+        aliases.setdefault(id(tensor), []).append(name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name)
+    unknown = sorted(set(frozen_weights) - {k for ks in aliases.values() for k in ks})
+    if unknown:
+        raise ValueError(f"utils.frozen_weights names {unknown}, which are not weights of the model; use "
+                         "torch state_dict keys")
+    frozen_ids = {tid for tid, ks in aliases.items() if set(ks) & set(frozen_weights)}
+    # tensors of a loss module are no weights of the model: constants of the graph, never trained
+    frozen_ids |= {id(t) for fqn, t in tensors.items() if not fqn.startswith(MODEL_PREFIX)}
+    keys = {fqn for fqn in keys if fqn.startswith(MODEL_PREFIX)}
+    args, dynamic_shapes = _traced_program.trace_inputs(desc, sample_inputs, dynamic)
+    started = time.perf_counter()
+    with _model_left_untouched(wrapper):
+        for parameter in wrapper.parameters():
+            if id(parameter) in frozen_ids:
+                parameter.requires_grad_(False)
+        model.train()
+        program = _export(wrapper, args, dynamic_shapes)
+    seconds = time.perf_counter() - started
+    weight_of = {fqn: aliases[id(t)][0] for fqn, t in tensors.items() if fqn in keys}
+    trainable = [aliases[id(p)][0] for p in dict.fromkeys(model.parameters())
+                 if id(p) not in frozen_ids and p.requires_grad]
+    torch_keys = {aliases[id(t)][0]: aliases[id(t)] for fqn, t in tensors.items() if fqn in keys}
+    settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__]
+    logger.debug("torch.export of the model with its loss: %.2f s", seconds)
+    return TracedModel(_traced_program.fingerprint(program, settings), torch_keys, trainable, program, seconds,
+                       {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
+                        "dynamic_shapes": dynamic_shapes, "weight_of": weight_of, "count": count,
+                        "tensors": tensors, "order": order})
+
+
+def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
+          optimize: bool = False, with_eval: bool = True) -> JointGraphs:
+    """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
+
+    Args:
+        traced: from ``trace``; its program is consumed (call ``trace`` again to build again).
+        opset, outputs, optimize: as ``export_joint``.
+        with_eval: False leaves ``JointGraphs.eval`` None (``build_eval`` makes it later).
+
+    Returns:
+        The graphs (see ``JointGraphs``).
+
+    Raises:
+        ExportError: when autograd cannot differentiate the program (the message says why).
+        ValueError: for an unsupported opset.
+    """
+    opset = _check_opset(opset)
+    job, seconds = traced._job, {"torch.export": traced.seconds}
+    desc = job["desc"]
+    returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
+    started = time.perf_counter()
+    program = traced.program
+    _traced_program.mark_untrained(program)
+    try:
+        joint = _joint_onnx.joint_program(program, loss_index=0)
+    except Exception as exc:  # torch raises many types; the message is what helps
+        raise ExportError(f"autograd could not differentiate the traced model: {_first_line(exc)}") from exc
+    if job["dynamic_shapes"] is not None:
+        _traced_program.check_symbolic(joint, desc, "differentiating the model")
+    seconds["joint"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    gradient, trained, buffer_updates = _gradient_graph(joint, job, returned, optimize)
+    seconds["gradient onnx"] = time.perf_counter() - started
+
+    eval_model = None
+    if with_eval:
+        started = time.perf_counter()
+        eval_model = build_eval(traced, opset, outputs, optimize)
+        seconds["eval export"] = time.perf_counter() - started
+    if opset != _joint_onnx.ONNX_OPSET:
+        gradient = _convert_opset(gradient, opset)
+
+    weights = {}
+    for graph in (gradient, eval_model) if eval_model is not None else (gradient,):
+        weights.update({i.name: _shape_dtype(i) for i in graph.graph.input if i.name in traced.torch_keys})
+    meta = {
+        "torch_keys": {w: traced.torch_keys[w] for w in weights},
+        "trained": trained,
+        "buffer_updates": buffer_updates,
+        "weights": weights,
+        "inputs": {n: str(a.numpy().dtype) for n, a in zip(desc.input_names, job["args"])},
+        "outputs": returned,
+    }
+    logger.debug("torch-autograd graphs built: %s", {k: round(v, 2) for k, v in seconds.items()})
+    return JointGraphs(gradient, eval_model, meta, traced.fingerprint, seconds)
+
+
+def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
+               optimize: bool = False) -> onnx.ModelProto:
+    """The eval graph: a second ``torch.export`` of the model, in eval mode (Dropout off,
+    BatchNorm on running statistics), with the weights as inputs.
+
+    Args:
+        traced: from ``trace`` (before or after ``build``).
+        opset, outputs, optimize: as ``export_joint``.
+
+    Returns:
+        Inputs: the data inputs and the weights it reads; outputs: the description's outputs.
+
+    Raises:
+        ExportError: when the eval-mode model cannot be traced.
+        ValueError: for an unsupported opset.
+    """
+    opset = _check_opset(opset)
+    desc = traced._job["desc"]
+    returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
+    model = _eval_graph(traced._job, returned, optimize)
+    return model if opset == _joint_onnx.ONNX_OPSET else _convert_opset(model, opset)
+
+
+def _check_opset(opset: int | None) -> int:
+    opset = _joint_onnx.ONNX_OPSET if opset is None else opset
+    if not _joint_onnx.ONNX_OPSET <= opset <= 21:
+        raise ValueError(f"opset {opset} is not supported by the torch-autograd gradient source: torch's ONNX "
+                         f"exporter writes opset {_joint_onnx.ONNX_OPSET}, convertible up to 21 (the newest "
+                         "onnxruntime 1.19.2 reads); pass 18 to 21")
+    return opset
+
+
+class _Scaled(_ModelWithLoss):
+    """``forward(*inputs, loss_scale)`` -> ``(loss × loss_scale, *description outputs detached)``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, input_names: list[str],
+                 desc_positions: list[int], loss_position: int, scaled: bool = True):
+        super().__init__(model, loss_fn, input_names)
+        self.desc_positions, self.loss_position, self.scaled = desc_positions, loss_position, scaled
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        """The scaled loss then the description outputs (training), or the outputs alone (eval)."""
+        outputs = self._forward(*(inputs[:-1] if self.scaled else inputs))
+        if len(outputs) != len(self.desc_positions):
+            what = "loss_fn's loss plus the model's outputs" if self.loss_fn is not None else "the model's outputs"
+            raise ExportError(f"{what} are {len(outputs)} tensor(s) but model_desc.outputs declares "
+                              f"{len(self.desc_positions)}; make them agree")
+        ordered = [outputs[i] for i in self.desc_positions]
+        if not self.scaled:
+            return tuple(ordered)
+        return (outputs[self.loss_position] * inputs[-1], *(o.detach() for o in ordered))
+
+
+def _tensors_by_name(wrapper: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every parameter and buffer by fully qualified name; the names that are state (not
+    non-persistent buffers, which the graphs hold as constants)."""
+    tensors, state = {}, set()
+    for fqn, tensor in [*wrapper.named_parameters(remove_duplicate=False),
+                        *wrapper.named_buffers(remove_duplicate=False)]:
+        if tensor is not None:
+            tensors[fqn] = tensor
+    for fqn in wrapper.state_dict(keep_vars=True):
+        if fqn in tensors:
+            state.add(fqn)
+    return tensors, state
+
+
+def _export(wrapper: _Scaled, args: tuple, dynamic_shapes: Any) -> Any:
+    """``torch.export.export`` with the outputs checked against the description."""
+    if dynamic_shapes is not None:  # forward(*inputs): one argument, a tuple
+        dynamic_shapes = (tuple(dynamic_shapes),)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as exc:  # torch raises many types; the message is what helps
+        cause: BaseException | None = exc
+        while cause is not None:  # the wrapper's own error, wrapped by torch
+            if isinstance(cause, ExportError):
+                raise cause from exc
+            cause = cause.__cause__ or cause.__context__
+        hint = ""
+        if "specialized" in str(exc) or "specialize" in str(exc):
+            hint = (" The model's code fixes a dimension that model_desc declares symbolic: declare it as an int "
+                    "in model_desc.")
+        raise ExportError(f"torch.export could not trace the model: {_first_line(exc)}.{hint} (see "
+                          "docs/export_limits.md)") from exc
+
+
+@contextlib.contextmanager
+def _model_left_untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Restore requires_grad flags, each module's training mode, buffers and torch's RNG state."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            for parameter, flag in flags:
+                parameter.requires_grad_(flag)
+            for module, mode in modes:
+                module.training = mode
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def _gradient_graph(joint: Any, job: dict, returned: list[str], optimize: bool) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
+    """Translate the joint program: outputs in description order, gradients, buffer updates."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    signature = joint.graph_signature
+    weight_of, desc = job["weight_of"], job["desc"]
+    user_outputs = [s.arg.name for s in signature.output_specs
+                    if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)]
+    by_desc = dict(zip(desc.output_names, user_outputs[1:]))
+    outputs = [(by_desc[n], n) for n in returned]
+    grads, updates = {}, {}
+    for spec in signature.output_specs:
+        target = spec.target[len(MODEL_PREFIX):] if spec.target else None
+        if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
+            grads[weight_of[spec.target]] = spec.arg.name
+        elif spec.kind == OutputKind.BUFFER_MUTATION and spec.target in weight_of \
+                and not target.endswith("num_batches_tracked"):
+            updates[weight_of[spec.target]] = spec.arg.name
+    trained = [w for w in dict.fromkeys(weight_of.values()) if w in grads]
+    outputs += [(grads[w], w + GRAD_SUFFIX) for w in trained]
+    buffer_updates = {b: b + UPDATED_SUFFIX for b in updates}
+    outputs += [(updates[b], b + UPDATED_SUFFIX) for b in updates]
+    inputs, constants = _placeholders(joint, job, InputKind)
+    model = _joint_onnx.program_to_onnx(joint, inputs, constants, outputs, _input_dims(job), optimize)
+    return model, trained, buffer_updates
+
+
+def _placeholders(program: Any, job: dict, kinds: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``{placeholder: ONNX input}`` (data, weights in model order, loss scale) and constants."""
+    desc, weight_of = job["desc"], job["weight_of"]
+    users = [s.arg.name for s in program.graph_signature.input_specs if s.kind == kinds.USER_INPUT]
+    inputs = dict(zip(users, [*desc.input_names, LOSS_SCALE_INPUT]))
+    weights, constants, seen = {}, {}, {}
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    for spec in program.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind in (kinds.PARAMETER, kinds.BUFFER) and spec.target in weight_of:
+            weight = weight_of[spec.target]
+            node = nodes[name]
+            if weight in seen and node.users and seen[weight]:
+                raise ExportError(f"torch.export traced weight {weight!r} as two inputs; tied weights are not "
+                                  "deduplicated by this torch version")
+            seen[weight] = seen.get(weight, False) or bool(node.users)
+            if node.users:
+                weights[name] = weight
+        elif spec.kind != kinds.USER_INPUT:  # non-persistent buffers, tensor constants, a loss module's tensors
+            constants[name] = program.constants.get(spec.target, job["tensors"].get(spec.target))
+    order = {w: i for i, w in enumerate(dict.fromkeys(weight_of.values()))}
+    ordered = sorted(weights.items(), key=lambda item: order[item[1]])
+    data = {p: n for p, n in inputs.items() if n != LOSS_SCALE_INPUT}
+    scale = {p: n for p, n in inputs.items() if n == LOSS_SCALE_INPUT}
+    return {**data, **dict(ordered), **scale}, constants
+
+
+def _eval_graph(job: dict, returned: list[str], optimize: bool) -> onnx.ModelProto:
+    """A second ``torch.export``, in eval mode, translated with weights as inputs."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    model, desc, order = job["model"], job["desc"], job["order"]
+    wrapper = _Scaled(model, job["loss_fn"], desc.input_names[:job["count"]],
+                      [order.index(n) for n in desc.output_names], 0, scaled=False)
+    shapes = None if job["dynamic_shapes"] is None else job["dynamic_shapes"][:-1]
+    with _model_left_untouched(wrapper):
+        model.eval()
+        program = _export(wrapper, job["args"][:-1], shapes)
+    program = _joint_onnx.forward_program(program)
+    if job["dynamic_shapes"] is not None:
+        _traced_program.check_symbolic(program, desc, "the eval-mode trace")
+    user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    by_desc = dict(zip(desc.output_names, user_outputs))
+    inputs, constants = _placeholders(program, job, InputKind)
+    return _joint_onnx.program_to_onnx(program, inputs, constants, [(by_desc[n], n) for n in returned],
+                                       _input_dims(job), optimize)
+
+
+def _input_dims(job: dict) -> dict[str, list]:
+    """``{data input: description shape}``, whose symbols name the graphs' symbolic dimensions."""
+    return {} if job["dynamic_shapes"] is None else {io.name: list(io.shape) for io in job["desc"].inputs}
+
+
+def _shape_dtype(info: onnx.ValueInfoProto) -> list:
+    tensor_type = info.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
+    return [shape, str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
+
+
+def _convert_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    import onnx_ir as ir
+    from onnxscript import version_converter
+
+    converted = ir.serde.deserialize_model(model)
+    version_converter.convert_version(converted, opset, fallback=True)
+    result = ir.serde.serialize_model(converted)
+    result.ir_version = _joint_onnx.ONNX_IR_VERSION
+    return result
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,564 @@
+"""The torch-autograd gradient source: its graphs against float64 PyTorch, on whichever ONNX Runtime
+is installed (onnxruntime 1.31 or the 1.19.2 training build).
+
+Each graph is built once per module (``built``); gradients are compared with float64 PyTorch on
+the same weights, relative to the largest reference gradient of each weight.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("onnxscript", reason="torch's ONNX exporter needs onnxscript: pip install onnxscript")
+
+from models import ENCODER_DESC, MLP, MLP_DESC, VOCAB, MLPWithLoss, TinyEncoder, mlm_batch, mlm_loss  # noqa: E402
+
+from ort_trainer.graph import _joint_onnx  # noqa: E402
+from ort_trainer.graph.export import ExportError  # noqa: E402
+from ort_trainer.graph.torch_autograd import export_joint, trace  # noqa: E402
+from ort_trainer.model_desc import parse_model_desc  # noqa: E402
+
+TOLERANCE = 1e-5
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int = 2) -> dict[str, np.ndarray]:
+    """Outputs by name, from a plain InferenceSession with ``threads`` intra-op threads."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    values = session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+    return dict(zip([o.name for o in session.get_outputs()], values))
+
+
+def feeds_for(torch_model: torch.nn.Module, meta: dict, inputs: dict[str, torch.Tensor], scale: float = 1.0) -> dict:
+    state = torch_model.state_dict()
+    feeds = {name: t.numpy() for name, t in inputs.items()}
+    feeds.update({w: state[keys[0]].detach().numpy().copy() for w, keys in meta["torch_keys"].items()})
+    feeds["__loss_scale"] = np.array(scale, dtype=np.float32)
+    return feeds
+
+
+def reference(model: torch.nn.Module, loss_of, inputs: tuple) -> tuple[float, dict[str, np.ndarray], torch.nn.Module]:
+    """Loss and gradients (by state_dict key, tied weights under each key) of a float64 copy."""
+    double = copy.deepcopy(model).double().train()
+    cast = [t.double() if t.is_floating_point() else t for t in inputs]
+    loss = loss_of(double, *cast)
+    loss.backward()
+    grads = {k: p.grad.numpy() for k, p in double.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return float(loss.detach()), grads, double
+
+
+def assert_grads_match(got: dict, meta: dict, expected: dict, tolerance: float = TOLERANCE) -> None:
+    """Each trained weight's gradient within ``tolerance`` of the float64 one, relative to its
+    largest element (or to 1e-3 of the largest gradient overall, for a gradient that is ~0 in
+    exact arithmetic, like a convolution bias before BatchNorm)."""
+    assert meta["trained"], "no weight was trained"
+    overall = max(float(np.abs(expected[meta["torch_keys"][w][0]]).max()) for w in meta["trained"])
+    for weight in meta["trained"]:
+        want = expected[meta["torch_keys"][weight][0]]
+        have = got[weight + "_grad"]
+        scale = max(float(np.abs(want).max()), 1e-3 * overall)
+        error = float(np.abs(have - want).max()) / scale
+        assert error < tolerance, f"{weight}: relative error {error:.2e}"
+
+
+def desc(d: dict):
+    return parse_model_desc(d)
+
+
+# ---- builds shared by the tests ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp_build():
+    torch.manual_seed(1)
+    model = MLP()
+    x, label = torch.randn(8, 20), torch.randint(0, 5, (8,))
+    return model, export_joint(model, F.cross_entropy, desc(MLP_DESC), [x.numpy(), label.numpy()])
+
+
+@pytest.fixture(scope="module")
+def encoder_build():
+    torch.manual_seed(2)
+    model = TinyEncoder(layers=1, dropout=0.0)
+    ids, labels = mlm_batch(torch.Generator().manual_seed(3))
+    return model, export_joint(model, mlm_loss, desc(ENCODER_DESC), [ids.numpy(), labels.numpy()])
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self, dropout: float = 0.3):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(dropout)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3))
+        return self.head(self.drop(h))
+
+
+CONV_DESC = {"inputs": [("image", ["batch", 3, 6, 6]), ("label", ["batch"])],
+             "outputs": [("loss", [], True), ("logits", ["batch", 4])]}
+
+
+def conv_model(dropout: float) -> ConvNet:
+    torch.manual_seed(4)
+    model = ConvNet(dropout)
+    model.norm.running_mean.uniform_(-0.5, 0.5)
+    model.norm.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def conv_build():
+    model = conv_model(0.3)
+    image, label = torch.randn(5, 3, 6, 6), torch.randint(0, 4, (5,))
+    return model, export_joint(model, F.cross_entropy, desc(CONV_DESC), [image.numpy(), label.numpy()])
+
+
+class TiedLM(torch.nn.Module):
+    """Embedding with padding_idx, its weight tied to the output projection."""
+
+    def __init__(self, vocab: int = 30, hidden: int = 12):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden, padding_idx=3)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, vocab)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.embed(ids))))
+
+
+TIED_DESC = {"inputs": [("ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+             "outputs": [("loss", [], True), ("logits", ["batch", "seq", 30])]}
+
+
+def tied_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def tied_batch(seed: int, batch: int = 4, seq: int = 9):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 30, (batch, seq), generator=gen)
+    ids[:, :4] = 7  # duplicate rows: their gradients must all be added
+    ids[:, 4] = 3  # the padding row
+    return ids, torch.randint(0, 30, (batch, seq), generator=gen)
+
+
+@pytest.fixture(scope="module")
+def tied_build():
+    torch.manual_seed(5)
+    model = TiedLM()
+    ids, labels = tied_batch(0)
+    return model, export_joint(model, tied_loss, desc(TIED_DESC), [ids.numpy(), labels.numpy()])
+
+
+# ---- gradients -------------------------------------------------------------------------------
+
+
+def test_mlp_gradients_equal_float64_pytorch_at_other_batch_sizes(mlp_build):
+    model, graphs = mlp_build
+    for batch in (8, 3, 1):  # traced at 8: the graph is symbolic in "batch"
+        x, label = torch.randn(batch, 20), torch.randint(0, 5, (batch,))
+        loss, grads, _ = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, label))
+        got = run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label}))
+        assert abs(float(got["loss"]) - loss) < 1e-5 * max(1.0, abs(loss))
+        np.testing.assert_allclose(got["logits"], model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+        assert_grads_match(got, graphs.meta, grads)
+    assert [o.name for o in graphs.gradient.graph.output] == [
+        "loss", "logits", "fc1.weight_grad", "fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad"]
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+              for i in graphs.gradient.graph.input}
+    assert inputs["x"] == ["batch", 20] and inputs["label"] == ["batch"] and inputs["__loss_scale"] == []
+
+
+def test_a_batch_of_one_is_traced_without_specialising_the_batch_dimension():
+    torch.manual_seed(6)
+    model = MLP()
+    x, label = torch.randn(1, 20), torch.randint(0, 5, (1,))
+    graphs = export_joint(model, F.cross_entropy, desc(MLP_DESC), [x.numpy(), label.numpy()])
+    x, label = torch.randn(6, 20), torch.randint(0, 5, (6,))
+    _, grads, _ = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, label))
+    assert_grads_match(run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label})),
+                       graphs.meta, grads)
+
+
+def test_encoder_gradients_equal_float64_pytorch(encoder_build):
+    model, graphs = encoder_build
+    ids, labels = mlm_batch(torch.Generator().manual_seed(7), batch=3, seq=10)
+    loss, grads, _ = reference(model, lambda m, i, y: mlm_loss(m(i), y), (ids, labels))
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"ids": ids, "labels": labels}))
+    assert abs(float(got["loss"]) - loss) < 1e-5 * abs(loss)
+    assert_grads_match(got, graphs.meta, grads)
+    ops = {n.op_type for n in graphs.gradient.graph.node}
+    assert "ScatterND" not in ops and "ScatterElements" in ops
+
+
+def test_loss_scale_scales_the_gradients_and_not_the_loss(mlp_build):
+    model, graphs = mlp_build
+    x, label = torch.randn(8, 20), torch.randint(0, 5, (8,))
+    plain = run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label}))
+    scaled = run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label}, scale=1024.0))
+    np.testing.assert_allclose(scaled["loss"], plain["loss"], rtol=1e-6)
+    for weight in graphs.meta["trained"]:
+        np.testing.assert_allclose(scaled[weight + "_grad"], 1024.0 * plain[weight + "_grad"], rtol=1e-5, atol=1e-7)
+
+
+def test_model_with_its_loss_inside():
+    torch.manual_seed(8)
+    model = MLPWithLoss()
+    x, label = torch.randn(6, 20), torch.randint(0, 5, (6,))
+    graphs = export_joint(model, None, desc(MLP_DESC), [x.numpy(), label.numpy()])
+    loss, grads, _ = reference(model, lambda m, x, y: m(x, y)[0], (x, label))
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label}))
+    assert abs(float(got["loss"]) - loss) < 1e-5 * abs(loss)
+    assert_grads_match(got, graphs.meta, grads)
+    assert graphs.meta["trained"] == ["mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"]
+
+
+def test_batchnorm_statistics_are_outputs_equal_to_torchs_running_statistics():
+    model = conv_model(0.0)
+    image, label = torch.randn(7, 3, 6, 6), torch.randint(0, 4, (7,))
+    graphs = export_joint(model, F.cross_entropy, desc(CONV_DESC), [image.numpy(), label.numpy()])
+    assert graphs.meta["buffer_updates"] == {"norm.running_mean": "norm.running_mean.updated",
+                                             "norm.running_var": "norm.running_var.updated"}
+    outputs = [o.name for o in graphs.gradient.graph.output]
+    assert outputs[-2:] == ["norm.running_mean.updated", "norm.running_var.updated"]
+    assert not any("num_batches_tracked" in name for name in outputs)
+    image, label = torch.randn(6, 3, 6, 6), torch.randint(0, 4, (6,))
+    _, grads, double = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (image, label))
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"image": image, "label": label}))
+    np.testing.assert_allclose(got["norm.running_mean.updated"], double.norm.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["norm.running_var.updated"], double.norm.running_var.numpy(), rtol=1e-5, atol=1e-6)
+    assert_grads_match(got, graphs.meta, grads)
+
+
+class Pools(torch.nn.Module):
+    """Strided, grouped and transposed convolutions, average pools: backward operators torch's ONNX
+    exporter has no translation for, decomposed by ort_trainer."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+        self.dilated = torch.nn.Conv1d(6, 6, 2, dilation=2, bias=False)
+        self.up = torch.nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1)
+        self.pool = torch.nn.AvgPool2d(2, stride=2, padding=1, count_include_pad=False)
+        self.adaptive = torch.nn.AdaptiveAvgPool2d((2, 3))
+        self.groups = torch.nn.GroupNorm(2, 6)
+        self.head = torch.nn.Linear(4 * 6 + 6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.groups(self.down(x)))  # 9x11 -> 5x6
+        line = self.dilated(h.flatten(2)).mean(dim=2)  # 30 -> 28 positions
+        h = self.pool(torch.tanh(self.up(h)))  # 10x12 -> 6x7
+        h = self.adaptive(h[..., :4, :6])  # 4x6 -> 2x3
+        return self.head(torch.cat([h.flatten(1), line], dim=1))
+
+
+def test_convolution_and_pooling_gradients_equal_float64_pytorch():
+    torch.manual_seed(17)
+    model = Pools()
+    d = {"inputs": [("x", ["batch", 4, 9, 11]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+    x, y = torch.randn(3, 4, 9, 11), torch.randint(0, 3, (3,))
+    graphs = export_joint(model, F.cross_entropy, desc(d), [x.numpy(), y.numpy()])
+    x, y = torch.randn(2, 4, 9, 11), torch.randint(0, 3, (2,))
+    _, grads, _ = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    assert_grads_match(run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "y": y})), graphs.meta, grads)
+
+
+def test_embedding_padding_row_gets_no_gradient_and_tied_weights_one_summed_gradient(tied_build):
+    model, graphs = tied_build
+    assert graphs.meta["torch_keys"]["embed.weight"] == ["embed.weight", "out.weight"]
+    weight_inputs = [i.name for i in graphs.gradient.graph.input if i.name in graphs.meta["torch_keys"]]
+    assert weight_inputs == ["embed.weight", "mix.weight", "mix.bias", "out.bias"]
+    assert graphs.meta["trained"] == ["embed.weight", "mix.weight", "mix.bias", "out.bias"]
+    ids, labels = tied_batch(1)
+    _, grads, _ = reference(model, lambda m, i, y: tied_loss(m(i), y), (ids, labels))
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"ids": ids, "labels": labels}))
+    assert_grads_match(got, graphs.meta, grads)
+    # without the padding rule row 3 would also get the lookup's gradient
+    unpadded = copy.deepcopy(model)
+    unpadded.embed.padding_idx = None
+    _, other, _ = reference(unpadded, lambda m, i, y: tied_loss(m(i), y), (ids, labels))
+    assert np.abs(other["embed.weight"][3] - grads["embed.weight"][3]).max() > 1e-3
+
+
+def test_padding_idx_row_of_an_untied_embedding_gets_zero_gradient():
+    torch.manual_seed(9)
+    embed = torch.nn.Embedding(10, 4, padding_idx=0)
+    model = torch.nn.Sequential(embed, torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    d = {"inputs": [("ids", ["batch", 3]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 2])]}
+    ids = torch.tensor([[0, 1, 1], [0, 0, 2], [5, 0, 1]])
+    y = torch.tensor([0, 1, 1])
+    graphs = export_joint(model, F.cross_entropy, desc(d), [ids.numpy(), y.numpy()])
+    _, grads, _ = reference(model, lambda m, i, t: F.cross_entropy(m(i), t), (ids, y))
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"ids": ids, "y": y}))
+    assert np.all(got["0.weight_grad"][0] == 0.0)
+    assert_grads_match(got, graphs.meta, grads)
+
+
+def test_embedding_gradient_is_right_with_two_threads_and_duplicate_ids_every_time(tied_build):
+    """ONNX Runtime's multi-threaded ScatterND(add) loses updates on duplicate indices now and then."""
+    model, graphs = tied_build
+    ids, labels = tied_batch(2, batch=16, seq=32)
+    ids[:, :20] = 7
+    _, _, double = reference(model, lambda m, i, y: tied_loss(m(i), y), (ids, labels))
+    expected = double.embed.weight.grad.numpy()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(graphs.gradient.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = feeds_for(model, graphs.meta, {"ids": ids, "labels": labels})
+    feeds = {k: v for k, v in feeds.items() if k in {i.name for i in session.get_inputs()}}
+    worst = 0.0
+    for _ in range(30):
+        got = session.run(["embed.weight_grad"], feeds)[0]
+        worst = max(worst, float(np.abs(got - expected).max()) / float(np.abs(expected).max()))
+    assert worst < TOLERANCE
+
+
+def test_scatter_nd_add_with_index_tuples_is_rewritten_exactly():
+    data = np.random.default_rng(0).standard_normal((4, 5, 3)).astype(np.float32)
+    indices = np.array([[0, 1], [3, -1], [0, 1], [-4, 1], [2, 2], [0, 1]], dtype=np.int64)
+    updates = np.random.default_rng(1).standard_normal((6, 3)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("ScatterND", ["data", "indices", "updates"], ["out"], reduction="add")], "g",
+        [onnx.helper.make_tensor_value_info("data", onnx.TensorProto.FLOAT, [4, 5, 3]),
+         onnx.helper.make_tensor_value_info("indices", onnx.TensorProto.INT64, [6, 2]),
+         onnx.helper.make_tensor_value_info("updates", onnx.TensorProto.FLOAT, [6, 3])],
+        [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [4, 5, 3])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    assert _joint_onnx.scatter_nd_add_to_scatter_elements(model) == 1
+    assert "ScatterND" not in {n.op_type for n in model.graph.node}
+    expected = data.copy()
+    for index, update in zip(indices, updates):
+        expected[tuple(index)] += update
+    got = run(model, {"data": data, "indices": indices, "updates": updates})["out"]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_and_non_trainable_weights_get_no_gradient_and_keep_their_flags():
+    torch.manual_seed(10)
+    model = MLP()
+    model.fc2.bias.requires_grad_(False)
+    x, label = torch.randn(4, 20), torch.randint(0, 5, (4,))
+    graphs = export_joint(model, F.cross_entropy, desc(MLP_DESC), [x.numpy(), label.numpy()],
+                          frozen_weights=["fc1.weight"])
+    assert graphs.meta["trained"] == ["fc1.bias", "fc2.weight"]
+    outputs = [o.name for o in graphs.gradient.graph.output]
+    assert "fc1.weight_grad" not in outputs and "fc2.bias_grad" not in outputs
+    assert {"fc1.weight", "fc2.bias"} <= {i.name for i in graphs.gradient.graph.input}
+    assert model.fc1.weight.requires_grad and not model.fc2.bias.requires_grad
+    _, grads, _ = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, label))
+    assert_grads_match(run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label})),
+                       graphs.meta, grads)
+
+
+def test_weights_the_loss_does_not_reach_get_no_gradient_output():
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(4, 2)
+            self.side = torch.nn.Linear(4, 2)  # only feeds a detached output
+            self.idle = torch.nn.Linear(4, 2)  # never called
+
+        def forward(self, x):
+            return self.used(x).pow(2).mean(), self.side(x).detach()
+
+    torch.manual_seed(11)
+    model = Unused()
+    d = {"inputs": [("x", ["batch", 4])], "outputs": [("loss", [], True), ("side", ["batch", 2])]}
+    x = torch.randn(3, 4)
+    graphs = export_joint(model, None, desc(d), [x.numpy()])
+    assert graphs.meta["trained"] == ["used.weight", "used.bias"]
+    inputs = {i.name for i in graphs.gradient.graph.input}
+    assert {"side.weight", "side.bias"} <= inputs and "idle.weight" not in inputs
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x}))
+    np.testing.assert_allclose(got["side"], model.side(x).detach().numpy(), rtol=1e-6)
+
+
+# ---- dropout and eval -------------------------------------------------------------------------
+
+
+class Dropper(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 2.0, 16))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = x * self.w
+        first, second = self.drop(h), self.drop(h)  # the same tensor dropped twice: two masks
+        return first.sum() + 2.0 * second.sum(), first, second
+
+
+DROP_DESC = {"inputs": [("x", ["batch", 16])],
+             "outputs": [("loss", [], True), ("first", ["batch", 16]), ("second", ["batch", 16])]}
+
+
+@pytest.fixture(scope="module")
+def dropout_build():
+    model = Dropper()
+    return model, export_joint(model, None, desc(DROP_DESC), [np.ones((4, 16), np.float32)])
+
+
+def test_dropout_masks_come_from_onnxruntimes_seeded_generator(dropout_build):
+    model, graphs = dropout_build
+    assert "Dropout" in {n.op_type for n in graphs.gradient.graph.node}
+    feeds = feeds_for(model, graphs.meta, {"x": torch.randn(64, 16)})
+
+    def step(seed):
+        ort.set_seed(seed)
+        return run(graphs.gradient, feeds)
+
+    a, b, c = step(123), step(123), step(124)
+    for name in ("loss", "first", "second", "w_grad"):
+        np.testing.assert_array_equal(a[name], b[name])
+    assert not np.array_equal(a["first"], c["first"])
+    assert not np.array_equal(a["first"] != 0, a["second"] != 0), "two dropouts of one tensor shared a mask"
+
+
+def test_the_backward_reuses_the_forwards_dropout_masks(dropout_build):
+    model, graphs = dropout_build
+    x = torch.randn(64, 16)
+    ort.set_seed(5)
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x}))
+    keep_first, keep_second = got["first"] != 0, got["second"] != 0
+    assert 0.3 < keep_first.mean() < 0.7
+    expected = (x.numpy() * (keep_first + 2.0 * keep_second) / 0.5).sum(axis=0)
+    np.testing.assert_allclose(got["w_grad"], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["loss"], got["first"].sum() + 2.0 * got["second"].sum(), rtol=1e-5)
+
+
+def test_eval_graph_equals_the_torch_model_in_eval_mode(conv_build):
+    model, graphs = conv_build
+    assert [i.name for i in graphs.eval.graph.input][:2] == ["image", "label"]
+    assert [o.name for o in graphs.eval.graph.output] == ["loss", "logits"]
+    image, label = torch.randn(3, 3, 6, 6), torch.randint(0, 4, (3,))
+    got = run(graphs.eval, feeds_for(model, graphs.meta, {"image": image, "label": label}))
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(image)
+    finally:
+        model.train()
+    np.testing.assert_allclose(got["logits"], logits.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["loss"], F.cross_entropy(logits, label).numpy(), rtol=1e-5)
+    assert "Dropout" not in {n.op_type for n in graphs.eval.graph.node}
+
+
+# ---- what the export leaves behind, and errors -------------------------------------------------
+
+
+def test_the_model_is_left_as_it_was():
+    torch.manual_seed(12)
+    model = ConvNet()
+    model.drop.eval()  # a submodule in its own mode
+    model.norm.bias.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(99)
+    expected_next = torch.rand(3)
+    torch.manual_seed(99)
+    export_joint(model, F.cross_entropy, desc(CONV_DESC), [np.random.rand(4, 3, 6, 6).astype(np.float32),
+                                                           np.array([0, 1, 2, 3])])
+    assert torch.equal(torch.rand(3), expected_next)
+    assert model.training and not model.drop.training and model.norm.training
+    assert not model.norm.bias.requires_grad and model.conv.weight.requires_grad
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_fingerprint_is_stable_and_sees_the_traced_code():
+    torch.manual_seed(13)
+    model = MLP()
+    sample = [np.ones((4, 20), np.float32), np.zeros(4, np.int64)]
+    first = trace(model, F.cross_entropy, desc(MLP_DESC), sample).fingerprint
+    assert trace(copy.deepcopy(model), F.cross_entropy, desc(MLP_DESC), sample).fingerprint == first
+    assert trace(model, lambda p, y: F.cross_entropy(p, y, label_smoothing=0.1), desc(MLP_DESC),
+                 sample).fingerprint != first
+    assert trace(model, F.cross_entropy, desc(MLP_DESC), sample, frozen_weights=["fc1.bias"]).fingerprint != first
+
+
+def test_static_graph_has_the_samples_shapes_and_converts_to_opset_21():
+    torch.manual_seed(14)
+    model = MLP()
+    x, label = torch.randn(5, 20), torch.randint(0, 5, (5,))
+    graphs = export_joint(model, F.cross_entropy, desc(MLP_DESC), [x.numpy(), label.numpy()], dynamic=False, opset=21)
+    x_input = next(i for i in graphs.gradient.graph.input if i.name == "x")
+    assert [d.dim_value for d in x_input.type.tensor_type.shape.dim] == [5, 20]
+    for graph in (graphs.gradient, graphs.eval):
+        assert {o.domain: o.version for o in graph.opset_import}[""] == 21 and graph.ir_version == 10
+    _, grads, _ = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, label))
+    assert_grads_match(run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "label": label})),
+                       graphs.meta, grads)
+
+
+def test_graphs_load_in_both_runtimes_opset_and_ir_version(mlp_build):
+    _, graphs = mlp_build
+    for model in (graphs.gradient, graphs.eval):
+        assert model.ir_version <= 10
+        assert {o.domain: o.version for o in model.opset_import}[""] == 18
+        onnx.checker.check_model(model)
+
+
+def test_errors_name_the_problem():
+    model = MLP()
+    sample = [np.ones((4, 20), np.float32), np.zeros(4, np.int64)]
+    with pytest.raises(ValueError, match="not weights of the model"):
+        trace(model, F.cross_entropy, desc(MLP_DESC), sample, frozen_weights=["fc9.weight"])
+    with pytest.raises(ValueError, match="pass 18 to 21"):
+        export_joint(model, F.cross_entropy, desc(MLP_DESC), sample, opset=17)
+    too_many = {"inputs": MLP_DESC["inputs"], "outputs": [*MLP_DESC["outputs"], ("extra", ["batch", 5])]}
+    with pytest.raises(ExportError, match="are 2 tensor.*declares 3"):
+        trace(model, F.cross_entropy, desc(too_many), sample)
+    with pytest.raises(ExportError, match="does not depend on any trainable weight"):
+        export_joint(model, F.cross_entropy, desc(MLP_DESC), sample,
+                     frozen_weights=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"])
+
+
+# ---- Hugging Face models ----------------------------------------------------------------------
+
+
+def _hf(kind: str):
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        return transformers.BertForMaskedLM(config)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_hugging_face_gradients_equal_float64_pytorch(kind):
+    torch.manual_seed(15)
+    model = _hf(kind)
+    ids, labels = mlm_batch(torch.Generator().manual_seed(16), batch=2, seq=10)
+    if kind == "gpt2":
+        labels = ids.clone()
+    mask = torch.ones_like(ids)
+    d = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+         "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
+    graphs = export_joint(model, None, desc(d), [ids.numpy(), mask.numpy(), labels.numpy()], outputs=[])
+    loss, grads, _ = reference(model, lambda m, i, a, y: m(input_ids=i, attention_mask=a, labels=y).loss,
+                               (ids, mask, labels))
+    got = run(graphs.gradient, feeds_for(model, graphs.meta, {"input_ids": ids, "attention_mask": mask,
+                                                              "labels": labels}))
+    assert [o.name for o in graphs.gradient.graph.output][0] == "loss"
+    assert abs(float(got["loss"]) - loss) < 1e-5 * abs(loss)
+    embedding = {"bert": "bert.embeddings.word_embeddings.weight", "gpt2": "transformer.wte.weight"}[kind]
+    projection = {"bert": "cls.predictions.decoder.weight", "gpt2": "lm_head.weight"}[kind]
+    assert graphs.meta["torch_keys"][embedding] == [embedding, projection]
+    assert embedding in graphs.meta["trained"] and projection not in graphs.meta["torch_keys"]
+    assert_grads_match(got, graphs.meta, grads)
