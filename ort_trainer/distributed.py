@@ -124,6 +124,15 @@ def setup_onnxruntime_with_mpi(seed: int | None = None) -> MPIContext:
     return context
 
 
+def _let_the_launcher_forward_output() -> None:
+    """Give mpiexec time to forward what this rank just wrote before MPI_Abort kills every rank.
+
+    The launcher relays each rank's stderr through a pipe; an abort right after the write was
+    seen to lose the whole message on a loaded machine, leaving a failed job with no reason.
+    """
+    time.sleep(0.5)
+
+
 _previous_hook = None
 _aborting = False  # the excepthook is ending the job (it has printed the error)
 
@@ -152,6 +161,7 @@ def install_abort_on_error() -> None:
             traceback.print_exception(kind, value, tb, file=sys.stderr)
             sys.stderr.flush()
             sys.stdout.flush()
+            _let_the_launcher_forward_output()
         finally:
             world.Abort(1)
 
@@ -307,6 +317,7 @@ class _Headers:
             return
         logger.error("ending the MPI job after a failed collective: %s", self.failure)
         sys.stderr.flush()
+        _let_the_launcher_forward_output()
         self.comm.Abort(1)
 
     def _announce_exit(self) -> None:

@@ -268,7 +268,8 @@ class Pools(torch.nn.Module):
 def test_convolution_and_pooling_gradients_equal_float64_pytorch():
     torch.manual_seed(17)
     model = Pools()
-    d = {"inputs": [("x", ["batch", 4, 9, 11]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+    d = {"inputs": [("x", ["batch", 4, 9, 11]), ("y", ["batch"])],
+         "outputs": [("loss", [], True), ("out", ["batch", 3])]}
     x, y = torch.randn(3, 4, 9, 11), torch.randint(0, 3, (3,))
     graphs = export_joint(model, F.cross_entropy, desc(d), [x.numpy(), y.numpy()])
     x, y = torch.randn(2, 4, 9, 11), torch.randint(0, 3, (2,))
@@ -483,6 +484,8 @@ def test_fingerprint_is_stable_and_sees_the_traced_code():
     sample = [np.ones((4, 20), np.float32), np.zeros(4, np.int64)]
     first = trace(model, F.cross_entropy, desc(MLP_DESC), sample).fingerprint
     assert trace(copy.deepcopy(model), F.cross_entropy, desc(MLP_DESC), sample).fingerprint == first
+    other_batch = [np.ones((7, 20), np.float32), np.zeros(7, np.int64)]
+    assert trace(model, F.cross_entropy, desc(MLP_DESC), other_batch).fingerprint == first
     assert trace(model, lambda p, y: F.cross_entropy(p, y, label_smoothing=0.1), desc(MLP_DESC),
                  sample).fingerprint != first
     assert trace(model, F.cross_entropy, desc(MLP_DESC), sample, frozen_weights=["fc1.bias"]).fingerprint != first
@@ -523,6 +526,12 @@ def test_errors_name_the_problem():
     with pytest.raises(ExportError, match="does not depend on any trainable weight"):
         export_joint(model, F.cross_entropy, desc(MLP_DESC), sample,
                      frozen_weights=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"])
+    pooled = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.AvgPool2d(2, ceil_mode=True), torch.nn.Flatten())
+    images = {"inputs": [("x", ["batch", 1, 7, 7]), ("y", ["batch"])],
+              "outputs": [("loss", [], True), ("out", ["batch", 18])]}
+    with pytest.raises(ExportError, match="ceil_mode=True has no ONNX gradient.*onnxruntime-training"):
+        export_joint(pooled, lambda out, y: out.sum(), desc(images),
+                     [np.ones((2, 1, 7, 7), np.float32), np.zeros(2, np.int64)])
 
 
 # ---- Hugging Face models ----------------------------------------------------------------------
@@ -548,7 +557,8 @@ def test_hugging_face_gradients_equal_float64_pytorch(kind):
     if kind == "gpt2":
         labels = ids.clone()
     mask = torch.ones_like(ids)
-    d = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+    d = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                    ("labels", ["batch", "seq"])],
          "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
     graphs = export_joint(model, None, desc(d), [ids.numpy(), mask.numpy(), labels.numpy()], outputs=[])
     loss, grads, _ = reference(model, lambda m, i, a, y: m(input_ids=i, attention_mask=a, labels=y).loss,

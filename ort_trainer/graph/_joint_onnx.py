@@ -171,7 +171,8 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _name_inputs_and_outputs(model, inputs: dict[str, str], outputs: list[str], input_dims: dict[str, Sequence]) -> None:
+def _name_inputs_and_outputs(model, inputs: dict[str, str], outputs: list[str],
+                             input_dims: dict[str, Sequence]) -> None:
     """Give the ONNX inputs and outputs their names, in order; symbolic dims their names."""
     import onnx_ir as ir
 
@@ -324,8 +325,8 @@ def _scatter_elements_nodes(p: str, data: str, indices: str, updates: str, outpu
                   helper.make_node("Concat", [const("minus_one", [-1]), p + "rest"], [p + "flat_shape"], axis=0),
                   helper.make_node("Reshape", [data, p + "flat_shape"], [flat_data])]
         linear = p + "linear"
-        nodes.append(helper.make_node("Reshape", [p + "linear_index", const("index_shape", [-1] + [1] * (flat_rank - 1))],
-                                      [linear]))
+        index_shape = const("index_shape", [-1] + [1] * (flat_rank - 1))
+        nodes.append(helper.make_node("Reshape", [p + "linear_index", index_shape], [linear]))
     nodes += [
         helper.make_node("Shape", [flat_data], [p + "row_shape"], start=1),
         helper.make_node("Concat", [const("minus_one_u", [-1]), p + "row_shape"], [p + "update_shape"], axis=0),
@@ -347,7 +348,8 @@ def _ranks(model: onnx.ModelProto, names: list[str]) -> dict:
         found = {}
         for info in [*graph.input, *graph.value_info, *graph.output]:
             if info.name in names and info.type.tensor_type.HasField("shape"):
-                dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in info.type.tensor_type.shape.dim]
+                shape = info.type.tensor_type.shape
+                dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in shape.dim]
                 found[info.name], found[info.name + "#shape"] = len(dims), dims
         for init in graph.initializer:
             if init.name in names:

@@ -25,12 +25,10 @@ import torch
 from .._logging import logger
 from ..model_desc import ModelDescription
 from . import _joint_onnx, _traced_program
+from .buffers import UPDATED_SUFFIX
+from .gradient import GRAD_SUFFIX, LOSS_SCALE_INPUT
 from .export import MODEL_PREFIX, ExportError, _ModelWithLoss, export_order
 
-# the same names as graph/gradient.py and graph/buffers.py use
-GRAD_SUFFIX = "_grad"
-LOSS_SCALE_INPUT = "__loss_scale"
-UPDATED_SUFFIX = ".updated"
 
 
 @dataclass
@@ -90,8 +88,8 @@ def export_joint(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDe
     Args:
         model: the user's module; left exactly as it was (flags, mode, buffers, RNG state).
         loss_fn: ``loss_fn(prediction, *labels)``, or None when the model returns its loss.
-        desc: the validated model description; its symbolic dimensions become ``torch.export``
-            dims (one per symbol, shared across inputs) unless ``dynamic`` is False.
+        desc: the validated model description; its symbolic dimensions stay symbolic in the
+            graphs (``torch.export.Dim.DYNAMIC``) unless ``dynamic`` is False.
         sample_inputs: one array per description input.
         frozen_weights: torch ``state_dict`` keys that get no gradient.
         opset: ONNX opset, 18 (None) to 21.
@@ -330,7 +328,8 @@ def _model_left_untouched(model: torch.nn.Module) -> Iterator[None]:
                     buffer.copy_(saved)
 
 
-def _gradient_graph(joint: Any, job: dict, returned: list[str], optimize: bool) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
+def _gradient_graph(joint: Any, job: dict, returned: list[str],
+                    optimize: bool) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
     """Translate the joint program: outputs in description order, gradients, buffer updates."""
     from torch.export.graph_signature import InputKind, OutputKind
 
