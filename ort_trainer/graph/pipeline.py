@@ -198,10 +198,11 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
     if not (isinstance(updates, dict) and set(updates) <= buffers
             and all(isinstance(v, str) for v in updates.values())):
         return [*problems, "meta.json's 'buffer_updates' does not map buffers to outputs"]
-    eval_inputs, eval_outputs = io_signature(models["eval"].graph)
-    if prepared.eval_io is not None and (eval_inputs, eval_outputs) != prepared.eval_io:
-        problems.append("eval.onnx's inputs or outputs differ from the traced forward graph")
-    elif [o[0] for o in eval_outputs] != expected["outputs"] and prepared.eval_io is None:
+    eval_io = io_signature(models["eval"].graph)
+    if prepared.eval_io is not None:
+        if eval_io != prepared.eval_io:
+            problems.append("eval.onnx's inputs or outputs differ from the traced forward graph")
+    elif [o[0] for o in eval_io[1]] != expected["outputs"]:
         problems.append("eval.onnx's outputs are not the description's outputs")
     # the gradient graph may only read what the engine feeds, with the traced program's types
     inputs = prepared.gradient_inputs

@@ -61,12 +61,9 @@ class TorchGradientSource(GradientSource):
         if program["built"] is None:  # building consumes the trace: keep the graphs for specialisations
             program["built"] = torch_autograd.build(program["traced"])
         joint = program["built"]
-        gradient, eval_model = joint.gradient, joint.eval
-        if prepared.state:
-            gradient, eval_model = specialize(gradient, prepared.state), specialize(eval_model, prepared.state)
-        else:
-            gradient, eval_model = onnx.ModelProto.FromString(gradient.SerializeToString()), \
-                onnx.ModelProto.FromString(eval_model.SerializeToString())
+        # copies: the joint graphs stay as built for later specialisations
+        dims = prepared.state or {}
+        gradient, eval_model = specialize(joint.gradient, dims), specialize(joint.eval, dims)
         if job.save_paths.get("model_after_graph_transforms_path"):
             onnx.save(eval_model, job.save_paths["model_after_graph_transforms_path"])
         meta = joint.meta
