@@ -8,22 +8,14 @@
 # the 1.19.2 training build, where `make test-legacy` runs the parity, checkpoint, rewrite and MPI tests.
 PYTHON ?= python3
 LEGACY_PYTHON ?= $(PYTHON)
-RUNTIME ?= training
+RUNTIME ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(RUNTIME)
 LEGACY_VENV := .venv-legacy
 LEGACY_PY := $(LEGACY_VENV)/bin/python
 LEGACY_STAMP := $(LEGACY_VENV)/.installed-training
-LEGACY_TESTS := tests/test_parity.py tests/test_checkpoint.py tests/test_distributed.py $(wildcard tests/test_rewrites*.py)
-# While .venv holds the training build, .venv-current holds today's onnxruntime, where the torch
-# gradient source is tested (the whole suite moves there once every feature runs on it).
-CURRENT_VENV := .venv-current
-CURRENT_PY := $(CURRENT_VENV)/bin/python
-CURRENT_STAMP := $(CURRENT_VENV)/.installed-cpu
-CURRENT_TESTS := tests/test_gradient_sources.py tests/test_torch_autograd.py tests/test_onnx_to_torch.py \
-	tests/test_runtime.py tests/test_optimizers.py tests/test_accumulation_and_scaling.py tests/test_checkpoint.py \
-	tests/test_state_dict.py tests/test_save_as_onnx.py tests/test_distributed.py
+LEGACY_TESTS := tests/test_parity.py tests/test_checkpoint.py tests/test_distributed.py tests/test_shape_graphs.py $(wildcard tests/test_rewrites*.py)
 
 # the distribution each extra installs, and every one an earlier install may have left behind
 RUNTIME_DIST_cpu := onnxruntime
@@ -44,13 +36,11 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-legacy test-current bench install install-legacy install-current clean
+.PHONY: run test test-legacy bench install install-legacy clean
 
 install: $(STAMP)
 
 install-legacy: $(LEGACY_STAMP)
-
-install-current: $(CURRENT_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,17 +48,11 @@ $(PY):
 $(LEGACY_PY):
 	$(LEGACY_PYTHON) -m venv $(LEGACY_VENV)
 
-$(CURRENT_PY):
-	$(PYTHON) -m venv $(CURRENT_VENV)
-
 $(STAMP): setup.py | $(PY)
 	$(call install_into,$(VENV),$(RUNTIME))
 
 $(LEGACY_STAMP): setup.py | $(LEGACY_PY)
 	$(call install_into,$(LEGACY_VENV),training)
-
-$(CURRENT_STAMP): setup.py | $(CURRENT_PY)
-	$(call install_into,$(CURRENT_VENV),cpu)
 
 run: $(STAMP)
 	$(VENV)/bin/ort-trainer train configs/gpt_stdlib.yaml
@@ -81,14 +65,12 @@ test: $(STAMP)
 test-legacy: $(LEGACY_STAMP)
 	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS)
 
-# the torch gradient source and ONNX-model input on today's onnxruntime (the [cpu] extra)
-test-current: $(CURRENT_STAMP)
-	$(CURRENT_PY) -m pytest -q $(CURRENT_TESTS)
-
-# ort_trainer vs PyTorch eager vs torch.compile; writes docs/benchmarks.md and docs/benchmarks.png
-bench: $(STAMP)
+# ort_trainer on both runtimes vs PyTorch eager vs torch.compile; writes docs/benchmarks.md and
+# docs/benchmarks.png
+bench: $(STAMP) $(LEGACY_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) benchmarks/run.py
+	$(LEGACY_PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/run.py --legacy-python $(LEGACY_PY)
 
 clean:
-	rm -rf $(VENV) $(LEGACY_VENV) $(CURRENT_VENV) build *.egg-info
+	rm -rf $(VENV) $(LEGACY_VENV) build *.egg-info

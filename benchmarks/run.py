@@ -1,6 +1,10 @@
 """Benchmark ort_trainer against PyTorch eager and torch.compile; write docs/benchmarks.md and a chart.
 
-Run: ``make bench`` (or ``python benchmarks/run.py``). For each model of ``benchmarks/models.py``:
+Run: ``make bench`` (or ``python benchmarks/run.py [--legacy-python .venv-legacy/bin/python]``).
+Every measurement below runs once per runtime: today's ``onnxruntime`` (this interpreter: PyTorch's
+autograd as the gradient source) and, given ``--legacy-python``, the 1.19.2 training build in that
+environment (ONNX Runtime's gradient builder); each runtime's ratios are taken against PyTorch
+measured in the same process. For each model of ``benchmarks/models.py``:
 
 1. timing: one process holds ort_trainer, eager PyTorch and torch.compile versions of the model
    (same initial weights, AdamW, clipping at 1.0) and runs them in alternating rounds; the table
@@ -33,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
+PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
+          "integer_powers")
 
 
 # ---- the implementations -------------------------------------------------------------------------
@@ -86,6 +91,13 @@ def _timed(fn) -> float:
 
 
 # ---- workers (one process each) ----------------------------------------------------------------
+def _runtime() -> dict:
+    """The ONNX Runtime distribution and gradient source of this process."""
+    from ort_trainer._runtime import resolve_gradient_source, runtime_description
+
+    return {"runtime": runtime_description(), "gradient_source": resolve_gradient_source("auto")}
+
+
 def worker_timing(args) -> dict:
     """Alternate the implementations in one process; per-step times after warm-up."""
     import torch
@@ -97,7 +109,7 @@ def worker_timing(args) -> dict:
     base = work.make_model()
     import copy
 
-    impls, result = {}, {"train": {}, "eval": {}, "errors": {}}
+    impls, result = {}, {"train": {}, "eval": {}, "errors": {}, **_runtime()}
     for impl in args.impls.split(","):
         model = copy.deepcopy(base)
         try:
@@ -151,8 +163,8 @@ def worker_build(args) -> dict:
 
 # ---- orchestration ------------------------------------------------------------------------------
 def _spawn(kind: str, model: str, impls: str, steps: int, warmup: int = 3, rounds: int = 1,
-           env: dict | None = None) -> dict:
-    command = [sys.executable, __file__, "--worker", kind, "--model", model, "--impls", impls,
+           env: dict | None = None, python: str = sys.executable) -> dict:
+    command = [python, __file__, "--worker", kind, "--model", model, "--impls", impls,
                "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
@@ -174,11 +186,9 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    import onnxruntime
     import torch
 
-    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"onnxruntime-training {onnxruntime.__version__}")
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def main() -> None:
@@ -193,29 +203,39 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-ablation", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--legacy-python", default="",
+                        help="python of an environment with the 1.19.2 training build (e.g. .venv-legacy/bin/python); "
+                             "its runtime is measured beside this one")
     args = parser.parse_args()
     if args.worker:
         result = {"timing": worker_timing, "rss": worker_rss, "build": worker_build}[args.worker](args)
         print("RESULT " + json.dumps(result), flush=True)
         return
 
-    report = {"machine": _machine(), "models": {}}
-    for model in args.models.split(","):
-        print(f"== {model}", flush=True)
-        entry = report["models"][model] = {}
-        with tempfile.TemporaryDirectory() as cache:
-            env = {"ORT_TRAINER_CACHE_DIR": cache}
-            entry["build_cold"] = _spawn("build", model, "ort", 1, env=env)
-            entry["build_cached"] = _spawn("build", model, "ort", 1, env=env)
-            entry["timing"] = _spawn("timing", model, args.impls, args.steps, args.warmup, args.rounds, env=env)
-            entry["rss"] = {impl: _spawn("rss", model, impl, 8, env=env) for impl in args.impls.split(",")}
-            if not args.no_ablation:
-                entry["ablation"] = {}
-                for name in PASSES:
-                    impls = f"ort,ort_without:{name}"
-                    entry["ablation"][name] = _spawn("timing", model, impls, max(5, args.steps // 2), 3,
-                                                     args.rounds, env=env)
-        print(json.dumps(_summary(entry)), flush=True)
+    runtimes = {"current": sys.executable, **({"legacy": args.legacy_python} if args.legacy_python else {})}
+    report = {"machine": _machine(), "runtimes": {}}
+    for runtime, python in runtimes.items():
+        # torch.compile once, beside today's runtime: its time does not depend on ONNX Runtime
+        impls = args.impls if runtime == "current" else ",".join(i for i in args.impls.split(",") if i != "compile")
+        models = report["runtimes"][runtime] = {}
+        for model in args.models.split(","):
+            print(f"== {runtime}: {model}", flush=True)
+            entry = models[model] = {}
+            with tempfile.TemporaryDirectory() as cache:
+                env = {"ORT_TRAINER_CACHE_DIR": cache}
+                entry["build_cold"] = _spawn("build", model, "ort", 1, env=env, python=python)
+                entry["build_cached"] = _spawn("build", model, "ort", 1, env=env, python=python)
+                entry["timing"] = _spawn("timing", model, impls, args.steps, args.warmup, args.rounds, env=env,
+                                         python=python)
+                entry["rss"] = {impl: _spawn("rss", model, impl, 8, env=env, python=python)
+                                for impl in impls.split(",")}
+                if not args.no_ablation:
+                    entry["ablation"] = {}
+                    for name in PASSES:
+                        entry["ablation"][name] = _spawn("timing", model, f"ort,ort_without:{name}",
+                                                         max(5, args.steps // 2), 3, args.rounds, env=env,
+                                                         python=python)
+            print(json.dumps(_summary(entry)), flush=True)
     write_report(report, args.out)
 
 
@@ -224,73 +244,125 @@ def _summary(entry: dict) -> dict:
     return {impl: round(_median_ms(times), 1) for impl, times in timing.get("train", {}).items()}
 
 
+RUNTIME_NAMES = {"current": "today's onnxruntime", "legacy": "1.19.2 training build"}
+
+
+def _medians(result: dict, kind: str) -> dict[str, float]:
+    return {impl: _median_ms(times) for impl, times in result.get(kind, {}).items() if times}
+
+
+def _build_seconds(result: dict) -> float:
+    return result.get("first_step_s", float("nan")) - result.get("step_s", 0)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float:
+    return numerator / denominator if numerator and denominator else float("nan")
+
+
 def write_report(report: dict, out: Path) -> None:
-    """The markdown table and the PNG chart."""
-    lines = ["# Benchmarks", "", f"Machine: {report['machine']}.", "",
-             "Written by `make bench` (`benchmarks/run.py`); medians of per-step times after warm-up, the "
-             "implementations alternating in one process. Speed-up = PyTorch time / ort_trainer time "
-             "(> 1: ort_trainer is faster). RSS = peak resident memory of a process training that model.", "",
-             "## Training step", "",
-             "| model | ort_trainer ms | eager ms | torch.compile ms | vs eager | vs compile | RSS ort / eager MB | RSS ratio |",
-             "|---|---|---|---|---|---|---|---|"]
-    chart = {}
-    for model, entry in report["models"].items():
-        train = entry["timing"].get("train", {})
-        med = {impl: _median_ms(times) for impl, times in train.items()}
-        rss = {impl: value.get("peak_rss_mb") for impl, value in entry["rss"].items()}
-        errors = entry["timing"].get("errors", {})
-        ort, eager, comp = med.get("ort"), med.get("eager"), med.get("compile")
-        compile_cell = f"{comp:.1f}" if comp else f"failed: {errors.get('compile', 'not run')}"
-        lines.append(
-            f"| {model} | {ort:.1f} | {eager:.1f} | {compile_cell} | {eager / ort:.2f}× | "
-            f"{(comp / ort) if comp else float('nan'):.2f}× | {rss.get('ort') or 0:.0f} / {rss.get('eager') or 0:.0f} | "
-            f"{(rss.get('ort') or 0) / (rss.get('eager') or 1):.2f} |"
-        )
-        chart[model] = {"ort_trainer": ort, "eager": eager, **({"torch.compile": comp} if comp else {})}
-    lines += ["", "## Evaluation step", "", "| model | eval_step ms | eager no_grad ms | speed-up |", "|---|---|---|---|"]
-    for model, entry in report["models"].items():
-        ev = {impl: _median_ms(times) for impl, times in entry["timing"].get("eval", {}).items()}
-        if "ort" in ev and "eager" in ev:
-            lines.append(f"| {model} | {ev['ort']:.1f} | {ev['eager']:.1f} | {ev['eager'] / ev['ort']:.2f}× |")
+    """The markdown tables (a row per model per runtime) and the PNG chart."""
+    runtimes = report["runtimes"]
+    lines = ["# Benchmarks", "", f"Machine: {report['machine']}.", ""]
+    for runtime, models in runtimes.items():
+        first = next(iter(models.values()))["timing"]
+        lines.append(f"- **{runtime}** ({RUNTIME_NAMES.get(runtime, runtime)}): {first.get('runtime', '?')}, "
+                     f"gradient source `{first.get('gradient_source', '?')}`.")
+    lines += ["",
+              "Written by `make bench` (`benchmarks/run.py`); medians of per-step times after warm-up, ort_trainer and "
+              "PyTorch alternating in one process per runtime. Speed-up = PyTorch time / ort_trainer time "
+              "(> 1: ort_trainer is faster), each runtime against the PyTorch of its own process. RSS = peak "
+              "resident memory of a process training that model.", "",
+              "## Training step", "",
+              "| model | runtime | ort_trainer ms | eager ms | torch.compile ms | vs eager | vs compile | "
+              "RSS ort / eager MB | RSS ratio |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    chart: dict = {}
+    model_names = list(dict.fromkeys(m for models in runtimes.values() for m in models))
+    compiled = {m: _medians(runtimes.get("current", {}).get(m, {}).get("timing", {}), "train").get("compile")
+                for m in model_names}
+    for model in model_names:
+        for runtime, models in runtimes.items():
+            entry = models.get(model)
+            if entry is None:
+                continue
+            med = _medians(entry["timing"], "train")
+            rss = {impl: value.get("peak_rss_mb") or 0 for impl, value in entry["rss"].items()}
+            errors = entry["timing"].get("errors", {}) or {"ort": entry["timing"].get("error")}
+            ort, eager, comp = med.get("ort"), med.get("eager"), compiled.get(model)
+            if ort is None or eager is None:
+                lines.append(f"| {model} | {runtime} | failed: {errors} | | | | | | |")
+                continue
+            # torch.compile ran beside today's runtime: its ratio to another runtime's step compares processes
+            comp_cell = f"{comp:.1f}" if comp else f"failed: {errors.get('compile', 'not run')}"
+            lines.append(
+                f"| {model} | {runtime} | {ort:.1f} | {eager:.1f} | {comp_cell if runtime == 'current' else ''} | "
+                f"{eager / ort:.2f}× | {_ratio(comp, ort) if runtime == 'current' else float('nan'):.2f}× | "
+                f"{rss.get('ort', 0):.0f} / {rss.get('eager', 0):.0f} | {_ratio(rss.get('ort'), rss.get('eager')):.2f} |")
+            chart.setdefault(model, {"eager": 1.0})[f"ort_trainer ({runtime})"] = ort / eager
+            if comp and runtime == "current":
+                chart[model]["torch.compile"] = comp / eager
+    lines += ["", "## Evaluation step", "", "| model | runtime | eval_step ms | eager no_grad ms | speed-up |",
+              "|---|---|---|---|---|"]
+    for model in model_names:
+        for runtime, models in runtimes.items():
+            ev = _medians(models.get(model, {}).get("timing", {}), "eval")
+            if "ort" in ev and "eager" in ev:
+                lines.append(f"| {model} | {runtime} | {ev['ort']:.1f} | {ev['eager']:.1f} | "
+                             f"{ev['eager'] / ev['ort']:.2f}× |")
     lines += ["", "## Graph build", "",
-              "| model | first step, empty cache (s) | first step, graph from the cache (s) |", "|---|---|---|"]
-    for model, entry in report["models"].items():
-        cold, warm = entry["build_cold"], entry["build_cached"]
-        cold_s = cold.get("first_step_s", float("nan")) - cold.get("step_s", 0)
-        warm_s = warm.get("first_step_s", float("nan")) - warm.get("step_s", 0)
-        lines.append(f"| {model} | {cold_s:.2f} | {warm_s:.2f} |")
+              "| model | runtime | first step, empty cache (s) | first step, graph from the cache (s) |",
+              "|---|---|---|---|"]
+    for model in model_names:
+        for runtime, models in runtimes.items():
+            if model in models:
+                entry = models[model]
+                lines.append(f"| {model} | {runtime} | {_build_seconds(entry['build_cold']):.2f} | "
+                             f"{_build_seconds(entry['build_cached']):.2f} |")
     lines += ["", "## Targets", "", "| target | measured | met? |", "|---|---|---|"]
-    for model, entry in report["models"].items():
-        train = {impl: _median_ms(t) for impl, t in entry["timing"].get("train", {}).items()}
-        ev = {impl: _median_ms(t) for impl, t in entry["timing"].get("eval", {}).items()}
+    current, legacy = runtimes.get("current", {}), runtimes.get("legacy", {})
+    for model in model_names:
+        entry = current.get(model)
+        if entry is None:
+            continue
+        train, ev = _medians(entry["timing"], "train"), _medians(entry["timing"], "eval")
         rss = {impl: value.get("peak_rss_mb") or 0 for impl, value in entry["rss"].items()}
-        checks = [(f"{model}: step ≥ 1.3× eager", train["eager"] / train["ort"], 1.3, True),
-                  (f"{model}: eval_step ≥ 1.3× eager no_grad", ev["eager"] / ev["ort"], 1.3, True),
-                  (f"{model}: peak RSS ≤ 1.0× eager", rss.get("ort", 0) / max(rss.get("eager", 1), 1), 1.0, False)]
-        if "compile" in train:
-            checks.insert(1, (f"{model}: step ≥ 1.0× torch.compile", train["compile"] / train["ort"], 1.0, True))
+        speed = _ratio(train.get("eager"), train.get("ort"))
+        checks = []
+        if model in legacy:
+            old = _medians(legacy[model]["timing"], "train")
+            old_speed = _ratio(old.get("eager"), old.get("ort"))
+            checks.append((f"{model}: step vs eager on today's runtime ≥ on 1.19.2 ({old_speed:.2f}×)", speed,
+                           old_speed, True))
+        checks += [(f"{model}: step ≥ 1.3× eager", speed, 1.3, True),
+                   (f"{model}: eval_step ≥ 1.3× eager no_grad", _ratio(ev.get("eager"), ev.get("ort")), 1.3, True),
+                   (f"{model}: peak RSS ≤ 1.0× eager", _ratio(rss.get("ort"), rss.get("eager")), 1.0, False)]
+        if compiled.get(model):
+            checks.insert(len(checks) - 3, (f"{model}: step ≥ 1.0× torch.compile", _ratio(compiled[model], train.get("ort")),
+                                            1.0, True))
         for label, value, bound, higher in checks:
             met = value >= bound if higher else value <= bound
             lines.append(f"| {label} | {value:.2f}× | {'yes' if met else f'no, by {abs(value - bound) / bound:.0%}'} |")
         if model == "bert":
-            cold = entry["build_cold"].get("first_step_s", 99) - entry["build_cold"].get("step_s", 0)
-            warm = entry["build_cached"].get("first_step_s", 99) - entry["build_cached"].get("step_s", 0)
+            cold, warm = _build_seconds(entry["build_cold"]), _build_seconds(entry["build_cached"])
             lines.append(f"| bert: first graph build < 10 s | {cold:.2f} s | {'yes' if cold < 10 else 'no'} |")
             lines.append(f"| bert: graph from the cache < 1 s | {warm:.2f} s | {'yes' if warm < 1 else 'no'} |")
     lines += ["", "Why the missed targets are missed, with the profiles: `docs/performance.md`."]
-    if any("ablation" in entry for entry in report["models"].values()):
+    if any("ablation" in entry for models in runtimes.values() for entry in models.values()):
         lines += ["", "## Graph optimisations", "",
                   "Each row: the step time with every optimisation on, and with that one turned off "
                   "(`graph_optimizations.<name>: false`), alternating in one process.", "",
-                  "| model | optimisation | all on ms | without it ms | its effect |", "|---|---|---|---|---|"]
-        for model, entry in report["models"].items():
-            for name, result in entry.get("ablation", {}).items():
-                train = result.get("train", {})
-                if "ort" not in train or f"ort_without:{name}" not in train:
-                    lines.append(f"| {model} | {name} | | | failed: {result.get('error', result.get('errors'))} |")
-                    continue
-                on, off = _median_ms(train["ort"]), _median_ms(train[f"ort_without:{name}"])
-                lines.append(f"| {model} | {name} | {on:.1f} | {off:.1f} | {off / on:.2f}× |")
+                  "| model | runtime | optimisation | all on ms | without it ms | its effect |",
+                  "|---|---|---|---|---|---|"]
+        for model in model_names:
+            for runtime, models in runtimes.items():
+                for name, result in models.get(model, {}).get("ablation", {}).items():
+                    train = _medians(result, "train")
+                    if "ort" not in train or f"ort_without:{name}" not in train:
+                        lines.append(f"| {model} | {runtime} | {name} | | | failed: "
+                                     f"{result.get('error', result.get('errors'))} |")
+                        continue
+                    on, off = train["ort"], train[f"ort_without:{name}"]
+                    lines.append(f"| {model} | {runtime} | {name} | {on:.1f} | {off:.1f} | {off / on:.2f}× |")
     out.write_text("\n".join(lines) + "\n")
     _chart(chart, out.with_suffix(".png"))
     print("\n".join(lines))
@@ -303,12 +375,12 @@ def _chart(chart: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(chart)
-    impls = ["ort_trainer", "eager", "torch.compile"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.25
+    impls = list(dict.fromkeys(impl for values in chart.values() for impl in values))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(impls), 1)
     for i, impl in enumerate(impls):
-        values = [chart[m].get(impl, 0) / chart[m]["eager"] for m in models]
-        ax.bar([x + (i - 1) * width for x in range(len(models))], values, width, label=impl)
+        values = [chart[m].get(impl, 0) for m in models]
+        ax.bar([x + (i - (len(impls) - 1) / 2) * width for x in range(len(models))], values, width, label=impl)
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("training step time / eager")
     ax.axhline(1.0, color="grey", linewidth=0.8)

@@ -156,6 +156,10 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.fast_gelu_gradient": _Field(
         _BOOL, True, "tanh-GELU gradient in elementwise operators instead of the FastGeluGrad kernel"
     ),
+    "graph_optimizations.integer_powers": _Field(
+        _BOOL, True, "x**2 and x**3 (tanh-GELU and its gradient) as multiplications instead of Pow "
+        "(gradient source 'torch' only)"
+    ),
     "graph.gradient_source": _Field(
         _STR, "auto", "where the backward graph comes from: 'torch' (PyTorch's autograd exported to standard "
         "ONNX, any runtime), 'onnxruntime' (ONNX Runtime's gradient builder, training build 1.19.2 only), "

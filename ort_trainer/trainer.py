@@ -126,7 +126,9 @@ class ORTTrainer(_StateMixin):
         self._allreduce_micro_batches = self._comm is not None and window > 1 and not dist.allreduce_post_accumulation
         self._host_accumulation = window > 1 and (self._allreduce_micro_batches or not source.accumulates_in_graph)
         self._zero_counts: list[int] | None = None
-        self._graphs: TrainingGraphs | None = None
+        self._graphs: TrainingGraphs | None = None  # the first graphs built: the engine's layout comes from them
+        self._symbolic: TrainingGraphs | None = None  # symbolic-shape graphs, built when first needed
+        self._traces: dict[tuple, Any] = {}  # the gradient source's traces by the shape they fixed
         self._engine: Engine | None = None
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
         self._specialised: set[tuple] = set()  # shape signatures that have static-shape graphs
@@ -139,9 +141,11 @@ class ORTTrainer(_StateMixin):
             self._build(self._synthetic_inputs())
 
     # ---- building -----------------------------------------------------------------------------
-    def _synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None) -> list[np.ndarray]:
-        """Trace inputs from the description: symbols get distinct sizes > 1, ints are zeros."""
-        sizes: dict[str, int] = {}
+    def _synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None,
+                          sizes: dict[str, int] | None = None) -> list[np.ndarray]:
+        """Trace inputs from the description: symbols get ``sizes`` or else distinct sizes > 1,
+        ints are zeros."""
+        sizes = dict(sizes or {})
         arrays = []
         for d in self.model_desc.inputs:
             shape = [dim if isinstance(dim, int) else sizes.setdefault(dim, 2 + len(sizes)) for dim in d.shape]
@@ -153,13 +157,28 @@ class ORTTrainer(_StateMixin):
         return arrays
 
     def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
+        """Build the first graphs and the engine around them.
+
+        With ``graph_optimizations.shape_specialization`` the first graphs are those of the
+        sample's shapes (static graphs build several times faster than symbolic ones on the torch
+        source); the symbolic graphs are built only when something needs them.
+        """
+        feeds = dict(zip(self.model_desc.input_names, sample_inputs))
+        shape = self._symbol_sizes(feeds) if self.options.graph_optimizations.shape_specialization else ()
+        outputs = self._outputs_key()
         if self._comm is not None and self._comm.rank != 0:
             self._comm.barrier()  # rank 0 builds and caches the graph; the others then load it
-        graphs = build_training_graphs(self._job, sample_inputs)
+        graphs = build_training_graphs(self._job, sample_inputs, dims=dict(shape) or None, outputs=outputs)
         if self._comm is not None and self._comm.rank == 0:
             self._comm.barrier()
         self._graphs = graphs
+        self._base_signature = (shape, outputs)
         self._sample_inputs = list(sample_inputs)
+        self._traces[shape] = graphs.forward
+        if shape:
+            self._specialised.add(shape)
+        elif outputs is None:
+            self._symbolic = graphs
         trained = graphs.meta["trained"]
         dist = self.options.distributed
         spec = build_optimizer(self._job, graphs.meta, dist.world_size, dist.world_rank,
@@ -221,7 +240,7 @@ class ORTTrainer(_StateMixin):
                   ("a second input (the first batch reversed along its first axis, floating-point values "
                    "negated): the export froze a value or branch at the batch it traced",
                    [other_values(a) for a in sample_inputs])]
-        self._engine.select(None)
+        self._engine.select(self._full_signature(dict(zip(desc.input_names, sample_inputs))))
         for which, inputs in checks:
             was_training = self.model.training
             self.model.eval()
@@ -250,14 +269,39 @@ class ORTTrainer(_StateMixin):
         whose graphs have those dimensions fixed (ONNX Runtime then plans memory and picks kernels
         for static shapes), or None; ``outputs`` the fetched outputs, or None for all of them.
         """
-        if signature is None:
+        shape, outputs = signature or (None, None)
+        if (shape or (), outputs) == self._base_signature:
             return self._graphs.gradient, self._graphs.eval
-        shape, outputs = signature
-        graphs = build_training_graphs(self._job, self._sample_inputs, dims=dict(shape) if shape else None,
-                                       forward=self._graphs.forward, outputs=outputs)
-        if graphs.meta["trained"] != self._graphs.meta["trained"]:
-            raise RuntimeError("a shape-specialised graph trains different weights than the symbolic graph")
+        if shape is None and outputs is None:
+            graphs = self._symbolic_graphs()
+        else:
+            graphs = self._build_for(shape or (), outputs)
         return graphs.gradient, graphs.eval
+
+    def _build_for(self, shape: tuple, outputs: tuple | None) -> TrainingGraphs:
+        """Graphs with the symbol sizes ``shape`` fixed (``()``: symbolic) returning ``outputs``,
+        from a trace that serves them when there is one."""
+        forward = self._traces.get(shape) or self._traces.get(())
+        if forward is None and self._graphs.forward is not None and self._graphs.forward.serves(dict(shape) or None):
+            forward = self._graphs.forward
+        dtypes = {name: array.dtype for name, array in zip(self.model_desc.input_names, self._sample_inputs)}
+        samples = self._synthetic_inputs(dtypes, dict(shape)) if shape else self._sample_inputs
+        graphs = build_training_graphs(self._job, samples, dims=dict(shape) or None, forward=forward, outputs=outputs)
+        self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
+        if graphs.meta["trained"] != self._graphs.meta["trained"]:
+            raise RuntimeError("graphs of another input shape train different weights than the first graphs")
+        return graphs
+
+    def _symbolic_graphs(self) -> TrainingGraphs:
+        """The graphs with the description's symbolic dimensions kept symbolic, every output returned."""
+        if self._symbolic is None:
+            self._symbolic = self._build_for((), None)
+        return self._symbolic
+
+    def _full_signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
+        """The signature of graphs returning every output for these inputs' shapes."""
+        shape = self._symbol_sizes(feeds) if self.options.graph_optimizations.shape_specialization else ()
+        return (shape, None) if shape in self._specialised else None
 
     def _signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
         """The shape signature whose graphs run these inputs (None: the symbolic graph).
@@ -268,9 +312,7 @@ class ORTTrainer(_StateMixin):
         sequence lengths builds a bounded number of graphs.
         """
         opts = self.options.graph_optimizations
-        fetched = self._fetched()
-        outputs = tuple(n for n in fetched if n != self.model_desc.loss_name)
-        outputs = None if set(fetched) == set(self.model_desc.output_names) else outputs
+        outputs = self._outputs_key()
         shape = self._symbol_sizes(feeds) if opts.shape_specialization else ()
         if shape and shape not in self._specialised:
             if len(self._specialised) < opts.max_shape_graphs:
@@ -284,6 +326,13 @@ class ORTTrainer(_StateMixin):
         if not shape and outputs is None:
             return None
         return (shape or None, outputs)
+
+    def _outputs_key(self) -> tuple | None:
+        """The outputs part of a signature: the fetched outputs besides the loss, None for all."""
+        fetched = self._fetched()
+        if set(fetched) == set(self.model_desc.output_names):
+            return None
+        return tuple(n for n in fetched if n != self.model_desc.loss_name)
 
     def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:
         if self._engine is None:
@@ -529,7 +578,7 @@ class ORTTrainer(_StateMixin):
         if self.loss_fn is not None:
             inputs = inputs[:-1]
             outputs = [n for n in outputs if n != desc.loss_name]
-        model = build_inference_graph(self._graphs.eval, inputs, outputs, engine.weights())
+        model = build_inference_graph(self._symbolic_graphs().eval, inputs, outputs, engine.weights())
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:

@@ -1,17 +1,33 @@
 """Bad input gets a clear error naming the problem and the fix, before any work is lost."""
 
+import copy
+
 import numpy as np
 import onnx
 import pytest
 import torch
 
 from models import MLP, MLP_DESC, mlp_batch
-from ort_trainer import IODescription, ModelDescription, ORTTrainer
+from ort_trainer import IODescription, ModelDescription, ORTTrainer, _runtime
 from ort_trainer.graph.export import ExportError
 from ort_trainer.graph.gradient import GradientBuildError
 from ort_trainer.optim import AdamConfig, SGDConfig
 
 CE = torch.nn.functional.cross_entropy
+
+
+@pytest.fixture(params=["onnxruntime", "torch"])
+def source(request):
+    """A gradient source, for errors each route raises its own way (skipped where not installed)."""
+    if request.param == "onnxruntime" and not _runtime.has_training_build():
+        pytest.skip("the 'onnxruntime' gradient source needs the onnxruntime-training 1.19.2 build")
+    if request.param == "torch" and not _runtime.has_onnxscript():
+        pytest.skip("the 'torch' gradient source exports with onnxscript")
+    return request.param
+
+
+def _on(source):
+    return {"graph": {"gradient_source": source}}
 
 
 @pytest.fixture
@@ -106,19 +122,66 @@ class _WithSign(torch.nn.Module):
         return self.signs(self.fc(x)).sum()
 
 
+class _Cummax(torch.nn.Module):
+    def forward(self, x):
+        return torch.cummax(x, dim=1)[0]
+
+
+class _WithCummax(_WithDiff):
+    def __init__(self):
+        super().__init__()
+        self.differences = _Cummax()
+
+
+class _Igamma(torch.nn.Module):
+    def forward(self, x):
+        return torch.igamma(x.abs() + 1.0, torch.ones_like(x))
+
+
+class _WithIgamma(_WithSign):
+    def __init__(self):
+        super().__init__()
+        self.signs = _Igamma()
+
+
 LOSS_ONLY = {"inputs": [("x", ["batch", 4])], "outputs": [("loss", [])]}
 
 
-def test_unexportable_op_names_the_op_and_the_module(capfd):
-    trainer = ORTTrainer(_WithDiff(), LOSS_ONLY, SGDConfig())
+def test_unexportable_op_names_the_op_and_the_module(capfd, source):
+    if source == "torch":  # torch.export traces aten::diff; torch's ONNX exporter has no cummax
+        trainer = ORTTrainer(_WithCummax(), LOSS_ONLY, SGDConfig(), options=_on(source))
+        with pytest.raises(ExportError, match=r"no translation for aten\.cummax\.default.*"
+                                              r"pip install .*\(in module differences \(_Cummax\)\)"):
+            trainer.train_step(torch.randn(2, 4))
+        return
+    trainer = ORTTrainer(_WithDiff(), LOSS_ONLY, SGDConfig(), options=_on(source))
     with pytest.raises(ExportError, match=r"operator aten::diff in module differences \(_Diff\) cannot be exported"):
         trainer.train_step(torch.randn(2, 4))
     assert "Torch IR graph" not in capfd.readouterr().out  # the exporter's dump stays out of stdout
 
 
-def test_op_without_gradient_names_the_op_and_the_module():
-    trainer = ORTTrainer(_WithSign(), LOSS_ONLY, SGDConfig())
-    with pytest.raises(GradientBuildError, match=r"no gradient for operator Sign \(in module signs\)"):
+def test_op_without_gradient_names_the_op_and_the_module(source):
+    if source == "onnxruntime":
+        trainer = ORTTrainer(_WithSign(), LOSS_ONLY, SGDConfig(), options=_on(source))
+        with pytest.raises(GradientBuildError, match=r"no gradient for operator Sign \(in module signs\)"):
+            trainer.train_step(torch.randn(2, 4))
+        return
+    # autograd has Sign's gradient (zero), so the torch route trains it exactly as PyTorch does ...
+    torch.manual_seed(0)
+    model, x = _WithSign(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, LOSS_ONLY, SGDConfig(lr=0.5), options=_on(source))
+    trainer.train_step(x)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference(x).backward()
+    optimizer.step()
+    got = trainer.state_dict(pytorch_format=True)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6)
+    # ... and refuses, naming operator and module, what PyTorch has no gradient for either
+    trainer = ORTTrainer(_WithIgamma(), LOSS_ONLY, SGDConfig(), options=_on(source))
+    with pytest.raises(ExportError, match=r"could not differentiate the traced model \(in module signs \(_Igamma\)\): "
+                                          r"the derivative for 'igamma: input' is not implemented"):
         trainer.train_step(torch.randn(2, 4))
 
 
@@ -169,7 +232,7 @@ def test_unknown_weight_names_in_groups_and_frozen_weights(batch):
     assert "known weights: fc1.bias, fc1.weight, fc2.bias, fc2.weight" in str(info.value)
 
 
-def test_check_model_export_names_the_diverging_output():
+def test_check_model_export_names_the_diverging_output(source, monkeypatch, tmp_path):
     from ort_trainer.graph.export import ExportMismatchError
 
     def corrupt(model):  # a broken graph transform: the logits pick up a constant (the loss, being
@@ -183,9 +246,25 @@ def test_check_model_export_names_the_diverging_output():
         graph.initializer.append(nh.from_array(np.array(0.5, np.float32), "half"))
         graph.node.append(h.make_node("Add", ["logits_before", "half"], ["logits"]))
 
-    options = {"debug": {"check_model_export": True}, "_internal_use": {"extra_postprocess": corrupt}}
+    options = {"debug": {"check_model_export": True}, **_on(source)}
+    if source == "torch":  # no forward graph to post-process: corrupt the eval graph the source built
+        from ort_trainer.graph.source_torch import TorchGradientSource
+
+        built = TorchGradientSource.build
+
+        def corrupted(self, *args, **kwargs):
+            result = built(self, *args, **kwargs)
+            corrupt(result.eval)
+            return result
+
+        monkeypatch.setattr(TorchGradientSource, "build", corrupted)
+        monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))  # the corrupted graphs stay out of the cache
+    else:
+        options["_internal_use"] = {"extra_postprocess": corrupt}
     trainer = ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options=options)
     with pytest.raises(ExportMismatchError, match="output 'logits' of the exported model differs from PyTorch .max abs difference 0.5"):
         trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
-    healthy = ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options={"debug": {"check_model_export": True}})
+    monkeypatch.undo()
+    healthy = ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE,
+                         options={"debug": {"check_model_export": True}, **_on(source)})
     healthy.train_step(*mlp_batch(torch.Generator().manual_seed(0)))  # a faithful export passes the check

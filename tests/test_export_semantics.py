@@ -1,5 +1,10 @@
 """The export trains what the user wrote, or refuses: detach/no_grad, custom autograd Functions,
-data-dependent Python control flow, weights outside the loss, and ``debug.check_model_export``."""
+data-dependent Python control flow, weights outside the loss, and ``debug.check_model_export``.
+
+Every test runs on each gradient source installed: ``onnxruntime`` (TorchScript export, needs the
+1.19.2 training build) and ``torch`` (``torch.export``, needs onnxscript). Where the two routes
+legitimately differ, the test asserts each route's own behaviour.
+"""
 
 import copy
 import logging
@@ -10,13 +15,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer
+from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph.export import ExportError, ExportMismatchError
 from ort_trainer.optim import SGDConfig
 
 DESC = {"inputs": [("x", ["batch", 4]), ("label", ["batch"])],
         "outputs": [("loss", [], True), ("logits", ["batch", 3])]}
 LR = 0.5
+
+
+@pytest.fixture(params=["onnxruntime", "torch"], autouse=True)
+def source(request):
+    """The gradient source under test; every ORTTrainer of a test uses it (``_options``)."""
+    if request.param == "onnxruntime" and not _runtime.has_training_build():
+        pytest.skip("the 'onnxruntime' gradient source needs the onnxruntime-training 1.19.2 build")
+    if request.param == "torch" and not _runtime.has_onnxscript():
+        pytest.skip("the 'torch' gradient source exports with onnxscript")
+    _SOURCE[0] = request.param
+    return request.param
+
+
+_SOURCE = ["auto"]
+
+
+def _options(**extra):
+    return {"graph": {"gradient_source": _SOURCE[0]}, **extra}
 
 
 def _batch(step):
@@ -27,7 +50,7 @@ def _batch(step):
 def _train_both(model, steps=3, desc=DESC):
     """Train ``model`` with ORTTrainer and a copy with torch.optim.SGD; return both state dicts."""
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     for step in range(steps):
         x, label = _batch(step)
@@ -113,7 +136,7 @@ def test_stopped_gradients_train_like_pytorch(model_class):
 def test_stop_gradient_markers_leave_no_trace_in_the_exported_model(tmp_path):
     torch.manual_seed(0)
     model = BehindNoGrad()
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     x, label = _batch(0)
     trainer.train_step(x, label)
     path = tmp_path / "model.onnx"
@@ -160,7 +183,7 @@ class WithCustomFunction(torch.nn.Module):
 
 
 def test_custom_autograd_function_is_refused_naming_class_and_module():
-    trainer = ORTTrainer(WithCustomFunction(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(WithCustomFunction(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     with pytest.raises(ExportError) as info:
         trainer.train_step(*_batch(0))
     message = str(info.value)
@@ -222,7 +245,7 @@ class Stack(torch.nn.Module):
     (ItemScale, "Tensor.item()", "return self.linear(x) / float(x.max().item())"),
 ])
 def test_data_dependent_python_values_are_refused(inner, construct, line):
-    trainer = ORTTrainer(Stack(inner()), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(Stack(inner()), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     with pytest.raises(ExportError) as info:
         trainer.train_step(*_batch(0))
     message = str(info.value)
@@ -260,8 +283,13 @@ class InPlaceUnderNoGrad(_Base):
         return self.c(h)
 
 
-def test_in_place_change_under_no_grad_of_a_tensor_that_requires_grad_is_refused():
-    trainer = ORTTrainer(InPlaceUnderNoGrad(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+def test_in_place_change_under_no_grad_of_a_tensor_that_requires_grad_is_refused_or_trained_exactly(source):
+    if source == "torch":  # autograd over the torch.export program keeps PyTorch's gradient through h
+        torch.manual_seed(0)
+        _, got, expected = _train_both(InPlaceUnderNoGrad())
+        _assert_same_weights(got, expected)
+        return
+    trainer = ORTTrainer(InPlaceUnderNoGrad(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     with pytest.raises(ExportError) as info:
         trainer.train_step(*_batch(0))
     message = str(info.value)
@@ -282,11 +310,18 @@ class HiddenBranch(torch.nn.Module):
         return self.linear(x) if positive else self.linear(-x)
 
 
-def test_check_model_export_catches_a_branch_frozen_at_export():
+def test_check_model_export_catches_a_branch_frozen_at_export(source):
     x, label = _batch(0)
     x = x.abs()  # the first batch takes the positive branch; a second, sign-flipped input the other
-    options = {"debug": {"check_model_export": True}}
+    options = _options(debug={"check_model_export": True})
     trainer = ORTTrainer(HiddenBranch(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=options)
+    if source == "torch":  # torch.export never freezes a data-dependent branch: it stops there, and so do we
+        with pytest.raises(ExportError) as info:
+            trainer.train_step(x, label)
+        message = str(info.value)
+        assert "reads a tensor's value into Python at" in message and "test_export_semantics.py" in message
+        assert "compute it with tensor operations" in message
+        return
     with pytest.raises(ExportMismatchError) as info:
         trainer.train_step(x, label)
     message = str(info.value)
@@ -313,7 +348,8 @@ def test_weights_feeding_only_a_non_loss_output_are_skipped_with_a_warning(caplo
     reference = copy.deepcopy(model)
     desc = {"inputs": [("x", ["batch", 4]), ("label", ["batch"])],
             "outputs": [("loss", [], True), ("logits", ["batch", 3]), ("aux_out", ["batch", 2])]}
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=LR), loss_fn=lambda out, label: F.cross_entropy(out[0], label))
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=LR), loss_fn=lambda out, label: F.cross_entropy(out[0], label),
+                         options=_options())
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     with caplog.at_level(logging.WARNING, logger="ort_trainer"):
         for step in range(3):
@@ -343,7 +379,7 @@ class Checkpointed(torch.nn.Module):
 
 
 def test_reentrant_gradient_checkpointing_is_refused_with_the_fix():
-    trainer = ORTTrainer(Checkpointed(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(Checkpointed(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     with pytest.raises(ExportError, match=r"gradient checkpointing .* in module <top-level forward> \(Checkpointed\)"
                                           r".*turn checkpointing off"):
         trainer.train_step(*_batch(0))
@@ -361,7 +397,7 @@ class SeveralProblems(torch.nn.Module):
 
 
 def test_every_problem_is_reported_at_once():
-    trainer = ORTTrainer(SeveralProblems(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(SeveralProblems(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     with pytest.raises(ExportError) as info:
         trainer.train_step(*_batch(0))
     message = str(info.value)
@@ -422,7 +458,7 @@ def _with_backward_hook():
 def test_what_the_backward_graph_cannot_run_is_refused(make, expected):
     model = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
     with pytest.raises(ExportError, match=expected):
         trainer.train_step(*_batch(0))
     if make is RunningMean:  # the traced forward's state change is undone

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from models import MLP, MLP_DESC, mlp_batch
-from ort_trainer import ORTTrainer
+from ort_trainer import ORTTrainer, _runtime
 from ort_trainer._logging import logger
 from ort_trainer.graph import cache as graph_cache
 from ort_trainer.optim import AdamConfig, SGDConfig
@@ -50,8 +50,8 @@ def test_second_process_reuses_the_cached_graph(tmp_path):
     assert "reused the cached training graph" in second.stderr and "built the training graph" not in second.stderr
     assert first.stdout == second.stdout  # same losses from the cached graph
     entries = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
-    # the symbolic graph, and the static-shape graph of the one batch shape the job uses
-    assert len(entries) == 2 and all((entry / "meta.json").exists() for entry in entries)
+    # the static-shape graph of the one batch shape the job uses (symbolic graphs only when needed)
+    assert len(entries) == 1 and all((entry / "meta.json").exists() for entry in entries)
 
 
 def test_cache_key_covers_what_shapes_the_graph(tmp_path, monkeypatch):
@@ -82,6 +82,9 @@ def test_cache_can_be_turned_off(monkeypatch):
         assert trainer._graphs.from_cache is False
 
 
+@pytest.mark.skipif(not _runtime.has_training_build(),
+                    reason="the user's forward-graph hook exists only for the 'onnxruntime' gradient source, which "
+                           "needs onnxruntime-training")
 def test_user_hook_and_debug_graph_dumps(tmp_path, monkeypatch):
     monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", "off")
     seen = []
@@ -97,7 +100,8 @@ def test_user_hook_and_debug_graph_dumps(tmp_path, monkeypatch):
     }
     trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy,
                          options={"_internal_use": {"extra_postprocess": hook}, "debug": {"graph_save_paths": paths},
-                                  "graph_optimizations": {"cross_entropy": False}})
+                                  "graph_optimizations": {"cross_entropy": False},
+                                  "graph": {"gradient_source": "onnxruntime"}})
     trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
     assert seen and "Gemm" in seen[0] and "SoftmaxCrossEntropyLoss" in seen[0]
     forward = onnx.load(paths["model_after_graph_transforms_path"])
@@ -109,6 +113,38 @@ def test_user_hook_and_debug_graph_dumps(tmp_path, monkeypatch):
     optimizer = onnx.load(paths["model_with_training_graph_path"])
     outputs = {o.name for o in optimizer.graph.output}
     assert {"group0[0:837].Moment_1.out", "all_finite", "global_gradient_norm"} <= outputs  # one segment: 837 weights
+
+
+def test_torch_source_debug_dumps_run_and_refuse_the_forward_hook(tmp_path, monkeypatch):
+    pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
+    import onnxruntime
+
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", "off")
+    paths = _dump_paths(tmp_path / "dumps")
+    options = {"debug": {"graph_save_paths": paths}, "graph": {"gradient_source": "torch"}}
+    model = MLP()
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-2), loss_fn=torch.nn.functional.cross_entropy,
+                         options=options)
+    x, y = mlp_batch(torch.Generator().manual_seed(0))
+    trainer.train_step(x, y)
+    # the forward dump is the eval-mode graph: with the trained weights it gives eval_step's outputs
+    weights = trainer.state_dict()["model"]["full_precision"]
+    forward = onnx.load(paths["model_after_graph_transforms_path"])
+    feeds = {"x": x.numpy(), "label": y.numpy(), **{i.name: weights[i.name] for i in forward.graph.input
+                                                    if i.name in weights}}
+    session = onnxruntime.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+    loss, logits = session.run(["loss", "logits"], feeds)
+    expected_loss, expected_logits = trainer.eval_step(x, y)
+    assert abs(float(loss) - expected_loss.item()) < 1e-6
+    assert float(abs(logits - expected_logits.numpy()).max()) < 1e-6
+    gradient = onnx.load(paths["model_with_gradient_graph_path"])
+    assert {"fc1.weight_grad", "fc2.bias_grad"} <= {o.name for o in gradient.graph.output}
+    optimizer = onnx.load(paths["model_with_training_graph_path"])
+    assert {"all_finite", "global_gradient_norm"} <= {o.name for o in optimizer.graph.output}
+    hooked = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy,
+                        options={**options, "_internal_use": {"extra_postprocess": lambda model: None}})
+    with pytest.raises(ValueError, match=r"extra_postprocess .*gradient_source='onnxruntime'"):
+        hooked.train_step(x, y)
 
 
 def test_weight_names_are_checked_on_a_cache_hit_too(tmp_path, monkeypatch):

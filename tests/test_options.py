@@ -24,7 +24,7 @@ API_KEYS = {
 OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turned off
     "graph_optimizations.shape_specialization", "graph_optimizations.max_shape_graphs",
     "graph_optimizations.sparse_labels", "graph_optimizations.cross_entropy", "graph_optimizations.embedding_gradient",
-    "graph_optimizations.fast_gelu_gradient", "graph.gradient_source",
+    "graph_optimizations.fast_gelu_gradient", "graph_optimizations.integer_powers", "graph.gradient_source",
 }
 
 

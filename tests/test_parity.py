@@ -155,3 +155,37 @@ def test_common_layers_train_like_pytorch(model_cls, make_input, shape):
     )
     np.testing.assert_allclose(ort_losses, torch_losses, rtol=RTOL)
     _assert_weights_close(trainer, reference, RTOL)
+
+
+def test_recurrent_layers_train_at_a_new_length_and_export_per_source(tmp_path):
+    """A second sequence length trains like PyTorch on either source; the symbolic graph of
+    ``save_as_onnx`` exists on the 'onnxruntime' source, while the 'torch' source (torch.export
+    unrolls LSTM/GRU over the sequence) refuses it, naming the layers and the routes that work."""
+    gen = torch.Generator().manual_seed(7)
+    desc = {"inputs": [("x", ["batch", "seq"]), ("label", ["batch"])],
+            "outputs": [("loss", [], True), ("out", ["batch", 5])]}
+    batches = [((torch.randint(0, 10, (6, length), generator=gen),), torch.randint(0, 5, (6,), generator=gen))
+               for length in (7, 4, 7, 4)]
+    trainer, reference, ort_losses, torch_losses = _run_pair(
+        _Recurrent(), desc, torch.nn.functional.cross_entropy, AdamConfig(lr=1e-2),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0), batches, clip=1.0,
+    )
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=RTOL)
+    _assert_weights_close(trainer, reference, RTOL)
+    path = tmp_path / "recurrent.onnx"
+    if trainer._job.source.name == "torch":
+        from ort_trainer.graph.export import ExportError
+
+        with pytest.raises(ExportError, match=r"lstm \(LSTM\), gru \(GRU\) cannot be traced with a symbolic "
+                                              r"sequence length.*gradient_source='onnxruntime'"):
+            trainer.save_as_onnx(path)
+        return
+    import onnxruntime
+
+    trainer.save_as_onnx(path)
+    x, label = batches[0][0][0], batches[0][1]
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    feeds = {n: v for n, v in {"x": x.numpy(), "label": label.numpy()}.items() if n in names}
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    np.testing.assert_allclose(outputs["out"], trainer.eval_step(x, label)[1].numpy(), rtol=1e-5, atol=1e-6)

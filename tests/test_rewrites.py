@@ -4,12 +4,11 @@ import copy
 import math
 
 import numpy as np
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer
+from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import SGDConfig
 
 VOCAB, HIDDEN = 40, 16
@@ -59,8 +58,16 @@ def _reference_grads(model, batch):
     return {name: p.grad.numpy() for name, p in double.named_parameters()}
 
 
-def _ort_grads(model, batch, fetch_loss_only=False, **passes):
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0), options={"graph_optimizations": passes})
+ONNXRUNTIME = pytest.param("onnxruntime", marks=pytest.mark.skipif(
+    not _runtime.has_training_build(), reason="the 'onnxruntime' gradient source needs onnxruntime-training 1.19.2"))
+TORCH = pytest.param("torch", marks=pytest.mark.skipif(
+    not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript"))
+SOURCES = [ONNXRUNTIME, TORCH]
+
+
+def _ort_grads(model, batch, fetch_loss_only=False, source="auto", **passes):
+    options = {"graph_optimizations": passes, "graph": {"gradient_source": source}}
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0), options=options)
     if fetch_loss_only:
         trainer._train_step_info.fetches = ["loss"]
     trainer.train_step(*batch)
@@ -80,19 +87,37 @@ def _ops(trainer):
 
 
 ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False,
-           "embedding_gradient": False, "fast_gelu_gradient": False}
+           "embedding_gradient": False, "fast_gelu_gradient": False, "integer_powers": False}
 
 
-@pytest.mark.parametrize("name, present, absent", [
-    ("cross_entropy", {"LogSoftmax", "GatherElements"}, {"SoftmaxCrossEntropyLoss", "LogSoftmaxGrad"}),
-    ("embedding_gradient", {"ScatterElements"}, {"GatherGrad"}),
-    ("fast_gelu_gradient", {"Tanh"}, {"FastGeluGrad"}),
-])
-def test_each_gradient_pass_matches_float64_pytorch(name, present, absent):
+def _one_hot_scatters(trainer):
+    """ScatterElements nodes without a reduction: the torch decomposition's one-hot of the labels."""
+    return [n for n in trainer._graphs.gradient.graph.node if n.op_type == "ScatterElements"
+            and all(a.s in (b"", b"none") for a in n.attribute if a.name == "reduction")]
+
+
+def _scatter_adds(trainer):
+    return [n for n in trainer._graphs.gradient.graph.node if n.op_type == "ScatterElements"
+            and any(a.name == "reduction" and a.s == b"add" for a in n.attribute)]
+
+
+# (source, pass, operator types present with the pass on, absent with it on but present with it off)
+PASS_CASES = [
+    ("onnxruntime", "cross_entropy", {"LogSoftmax", "GatherElements"}, {"SoftmaxCrossEntropyLoss", "LogSoftmaxGrad"}),
+    ("onnxruntime", "embedding_gradient", {"ScatterElements"}, {"GatherGrad"}),
+    ("onnxruntime", "fast_gelu_gradient", {"Tanh"}, {"FastGeluGrad"}),
+    ("torch", "integer_powers", {"Tanh", "Mul"}, {"Pow"}),
+]
+
+
+@pytest.mark.parametrize("source, name, present, absent", [
+    pytest.param(*case, marks=(ONNXRUNTIME if case[0] == "onnxruntime" else TORCH).marks, id=f"{case[0]}-{case[1]}")
+    for case in PASS_CASES])
+def test_each_gradient_pass_matches_float64_pytorch(source, name, present, absent):
     model, batch = MaskedLM(), _batch()
     expected = _reference_grads(model, batch)
-    off_trainer, without = _ort_grads(copy.deepcopy(model), batch, **ALL_OFF)
-    on_trainer, with_pass = _ort_grads(copy.deepcopy(model), batch, **{**ALL_OFF, name: True})
+    off_trainer, without = _ort_grads(copy.deepcopy(model), batch, source=source, **ALL_OFF)
+    on_trainer, with_pass = _ort_grads(copy.deepcopy(model), batch, source=source, **{**ALL_OFF, name: True})
     ops_on, ops_off = _ops(on_trainer), _ops(off_trainer)
     assert present <= ops_on and not (absent & ops_on), ops_on
     assert absent & ops_off  # the pass really changed the graph
@@ -100,30 +125,84 @@ def test_each_gradient_pass_matches_float64_pytorch(name, present, absent):
     _assert_close(with_pass, expected)
 
 
-def test_sparse_labels_only_when_logits_are_not_fetched():
-    model, batch = MaskedLM(), _batch(1)
+@pytest.mark.parametrize("repeat", range(3))
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_torch_cross_entropy_backward_is_one_scatter_add(repeat):
+    """The decomposed log-softmax + NLL backward (a one-hot over the vocabulary, five passes) becomes
+    exp(Y)·w with -w added at the label; ignored rows (w = 0) stay zero. Repeated: ScatterElements
+    runs on 2 threads, and a racy scatter would show up as a wrong gradient now and then."""
+    model, batch = MaskedLM(), _batch(repeat)
     expected = _reference_grads(model, batch)
-    trainer, grads = _ort_grads(copy.deepcopy(model), batch, fetch_loss_only=True, **{**ALL_OFF, "sparse_labels": True})
+    off_trainer, without = _ort_grads(copy.deepcopy(model), batch, source="torch", **ALL_OFF)
+    on_trainer, with_pass = _ort_grads(copy.deepcopy(model), batch, source="torch",
+                                       **{**ALL_OFF, "cross_entropy": True})
+    assert len(_one_hot_scatters(off_trainer)) == 1 and not _one_hot_scatters(on_trainer)
+    assert len(_scatter_adds(on_trainer)) == len(_scatter_adds(off_trainer)) + 1
+    assert sum(n.op_type == "Sub" for n in on_trainer._graphs.gradient.graph.node) < \
+        sum(n.op_type == "Sub" for n in off_trainer._graphs.gradient.graph.node)
+    _assert_close(without, expected)
+    _assert_close(with_pass, expected)
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+@pytest.mark.parametrize("reduction, ignore_index, weighted", [
+    ("mean", -100, False), ("sum", -100, False), ("mean", 3, False), ("mean", -100, True)])
+def test_torch_cross_entropy_backward_per_reduction(reduction, ignore_index, weighted):
+    """Each spelling of the loss (mean, sum, an ignored class that occurs) gets the rewrite and keeps
+    the gradients of float64 PyTorch; with class weights the weight is one per class, not per row,
+    so the pass leaves that graph alone."""
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+            self.out = torch.nn.Linear(HIDDEN, VOCAB)
+            self.register_buffer("class_weight", torch.linspace(0.5, 2.0, VOCAB), persistent=False)
+
+        def forward(self, ids, labels):
+            logits = self.out(self.embed(ids))
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=ignore_index,
+                                   reduction=reduction, weight=self.class_weight if weighted else None)
+            return loss, logits
+
+    model = Classifier()
+    ids, labels = _batch(4)
+    labels = ids.clone()
+    labels[0, :5] = 3 if ignore_index == 3 else labels[0, :5]
+    expected = _reference_grads(model, (ids, labels))
+    trainer, grads = _ort_grads(copy.deepcopy(model), (ids, labels), source="torch",
+                                **{**ALL_OFF, "cross_entropy": True})
+    assert bool(_one_hot_scatters(trainer)) == weighted
     _assert_close(grads, expected)
-    (sparse_session,) = [s for key, s in trainer._engine._session_sets.items() if key is not None]
-    assert sparse_session.output_names == ["loss"]
-    ops = {n.op_type for n in onnx.load_from_string(_graph_bytes(trainer, key=(None, ()))).graph.node}
-    assert "NonZero" in ops  # the projection runs on the labelled rows only
-    loss_only = trainer.train_step(*batch)
-    trainer._train_step_info.fetches = []
-    loss, logits = trainer.train_step(*batch)  # all outputs: the full graph again
-    assert tuple(logits.shape) == (4, 12, VOCAB) and loss.item() == pytest.approx(loss_only.item(), rel=1e-6)
 
 
-def _graph_bytes(trainer, key):
-    gradient, _ = trainer._graphs_for(key)
-    return gradient.SerializeToString()
+def _identity_transposes(trainer):
+    return [n for n in trainer._graphs.gradient.graph.node if n.op_type == "Transpose"
+            and list(n.attribute[0].ints) == list(range(len(n.attribute[0].ints)))]
 
 
-def test_all_passes_on_match_float64_pytorch():
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_torch_embedding_gradient_drops_identity_transposes():
+    """On the torch source the embedding gradient is ScatterElements(add) with or without the pass
+    (the exporter's ScatterND(add) races on 2 threads, so it is rewritten for correctness); the pass
+    drops the identity Transposes that the index / index_put decompositions put around it."""
+    model, batch = MaskedLM(), _batch(5)
+    expected = _reference_grads(model, batch)
+    found = {}
+    for flag in (False, True):
+        trainer, grads = _ort_grads(copy.deepcopy(model), batch, source="torch",
+                                    **{**ALL_OFF, "embedding_gradient": flag})
+        ops = _ops(trainer)
+        assert "ScatterElements" in ops and "ScatterND" not in ops
+        found[flag] = len(_identity_transposes(trainer))
+        _assert_close(grads, expected)
+    assert found[False] > 0 and found[True] == 0, found
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_all_passes_on_match_float64_pytorch(source):
     model, batch = MaskedLM(), _batch(2)
     expected = _reference_grads(model, batch)
-    _, grads = _ort_grads(copy.deepcopy(model), batch, fetch_loss_only=True)  # defaults: everything on
+    _, grads = _ort_grads(copy.deepcopy(model), batch, fetch_loss_only=True, source=source)  # defaults: all on
     _assert_close(grads, expected)
 
 
@@ -137,8 +216,9 @@ def test_fast_gelu_gradient_formula_at_extreme_inputs():
     torch.testing.assert_close(formula, x.grad)
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("embedding_gradient", [False, True])
-def test_embedding_padding_idx_gets_no_gradient_like_pytorch(embedding_gradient):
+def test_embedding_padding_idx_gets_no_gradient_like_pytorch(embedding_gradient, source):
     """nn.Embedding(padding_idx=...) never updates that row from the lookup; the export must agree."""
 
     class Padded(torch.nn.Module):
@@ -157,6 +237,7 @@ def test_embedding_padding_idx_gets_no_gradient_like_pytorch(embedding_gradient)
     labels = ids.clone()
     expected = _reference_grads(model, (ids, labels))
     assert np.abs(expected["embed.weight"][0]).sum() == 0
-    _, grads = _ort_grads(copy.deepcopy(model), (ids, labels), **{**ALL_OFF, "embedding_gradient": embedding_gradient})
+    _, grads = _ort_grads(copy.deepcopy(model), (ids, labels), source=source,
+                          **{**ALL_OFF, "embedding_gradient": embedding_gradient})
     assert np.abs(grads["embed.weight"][0]).sum() == 0
     _assert_close(grads, expected)

@@ -324,14 +324,12 @@ def test_make_test_legacy_runs_the_parity_checkpoint_rewrite_and_mpi_tests_on_th
     assert all((REPO / f).is_file() for f in files)
 
 
-def test_make_test_current_runs_the_torch_source_tests_on_todays_onnxruntime():
-    out = _make_dry_run("test-current")
-    assert 'pip install --quiet -e ".[cpu,dev,mpi]"' in out and "touch .venv-current/.installed-cpu" in out
+def test_make_test_installs_todays_onnxruntime_by_default_and_runs_the_whole_suite():
+    out = _make_dry_run("test")
+    assert 'pip install --quiet -e ".[cpu,dev,mpi]"' in out and "touch .venv/.installed-cpu" in out
+    assert '".[training' not in out
     (command,) = [line for line in out.splitlines() if "-m pytest" in line]
-    assert command.startswith(".venv-current/bin/python -m pytest -q ")
-    files = command.split()[4:]
-    assert {"tests/test_gradient_sources.py", "tests/test_onnx_to_torch.py"} <= set(files)
-    assert all((REPO / f).is_file() for f in files)
+    assert command.split() == [".venv/bin/python", "-m", "pytest", "-q", "tests"]
 
 
 @pytest.mark.parametrize("codes, expected", [((0, 0), 0), ((2, 0), 1), ((0, 2), 1), ((2, 2), 1)])
@@ -340,10 +338,10 @@ def test_ci_script_runs_both_environments_and_fails_if_either_fails(tmp_path, co
     fake_make.write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
         echo "$1" >> {tmp_path / 'calls'}
-        case "$1" in test) exit {codes[0]} ;; test-current) exit {codes[1]} ;; *) exit 99 ;; esac
+        case "$1" in test) exit {codes[0]} ;; test-legacy) exit {codes[1]} ;; *) exit 99 ;; esac
     """))
     fake_make.chmod(0o755)
     env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == expected, result.stdout + result.stderr
-    assert (tmp_path / "calls").read_text().split() == ["test", "test-current"]
+    assert (tmp_path / "calls").read_text().split() == ["test", "test-legacy"]

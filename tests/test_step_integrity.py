@@ -268,3 +268,55 @@ def test_ctrl_c_inside_train_step_applies_the_step_whole(where):
         trainer.train_step(x, y)
         reference.train_step(x, y)
     assert _same(_weights(trainer), _weights(reference))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_torch_source_reads_the_checks_off_the_traced_program(dynamic):
+    pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
+    from ort_trainer.graph import torch_autograd
+    from ort_trainer.graph.input_checks import find_program_constraints
+    from ort_trainer.model_desc import parse_model_desc
+
+    def constraints(model, desc, loss, batch, dims):
+        desc = parse_model_desc(desc)
+        traced = torch_autograd.trace(model, loss, desc, [np.asarray(b) for b in batch], dynamic=dynamic)
+        return find_program_constraints(traced.program, desc.input_names, traced._job["weight_of"],
+                                        {io.name: list(io.shape) for io in desc.inputs}, None if dynamic else dims)
+
+    # a static trace's sizes are named by the symbol of that size, so the checks serve every shape
+    found = constraints(_BatchNormMLP(), MLP_DESC, CE, mlp_batch(torch.Generator().manual_seed(0)), {"batch": 8})
+    assert found == {"indices": {"label": [{"high": 5, "ignore": -100, "what": "classes of the cross-entropy in "
+                                            "the loss function"}]},
+                     "batchnorm": [{"module": "norm", "shape": ["batch", 16]}]}
+    found = constraints(TinyEncoder(), ENCODER_DESC, mlm_loss, mlm_batch(torch.Generator().manual_seed(0)),
+                        {"batch": 4, "seq": 12})
+    assert found == {"indices": {
+        "ids": [{"high": 50, "ignore": None, "what": "rows of 'embed.weight' (embedding lookup in embed)"}],
+        "labels": [{"high": 50, "ignore": -100, "what": "classes of the cross-entropy in the loss function"}]},
+        "batchnorm": []}
+
+
+def test_an_onnx_model_with_its_loss_refuses_an_out_of_range_label():
+    import io
+
+    import onnx
+
+    from models import MLPWithLoss
+
+    x, y = mlp_batch(torch.Generator().manual_seed(0))
+    buffer = io.BytesIO()
+    torch.onnx.export(MLPWithLoss(), (x, y), buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False, input_names=["x", "label"], output_names=["loss", "logits"],
+                      dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}, "logits": {0: "batch"}})
+    from ort_trainer import _runtime
+
+    if _runtime.resolve_gradient_source() == "torch":
+        pytest.importorskip("onnx2fx", reason="ONNX models take the torch route through onnx2fx (the [cpu] extra)")
+    trainer = ORTTrainer(onnx.load_from_string(buffer.getvalue()), MLP_DESC, SGDConfig(lr=0.1))
+    trainer.train_step(x, y)
+    before = _weights(trainer)
+    y = y.clone()
+    y[2] = 9
+    with pytest.raises(ValueError, match=r"input 'label': value 9 at index \[2\] .*valid values are 0\.\.4"):
+        trainer.train_step(x, y)
+    assert _same(before, _weights(trainer)) and trainer._train_step_info.step == 1

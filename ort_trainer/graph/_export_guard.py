@@ -1,5 +1,11 @@
 """What the export trace would silently get wrong: honoured where it can be, refused where not.
 
+One guard, two routes. The ``onnxruntime`` gradient source exports with the TorchScript tracer
+(``export.py``, ``stop_gradients=True``); the ``torch`` source traces with ``torch.export``
+(``torch_autograd.py``, ``stop_gradients=False``), whose program autograd differentiates, so
+gradient stops need no marker there and ``.data`` becomes ``detach()`` (``torch.export`` cannot
+trace ``.data``). The refusals below are the same on both routes unless said otherwise.
+
 The TorchScript tracer records the tensor operations one forward pass makes. These PyTorch
 semantics live outside that record:
 
@@ -15,10 +21,14 @@ semantics live outside that record:
 - **Data read into Python** (``if x.mean() > 0``, ``.item()``, ``float(x)``, ``.tolist()``...).
   The value of the traced batch becomes a constant. Values derived from model inputs, weights or
   buffers are refused (a taint carried through every torch call); values derived from shapes only
-  (``x.size(0) > 1``) are recorded by the tracer and allowed.
+  (``x.size(0) > 1``) are recorded by the tracer and allowed. ``torch.export`` cannot freeze such
+  a value (it stops at the first one); the guard names it before that.
 - **State changed by the forward** (a buffer updated in place, a weight clamped through
   ``.data``): the graph would never store it. Refused, BatchNorm statistics excepted (trained by
-  ``buffers.py``).
+  ``buffers.py``). On the ``torch`` route the real tensors are not touched while tracing: the
+  program's mutation outputs say what changed (``check_program``).
+- **In-place change under ``torch.no_grad()`` of a tensor that requires grad**: refused on the
+  TorchScript route only; autograd over the ``torch.export`` program keeps PyTorch's gradient.
 
 Every problem found in the one traced forward is collected, with the module (as in
 ``model.named_modules()``) and the source line, and reported together.
@@ -77,6 +87,15 @@ _CONVERSIONS = {
     "__array__": "numpy.asarray(tensor)",
     "__contains__": "`value in tensor`",
 }
+# Stand-ins for a data-dependent Python value on the torch.export route (see ``handle``).
+_PLACEHOLDERS = {
+    "__bool__": lambda t: True,
+    "item": lambda t: True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1,
+    "__float__": lambda t: 1.0,
+    "__int__": lambda t: 1,
+    "__index__": lambda t: 1,
+    "__complex__": lambda t: 1 + 0j,
+}
 _AUTOGRAD_CALLS = {torch.autograd.grad: "torch.autograd.grad()", torch.autograd.backward: "torch.autograd.backward()",
                    torch.Tensor.backward: "Tensor.backward()"}
 _CONVERSION_FIX = ("compute it with tensor operations instead (torch.where, masks, clamp, arithmetic), so it "
@@ -132,10 +151,15 @@ class ExportGuard:
     Args:
         wrapper: the module being exported (the user's model under ``model``, plus the loss).
         has_loss_fn: whether code outside the model is the user's loss function.
+        stop_gradients: True for the TorchScript route (gradient stops become ``StopGradient``
+            markers); False for ``torch.export``, whose autograd honours them itself.
     """
 
-    def __init__(self, wrapper: torch.nn.Module, has_loss_fn: bool):
+    def __init__(self, wrapper: torch.nn.Module, has_loss_fn: bool, stop_gradients: bool = True):
         self._wrapper = wrapper
+        self._stop_gradients = stop_gradients
+        self._builder = ("ONNX Runtime builds the backward graph" if stop_gradients else
+                         "the backward graph comes from autograd's formulas for the traced operations")
         self._outside_model = "the loss function" if has_loss_fn else "<top-level forward>"
         self._labels: dict[int, str] = {}
         for name, module in wrapper.named_modules():
@@ -192,11 +216,16 @@ class ExportGuard:
             handles.append(module.register_forward_pre_hook(lambda *_, label=label: self._stack.append(label),
                                                             prepend=True))
             handles.append(module.register_forward_hook(self._leave, always_call=True))
+        # torch.export traces with fake copies of the weights and buffers, swapped in for the trace:
+        # their version counters show what the forward changed
+        before = None if self._stop_gradients else self._state_versions()
         self._watching = True
         try:
             with _GuardMode(self):
                 yield
         finally:
+            if before is not None:
+                self._check_state(before)
             self._watching = False
             for handle in handles:
                 handle.remove()
@@ -213,6 +242,34 @@ class ExportGuard:
                     state[(path, name)] = (id(tensor), tensor._version, batch_norm)
         return state
 
+    def check_program(self, program: Any) -> None:
+        """Report the weights and buffers a ``torch.export`` program changes (its mutation outputs),
+        BatchNorm statistics excepted: tracing changes fake copies, so ``exporting`` cannot see it.
+
+        Args:
+            program: the ``torch.export`` program traced from the wrapper.
+        """
+        from torch.export.graph_signature import OutputKind
+
+        modules = dict(self._wrapper.named_modules())
+        for spec in program.graph_signature.output_specs:
+            if spec.kind not in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION) or not spec.target:
+                continue
+            path, _, name = spec.target.rpartition(".")
+            module = modules.get(path)
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                continue
+            self._report_state_change(path, name, module, spec.kind == OutputKind.PARAMETER_MUTATION)
+
+    def _report_state_change(self, path: str, name: str, module: torch.nn.Module | None, weight: bool) -> None:
+        key = f"{path[len('model.'):]}.{name}" if path.startswith("model.") else name
+        self._problems.setdefault(("state", key), (
+            f"the forward changes {'weight' if weight else 'buffer'} {key!r} (in place or by assigning a new tensor), "
+            "in module {modules}: the exported graph reads its value from before the step and never stores a new "
+            "one, so each step would start from the same value where PyTorch keeps the change; move that update "
+            "out of the forward (ort_trainer trains only the weights and BatchNorm statistics)",
+            [self._labels.get(id(module), path) if module is not None else path]))
+
     def _check_state(self, before: dict[tuple[str, str], tuple[int, int, bool]]) -> None:
         """Report weights and buffers the traced forward changed (BatchNorm statistics are trained)."""
         modules = dict(self._wrapper.named_modules())
@@ -221,14 +278,7 @@ class ExportGuard:
             tensor = None if module is None else {**module._parameters, **module._buffers}.get(name)
             if batch_norm or (tensor is not None and id(tensor) == identity and tensor._version == version):
                 continue
-            key = f"{path[len('model.'):]}.{name}" if path.startswith("model.") else name
-            kind = "weight" if module is not None and name in module._parameters else "buffer"
-            self._problems.setdefault(("state", key), (
-                f"the forward changes {kind} {key!r} (in place or by assigning a new tensor), in module {{modules}}: "
-                "the exported graph reads its value from before the step and never stores a new one, so each step "
-                "would start from the same value where PyTorch keeps the change; move that update out of the "
-                "forward (ort_trainer trains only the weights and BatchNorm statistics)",
-                [self._labels.get(id(module), path) if module is not None else path]))
+            self._report_state_change(path, name, module, module is not None and name in module._parameters)
 
     def _leave(self, *_: Any) -> None:
         self._stack.pop()
@@ -243,15 +293,22 @@ class ExportGuard:
                          "{where}: the exported graph has no autograd, so the gradients it computes would be "
                          "frozen; compute that term without autograd, or train this model with PyTorch")
         elif name in ("register_hook", "register_post_accumulate_grad_hook") and args[0].requires_grad:
-            self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: ONNX Runtime builds the "
-                         "backward graph, so a gradient hook would never run; remove the hook, or express its "
-                         "effect in the forward or the loss")
-        if name in ("detach", "data"):
-            out = StopGradient.apply(args[0])
-        elif name == "detach_":
+            self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: {self._builder}, so "
+                         "a gradient hook would never run; remove the hook, or express its effect in the forward or "
+                         "the loss")
+        if name == "detach_":
             self._report(("detach_",), "Tensor.detach_() in module {modules} at {where}: the export cannot "
                          "detach a tensor in place; write x = x.detach()")
             out = func(*args, **kwargs)
+        elif not self._stop_gradients:
+            if tainted and name in _PLACEHOLDERS:
+                # torch.export cannot produce the value (it stops tracing there): the export is refused
+                # anyway, so a stand-in lets the trace go on and find every other problem
+                self._report_conversion(name)
+                return _PLACEHOLDERS[name](args[0])
+            out = args[0].detach() if name == "data" else func(*args, **kwargs)
+        elif name in ("detach", "data"):
+            out = StopGradient.apply(args[0])
         elif not torch.is_grad_enabled() and not _is_metadata(name) and any(t.requires_grad for t in tensors):
             out = self._call_without_gradient(func, name, args, kwargs)
         else:
@@ -268,10 +325,7 @@ class ExportGuard:
                          _user_source_line())
         if tainted and not _is_metadata(name):
             if _is_python_value(out):
-                construct = _CONVERSIONS.get(name, f"{name}() returning a Python value")
-                self._report(("convert", name), f"{construct} in module {{modules}} at {{where}}: the value "
-                             "comes from the batch, the weights or the buffers, and the export would freeze it at "
-                             f"its value for the traced batch; {_CONVERSION_FIX}")
+                self._report_conversion(name)
             else:
                 for value in tree_flatten(out)[0]:
                     if isinstance(value, torch.Tensor):
@@ -279,6 +333,12 @@ class ExportGuard:
                 if _is_in_place(name) and args and isinstance(args[0], torch.Tensor):
                     self._taint(args[0])
         return out
+
+    def _report_conversion(self, name: str) -> None:
+        construct = _CONVERSIONS.get(name, f"{name}() returning a Python value")
+        self._report(("convert", name), f"{construct} in module {{modules}} at {{where}}: the value comes from the "
+                     "batch, the weights or the buffers, and the export would freeze it at its value for the traced "
+                     f"batch; {_CONVERSION_FIX}")
 
     def _call_without_gradient(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         """An operation under ``torch.no_grad()``: its inputs that require grad pass a StopGradient."""
@@ -316,20 +376,21 @@ class ExportGuard:
                 frame = frame.f_back
             owner = frame.f_locals.get("self") if frame is not None else None
             self._report(("function", cls.__qualname__), "a module backward hook (register_full_backward_hook or "
-                         "register_full_backward_pre_hook) on module {modules}: ONNX Runtime builds the backward "
-                         "graph, so the hook would never run; remove the hook, or express its effect in the "
-                         "forward or the loss", module=self._labels.get(id(owner)))
+                         f"register_full_backward_pre_hook) on module {{modules}}: {self._builder}, so the hook would "
+                         "never run; remove the hook, or express its effect in the forward or the loss",
+                         module=self._labels.get(id(owner)))
         elif cls.__module__ == "torch.utils.checkpoint":
             self._report(("function", cls.__qualname__), "gradient checkpointing (torch.utils.checkpoint, "
                          "use_reentrant=True) in module {modules} at {where}: its forward runs without gradient "
                          "and the exported graph cannot replay it in the backward pass; turn checkpointing off "
-                         "(Hugging Face: model.gradient_checkpointing_disable()): ONNX Runtime builds the whole "
+                         "(Hugging Face: model.gradient_checkpointing_disable()): the export builds the whole "
                          "backward graph itself")
         else:
             self._report(("function", cls.__qualname__), f"custom torch.autograd.Function {cls.__qualname__} called "
-                         "in module {modules} at {where}: the exported graph keeps its forward only, so ONNX Runtime "
-                         "would differentiate the forward and never run its backward; write it with differentiable "
-                         "torch operations, or freeze the weights that feed it (utils.frozen_weights)")
+                         f"in module {{modules}} at {{where}}: the exported graph keeps its forward only and "
+                         f"{self._builder}, which differentiate the forward and never run the Function's backward; "
+                         "write it with differentiable torch operations, or freeze the weights that feed it "
+                         "(utils.frozen_weights)")
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _taint(self, tensor: Any) -> None:

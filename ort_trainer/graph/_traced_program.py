@@ -19,10 +19,11 @@ def trace_inputs(desc: ModelDescription, sample_inputs: Sequence[np.ndarray], dy
     """Sample tensors (plus the loss scale, 1.0) and ``torch.export`` dynamic shapes for them (None
     when not ``dynamic``).
 
-    Each symbolic dimension is traced at its sample size unless that is 0 or 1 (``torch.export``
-    specialises those) or another symbol's size (the tracer may equate the two): then at the
-    nearest free size, preferring smaller ones (a sequence stays within a position table). Rows
-    are dropped or repeated to get there, so index values stay valid.
+    Each symbolic dimension is traced one below its sample size (a sample as long as a table the
+    code slices makes torch specialise the dimension to that length), or at the nearest other
+    size that is not 0 or 1 (``torch.export`` specialises those) nor another symbol's size (the
+    tracer may equate the two), preferring smaller ones (a sequence stays within a position
+    table). Rows are dropped or repeated to get there, so index values stay valid.
 
     Raises:
         ValueError: when a symbolic dimension has size 0 in the sample.
@@ -40,7 +41,9 @@ def trace_inputs(desc: ModelDescription, sample_inputs: Sequence[np.ndarray], dy
         raise ValueError(f"symbolic dimension(s) {empty} have size 0 in the sample batch; trace with a non-empty batch")
     taken, traced = {0, 1}, {}
     for dim, size in sizes.items():
-        candidates = [*range(size, 1, -1), *range(size + 1, size + 1000)]
+        # below the sample size first: a sample sequence as long as a table the code slices to it
+        # (GPT's causal mask, a position table) makes torch specialise the dimension to that length
+        candidates = [*range(size - 1, 1, -1), *([size] if size > 1 else []), *range(size + 1, size + 1000)]
         traced[dim] = next(c for c in candidates if c not in taken)
         taken.add(traced[dim])
     shapes, tensors = [], []
@@ -119,7 +122,7 @@ def fingerprint(program: Any, settings: list) -> str:
         digest.update(name.encode())
         if isinstance(constant, torch.Tensor):
             digest.update(f"{tuple(constant.shape)}{constant.dtype}".encode())
-            digest.update(constant.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(constant.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             digest.update(repr(constant).encode())
     return digest.hexdigest()
@@ -185,3 +188,35 @@ def _requires_grad(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_requires_grad(v) for v in value)
     return False
+
+
+def modules_using(program: Any, op: str) -> list[str]:
+    """The modules whose forward calls operator ``op``, as ``"path (Class)"``.
+
+    Args:
+        program: the ``torch.export`` program of ``torch_autograd.trace`` (its nodes carry the
+            module stack; the joint program's do not).
+        op: an operator name as torch's messages write it (``aten.cummax.default``,
+            ``prims.igamma``, ``igamma``); matched on the name between namespace and overload.
+
+    Returns:
+        Labels as in ``model.named_modules()`` (``<top-level forward> (Class)`` for the model's
+        own forward, ``the loss function`` for code outside the model), each once.
+    """
+    parts = op.split(".")
+    wanted = (parts[1] if len(parts) > 1 else parts[0]).lstrip("_")
+    found = []
+    for node in program.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "_opname", "").lstrip("_") != wanted:
+            continue
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        path, kind = stack[-1] if stack else ("", "")
+        if path == "model":
+            label = f"<top-level forward> ({kind.rsplit('.', 1)[-1]})"
+        elif path.startswith("model."):
+            label = f"{path[len('model.'):]} ({kind.rsplit('.', 1)[-1]})"
+        else:
+            label = "the loss function"
+        if label not in found:
+            found.append(label)
+    return found

@@ -8,6 +8,10 @@ the forward graph before any rewrite, which integer inputs index what (embedding
 a cross-entropy) and the shape of every training-mode BatchNorm input in terms of the
 description's symbols; ``check_inputs`` then tests a batch against them in microseconds and
 returns every violation, before any state changes.
+
+The torch gradient source has no forward ONNX graph: ``find_program_constraints`` reads the same
+facts off its ``torch.export`` program (``aten.embedding`` indices, ``aten.cross_entropy_loss`` /
+``nll_loss`` targets, training-mode ``aten.batch_norm`` inputs), in the same format.
 """
 
 from __future__ import annotations
@@ -144,4 +148,123 @@ def check_inputs(constraints: dict[str, Any], feeds: dict[str, np.ndarray], symb
                     "batch variance is undefined; use a batch of at least 2, or drop the last incomplete batch")
     return problems
 
-__all__ = ["check_inputs", "find_input_constraints"]
+
+# ATen ops whose output holds (a subset of) the values of argument 0, unchanged
+_FX_PASS_THROUGH = {"view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
+                    "t", "expand", "slice", "select", "clone", "contiguous", "alias", "detach", "_to_copy", "to",
+                    "lift_fresh_copy", "index_select", "index", "narrow", "repeat", "unflatten", "movedim"}
+# loss ops: (what, position of the target, position of ignore_index, its default)
+_FX_LOSSES = {"cross_entropy_loss": ("cross-entropy", 1, 4, -100),
+              **{op: ("negative log-likelihood loss", 1, 4, -100)
+                 for op in ("nll_loss", "nll_loss_nd", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward")}}
+# batch-norm ops: position of the ``training`` flag
+_FX_BATCH_NORMS = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5,
+                   "_native_batch_norm_legit_functional": 5, "cudnn_batch_norm": 5, "_batch_norm_impl_index": 5}
+
+
+def _op_name(node: Any) -> str | None:
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) if node.op == "call_function" else None
+
+
+def _fx_module(node: Any) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    if path == "model":
+        return "<top-level forward>"
+    return path[len("model."):] if path.startswith("model.") else "the loss function"
+
+
+def _argument(node: Any, position: int, name: str, default: Any) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+def find_program_constraints(program: Any, data_inputs: list[str], weight_of: dict[str, str],
+                             symbols: dict[str, list], dims: dict[str, int] | None = None) -> dict[str, Any]:
+    """``find_input_constraints`` for a ``torch.export`` program (training mode, before decomposition).
+
+    Args:
+        program: the ``ExportedProgram``; its user inputs are the description's inputs, in order
+            (a trailing extra input, such as the loss scale, is ignored).
+        data_inputs: names of the description's inputs.
+        weight_of: ``{parameter or buffer fqn: weight name}`` as the graphs name weights.
+        symbols: ``{input: description shape}``: symbolic sizes of the traced shapes are named by
+            these symbols.
+        dims: the symbol sizes of a static trace (None for a symbolic one). The checks serve
+            every batch shape, so a BatchNorm input size equal to exactly one symbol's size is
+            taken as that symbol, and one equal to several as unknown.
+
+    Returns:
+        The same dict as ``find_input_constraints``.
+    """
+    import torch
+    from torch.export.graph_signature import InputKind
+
+    specs = program.graph_signature.input_specs
+    users = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    weight_nodes = {s.arg.name: weight_of.get(s.target, s.target) for s in specs
+                    if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    named: dict[str, str] = {}  # sympy expression of a traced size -> description symbol
+    for input_name, placeholder in zip(data_inputs, users):
+        value = placeholders[placeholder].meta.get("val")
+        for dim, size in zip(symbols.get(input_name, []), getattr(value, "shape", [])):
+            if isinstance(dim, str) and isinstance(size, torch.SymInt):
+                named.setdefault(str(size.node.expr), dim)
+
+    def shape_of(node: Any) -> list | None:
+        value = node.meta.get("val") if hasattr(node, "meta") else None
+        if not isinstance(value, torch.Tensor):
+            return None
+        return [named.get(str(size.node.expr)) if isinstance(size, torch.SymInt) else int(size)
+                for size in value.shape]
+
+    def symbolic_shape_of(node: Any) -> list | None:
+        shape = shape_of(node)
+        if shape is None or not dims:
+            return shape
+        result = []
+        for size in shape:
+            matches = [symbol for symbol, value in dims.items() if value == size]
+            result.append(size if not matches else matches[0] if len(matches) == 1 else None)
+        return result
+
+    indices: dict[str, list[dict]] = {}
+    for input_name, placeholder in zip(data_inputs, users):
+        found: list[dict] = []
+        frontier, seen = [placeholders[placeholder]], {placeholders[placeholder]}
+        while frontier:
+            value = frontier.pop()
+            for node in value.users:
+                op = _op_name(node)
+                if op == "embedding" and len(node.args) > 1 and node.args[1] is value:
+                    table = node.args[0]
+                    rows = (shape_of(table) or [None])[0]
+                    weight = weight_nodes.get(getattr(table, "name", None), getattr(table, "name", "?"))
+                    found.append({"high": rows if isinstance(rows, int) else None, "ignore": None,
+                                  "what": f"rows of {weight!r} (embedding lookup in {_fx_module(node)})"})
+                elif op in _FX_LOSSES and len(node.args) > _FX_LOSSES[op][1] and node.args[_FX_LOSSES[op][1]] is value:
+                    what, _, position, default = _FX_LOSSES[op]
+                    scores = shape_of(node.args[0]) or []
+                    classes = scores[1] if len(scores) > 1 else (scores[0] if len(scores) == 1 else None)
+                    ignore = _argument(node, position, "ignore_index", default)
+                    found.append({"high": classes if isinstance(classes, int) else None,
+                                  "ignore": int(ignore) if isinstance(ignore, int) else None,
+                                  "what": f"classes of the {what} in {_fx_module(node)}"})
+                elif op in _FX_PASS_THROUGH and node.args and node.args[0] is value and node not in seen:
+                    seen.add(node)
+                    frontier.append(node)
+        if found:
+            indices[input_name] = found
+
+    batchnorm = []
+    for node in program.graph.nodes:
+        op = _op_name(node)
+        if op in _FX_BATCH_NORMS and _argument(node, _FX_BATCH_NORMS[op], "training", False) is True:
+            batchnorm.append({"module": _fx_module(node), "shape": symbolic_shape_of(node.args[0])})
+    return {"indices": indices, "batchnorm": batchnorm}
+
+
+__all__ = ["check_inputs", "find_input_constraints", "find_program_constraints"]

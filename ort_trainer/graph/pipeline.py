@@ -43,7 +43,8 @@ class TrainingGraphs:
             ({buffer: gradient-graph output with its new value}, e.g. BatchNorm statistics).
         from_cache: True when loaded from the graph cache.
         forward: the gradient source's ``Traced`` program, before specialisation; in memory
-            only, so shape specialisations of the same job skip the trace.
+            only, so shape specialisations of the same job skip the trace where it serves them.
+        dims: the symbol sizes the graphs have fixed (None: symbolic).
 
     The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
     """
@@ -53,6 +54,7 @@ class TrainingGraphs:
     meta: dict
     from_cache: bool = False
     forward: Traced | None = None
+    dims: dict[str, int] | None = None
 
 
 @dataclass
@@ -123,7 +125,7 @@ def build_training_graphs(
             them symbolic).
         graph_cache_store: the cache (default: ``GraphCache()``).
         forward: ``TrainingGraphs.forward`` of an earlier build of the same job, to skip the
-            trace when specialising shapes (None: trace now).
+            trace where it serves ``dims`` (None, or a static trace of other sizes: trace now).
         outputs: the description outputs this graph returns besides the loss (None: all). Leaving
             outputs out lets passes such as ``sparse_labels`` skip work nobody reads.
 
@@ -138,7 +140,8 @@ def build_training_graphs(
     source = job.source
     input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
     started = time.perf_counter()
-    traced = forward if forward is not None else source.trace(job, sample_inputs)
+    dims = dims or None
+    traced = forward if forward is not None and forward.serves(dims) else source.trace(job, sample_inputs, dims)
     key = job.cache_key(traced, input_dtypes, dims, outputs)
     trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
     prepared = source.prepare(job, traced, dims, outputs, input_dtypes)
@@ -152,7 +155,7 @@ def build_training_graphs(
             onnx.save(models["gradient"], job.save_paths["model_with_gradient_graph_path"])
         logger.info("reused the cached training graph %s (%.2f s, trace included) from %s", key[:16],
                     time.perf_counter() - started, store.root)
-        return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True, forward=traced)
+        return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True, forward=traced, dims=dims)
 
     built = source.build(job, traced, prepared)
     _warn_untrained(trainable, built.trained)
@@ -170,7 +173,7 @@ def build_training_graphs(
     entry = store.store(key, {"gradient": built.gradient, "eval": built.eval}, meta)
     logger.info("built the training graph %s with the %s gradient source in %.2f s%s", key[:16], source.name,
                 time.perf_counter() - started, f"; cached in {entry}" if entry else "")
-    return TrainingGraphs(built.gradient, built.eval, meta, forward=traced)
+    return TrainingGraphs(built.gradient, built.eval, meta, forward=traced, dims=dims)
 
 
 def _warn_untrained(trainable: list[str], trained: list[str]) -> None:

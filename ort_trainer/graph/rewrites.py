@@ -14,6 +14,8 @@ Forward passes run on the forward graph before the gradient builder:
 - ``cross_entropy``: ``SoftmaxCrossEntropyLoss`` (whose CPU kernels are slow for a large
   vocabulary) becomes ``LogSoftmax`` + ``GatherElements`` + a masked mean.
 
+The ``"torch"`` gradient source's joint graph has its own passes (``joint_rewrites.py``).
+
 Gradient passes run on the gradient graph, replacing ONNX Runtime's gradient kernels with
 equivalent standard operators:
 
@@ -37,8 +39,9 @@ from onnx import helper, numpy_helper
 MS_DOMAIN = "com.microsoft"
 
 FORWARD_PASSES = ("sparse_labels", "cross_entropy")
-GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient")
-ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient")
+GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient", "integer_powers")
+ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
+              "integer_powers")
 
 
 class _Editor:

@@ -38,9 +38,10 @@ class OnnxRuntimeGradientSource(GradientSource):
     name = "onnxruntime"
     accumulates_in_graph = True
 
-    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> Traced:
+    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
         """Export (or copy) the forward graph, make it trainable, run the user's hook, and move
-        every weight to a graph input: that graph is what the cache key hashes."""
+        every weight to a graph input: that graph is what the cache key hashes. The export is
+        symbolic whatever ``dims`` are: ``prepare`` specialises it."""
         forward, torch_keys, trainable, padding = _forward_graph(job, sample_inputs)
         weights_to_inputs(forward, list(torch_keys))
         return Traced(graph_cache.fingerprint_graph(forward), torch_keys, trainable, padding, forward)

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from . import torch_autograd
+from .._logging import logger
+from . import joint_rewrites, torch_autograd, torch_sparse_labels
+from .export import ExportError
 from .gradient import LOSS_SCALE_INPUT, specialize
-from .input_checks import find_input_constraints
+from .input_checks import find_input_constraints, find_program_constraints
 from .sources import Built, GradientSource, Prepared, Traced
 
 if TYPE_CHECKING:
@@ -31,8 +33,10 @@ class TorchGradientSource(GradientSource):
     name = "torch"
     accumulates_in_graph = False
 
-    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> Traced:
-        """``torch.export`` of the model (an ONNX model converted first) with its loss."""
+    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
+        """``torch.export`` of the model (an ONNX model converted first) with its loss: of exactly
+        the sample's shapes when ``dims`` are given (a static graph builds several times faster
+        than a symbolic one), else with the description's symbolic dimensions dynamic."""
         if job.extra_postprocess is not None:
             raise ValueError(
                 "_internal_use.extra_postprocess edits the forward ONNX graph that ONNX Runtime's gradient builder "
@@ -43,33 +47,112 @@ class TorchGradientSource(GradientSource):
             from .onnx_to_torch import onnx_to_module
 
             model, renamed = onnx_to_module(model, job.desc)
-        traced = torch_autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights)
+        try:
+            traced = torch_autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
+                                          dynamic=dims is None, unknown_frozen="ignore")
+        except ExportError as exc:
+            if dims is None:
+                _raise_for_recurrent_layers(model, exc)
+            if dims is None or "value per channel" not in str(exc):
+                raise
+            # A batch PyTorch refuses (one value per training-mode BatchNorm channel) fails a trace of
+            # its exact shapes; a symbolic trace does not, and its input checks then refuse the batch
+            # with the module named.
+            logger.debug("static trace refused the sample (%s); tracing symbolically", exc)
+            traced = torch_autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
+                                          dynamic=True, unknown_frozen="ignore")
+            dims = None
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
-                      program={"traced": traced, "built": None, "renamed": renamed})
+                      program={"traced": traced, "built": None, "renamed": renamed}, dims=dims or None)
 
     def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:
-        """The graphs return every description output (fetch-specific graphs are the other source's)."""
-        expected = {"outputs": list(job.desc.output_names),
-                    "inputs": {n: input_dtypes[n] for n in job.desc.input_names}}
-        readable = {name: None for name in [*traced.torch_keys, *job.desc.input_names, LOSS_SCALE_INPUT]}
-        return Prepared(expected, readable, None, dims)
+        """The graphs return every description output, unless ``outputs`` leaves some out and the
+        ``sparse_labels`` pass then applies: those graphs return the loss and ``outputs`` only.
+
+        Writes ``model_after_graph_transforms_path`` on a cache hit as on a miss: this source has no
+        separate forward graph, so the dump is the forward as ONNX (the eval-mode graph of the
+        trace, specialised like the graphs), exported only when the dump is asked for.
+        """
+        desc = job.desc
+        returned = list(desc.output_names)
+        if outputs is not None and (job.passes or {}).get("sparse_labels"):
+            wanted = [n for n in desc.output_names if n in outputs or n == desc.loss_name]
+            # asked once per trace, before any build (building edits the traced program)
+            answers = traced.program.setdefault("sparse_labels", {})
+            if tuple(wanted) not in answers:
+                program = traced.program["traced"].program
+                answers[tuple(wanted)] = torch_sparse_labels.applies(
+                    program, torch_sparse_labels.unreturned(program, desc.output_names, wanted))
+            if answers[tuple(wanted)]:
+                returned = wanted
+        path = job.save_paths.get("model_after_graph_transforms_path")
+        if path:  # written here so that a cache hit writes it too
+            onnx.save(specialize(torch_autograd.build_eval(traced.program["traced"], outputs=returned), dims or {}),
+                      path)
+        expected = {"outputs": returned, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
+        readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
+        return Prepared(expected, readable, None, {"dims": dims, "outputs": returned})
 
     def build(self, job: "GraphJob", traced: Traced, prepared: Prepared) -> Built:
-        """The joint graph (built once per trace; a shape specialisation fixes its input dims)."""
-        program = traced.program
-        if program["built"] is None:  # building consumes the trace: keep the graphs for specialisations
-            program["built"] = torch_autograd.build(program["traced"])
-        joint = program["built"]
+        """The joint graphs, built once per trace and set of returned outputs (a shape specialisation
+        fixes their input dims); a second set of outputs traces the model again."""
+        program, returned = traced.program, prepared.state["outputs"]
+        built = program["built"] = program["built"] or {}
+        if "constraints" not in program:
+            # what PyTorch would refuse in a batch, read off the trace before a build rewrites it (an
+            # ONNX model's own graph tells more than its conversion: its loss is one operator there)
+            if isinstance(job.model, onnx.ModelProto):
+                program["constraints"] = find_input_constraints(job.model, job.desc.input_names)
+            else:
+                program["constraints"] = find_program_constraints(
+                    program["traced"].program, job.desc.input_names, program["traced"]._job["weight_of"],
+                    {io.name: list(io.shape) for io in job.desc.inputs}, traced.dims)
+        if tuple(returned) not in built:
+            traced_model = program["traced"]
+            if built:  # building consumed the trace
+                traced_model = _retrace(traced_model, job.frozen_weights)
+            sparse = len(returned) < len(job.desc.output_names)
+            built[tuple(returned)] = torch_autograd.build(traced_model, outputs=returned, sparse_labels=sparse)
+        joint = built[tuple(returned)]
         # copies: the joint graphs stay as built for later specialisations
-        dims = prepared.state or {}
+        dims = prepared.state["dims"] or {}
         gradient, eval_model = specialize(joint.gradient, dims), specialize(joint.eval, dims)
-        if job.save_paths.get("model_after_graph_transforms_path"):
-            onnx.save(eval_model, job.save_paths["model_after_graph_transforms_path"])
+        logger.debug("joint graph rewrites: %s", joint_rewrites.apply_joint_passes(gradient, job.passes or {}))
         meta = joint.meta
-        constraints = find_input_constraints(gradient, job.desc.input_names)
-        return Built(gradient, eval_model, list(meta["trained"]), dict(meta["buffer_updates"]), constraints,
+        return Built(gradient, eval_model, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
                      weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
+
+
+def _raise_for_recurrent_layers(model: object, exc: ExportError) -> None:
+    """Re-raise a symbolic trace's specialisation error, naming the recurrent layers that cause it.
+
+    Raises:
+        ExportError: when ``model`` has ``nn.RNN``/``nn.LSTM``/``nn.GRU`` layers and ``exc`` says
+            a symbolic dimension was fixed (``torch.export`` unrolls them over the sequence).
+    """
+    import torch
+
+    if not isinstance(model, torch.nn.Module) or not ("specializ" in str(exc) or "Constraints violated" in str(exc)):
+        return
+    layers = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
+              if isinstance(module, torch.nn.RNNBase)]
+    if layers:
+        raise ExportError(
+            f"the model's recurrent layer(s) {', '.join(layers)} cannot be traced with a symbolic sequence length: "
+            "torch.export unrolls them over the sequence, which fixes that dimension. The 'torch' gradient source "
+            "trains them with graphs of each batch's exact shapes (graph_optimizations.shape_specialization, the "
+            "default) but cannot build the symbolic graph that save_as_onnx or more than "
+            "graph_optimizations.max_shape_graphs shapes need: declare the sequence length as an int in "
+            "model_desc, or use graph.gradient_source='onnxruntime' (pip install \"ort_trainer[training]\"), whose "
+            f"exporter keeps them as ONNX RNN operators. ({exc})") from exc
+
+
+def _retrace(traced: torch_autograd.TracedModel, frozen_weights: Sequence[str]) -> torch_autograd.TracedModel:
+    """The same ``torch.export`` trace again (a build consumes its trace)."""
+    job = traced._job
+    return torch_autograd.trace(job["model"], job["loss_fn"], job["desc"], [a.numpy() for a in job["args"][:-1]],
+                                frozen_weights, dynamic=job["dynamic_shapes"] is not None)
 
 
 __all__ = ["TorchGradientSource"]

@@ -37,6 +37,8 @@ class Traced:
         trainable: weights that require grad, in model order.
         padding: ``{weight: padding_idx}`` of embedding tables (for sources that need it).
         program: the source's own traced artefact (a forward ONNX graph, an ExportedProgram).
+        dims: the symbol sizes the trace fixed (a static trace serves only graphs of those
+            sizes), or None when the symbolic dimensions stayed symbolic (it serves any sizes).
     """
 
     fingerprint: str
@@ -44,6 +46,11 @@ class Traced:
     trainable: list[str]
     padding: dict[str, int] = field(default_factory=dict)
     program: Any = None
+    dims: dict[str, int] | None = None
+
+    def serves(self, dims: dict[str, int] | None) -> bool:
+        """Whether graphs for symbol sizes ``dims`` (None: symbolic) can be built from this trace."""
+        return self.dims is None or self.dims == (dims or None)
 
 
 @dataclass
@@ -90,8 +97,13 @@ class GradientSource(ABC):
     accumulates_in_graph: bool = False
 
     @abstractmethod
-    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> Traced:
-        """Trace the model (cheaply enough to run on every build: a cache hit still traces)."""
+    def trace(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
+        """Trace the model (cheaply enough to run on every build: a cache hit still traces).
+
+        ``dims`` are the symbol sizes the graphs will be specialised to (None: symbolic); a source
+        may trace exactly those shapes (``sample_inputs`` then has them), which is faster to
+        build, or ignore them and trace symbolically.
+        """
 
     @abstractmethod
     def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,

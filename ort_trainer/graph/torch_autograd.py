@@ -13,6 +13,7 @@ on ``onnxruntime`` 1.31 and on the 1.19.2 training build alike (opset 18, IR ver
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,9 +25,10 @@ import torch
 
 from .._logging import logger
 from ..model_desc import ModelDescription
-from . import _joint_onnx, _traced_program
+from . import _joint_onnx, _traced_program, torch_sparse_labels
 from .buffers import UPDATED_SUFFIX
 from .gradient import GRAD_SUFFIX, LOSS_SCALE_INPUT
+from ._export_guard import _CONVERSION_FIX, ExportGuard
 from .export import MODEL_PREFIX, ExportError, _ModelWithLoss, export_order
 
 
@@ -109,21 +111,28 @@ def export_joint(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDe
 
 
 def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescription,
-          sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), dynamic: bool = True) -> TracedModel:
+          sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), dynamic: bool = True,
+          unknown_frozen: str = "raise") -> TracedModel:
     """``torch.export`` of the model with its loss in training mode, and its fingerprint.
 
     The traced module returns ``(loss × __loss_scale, *description outputs)`` with the outputs
-    detached: autograd then differentiates the scaled loss only.
+    detached: autograd then differentiates the scaled loss only. An ``ExportGuard`` watches the
+    trace: what the program would silently get wrong (custom autograd Functions, hooks,
+    data-dependent Python values, state changed by the forward...) is refused, every problem at
+    once, naming the construct, the source line and the module (docs/export_limits.md).
 
-    Args: as ``export_joint``.
+    Args: as ``export_joint``, and
+        unknown_frozen: ``"raise"`` for a ``frozen_weights`` name that is no weight of the model,
+            ``"ignore"`` when the caller reports it (the trainer, with the optimizer's groups).
 
     Returns:
         The traced program; ``build`` turns it into graphs, ``fingerprint`` keys a cache.
 
     Raises:
-        ExportError: when ``torch.export`` fails (its message, first line) or the outputs do not
-            match the description.
-        ValueError: for a frozen weight that is not a weight of the model.
+        ExportError: when the guard finds constructs the graphs cannot honour, when
+            ``torch.export`` fails (its message, first line), or when the outputs do not match the
+            description.
+        ValueError: for a frozen weight that is not a weight of the model (``unknown_frozen="raise"``).
     """
     count = len(desc.inputs) - (1 if loss_fn is not None else 0)
     order = export_order(desc, loss_fn is not None)
@@ -134,7 +143,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     for name, tensor in tensors.items():
         aliases.setdefault(id(tensor), []).append(name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name)
     unknown = sorted(set(frozen_weights) - {k for ks in aliases.values() for k in ks})
-    if unknown:
+    if unknown and unknown_frozen == "raise":
         raise ValueError(f"utils.frozen_weights names {unknown}, which are not weights of the model; use "
                          "torch state_dict keys")
     frozen_ids = {tid for tid, ks in aliases.items() if set(ks) & set(frozen_weights)}
@@ -148,7 +157,15 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
             if id(parameter) in frozen_ids:
                 parameter.requires_grad_(False)
         model.train()
-        program = _export(wrapper, args, dynamic_shapes)
+        guard = ExportGuard(wrapper, loss_fn is not None, stop_gradients=False)
+        wrapper.guard = guard
+        try:
+            with guard.exporting():
+                program = _export(wrapper, args, dynamic_shapes, guard)
+        finally:
+            wrapper.guard = None
+        guard.check_program(program)
+        _refuse(guard, None)
     seconds = time.perf_counter() - started
     weight_of = {fqn: aliases[id(t)][0] for fqn, t in tensors.items() if fqn in keys}
     trainable = [aliases[id(p)][0] for p in dict.fromkeys(model.parameters())
@@ -163,13 +180,15 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
-          optimize: bool = False, with_eval: bool = True) -> JointGraphs:
+          optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
         traced: from ``trace``; its program is consumed (call ``trace`` again to build again).
         opset, outputs, optimize: as ``export_joint``.
         with_eval: False leaves ``JointGraphs.eval`` None (``build_eval`` makes it later).
+        sparse_labels: run the ``sparse_labels`` pass (``torch_sparse_labels.py``) before autograd;
+            it applies only where ``outputs`` leaves the projection's output (the logits) out.
 
     Returns:
         The graphs (see ``JointGraphs``).
@@ -185,16 +204,34 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     started = time.perf_counter()
     program = traced.program
     _traced_program.mark_untrained(program)
+    if sparse_labels and len(returned) < len(desc.output_names):
+        # outputs nobody reads go before the pass, which needs the logits to feed the loss alone
+        unread = torch_sparse_labels.unreturned(program, desc.output_names, returned)
+        torch_sparse_labels.drop_outputs(program, unread)
+        torch_sparse_labels.sparse_labels(program)
     try:
         joint = _joint_onnx.joint_program(program, loss_index=0)
     except Exception as exc:  # torch raises many types; the message is what helps
-        raise ExportError(f"autograd could not differentiate the traced model: {_first_line(exc)}") from exc
+        missing = re.search(r"derivative for '?([\w.]+)", str(exc))
+        modules = _traced_program.modules_using(program, missing.group(1)) if missing else []
+        where = f" (in module {', '.join(modules)})" if modules else ""
+        fix = ("; PyTorch cannot train through that operator either: rewrite that part of the model, or freeze "
+               "the weights before it (utils.frozen_weights)") if missing else ""
+        raise ExportError(f"autograd could not differentiate the traced model{where}: "
+                          f"{_first_line(exc).rstrip('.')}{fix}") from exc
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    gradient, trained, buffer_updates = _gradient_graph(joint, job, returned, optimize)
+    try:
+        gradient, trained, buffer_updates = _gradient_graph(joint, job, returned, optimize)
+    except _joint_onnx.UnsupportedOperatorError as exc:
+        op = re.search(r"no translation for ([\w.]+)", str(exc))
+        modules = _traced_program.modules_using(program, op.group(1)) if op else []
+        if not modules:
+            raise
+        raise _joint_onnx.UnsupportedOperatorError(f"{exc} (in module {', '.join(modules)})") from exc
     seconds["gradient onnx"] = time.perf_counter() - started
 
     eval_model = None
@@ -262,7 +299,9 @@ class _Scaled(_ModelWithLoss):
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         """The scaled loss then the description outputs (training), or the outputs alone (eval)."""
-        outputs = self._forward(*(inputs[:-1] if self.scaled else inputs))
+        data = inputs[:-1] if self.scaled else inputs
+        with self.guard.watching(data) if self.guard is not None else contextlib.nullcontext():
+            outputs = self._forward(*data)
         if len(outputs) != len(self.desc_positions):
             what = "loss_fn's loss plus the model's outputs" if self.loss_fn is not None else "the model's outputs"
             raise ExportError(f"{what} are {len(outputs)} tensor(s) but model_desc.outputs declares "
@@ -287,26 +326,51 @@ def _tensors_by_name(wrapper: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
     return tensors, state
 
 
-def _export(wrapper: _Scaled, args: tuple, dynamic_shapes: Any) -> Any:
-    """``torch.export.export`` with the outputs checked against the description."""
+def _refuse(guard: ExportGuard, failure: BaseException | None) -> None:
+    """Raise the guard's problems, if any, as one ``ExportError`` (with the export's own failure)."""
+    if not guard.problems:
+        return
+    then = f"\nThe export then failed: {_first_line(failure)}" if failure is not None else ""
+    raise ExportError(
+        f"the model cannot be exported as written ({len(guard.problems)} problem(s); see docs/export_limits.md):"
+        "\n  - " + "\n  - ".join(guard.problems) + then
+    ) from failure
+
+
+def _export(wrapper: _Scaled, args: tuple, dynamic_shapes: Any, guard: ExportGuard | None = None) -> Any:
+    """``torch.export.export`` with the outputs checked against the description; the guard's
+    problems, when it found any, are the error when the trace fails."""
     if dynamic_shapes is not None:  # forward(*inputs): one argument, a tuple
         dynamic_shapes = (tuple(dynamic_shapes),)
+    unwatched = wrapper.guard is None
+    if unwatched:  # a trace after the watched one (eval mode): the guard only turns .data into detach()
+        wrapper.guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # torch raises many types; the message is what helps
+        if guard is not None:
+            _refuse(guard, exc)
         cause: BaseException | None = exc
         while cause is not None:  # the wrapper's own error, wrapped by torch
             if isinstance(cause, ExportError):
                 raise cause from exc
             cause = cause.__cause__ or cause.__context__
         hint = ""
-        if "specialized" in str(exc) or "specialize" in str(exc):
+        data_dependent = re.search(r"Caused by: \(([^)]*)\)", str(exc))
+        if "data-dependent" in str(exc):
+            where = f" at {data_dependent.group(1)}" if data_dependent else ""
+            hint = (f" The model reads a tensor's value into Python{where} (a branch on it, a Python number or "
+                    f"list made from it), which a graph cannot recompute for each batch; {_CONVERSION_FIX}.")
+        elif "specialized" in str(exc) or "specialize" in str(exc):
             hint = (" The model's code fixes a dimension that model_desc declares symbolic: declare it as an int "
                     "in model_desc.")
         raise ExportError(f"torch.export could not trace the model: {_first_line(exc)}.{hint} (see "
                           "docs/export_limits.md)") from exc
+    finally:
+        if unwatched:
+            wrapper.guard = None
 
 
 @contextlib.contextmanager

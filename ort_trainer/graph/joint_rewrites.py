@@ -1,0 +1,281 @@
+"""Speed passes on the joint forward/backward graph of the ``"torch"`` gradient source.
+
+The joint graph is PyTorch's autograd decomposed to core ATen and translated to standard ONNX,
+so its backward is spelled in elementwise operators that ONNX Runtime runs one full pass over
+memory each. Each pass below rewrites one such spelling into fewer passes over the same data
+and computes the same values; it has a name under ``graph_optimizations`` (shared with the
+``"onnxruntime"`` source's pass where the meaning is the same) and ``tests/test_rewrites.py``
+checks it against float64 PyTorch gradients.
+
+- ``cross_entropy``: the decomposed ``nll_loss`` + ``log_softmax`` backward builds a one-hot
+  ``[N, C]`` tensor (zeros, ``ScatterElements`` of -1, times the per-row weight), sums it per row
+  and computes ``dY - exp(Y) · sum(dY)``: five passes over the ``[N, vocabulary]`` scores.
+  Since ``sum(dY) = -w`` per row it becomes ``exp(Y) · w`` with ``-w`` scattered (added) at the
+  label: two passes and a scatter of ``N`` values (30 -> 15 ms for 1024 x 8000 scores, bit-equal).
+- ``embedding_gradient``: the decompositions of ``aten.index`` (the embedding lookup) and
+  ``aten.index_put`` (its gradient) move the indexed axes to the front with ``Transpose`` nodes,
+  which for an embedding are identity permutations that ONNX Runtime still runs, as copies of
+  the table (of its gradient, of a zero table). They are dropped. (The exporter's
+  ``ScatterND(add)`` itself is always rewritten to ``ScatterElements(add)`` when the graph is
+  built, for correctness: ``_joint_onnx.scatter_nd_add_to_scatter_elements``.)
+- ``integer_powers``: ``Pow(x, 2)`` and ``Pow(x, 3)`` (tanh-GELU's cube and its derivative's
+  square) as multiplications, a little cheaper than the CPU ``Pow`` kernel.
+
+``fast_gelu_gradient`` has nothing to do here: autograd spells the GELU derivative in
+elementwise operators already.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers")
+
+
+class _Graph:
+    """Producers, consumers, constants and known shapes of a graph's values."""
+
+    def __init__(self, model: onnx.ModelProto):
+        graph = model.graph
+        self.producer = {o: n for n in graph.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+        self.outputs = {o.name for o in graph.output}
+        self.initializers = {i.name: i for i in graph.initializer}
+        self.shapes = {}
+        for info in [*graph.input, *graph.value_info, *graph.output]:
+            if info.type.tensor_type.HasField("shape"):
+                self.shapes[info.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                                          for d in info.type.tensor_type.shape.dim]
+        for name, init in self.initializers.items():
+            self.shapes[name] = list(init.dims)
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of an initializer or ``Constant`` node output, else None."""
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        node = self.producer.get(name)
+        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return None
+        attr = node.attribute[0]
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name in ("value_float", "value_int"):
+            return np.array(helper.get_attribute_value(attr))
+        if attr.name in ("value_floats", "value_ints"):
+            return np.array(list(helper.get_attribute_value(attr)))
+        return None
+
+    def only_used_by(self, name: str, *nodes: onnx.NodeProto) -> bool:
+        """``name`` is no graph output and every consumer is one of ``nodes``."""
+        ids = {id(n) for n in nodes}
+        return name not in self.outputs and all(id(c) in ids for c in self.consumers.get(name, []))
+
+    def fill_value(self, name: str) -> float | None:
+        """The single value of a constant, an ``Expand`` of a one-element constant or a
+        ``ConstantOfShape``; None when it is none of these or not one value."""
+        value = self.const(name)
+        node = self.producer.get(name)
+        if value is None and node is not None and node.op_type == "Expand":
+            value = self.const(node.input[0])
+        elif value is None and node is not None and node.op_type == "ConstantOfShape":
+            attr = next((a for a in node.attribute if a.name == "value"), None)
+            value = numpy_helper.to_array(attr.t) if attr is not None else np.zeros(1, np.float32)
+        if value is None or value.size == 0 or not np.all(value == value.flat[0]):
+            return None
+        return float(value.flat[0])
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _other(node: onnx.NodeProto, name: str) -> str:
+    return node.input[1] if node.input[0] == name else node.input[0]
+
+
+def cross_entropy_backward(model: onnx.ModelProto) -> int:
+    """The decomposed log-softmax + NLL backward as ``ScatterElements(add)`` into ``exp(Y) · w``.
+
+    Pattern (the names are the decomposition's): ``onehot = ScatterElements(zeros, target,
+    -1, axis)``, ``dY = onehot · w`` (``w`` the per-row weight, one value per row; the ``Mul``
+    may be absent), ``S = ReduceSum(dY, axis, keepdims)``, ``grad = dY - exp(Y) · S``, where
+    the one-hot, ``dY`` and ``S`` feed nothing else. Becomes ``grad =
+    ScatterElements(exp(Y) · w, target, -1 · w, axis, reduction="add")``: equal, since each
+    row of ``dY`` has its one non-zero, ``-w``, at the target, so ``S = -w``.
+
+    Returns:
+        The number of rewrites.
+    """
+    g = _Graph(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    dead: set[int] = set()
+    for sub in [n for n in model.graph.node if n.op_type == "Sub" and n.domain in ("", "ai.onnx")]:
+        found = _match_cross_entropy(g, sub)
+        if found is None:
+            continue
+        onehot, weighting, total, scaled, exp = found
+        axis = _attrs(onehot)["axis"]
+        _, target, updates = onehot.input
+        weight = _other(weighting, onehot.output[0]) if weighting is not None else None
+        prefix = f"{sub.name or 'sub'}/cross_entropy"
+        new: list[onnx.NodeProto] = []
+        if weight is None:
+            base, spread = exp.output[0], updates
+        else:
+            base, spread = prefix + "/exp_times_weight", prefix + "/minus_weight"
+            new += [helper.make_node("Mul", [exp.output[0], weight], [base], name=prefix + "/Mul_exp"),
+                    helper.make_node("Mul", [updates, weight], [spread], name=prefix + "/Mul_updates")]
+        new.append(helper.make_node("ScatterElements", [base, target, spread], [sub.output[0]],
+                                    name=prefix + "/ScatterElements", axis=axis, reduction="add"))
+        nodes = list(model.graph.node)
+        replaced[next(i for i, n in enumerate(nodes) if n is sub)] = new
+        dead |= {id(n) for n in (onehot, weighting, total, scaled) if n is not None}
+    if not replaced:
+        return 0
+    nodes = []
+    for index, node in enumerate(model.graph.node):
+        if id(node) in dead:
+            continue
+        nodes.extend(replaced.get(index, [node]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return len(replaced)
+
+
+def _match_cross_entropy(g: _Graph, sub: onnx.NodeProto) -> tuple | None:
+    """``(onehot, weighting Mul or None, ReduceSum, Mul(exp, S), Exp)`` of the pattern at ``sub``."""
+    d_y, scaled = g.producer.get(sub.input[0]), g.producer.get(sub.input[1])
+    if d_y is None or scaled is None or scaled.op_type != "Mul":
+        return None
+    exp = total = None
+    for first, second in ((scaled.input[0], scaled.input[1]), (scaled.input[1], scaled.input[0])):
+        e, s = g.producer.get(first), g.producer.get(second)
+        if e is not None and s is not None and e.op_type == "Exp" and s.op_type == "ReduceSum":
+            exp, total = e, s
+    if exp is None or total.input[0] != sub.input[0]:
+        return None
+    if d_y.op_type == "ScatterElements":
+        onehot, weighting = d_y, None
+    elif d_y.op_type == "Mul":
+        weighting = d_y
+        onehot = next((g.producer[i] for i in d_y.input if i in g.producer
+                       and g.producer[i].op_type == "ScatterElements"), None)
+        if onehot is None:
+            return None
+    else:
+        return None
+    attrs = _attrs(onehot)
+    if attrs.get("reduction", b"none") not in (b"none", "none"):
+        return None
+    shape = g.shapes.get(onehot.output[0])
+    if shape is None:
+        return None
+    rank = len(shape)
+    axis = attrs.get("axis", 0) % rank
+    if g.shapes.get(exp.output[0]) != shape or g.shapes.get(sub.output[0]) != shape:
+        return None  # the scores are the one-hot's shape (no broadcasting folded in)
+    if g.fill_value(onehot.input[0]) != 0.0 or g.fill_value(onehot.input[2]) != -1.0:
+        return None
+    axes = g.const(total.input[1]) if len(total.input) > 1 else None
+    if axes is None or [int(a) % rank for a in axes.reshape(-1)] != [axis] or _attrs(total).get("keepdims", 1) != 1:
+        return None
+    index_shape = g.shapes.get(onehot.input[1])
+    if index_shape is None or len(index_shape) != rank or index_shape[axis] != 1:
+        return None  # one target per row
+    if weighting is not None:
+        weight_shape = g.shapes.get(_other(weighting, onehot.output[0]))
+        offset = rank - len(weight_shape) if weight_shape is not None else -1
+        if offset < 0 or (axis >= offset and weight_shape[axis - offset] != 1):
+            return None  # not one weight per row
+        if not g.only_used_by(onehot.output[0], weighting):
+            return None
+    if not (g.only_used_by(d_y.output[0], total, sub) and g.only_used_by(total.output[0], scaled)
+            and g.only_used_by(scaled.output[0], sub)):
+        return None
+    return onehot, weighting, total, scaled, exp
+
+
+def integer_powers(model: onnx.ModelProto) -> int:
+    """``Pow(x, 2)`` -> ``x · x`` and ``Pow(x, 3)`` -> ``x · x · x`` (constant exponents); returns the count."""
+    g = _Graph(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "Pow" or node.domain not in ("", "ai.onnx"):
+            continue
+        exponent = g.const(node.input[1])
+        if exponent is None or exponent.size != 1 or float(exponent.flat[0]) not in (2.0, 3.0):
+            continue
+        base_shape = g.shapes.get(node.input[0])
+        if exponent.ndim and (base_shape is None or len(base_shape) < exponent.ndim):
+            continue  # a shaped exponent could broadcast the result beyond x's shape
+        x, name = node.input[0], node.name or f"pow{index}"
+        if float(exponent.flat[0]) == 2.0:
+            replaced[index] = [helper.make_node("Mul", [x, x], [node.output[0]], name=name + "/as_Mul")]
+        else:
+            square = name + "/square"
+            replaced[index] = [helper.make_node("Mul", [x, x], [square], name=name + "/as_Mul_square"),
+                               helper.make_node("Mul", [square, x], [node.output[0]], name=name + "/as_Mul_cube")]
+    if replaced:
+        nodes = []
+        for index, node in enumerate(model.graph.node):
+            nodes.extend(replaced.get(index, [node]))
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return len(replaced)
+
+
+def identity_transposes(model: onnx.ModelProto) -> int:
+    """Drop every ``Transpose`` whose ``perm`` leaves the axes in place; returns the count.
+
+    Its consumers read its input instead; one whose output is a graph output, or any in a graph
+    with subgraphs (whose nodes may read it by name), becomes an ``Identity``.
+    """
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    nested = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node
+                 for a in n.attribute)
+    renamed: dict[str, str] = {}
+    nodes, count = [], 0
+    for node in graph.node:
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+        perm = _attrs(node).get("perm") if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        if perm is None or list(perm) != list(range(len(perm))):
+            nodes.append(node)
+            continue
+        count += 1
+        if nested or node.output[0] in outputs:
+            nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name + "/identity"))
+        else:
+            renamed[node.output[0]] = node.input[0]
+    if count:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return count
+
+
+def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[str, int]:
+    """Run the enabled passes on a joint graph in place.
+
+    Args:
+        model: a gradient graph of the ``"torch"`` source (``torch_autograd.build``).
+        enabled: ``{pass name: on}`` (``graph_optimizations``); missing names are off.
+
+    Returns:
+        ``{pass name: nodes rewritten}`` of the passes that ran.
+    """
+    counts = {}
+    if enabled.get("cross_entropy"):
+        counts["cross_entropy"] = cross_entropy_backward(model)
+    if enabled.get("embedding_gradient"):
+        counts["embedding_gradient"] = identity_transposes(model)
+    if enabled.get("integer_powers"):
+        counts["integer_powers"] = integer_powers(model)
+    return counts
+
+
+__all__ = ["JOINT_PASSES", "apply_joint_passes", "cross_entropy_backward", "identity_transposes", "integer_powers"]

@@ -1,0 +1,181 @@
+"""The ``sparse_labels`` pass on both gradient sources: gradients with and without it equal float64
+PyTorch's; it applies only when the logits are not fetched; 0 and all rows labelled."""
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.optim import SGDConfig
+
+VOCAB, HIDDEN = 40, 16
+TOLERANCE = 1e-5
+
+ONNXRUNTIME = pytest.param("onnxruntime", marks=pytest.mark.skipif(
+    not _runtime.has_training_build(), reason="the 'onnxruntime' gradient source needs onnxruntime-training 1.19.2"))
+TORCH = pytest.param("torch", marks=pytest.mark.skipif(
+    not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript"))
+SOURCES = [ONNXRUNTIME, TORCH]
+PASSES_OFF = {"shape_specialization": False, "cross_entropy": False, "embedding_gradient": False,
+              "fast_gelu_gradient": False}
+
+
+class MaskedLM(torch.nn.Module):
+    """Embeddings, a GELU block, LayerNorm and an LM head tied to the token table (matmul + bias)."""
+
+    def __init__(self, linear_head: bool = False, label_smoothing: float = 0.0):
+        super().__init__()
+        self.label_smoothing = label_smoothing
+        self.tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.positions = torch.nn.Embedding(32, HIDDEN)
+        self.dense = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.back = torch.nn.Linear(2 * HIDDEN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.bias = torch.nn.Parameter(torch.randn(VOCAB) * 0.1)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB) if linear_head else None
+
+    def forward(self, ids, labels):
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
+        x = self.norm(x + self.back(F.gelu(self.dense(x))))
+        logits = self.head(x) if self.head is not None else x @ self.tokens.weight.T + self.bias
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100,
+                               label_smoothing=self.label_smoothing)
+        return loss, logits
+
+
+DESC = {"inputs": [("ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
+
+
+def _batch(seed: int = 0, labelled: float = 0.3):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (4, 12), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(4, 12, generator=gen) >= labelled] = -100
+    return ids, labels
+
+
+def _reference(model, batch):
+    double = copy.deepcopy(model).double()
+    loss, _ = double(*batch)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy() for n, p in double.named_parameters() if p.grad is not None}
+
+
+def _trainer(model, source, sparse_labels, fetch_loss_only=True):
+    options = {"graph_optimizations": {**PASSES_OFF, "sparse_labels": sparse_labels},
+               "graph": {"gradient_source": source}}
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0), options=options)
+    if fetch_loss_only:
+        trainer._train_step_info.fetches = ["loss"]
+    return trainer
+
+
+def _step(trainer, batch):
+    out = trainer.train_step(*batch)
+    loss = out if isinstance(out, torch.Tensor) else out[0]
+    return float(loss), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
+
+
+def _assert_matches(loss, grads, expected_loss, expected):
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, value in expected.items():
+        scale = max(float(np.abs(value).max()), 1e-12)
+        error = float(np.abs(grads[name] - value).max())
+        assert error <= TOLERANCE * scale, f"{name}: max abs difference {error:.2e} (max |grad| {scale:.2e})"
+
+
+def _fetch_graph(trainer) -> onnx.ModelProto:
+    """The gradient graph the loss-only steps run."""
+    (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
+    return trainer._graphs_for(key)[0]
+
+
+def _projection_reads_gathered_rows(graph: onnx.GraphProto) -> bool:
+    """Whether a MatMul/Gemm reads a Gather of rows chosen by NonZero (the labelled rows)."""
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def from_nonzero(name, depth=0):
+        node = producer.get(name)
+        if node is None or depth > 6:
+            return False
+        return node.op_type == "NonZero" or any(from_nonzero(i, depth + 1) for i in node.input)
+
+    for node in graph.node:
+        if node.op_type in ("MatMul", "Gemm"):
+            gather = producer.get(node.input[0])
+            if gather is not None and gather.op_type == "Gather" and from_nonzero(gather.input[1]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("linear_head", [False, True], ids=["tied-matmul-head", "linear-head"])
+def test_gradients_with_and_without_the_pass_match_float64_pytorch(source, linear_head):
+    model, batch = MaskedLM(linear_head), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    for flag in (False, True):
+        trainer = _trainer(copy.deepcopy(model), source, flag)
+        loss, grads = _step(trainer, batch)
+        _assert_matches(loss, grads, expected_loss, expected)
+        assert _projection_reads_gathered_rows(_fetch_graph(trainer).graph) == flag
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_sparse_labels_only_when_logits_are_not_fetched(source):
+    model, batch = MaskedLM(), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    trainer = _trainer(copy.deepcopy(model), source, True)
+    loss_only, grads = _step(trainer, batch)
+    _assert_matches(loss_only, grads, expected_loss, expected)
+    sessions = [s for key, s in trainer._engine._session_sets.items() if key is not None and key[1] == ()]
+    assert [s.output_names for s in sessions] == [["loss"]]
+    assert _projection_reads_gathered_rows(_fetch_graph(trainer).graph)
+    trainer._train_step_info.fetches = []
+    loss, logits = trainer.train_step(*batch)  # all outputs: a graph without the pass
+    assert tuple(logits.shape) == (4, 12, VOCAB) and loss.item() == pytest.approx(loss_only, rel=1e-6)
+    assert not _projection_reads_gathered_rows(trainer._graphs_for(None)[0].graph)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_all_rows_labelled(source):
+    model, batch = MaskedLM(), _batch(2, labelled=1.0)
+    expected_loss, expected = _reference(model, batch)
+    loss, grads = _step(_trainer(copy.deepcopy(model), source, True), batch)
+    _assert_matches(loss, grads, expected_loss, expected)
+
+
+# The onnxruntime source is left out: ONNX Runtime 1.19.2's SoftmaxCrossEntropyLoss over zero rows
+# kills the process (SIGFPE) with its sparse_labels pass, and returns 0, not NaN, without it.
+@pytest.mark.parametrize("source", [TORCH])
+def test_no_row_labelled_gives_pytorchs_nan_loss(source):
+    """Mean over zero labelled rows: PyTorch's loss is NaN; the graph with the pass says the same
+    (and the non-finite check then skips the update)."""
+    model = MaskedLM()
+    traced_batch, empty_batch = _batch(3), _batch(3, labelled=0.0)
+    reference_loss = float(model(*empty_batch)[0])
+    assert np.isnan(reference_loss)
+    trainer = _trainer(copy.deepcopy(model), source, True)
+    _step(trainer, traced_batch)  # the graph is built on a batch with labels, then run on one without
+    loss, _ = _step(trainer, empty_batch)
+    assert np.isnan(loss)
+    assert _projection_reads_gathered_rows(_fetch_graph(trainer).graph)
+
+
+def test_torch_pass_leaves_smoothed_losses_and_fetched_logits_alone():
+    pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
+    from ort_trainer.graph import torch_sparse_labels
+    from ort_trainer.graph.torch_autograd import trace
+    from ort_trainer.model_desc import parse_model_desc
+
+    batch = [t.numpy() for t in _batch(0)]
+    desc = parse_model_desc(DESC)
+    for model, applies in ((MaskedLM(), True), (MaskedLM(label_smoothing=0.1), False)):
+        program = trace(model, None, desc, batch, dynamic=False).program
+        logits_only = torch_sparse_labels.unreturned(program, desc.output_names, ["loss"])
+        assert torch_sparse_labels.applies(program, logits_only) == applies
+        assert not torch_sparse_labels.applies(program, [])  # fetched logits: never
