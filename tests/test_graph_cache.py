@@ -427,3 +427,42 @@ def test_a_failed_store_leaves_no_temporary_behind(tmp_path, monkeypatch):
     losses, _ = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
     assert list(tmp_path.iterdir()) == []
     assert losses == _fresh(_seeded(MLP), torch.nn.functional.cross_entropy, monkeypatch, tmp_path)
+
+
+def _eval_helper(h):
+    return torch.relu(h)
+
+
+class _EvalBranchMLP(MLP):
+    """Runs ``_eval_helper`` in eval mode only: the training graph never sees it."""
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.tanh(h) if self.training else _eval_helper(h))
+
+
+def test_editing_code_only_eval_mode_runs_rebuilds_the_eval_graph(monkeypatch, tmp_path):
+    pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
+    batch = mlp_batch(torch.Generator().manual_seed(0))
+
+    def eval_loss():
+        torch.manual_seed(0)
+        model = _EvalBranchMLP()
+        # the torch source traces eval mode separately (the other freezes `self.training` branches)
+        trainer = ORTTrainer(model, MLP_DESC, SGDConfig(lr=0.5), loss_fn=_loss_helper,
+                             options={"graph": {"gradient_source": "torch"}})
+        loss = float(trainer.eval_step(*batch)[0])
+        model.eval()
+        with torch.no_grad():
+            expected = float(_loss_helper(model(batch[0]), batch[1]))
+        return loss, expected, trainer._graphs.from_cache
+
+    loss, expected, _ = eval_loss()
+    assert loss == pytest.approx(expected, rel=1e-5)
+    monkeypatch.setattr(sys.modules[__name__], "_eval_helper", torch.sigmoid)
+    loss, expected_after, _ = eval_loss()
+    assert abs(expected_after - expected) > 1e-3  # the edit changes what eval computes
+    assert loss == pytest.approx(expected_after, rel=1e-5)  # the new eval graph, not the cached one
+    _, _, from_cache = eval_loss()
+    assert from_cache  # an unchanged model still hits the cache

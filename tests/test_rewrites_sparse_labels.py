@@ -179,3 +179,35 @@ def test_torch_pass_leaves_smoothed_losses_and_fetched_logits_alone():
         logits_only = torch_sparse_labels.unreturned(program, desc.output_names, ["loss"])
         assert torch_sparse_labels.applies(program, logits_only) == applies
         assert not torch_sparse_labels.applies(program, [])  # fetched logits: never
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_eval_step_gets_the_pass_too_and_matches_float64_pytorch(source):
+    model, batch = MaskedLM(), _batch(4)
+    double = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        expected = float(double(*batch)[0])
+    for flag in (False, True):
+        trainer = _trainer(copy.deepcopy(model), source, flag)
+        loss = trainer.eval_step(*batch)
+        loss = loss if isinstance(loss, torch.Tensor) else loss[0]
+        assert float(loss) == pytest.approx(expected, rel=1e-5)
+        (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
+        assert _projection_reads_gathered_rows(trainer._graphs_for(key)[1].graph) == flag
+
+
+def test_torch_pass_leaves_a_plain_classifier_alone():
+    """Labels per sample (a [batch, hidden] projection), not per position: every label counts, and
+    selecting rows would only add work (the MLP step was 20% slower with it)."""
+    pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
+    from ort_trainer.graph import torch_sparse_labels
+    from ort_trainer.graph.torch_autograd import trace
+    from ort_trainer.model_desc import parse_model_desc
+
+    desc = parse_model_desc({"inputs": [("x", ["batch", 8]), ("label", ["batch"])],
+                             "outputs": [("loss", [], True), ("logits", ["batch", 5])]})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    batch = [np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32), np.arange(6) % 5]
+    program = trace(model, F.cross_entropy, desc, batch, dynamic=False).program
+    logits_only = torch_sparse_labels.unreturned(program, desc.output_names, ["loss"])
+    assert not torch_sparse_labels.applies(program, logits_only)

@@ -88,8 +88,9 @@ class TorchGradientSource(GradientSource):
                 returned = wanted
         path = job.save_paths.get("model_after_graph_transforms_path")
         if path:  # written here so that a cache hit writes it too
-            onnx.save(specialize(torch_autograd.build_eval(traced.program["traced"], outputs=returned), dims or {}),
-                      path)
+            sparse = len(returned) < len(desc.output_names)
+            onnx.save(specialize(torch_autograd.build_eval(traced.program["traced"], outputs=returned,
+                                                           sparse_labels=sparse), dims or {}), path)
         expected = {"outputs": returned, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
         readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
         return Prepared(expected, readable, None, {"dims": dims, "outputs": returned})

@@ -171,12 +171,18 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     trainable = [aliases[id(p)][0] for p in dict.fromkeys(model.parameters())
                  if id(p) not in frozen_ids and p.requires_grad]
     torch_keys = {aliases[id(t)][0]: aliases[id(t)] for fqn, t in tensors.items() if fqn in keys}
-    settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__]
+    # The eval graph comes from its own trace, in eval mode: code that only eval mode runs (an
+    # ``if self.training`` branch) must key the cache too, or an edit there would reuse a stale graph.
+    job = {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "dynamic_shapes": dynamic_shapes,
+           "count": count, "order": order}
+    eval_program = _export_eval(job)
+    settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__,
+                _traced_program.fingerprint(eval_program, [])]
     logger.debug("torch.export of the model with its loss: %.2f s", seconds)
     return TracedModel(_traced_program.fingerprint(program, settings), torch_keys, trainable, program, seconds,
                        {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
                         "dynamic_shapes": dynamic_shapes, "weight_of": weight_of, "count": count,
-                        "tensors": tensors, "order": order})
+                        "tensors": tensors, "order": order, "eval_program": eval_program})
 
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
@@ -237,7 +243,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     eval_model = None
     if with_eval:
         started = time.perf_counter()
-        eval_model = build_eval(traced, opset, outputs, optimize)
+        eval_model = build_eval(traced, opset, outputs, optimize, sparse_labels=sparse_labels)
         seconds["eval export"] = time.perf_counter() - started
     if opset != _joint_onnx.ONNX_OPSET:
         gradient = _convert_opset(gradient, opset)
@@ -258,7 +264,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
 
 
 def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
-               optimize: bool = False) -> onnx.ModelProto:
+               optimize: bool = False, sparse_labels: bool = False) -> onnx.ModelProto:
     """The eval graph: a second ``torch.export`` of the model, in eval mode (Dropout off,
     BatchNorm on running statistics), with the weights as inputs.
 
@@ -276,7 +282,7 @@ def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[
     opset = _check_opset(opset)
     desc = traced._job["desc"]
     returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
-    model = _eval_graph(traced._job, returned, optimize)
+    model = _eval_graph(traced._job, returned, optimize, sparse_labels)
     return model if opset == _joint_onnx.ONNX_OPSET else _convert_opset(model, opset)
 
 
@@ -447,17 +453,29 @@ def _placeholders(program: Any, job: dict, kinds: Any) -> tuple[dict[str, str], 
     return {**data, **dict(ordered), **scale}, constants
 
 
-def _eval_graph(job: dict, returned: list[str], optimize: bool) -> onnx.ModelProto:
-    """A second ``torch.export``, in eval mode, translated with weights as inputs."""
-    from torch.export.graph_signature import InputKind, OutputKind
-
+def _export_eval(job: dict) -> Any:
+    """The second ``torch.export``: the model in eval mode (Dropout off, BatchNorm on running
+    statistics), returning the description's outputs."""
     model, desc, order = job["model"], job["desc"], job["order"]
     wrapper = _Scaled(model, job["loss_fn"], desc.input_names[:job["count"]],
                       [order.index(n) for n in desc.output_names], 0, scaled=False)
     shapes = None if job["dynamic_shapes"] is None else job["dynamic_shapes"][:-1]
     with _model_left_untouched(wrapper):
         model.eval()
-        program = _export(wrapper, job["args"][:-1], shapes)
+        return _export(wrapper, job["args"][:-1], shapes)
+
+
+def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: bool = False) -> onnx.ModelProto:
+    """The eval-mode trace (taken by ``trace``, or again), translated with weights as inputs; with
+    ``sparse_labels``, the pass runs on it as on the training program."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    desc = job["desc"]
+    program = job.pop("eval_program", None) or _export_eval(job)
+    if sparse_labels and len(returned) < len(desc.output_names):
+        torch_sparse_labels.drop_outputs(
+            program, torch_sparse_labels.unreturned(program, desc.output_names, returned, first=0))
+        torch_sparse_labels.sparse_labels(program)
     program = _joint_onnx.forward_program(program)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(program, desc, "the eval-mode trace")

@@ -6,6 +6,8 @@ cross-entropy runs only on the rows whose label counts:
 
     linear(h, W, b) -> view/reshape [-1, C] -> cross_entropy_loss(scores, labels, ignore_index=i)
 
+(``h`` of rank 3 or more: labels per position, as in a language-model head)
+
 becomes
 
     rows = [*nonzero(labels != i), 0]; linear(index_select(h.reshape(-1, H), rows), W, b)
@@ -32,15 +34,16 @@ _PASS_THROUGH = {_aten.contiguous.default, _aten.clone.default}
 _MEAN, _SUM = 1, 2  # torch.nn._reduction values
 
 
-def unreturned(program: Any, output_names: Sequence[str], returned: Sequence[str]) -> list[int]:
+def unreturned(program: Any, output_names: Sequence[str], returned: Sequence[str], first: int = 1) -> list[int]:
     """Positions, among all outputs of a ``torch_autograd.trace`` program (buffer mutations come
     first, then the scaled loss, then the description outputs ``output_names``), of the
-    description outputs not in ``returned``."""
+    description outputs not in ``returned``. ``first``: user outputs before the description's (1,
+    the scaled loss, in a training trace; 0 in the eval-mode trace)."""
     from torch.export.graph_signature import OutputKind
 
     users = [i for i, spec in enumerate(program.graph_signature.output_specs)
              if spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)]
-    return [users[1 + i] for i, name in enumerate(output_names) if name not in returned]
+    return [users[first + i] for i, name in enumerate(output_names) if name not in returned]
 
 
 def drop_outputs(program: Any, positions: Sequence[int]) -> None:
@@ -177,7 +180,10 @@ def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int]
     if any(uses(n) != 1 for n in [*views, *projection]):
         return None
     hidden, out = node.args[0], _value(views[-1].args[0] if views else scores)
-    if not isinstance(hidden, torch.fx.Node) or _value(hidden) is None or _value(hidden).dim() < 2 \
+    # Per-position labels only (a [batch, seq, hidden] projection flattened for the loss, as in a
+    # language-model head, where ignore_index marks unlabelled positions): a plain classifier's
+    # labels all count, and selecting its rows would only add work.
+    if not isinstance(hidden, torch.fx.Node) or _value(hidden) is None or _value(hidden).dim() < 3 \
             or out is None or out.shape[-1] != score_value.shape[-1]:
         return None  # the view must keep the class dimension last and flatten the rest
     return hidden, projection[::-1], views, int(ignore_index)
