@@ -2,6 +2,11 @@
 PyTorch's; it applies only when the logits are not fetched; 0 and all rows labelled."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -149,8 +154,8 @@ def test_all_rows_labelled(source):
     _assert_matches(loss, grads, expected_loss, expected)
 
 
-# The onnxruntime source is left out: ONNX Runtime 1.19.2's SoftmaxCrossEntropyLoss over zero rows
-# kills the process (SIGFPE) with its sparse_labels pass, and returns 0, not NaN, without it.
+# The onnxruntime source has its own test below: ONNX Runtime 1.19.2's SoftmaxCrossEntropyLoss
+# returns 0, not NaN, when every label is ignored.
 @pytest.mark.parametrize("source", [TORCH])
 def test_no_row_labelled_gives_pytorchs_nan_loss(source):
     """Mean over zero labelled rows: PyTorch's loss is NaN; the graph with the pass says the same
@@ -211,3 +216,31 @@ def test_torch_pass_leaves_a_plain_classifier_alone():
     program = trace(model, F.cross_entropy, desc, batch, dynamic=False).program
     logits_only = torch_sparse_labels.unreturned(program, desc.output_names, ["loss"])
     assert not torch_sparse_labels.applies(program, logits_only)
+
+
+@pytest.mark.skipif(not _runtime.has_training_build(),
+                    reason="the 'onnxruntime' gradient source needs onnxruntime-training 1.19.2")
+@pytest.mark.parametrize("sparse", [False, True])
+def test_no_row_labelled_on_the_onnxruntime_source_trains_nothing_and_survives(sparse, tmp_path):
+    """A batch without a labelled position: with the pass, the selected rows used to be empty and
+    1.19.2's SoftmaxCrossEntropyLoss killed the process (SIGFPE); now the pass keeps one ignored
+    row. Loss 0 and zero gradients, as without the pass (run in a child process: a regression
+    would kill it, not the test session)."""
+    script = tmp_path / "zero_rows.py"
+    script.write_text(textwrap.dedent(f"""
+        import copy, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import numpy as np
+        from test_rewrites_sparse_labels import MaskedLM, _batch, _fetch_graph, _projection_reads_gathered_rows, _step, _trainer
+        trainer = _trainer(MaskedLM(), "onnxruntime", {sparse})
+        _step(trainer, _batch(3))
+        loss, grads = _step(trainer, _batch(3, labelled=0.0))
+        print("RESULT", loss, max(float(np.abs(g).max()) for g in grads.values()),
+              _projection_reads_gathered_rows(_fetch_graph(trainer).graph))
+    """))
+    env = dict(os.environ, ORT_TRAINER_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    (line,) = [l for l in result.stdout.splitlines() if l.startswith("RESULT")]
+    _, loss, largest, gathered = line.split()
+    assert float(loss) == 0.0 and float(largest) == 0.0 and gathered == str(sparse)

@@ -135,8 +135,9 @@ def sparse_labels_forward(model: onnx.ModelProto) -> int:
 
     Pattern: ``SoftmaxCrossEntropyLoss(Reshape(Add(bias, MatMul(h, W))), labels)`` (the Add is
     optional) where the MatMul/Add results are not graph outputs and feed nothing else. Becomes
-    ``SoftmaxCrossEntropyLoss(Add(bias, MatMul(Gather(h_rows, kept), W)), Gather(labels, kept))``
-    with ``kept = NonZero(labels != ignore_index)``. Returns the number of rewrites.
+    ``SoftmaxCrossEntropyLoss(Add(bias, MatMul(Gather(h_rows, rows), W)), [*Gather(labels, kept),
+    ignore_index])`` with ``kept = NonZero(labels != ignore_index)`` and ``rows = [*kept, 0]`` (the
+    extra row, ignored, keeps the loss off an empty input). Returns the number of rewrites.
     """
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output}
@@ -171,8 +172,13 @@ def sparse_labels_forward(model: onnx.ModelProto) -> int:
         e = _Editor(graph, f"{sce.name or 'sce'}/sparse_labels")
         labels = sce.input[1]
         ignore = e.const([attrs["ignore_index"]], np.int64)
-        kept = e.op("Not", [e.op("Equal", [labels, e.op("Cast", [ignore], to=onnx.TensorProto.INT64)])])
-        rows = e.op("Squeeze", [e.op("NonZero", [kept]), e.const([0], np.int64)])
+        ignore_label = e.op("Cast", [ignore], to=onnx.TensorProto.INT64)
+        kept = e.op("Not", [e.op("Equal", [labels, ignore_label])])
+        labelled = e.op("Squeeze", [e.op("NonZero", [kept]), e.const([0], np.int64)])
+        # One more row, row 0 labelled ignore_index: it adds nothing to the loss or any gradient,
+        # and keeps the loss off zero rows (ONNX Runtime 1.19.2's CPU SoftmaxCrossEntropyLoss dies
+        # of SIGFPE on an empty input: a batch with no labelled position).
+        rows = e.op("Concat", [labelled, e.const([0], np.int64)], axis=0)
         hidden = matmul.input[0]
         width = e.op("Slice", [e.op("Shape", [hidden]), e.const([-1], np.int64), e.const([2**62], np.int64)])
         flat = e.op("Reshape", [hidden, e.op("Concat", [e.const([-1], np.int64), width], axis=0)])
@@ -180,7 +186,7 @@ def sparse_labels_forward(model: onnx.ModelProto) -> int:
         if bias_add is not None:
             inputs = [scores if i == matmul.output[0] else i for i in bias_add.input]
             scores = e.op("Add", inputs)
-        new_labels = e.op("Gather", [labels, rows], axis=0)
+        new_labels = e.op("Concat", [e.op("Gather", [labels, labelled], axis=0), ignore_label], axis=0)
         # the new nodes go just before the loss; the old chain is dropped
         index = list(graph.node).index(sce)
         dead = {id(n) for n in chain}
