@@ -27,7 +27,7 @@ from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SU
 from .graph.optimizer import (ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, GRADIENTS_INPUT, OUT_SUFFIX, STEP_INPUT,
                               WEIGHTS_FINITE, lr_input)
 
-GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, onnx.ModelProto]"]
+GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]"]
 
 
 @dataclass
@@ -68,14 +68,14 @@ def _use_shared_arena(options: ort.SessionOptions) -> None:
 class _SessionSet:
     """Gradient and eval sessions of one shape signature, with their per-parity bindings."""
 
-    def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: onnx.ModelProto):
+    def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: Callable[[], onnx.ModelProto]):
+        self._engine, self._eval_model = engine, eval_model
+        self._eval: tuple | None = None
         self.gradient = engine._session(gradient)
-        self.eval = engine._session(eval_model)
         produced = {o.name for o in self.gradient.get_outputs()}
         # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
         self.output_names = [n for n in engine.output_names if n in produced]
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
-        self.eval_inputs = {i.name for i in self.eval.get_inputs()}
         # get_outputs() lists outputs in first-binding order: the description's outputs go first
         # ONNX Runtime's training BatchNorm kernel writes the running statistics it reads in
         # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
@@ -93,7 +93,15 @@ class _SessionSet:
             # commits them once the whole step has succeeded (``Engine.commit_buffers``).
             for buffer_name, output in engine.buffer_updates.items():
                 binding.bind_ortvalue_output(output, engine.buffer_scratch[buffer_name])
-        self.eval_bindings = [engine._bind_weights(self.eval, p, self.output_names) for p in (0, 1)]
+
+    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str]]:
+        """The eval session, its per-parity bindings and its input names, made on first use (the
+        eval graph itself may be built only then)."""
+        if self._eval is None:
+            session = self._engine._session(self._eval_model())
+            bindings = [self._engine._bind_weights(session, p, self.output_names) for p in (0, 1)]
+            self._eval = session, bindings, {i.name for i in session.get_inputs()}
+        return self._eval
 
 
 class Engine:
@@ -101,7 +109,8 @@ class Engine:
 
     Args:
         optimizer_graph: the update step.
-        graph_provider: ``signature -> (gradient_graph, eval_graph)``.
+        graph_provider: ``signature -> (gradient_graph, eval_graph_maker)``; the eval graph is asked
+            for (``eval_graph_maker()``) on the first evaluation of that signature.
         weights: initial value of every weight input.
         trained: the weights the optimizer updates.
         state_names: per-weight optimizer state names (``Moment_1``, ...).
@@ -286,8 +295,8 @@ class Engine:
     def evaluate(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run the eval graph with the current weights. Returns the outputs by name."""
         sessions = self._require_sessions()
-        binding = sessions.eval_bindings[self.parity]
-        return self._run(sessions.eval, binding, sessions, feeds, inputs=sessions.eval_inputs)
+        session, bindings, inputs = sessions.evaluation()
+        return self._run(session, bindings[self.parity], sessions, feeds, inputs=inputs)
 
     def optimizer_step(self, learning_rates: list[float], step: int, grad_scale: float = 1.0) -> StepResult:
         """Compute the update into the other buffer set; ``commit_update`` makes it current.

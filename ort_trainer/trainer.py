@@ -27,7 +27,8 @@ from .graph import rewrites
 from .graph.gradient import build_inference_graph
 from .graph.input_checks import check_inputs
 from .graph.optimizer import state_names
-from .graph.pipeline import GraphJob, TrainingGraphs, build_optimizer, build_training_graphs, initial_weights
+from .graph.pipeline import (GraphJob, TrainingGraphs, build_eval_graph, build_optimizer, build_training_graphs,
+                             initial_weights)
 from .graph.sources import make_gradient_source
 from .model_desc import ModelDescription, parse_model_desc
 from .optim.config import _OptimizerConfig, check_learning_rate
@@ -262,8 +263,9 @@ class ORTTrainer(_StateMixin):
                         "(see docs/export_limits.md)")
         logger.info("debug.check_model_export: %d outputs match PyTorch on two inputs", len(desc.output_names))
 
-    def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-        """Gradient and eval graphs for a signature (None: the symbolic graphs with every output).
+    def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]:
+        """Gradient graph and eval-graph maker for a signature (None: the symbolic graphs with every
+        output); the eval graph is built on the first evaluation that needs it.
 
         A signature is ``(shape, outputs)``: ``shape`` a sorted tuple of ``(symbol, size)`` pairs
         whose graphs have those dimensions fixed (ONNX Runtime then plans memory and picks kernels
@@ -271,12 +273,12 @@ class ORTTrainer(_StateMixin):
         """
         shape, outputs = signature or (None, None)
         if (shape or (), outputs) == self._base_signature:
-            return self._graphs.gradient, self._graphs.eval
-        if shape is None and outputs is None:
+            graphs = self._graphs
+        elif shape is None and outputs is None:
             graphs = self._symbolic_graphs()
         else:
             graphs = self._build_for(shape or (), outputs)
-        return graphs.gradient, graphs.eval
+        return graphs.gradient, lambda: build_eval_graph(self._job, graphs)
 
     def _build_for(self, shape: tuple, outputs: tuple | None) -> TrainingGraphs:
         """Graphs with the symbol sizes ``shape`` fixed (``()``: symbolic) returning ``outputs``,
@@ -287,7 +289,8 @@ class ORTTrainer(_StateMixin):
         dtypes = {name: array.dtype for name, array in zip(self.model_desc.input_names, self._sample_inputs)}
         samples = self._synthetic_inputs(dtypes, dict(shape)) if shape else self._sample_inputs
         graphs = build_training_graphs(self._job, samples, dims=dict(shape) or None, forward=forward, outputs=outputs)
-        self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
+        if graphs.forward is not None:  # None: found in the cache without a trace
+            self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
         if graphs.meta["trained"] != self._graphs.meta["trained"]:
             raise RuntimeError("graphs of another input shape train different weights than the first graphs")
         return graphs
@@ -578,7 +581,7 @@ class ORTTrainer(_StateMixin):
         if self.loss_fn is not None:
             inputs = inputs[:-1]
             outputs = [n for n in outputs if n != desc.loss_name]
-        model = build_inference_graph(self._symbolic_graphs().eval, inputs, outputs, engine.weights())
+        model = build_inference_graph(build_eval_graph(self._job, self._symbolic_graphs()), inputs, outputs, engine.weights())
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:

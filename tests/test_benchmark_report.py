@@ -1,4 +1,4 @@
-"""The benchmark report: a row per model per runtime, and the runtime-comparison targets."""
+"""The benchmark report: a row per model per runtime, both runtimes against one eager/compile measurement."""
 
 from __future__ import annotations
 
@@ -22,39 +22,119 @@ def bench(monkeypatch):
     return module
 
 
-def _entry(ort_s: float, eager_s: float, runtime: str, source: str, compiled_s: float | None = None) -> dict:
-    train = {"ort": [ort_s] * 3, "eager": [eager_s] * 3}
-    if compiled_s:
-        train["compile"] = [compiled_s] * 3
+def _timed(train_s: list[float], runtime: str | None = None, source: str | None = None) -> dict:
+    """One implementation's timing as the rounds leave it: every timed step of every round."""
+    record = {"train": train_s, "eval": [t / 3 for t in train_s], "round_medians_ms": [1000 * train_s[0]],
+              "round_other_cores": [0.05], "errors": []}
+    if runtime:
+        record.update(runtime=runtime, gradient_source=source)
+    return record
+
+
+def _runtime_entry(rss_ort_mb: float) -> dict:
+    return {"build_cold": {"first_step_s": 7.5, "step_s": 0.5},
+            "build_cached": {"first_step_s": 1.2, "step_s": 0.5},
+            "rss": {"ort": {"peak_rss_mb": rss_ort_mb}, "eager": {"peak_rss_mb": 750.0}}}
+
+
+def _report() -> dict:
+    current, legacy = "onnxruntime 1.31.1", "onnxruntime-training-cpu 1.19.2"
     return {
-        "build_cold": {"first_step_s": 7.5, "step_s": 0.5},
-        "build_cached": {"first_step_s": 1.2, "step_s": 0.5},
-        "timing": {"train": train, "eval": {"ort": [ort_s / 3] * 3, "eager": [eager_s / 3] * 3}, "errors": {},
-                   "runtime": runtime, "gradient_source": source},
-        "rss": {"ort": {"peak_rss_mb": 700.0}, "eager": {"peak_rss_mb": 750.0}},
+        "machine": "test machine", "load_before": (1.5, 1.25, 1.0), "load_after": (2.0, 1.5, 1.0),
+        "timing": {
+            # medians: the middle of the pooled steps (0.25 here), not the mean
+            "bert": {"ort@current": _timed([0.25, 0.24, 0.9], current, "torch"),
+                     "ort@legacy": _timed([0.26, 0.26, 0.26], legacy, "onnxruntime"),
+                     "eager": _timed([0.30, 0.30, 0.31]), "compile": _timed([0.31, 0.31, 0.31])},
+            "mlp": {"ort@current": _timed([0.002] * 3, current, "torch"),
+                    "ort@legacy": _timed([0.003] * 3, legacy, "onnxruntime"),
+                    "eager": _timed([0.0025] * 3)},
+        },
+        "runtimes": {"current": {"bert": _runtime_entry(700.0), "mlp": _runtime_entry(700.0)},
+                     "legacy": {"bert": _runtime_entry(600.0), "mlp": _runtime_entry(600.0)}},
     }
 
 
-def test_the_report_has_a_row_per_model_per_runtime_and_compares_the_runtimes(bench, tmp_path):
-    report = {"machine": "test machine", "runtimes": {
-        "current": {"bert": _entry(0.25, 0.30, "onnxruntime 1.31.1", "torch", compiled_s=0.31),
-                    "mlp": _entry(0.002, 0.0025, "onnxruntime 1.31.1", "torch")},
-        "legacy": {"bert": _entry(0.26, 0.286, "onnxruntime-training-cpu 1.19.2", "onnxruntime"),
-                   "mlp": _entry(0.002, 0.0016, "onnxruntime-training-cpu 1.19.2", "onnxruntime")},
-    }}
+def test_both_runtimes_are_rated_against_the_same_eager_and_compile_measurement(bench, tmp_path):
     out = tmp_path / "benchmarks.md"
-    bench.write_report(report, out)
+    bench.write_report(_report(), out)
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| bert | ") or line.startswith("| mlp | ")]
     training = [r for r in rows if r.count("|") == 10]
     assert [r.split("|")[1:3] for r in training] == [[" bert ", " current "], [" bert ", " legacy "],
                                                      [" mlp ", " current "], [" mlp ", " legacy "]]
-    assert "| bert | current | 250.0 | 300.0 | 310.0 | 1.20× | 1.24× |" in text
-    assert "| bert | legacy | 260.0 | 286.0 |  | 1.10× |" in text
-    # today's runtime against the legacy ratio measured in the same run
-    assert "| bert: step vs eager on today's runtime ≥ on 1.19.2 (1.10×) | 1.20× | yes |" in text
-    assert "| mlp: step vs eager on today's runtime ≥ on 1.19.2 (0.80×) | 1.25× | yes |" in text
+    # one eager (300 ms) and one torch.compile (310 ms) in both rows; the legacy row has its vs-compile ratio
+    assert "| bert | current | 250.0 | 300.0 | 310.0 | 1.20× | 1.24× | 700 / 750 | 0.93 |" in text
+    assert "| bert | legacy | 260.0 | 300.0 | 310.0 | 1.15× | 1.19× | 600 / 750 | 0.80 |" in text
+    assert "| mlp | legacy | 3.0 | 2.5 | not run | 0.83× | nan× |" in text
+    assert "| bert | legacy | 86.7 | 100.0 | 1.15× |" in text  # evaluation against the same eager no_grad
+    assert "| bert | ort@current | 250.0 (0.05) |" in text and "| bert | eager | 300.0 (0.05) |" in text
+    # today's runtime against the legacy ratio: two ort processes against one eager
+    assert "| bert: step vs eager on today's runtime ≥ on 1.19.2 (1.15×) | 1.20× | yes |" in text
+    assert "| mlp: step vs eager on today's runtime ≥ on 1.19.2 (0.83×) | 1.25× | yes |" in text
+    assert "| bert: step ≥ 1.0× torch.compile | 1.24× | yes |" in text
+    assert "| bert: step ≥ 1.3× eager | 1.20× | no, by 8% |" in text
+    assert "mlp: step ≥ 1.0× torch.compile" not in text
     assert "| bert: first graph build < 10 s | 7.00 s | yes |" in text
     assert "| bert: graph from the cache < 1 s | 0.70 s | yes |" in text
     assert "gradient source `torch`" in text and "gradient source `onnxruntime`" in text
-    assert bench.charts[0]["bert"]["ort_trainer (legacy)"] == pytest.approx(260 / 286)
+    assert "each implementation in its own process, alternating rounds; both runtimes against the same " \
+           "eager/compile measurement" in text
+    assert "1.50 / 1.25 / 1.00 at the start, 2.00 / 1.50 / 1.00 at the end" in text
+    chart = bench.charts[0]["bert"]
+    assert chart["ort_trainer (legacy)"] == pytest.approx(260 / 300)
+    assert chart["ort_trainer (current)"] == pytest.approx(250 / 300)
+    assert chart["torch.compile"] == pytest.approx(310 / 300)
+
+
+def test_a_failed_runtime_gets_a_failed_row_and_the_ablation_says_it_shares_a_process(bench, tmp_path):
+    report = _report()
+    report["timing"]["mlp"]["ort@legacy"] = {"train": [], "eval": [], "round_medians_ms": [],
+                                             "errors": ["ImportError: no onnxruntime"]}
+    report["runtimes"]["current"]["mlp"]["ablation"] = {
+        "sparse_labels": {"train": {"ort": [0.002] * 3, "ort_without:sparse_labels": [0.003] * 3}}}
+    out = tmp_path / "benchmarks.md"
+    bench.write_report(report, out)
+    text = out.read_text()
+    assert "| mlp | legacy | failed: {'ort@legacy': ['ImportError: no onnxruntime'], 'eager': []} |" in text
+    assert "| mlp | current | 2.0 | 2.5 |" in text
+    assert "| mlp | current | sparse_labels | 2.0 | 3.0 | 1.50× |" in text
+    assert "alternating in one process per runtime: both sides are ONNX Runtime" in text
+    assert "| mlp: step vs eager on today's runtime ≥ on 1.19.2 (nan×) | 1.25× | not measured |" in text
+
+
+def test_the_rounds_alternate_fresh_processes_and_pool_every_timed_step(bench, monkeypatch):
+    calls = []
+
+    def spawn(kind, model, impls, steps, warmup=3, rounds=1, env=None, python="python"):
+        calls.append((impls, python, env["ORT_TRAINER_CACHE_DIR"], rounds))
+        step = {"ort": 0.001 * len(calls), "eager": 0.002, "compile": 0.003}[impls]
+        if python == "legacy-python" and len(calls) > 4:
+            return {"error": "RuntimeError: killed"}
+        return {"train": {impls: [step] * steps}, "eval": {impls: [step / 2]}, "errors": {},
+                "runtime": f"runtime of {python}", "gradient_source": "torch"}
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    args = type("Args", (), {"steps": 2, "warmup": 1, "rounds": 2})()
+    envs = {"current": {"ORT_TRAINER_CACHE_DIR": "/c"}, "legacy": {"ORT_TRAINER_CACHE_DIR": "/l"}}
+    timing = bench._timing_rounds("mlp", ["ort", "eager", "compile"], {"current": "py", "legacy": "legacy-python"},
+                                  envs, args)
+    assert [c[:3] for c in calls] == [("ort", "py", "/c"), ("ort", "legacy-python", "/l"), ("eager", "py", "/c"),
+                                      ("compile", "py", "/c"), ("compile", "py", "/c"), ("eager", "py", "/c"),
+                                      ("ort", "legacy-python", "/l"), ("ort", "py", "/c")]
+    assert {c[3] for c in calls} == {1}  # one round per worker process
+    assert list(timing) == ["ort@current", "ort@legacy", "eager", "compile"]
+    assert timing["ort@current"]["train"] == [0.001, 0.001, 0.008, 0.008]
+    assert timing["ort@current"]["round_medians_ms"] == [1.0, 8.0]
+    assert timing["eager"]["eval"] == [0.001, 0.001]
+    assert timing["ort@legacy"]["train"] == [0.002, 0.002]
+    assert timing["ort@legacy"]["errors"] == ["RuntimeError: killed"]
+    assert timing["ort@legacy"]["runtime"] == "runtime of legacy-python"
+    assert len(timing["ort@current"]["round_other_cores"]) == 2 and len(timing["ort@legacy"]["round_other_cores"]) == 1
+
+
+def test_the_load_of_other_processes_excludes_the_worker(bench):
+    # 10 s of wall clock, 14 CPU-seconds busy on the machine, 9 of them the worker's: others kept 0.5 cores busy
+    assert bench._cores_used_by_others((100.0, 50.0, 3.0), (110.0, 64.0, 12.0)) == 0.5
+    assert bench._cores_used_by_others((100.0, 50.0, 3.0), (110.0, 55.0, 12.0)) == 0.0
+    assert bench._cores_used_by_others(None, (110.0, 64.0, 12.0)) is None

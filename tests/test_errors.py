@@ -250,14 +250,14 @@ def test_check_model_export_names_the_diverging_output(source, monkeypatch, tmp_
     if source == "torch":  # no forward graph to post-process: corrupt the eval graph the source built
         from ort_trainer.graph.source_torch import TorchGradientSource
 
-        built = TorchGradientSource.build
+        built = TorchGradientSource.build_eval
 
         def corrupted(self, *args, **kwargs):
             result = built(self, *args, **kwargs)
-            corrupt(result.eval)
+            corrupt(result)
             return result
 
-        monkeypatch.setattr(TorchGradientSource, "build", corrupted)
+        monkeypatch.setattr(TorchGradientSource, "build_eval", corrupted)
         monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))  # the corrupted graphs stay out of the cache
     else:
         options["_internal_use"] = {"extra_postprocess": corrupt}

@@ -198,7 +198,7 @@ def test_eval_step_gets_the_pass_too_and_matches_float64_pytorch(source):
         loss = loss if isinstance(loss, torch.Tensor) else loss[0]
         assert float(loss) == pytest.approx(expected, rel=1e-5)
         (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
-        assert _projection_reads_gathered_rows(trainer._graphs_for(key)[1].graph) == flag
+        assert _projection_reads_gathered_rows(trainer._graphs_for(key)[1]().graph) == flag
 
 
 def test_torch_pass_leaves_a_plain_classifier_alone():

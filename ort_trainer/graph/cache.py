@@ -1,11 +1,11 @@
 """The on-disk cache of training graphs.
 
 An entry is a directory named by a key the pipeline computes from what was actually traced: a
-hash of the exported forward graph (after the trainability pass and the user's hook, with the
-weights already graph inputs, so their values never enter it) plus the options that shape the
-gradient and eval graphs and the versions of the libraries that build them. The export runs on
-every build, so edited model or loss code always changes the key; a hit skips only the
-gradient and eval graph building.
+hash of the traced program (with the weights as graph inputs, so their values never enter it)
+plus the options that shape the gradient and eval graphs and the versions of the libraries that
+build them, so edited model or loss code always changes the key. An entry holds the gradient
+graph and, where the source builds it with the gradient graph, the eval graph (else the eval
+graph gets an entry of its own when first needed).
 
 ``meta.json`` records the key and the SHA-256 of every graph file. Loading checks them, checks
 that every name a graph reads is defined before it is read, and runs the caller's own
@@ -17,7 +17,8 @@ Entries are written to a temporary directory ``.<key[:12]>-<host>-<pid>-<random>
 into place, so a reader never sees a half-written entry and two processes building the same job
 at once both end with a valid one. A store first removes the temporaries a killed or failed
 writer left behind: those whose writer process on this host is gone, and any untouched for
-``STALE_AFTER_S``. The location is ``$ORT_TRAINER_CACHE_DIR`` (default ``~/.cache/ort_trainer``);
+``STALE_AFTER_S``. ``.links/`` maps the cheaper record keys of ``op_record.py`` to the entries
+they were seen with, so that a hit can skip the export. The location is ``$ORT_TRAINER_CACHE_DIR`` (default ``~/.cache/ort_trainer``);
 set ``ORT_TRAINER_CACHE_DIR=off`` to disable caching.
 """
 
@@ -42,6 +43,7 @@ from .._logging import logger
 from .._temporaries import pid_alive
 
 _VERSION = "2"
+_LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
 _TEMPORARY = re.compile(r"^\.[0-9a-f]{12}-(?:(?P<host>[A-Za-z0-9]*)-(?P<pid>\d+)-)?[a-z0-9_]{8}$")
@@ -201,6 +203,33 @@ class GraphCache:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
         return entry
+
+    def link(self, record: str, key: str) -> None:
+        """Remember that ``record`` (an ``op_record`` key) was seen with the entry ``key``.
+
+        Written atomically (a temporary file renamed into place); a failure is logged and ignored.
+        """
+        if self.root is None:
+            return
+        links = self.root / _LINKS
+        try:
+            links.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{record[:12]}-", dir=links)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(key)
+            os.replace(tmp, links / record)
+        except OSError as exc:
+            logger.warning("could not link the graph cache entry %s (%s); continuing without it", key[:16], exc)
+
+    def linked(self, record: str) -> str | None:
+        """The entry key ``link`` stored for ``record``, or None."""
+        if self.root is None:
+            return None
+        try:
+            key = (self.root / _LINKS / record).read_text().strip()
+        except OSError:
+            return None
+        return key if re.fullmatch(r"[0-9a-f]{64}", key) else None
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Delete temporaries left by writers that were killed or failed; returns what was removed.

@@ -1,8 +1,10 @@
 """The graph pipeline: model -> traced program -> gradient + eval graphs (cached) -> optimizer graph.
 
-``build_training_graphs`` asks the job's gradient source (``sources.py``) to trace the model on
-every build and keys the graph cache on a hash of what it traced, so a hit can never be a graph
-of other code; a hit skips only the building of the gradient and eval graphs.
+``build_training_graphs`` keys the graph cache on a hash of what the job's gradient source
+(``sources.py``) traced, so a hit can never be a graph of other code. Where the source has a
+cheaper record of what the model computes (``op_record.py``: the operators one eager forward
+runs), a hit is first looked up by that record, linked to the entry by an earlier trace that saw
+the same record, and skips the trace as well as the building.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from .._logging import logger
 from ..model_desc import ModelDescription
 from ..optim.config import LambConfig, _OptimizerConfig
 from . import cache as graph_cache
-from .export import export_order
-from .gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, RESET_INPUT
+from .export import ExportError, export_order
+from .gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
 from .source_onnxruntime import OnnxRuntimeGradientSource
 from .sources import GradientSource, Prepared, Traced, io_signature, value_info
@@ -36,7 +38,8 @@ class TrainingGraphs:
             the description's outputs in order, then ``<weight>_grad`` for each trained weight
             (with accumulation: the gradients are added into ``<weight>_grad.accumulation.buffer``
             inputs instead, see ``gradient.add_gradient_accumulation``).
-        eval: forward only, Dropout off, BatchNorm in inference mode; weights are inputs.
+        eval: forward only, Dropout off, BatchNorm in inference mode; weights are inputs. None
+            until ``build_eval_graph`` makes it, for a source that builds it only on demand.
         meta: ``weights`` ({name: [shape, dtype]} of every weight input), ``trained`` (weights
             the optimizer updates, in order), ``torch_keys`` ({weight: [torch state_dict keys]}),
             ``inputs`` ({name: dtype} of the data inputs the graph reads), ``buffer_updates``
@@ -45,16 +48,23 @@ class TrainingGraphs:
         forward: the gradient source's ``Traced`` program, before specialisation; in memory
             only, so shape specialisations of the same job skip the trace where it serves them.
         dims: the symbol sizes the graphs have fixed (None: symbolic).
+        outputs: the description outputs asked for (None: all); ``meta["outputs"]`` says which
+            the graphs return.
+        key: the cache key of the gradient graph (the eval graph's entry is keyed on it).
+        sample_inputs: the arrays the graphs were built for (a later eval build traces them).
 
     The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
     """
 
     gradient: onnx.ModelProto
-    eval: onnx.ModelProto
+    eval: onnx.ModelProto | None
     meta: dict
     from_cache: bool = False
     forward: Traced | None = None
     dims: dict[str, int] | None = None
+    outputs: tuple | None = None
+    key: str = ""
+    sample_inputs: list = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -90,21 +100,33 @@ class GraphJob:
         """
         return graph_cache.make_key(
             {
-                "source": self.source.name,
                 "forward": traced.fingerprint,
                 "torch_keys": traced.torch_keys,
                 "trainable": list(traced.trainable),
                 "padding": sorted(traced.padding.items()),
-                "desc": self.desc.fingerprint(),
-                "input_dtypes": input_dtypes,
-                "frozen": sorted(self.frozen_weights),
-                "opset": self.opset,
-                "dims": sorted((dims or {}).items()),
-                "outputs": list(outputs) if outputs is not None else None,
-                "accumulate": self.accumulate,
-                "passes": sorted((self.passes or {}).items()),
+                **self._shaping(input_dtypes, dims, outputs),
             }
         )
+
+    def record_cache_key(self, record: str, input_dtypes: dict[str, str], dims: dict[str, int] | None,
+                         outputs: tuple | None = None) -> str:
+        """The key a record (``GradientSource.record_key``) links to an entry by: the record and
+        the same options as ``cache_key``."""
+        return graph_cache.make_key({"record": record, **self._shaping(input_dtypes, dims, outputs)})
+
+    def _shaping(self, input_dtypes: dict[str, str], dims: dict[str, int] | None, outputs: tuple | None) -> dict:
+        """What shapes the graphs besides the traced program."""
+        return {
+            "source": self.source.name,
+            "desc": self.desc.fingerprint(),
+            "input_dtypes": input_dtypes,
+            "frozen": sorted(self.frozen_weights),
+            "opset": self.opset,
+            "dims": sorted((dims or {}).items()),
+            "outputs": list(outputs) if outputs is not None else None,
+            "accumulate": self.accumulate,
+            "passes": sorted((self.passes or {}).items()),
+        }
 
 
 def build_training_graphs(
@@ -141,21 +163,42 @@ def build_training_graphs(
     input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
     started = time.perf_counter()
     dims = dims or None
-    traced = forward if forward is not None and forward.serves(dims) else source.trace(job, sample_inputs, dims)
+    accumulate = job.accumulate and source.accumulates_in_graph
+    traced = forward if forward is not None and forward.serves(dims) else None
+    record = None
+    symbolic = dims is None and any(isinstance(d, str) for io in job.desc.inputs for d in io.shape)
+    if traced is None and store.root is not None and not symbolic and not any(job.save_paths.values()):
+        # a record runs the sample's sizes only: symbolic graphs, and debug dumps (they come from
+        # the trace), trace on a hit too
+        record = source.record_key(job, sample_inputs)
+    if record is not None:
+        record = job.record_cache_key(record, input_dtypes, dims, outputs)
+        linked = _load_linked(store, record, job, input_dtypes, accumulate)
+        if linked is not None:
+            key, models, meta = linked
+            _warn_untrained(meta.get("trainable", meta["trained"]), meta["trained"])
+            logger.info("reused the cached training graph %s (%.2f s, found by its operator record: no export) "
+                        "from %s", key[:16], time.perf_counter() - started, store.root)
+            return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, dims=dims,
+                                  outputs=outputs, key=key, sample_inputs=list(sample_inputs))
+    if traced is None:
+        traced = source.trace(job, sample_inputs, dims)
     key = job.cache_key(traced, input_dtypes, dims, outputs)
     trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
     prepared = source.prepare(job, traced, dims, outputs, input_dtypes)
-    accumulate = job.accumulate and source.accumulates_in_graph
     cached = store.load(key, validate=lambda models, meta: _entry_problems(models, meta, prepared, trainable,
                                                                            accumulate))
     if cached is not None:
         models, meta = cached
+        if record is not None:
+            store.link(record, key)
         _warn_untrained(trainable, meta["trained"])
         if job.save_paths.get("model_with_gradient_graph_path"):
             onnx.save(models["gradient"], job.save_paths["model_with_gradient_graph_path"])
         logger.info("reused the cached training graph %s (%.2f s, trace included) from %s", key[:16],
                     time.perf_counter() - started, store.root)
-        return TrainingGraphs(models["gradient"], models["eval"], meta, from_cache=True, forward=traced, dims=dims)
+        return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, forward=traced,
+                              dims=dims, outputs=outputs, key=key, sample_inputs=list(sample_inputs))
 
     built = source.build(job, traced, prepared)
     _warn_untrained(trainable, built.trained)
@@ -169,11 +212,94 @@ def build_training_graphs(
         "buffer_updates": built.buffer_updates,
         "input_constraints": built.input_constraints,
         "gradient_source": source.name,
+        "trainable": trainable,
     }
-    entry = store.store(key, {"gradient": built.gradient, "eval": built.eval}, meta)
+    entry = store.store(key, {"gradient": built.gradient, **({"eval": built.eval} if built.eval else {})}, meta)
+    if entry is not None and record is not None:
+        store.link(record, key)
     logger.info("built the training graph %s with the %s gradient source in %.2f s%s", key[:16], source.name,
                 time.perf_counter() - started, f"; cached in {entry}" if entry else "")
-    return TrainingGraphs(built.gradient, built.eval, meta, forward=traced, dims=dims)
+    return TrainingGraphs(built.gradient, built.eval, meta, forward=traced, dims=dims, outputs=outputs, key=key,
+                          sample_inputs=list(sample_inputs))
+
+
+def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
+                     graph_cache_store: graph_cache.GraphCache | None = None) -> onnx.ModelProto:
+    """The eval graph of ``graphs`` (built there already, or from its own cache entry, or now).
+
+    A source that builds the eval graph only on demand (``Built.eval`` None) is asked here, on the
+    first ``eval_step`` or ``save_as_onnx`` that needs it; the graph is cached under a key derived
+    from the gradient graph's (whose trace covers eval mode too) and kept in ``graphs.eval``.
+
+    Raises:
+        ExportError: when the eval graph reads a weight the gradient graph does not (the engine
+            holds the weights the gradient graph reads).
+        RuntimeError: when the model no longer traces to the program the gradient graph was
+            built from (its code or its weights changed since).
+    """
+    if graphs.eval is not None:
+        return graphs.eval
+    store = graph_cache_store or graph_cache.GraphCache()
+    started = time.perf_counter()
+    key = graph_cache.make_key({"eval_of": graphs.key})
+    cached = store.load(key, validate=lambda models, meta: _eval_problems(models, graphs.meta, job))
+    if cached is not None:
+        graphs.eval = cached[0]["eval"]
+        logger.info("reused the cached eval graph %s", key[:16])
+        return graphs.eval
+    source, samples = job.source, graphs.sample_inputs
+    input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, samples)}
+    traced = graphs.forward
+    if traced is None or not traced.serves(graphs.dims):
+        traced = source.trace(job, samples, graphs.dims)
+    if job.cache_key(traced, input_dtypes, graphs.dims, graphs.outputs) != graphs.key:
+        raise RuntimeError("the model no longer traces to the program its training graph was built from (its "
+                           "code, its weights' shapes or requires_grad flags changed after the first step); "
+                           "create a new ORTTrainer for the changed model")
+    prepared = source.prepare(job, traced, graphs.dims, graphs.outputs, input_dtypes)
+    model = source.build_eval(job, traced, prepared)
+    problems = _eval_problems({"eval": model}, graphs.meta, job)
+    if problems:
+        raise ExportError(f"the eval graph cannot run on the training graph's weights: {'; '.join(problems)}. "
+                          "A weight that only eval mode reads is not supported: use it in training mode too, or "
+                          "make it a constant (a non-persistent buffer)")
+    store.store(key, {"eval": model}, {"eval_of": graphs.key})
+    graphs.eval = model
+    logger.info("built the eval graph in %.2f s", time.perf_counter() - started)
+    return model
+
+
+def _eval_problems(models: dict[str, onnx.ModelProto], meta: dict, job: GraphJob) -> list[str]:
+    """What makes an eval graph unusable beside the gradient graph described by ``meta``."""
+    if sorted(models) != ["eval"]:
+        return [f"it holds the graphs {sorted(models)}, not eval"]
+    inputs, outputs = io_signature(models["eval"].graph)
+    if [o[0] for o in outputs] != meta["outputs"]:
+        return ["eval.onnx's outputs are not the training graph's outputs"]
+    weights, data = meta["weights"], set(job.desc.input_names)
+    wrong = [name for name, *info in inputs if name not in data and (name not in weights or info != weights[name])]
+    return [f"eval.onnx reads {', '.join(wrong)}, which the training graph does not"] if wrong else []
+
+
+def _load_linked(store: graph_cache.GraphCache, record: str, job: GraphJob, input_dtypes: dict[str, str],
+                 accumulate: bool) -> tuple[str, dict[str, onnx.ModelProto], dict] | None:
+    """The entry a trace linked to ``record`` (a ``GraphJob.record_cache_key``), checked as a hit
+    by trace is, against its own metadata; None when there is none (the caller then traces)."""
+    key = store.linked(record)
+    if key is None:
+        return None
+
+    def problems(models: dict[str, onnx.ModelProto], meta: dict) -> list[str]:
+        if not all(isinstance(meta.get(f), (list, dict)) for f in ("outputs", "weights", "trained")):
+            return ["meta.json lacks the outputs, weights or trained weights"]
+        if meta.get("inputs") != {n: input_dtypes[n] for n in job.desc.input_names}:
+            return ["meta.json's 'inputs' disagrees with the batch"]
+        readable = {name: None for name in [*meta["weights"], *job.desc.input_names, LOSS_SCALE_INPUT]}
+        prepared = Prepared({"outputs": meta["outputs"], "inputs": meta["inputs"]}, readable)
+        return _entry_problems(models, meta, prepared, meta.get("trainable", meta["trained"]), accumulate)
+
+    cached = store.load(key, validate=problems)
+    return None if cached is None else (key, *cached)
 
 
 def _warn_untrained(trainable: list[str], trained: list[str]) -> None:
@@ -189,8 +315,8 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
     ``prepared.expected`` holds the metadata fields the traced program determines; the graphs'
     inputs and outputs must be those the source derives from it.
     """
-    if sorted(models) != ["eval", "gradient"]:
-        return [f"it holds the graphs {sorted(models)}, not eval and gradient"]
+    if sorted(models) not in (["eval", "gradient"], ["gradient"]):
+        return [f"it holds the graphs {sorted(models)}, not gradient (and eval)"]
     expected = prepared.expected
     problems = [f"meta.json's {field!r} disagrees with the traced model"
                 for field, value in expected.items() if meta.get(field) != value]
@@ -201,8 +327,10 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
     if not (isinstance(updates, dict) and set(updates) <= buffers
             and all(isinstance(v, str) for v in updates.values())):
         return [*problems, "meta.json's 'buffer_updates' does not map buffers to outputs"]
-    eval_io = io_signature(models["eval"].graph)
-    if prepared.eval_io is not None:
+    eval_io = io_signature(models["eval"].graph) if "eval" in models else None
+    if eval_io is None:
+        pass  # built on demand, into an entry of its own (``build_eval_graph``)
+    elif prepared.eval_io is not None:
         if eval_io != prepared.eval_io:
             problems.append("eval.onnx's inputs or outputs differ from the traced forward graph")
     elif [o[0] for o in eval_io[1]] != expected["outputs"]:
@@ -212,7 +340,7 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
     suffix, fed = GRAD_SUFFIX, set(inputs)
     if accumulate:
         suffix, fed = ACCUMULATED_FLAG_SUFFIX, fed | {w + ACCUMULATOR_SUFFIX for w in trained} | {RESET_INPUT}
-    graphs = [models["gradient"].graph] + ([models["eval"].graph] if prepared.eval_io is None else [])
+    graphs = [models["gradient"].graph] + ([models["eval"].graph] if eval_io and prepared.eval_io is None else [])
     wrong = sorted({i.name for graph in graphs for i in graph.input
                     if i.name not in fed or (inputs.get(i.name) is not None and value_info(i) != inputs[i.name])})
     if wrong:
@@ -312,5 +440,5 @@ def initial_weights(
     return out
 
 
-__all__ = ["GraphJob", "OptimizerSpec", "TrainingGraphs", "build_optimizer", "build_training_graphs",
-           "export_order", "initial_weights", "zero_ranges"]
+__all__ = ["GraphJob", "OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_optimizer",
+           "build_training_graphs", "export_order", "initial_weights", "zero_ranges"]

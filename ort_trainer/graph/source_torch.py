@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from .._logging import logger
-from . import joint_rewrites, torch_autograd, torch_sparse_labels
+from . import joint_rewrites, op_record, torch_autograd, torch_sparse_labels
 from .export import ExportError
 from .gradient import LOSS_SCALE_INPUT, specialize
 from .input_checks import find_input_constraints, find_program_constraints
@@ -64,6 +64,13 @@ class TorchGradientSource(GradientSource):
             dims = None
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
                       program={"traced": traced, "built": None, "renamed": renamed}, dims=dims or None)
+
+    def record_key(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> str | None:
+        """The operators one eager forward runs, with the flags ``torch.export`` sets
+        (``op_record.record_key``); None for an ONNX model."""
+        if isinstance(job.model, onnx.ModelProto) or job.extra_postprocess is not None:
+            return None
+        return op_record.record_key(job.model, job.loss_fn, job.desc, sample_inputs, op_record.exporting_flags)
 
     def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:
@@ -114,15 +121,27 @@ class TorchGradientSource(GradientSource):
             if built:  # building consumed the trace
                 traced_model = _retrace(traced_model, job.frozen_weights)
             sparse = len(returned) < len(job.desc.output_names)
-            built[tuple(returned)] = torch_autograd.build(traced_model, outputs=returned, sparse_labels=sparse)
+            built[tuple(returned)] = torch_autograd.build(traced_model, outputs=returned, sparse_labels=sparse,
+                                                          with_eval=False)
         joint = built[tuple(returned)]
-        # copies: the joint graphs stay as built for later specialisations
-        dims = prepared.state["dims"] or {}
-        gradient, eval_model = specialize(joint.gradient, dims), specialize(joint.eval, dims)
+        # a copy: the joint graph stays as built for later specialisations
+        gradient = specialize(joint.gradient, prepared.state["dims"] or {})
         logger.debug("joint graph rewrites: %s", joint_rewrites.apply_joint_passes(gradient, job.passes or {}))
         meta = joint.meta
-        return Built(gradient, eval_model, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
+        return Built(gradient, None, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
                      weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
+
+    def build_eval(self, job: "GraphJob", traced: Traced, prepared: Prepared) -> onnx.ModelProto:
+        """The eval-mode trace translated (~1.5 s for the BERT-like model, so only once an
+        ``eval_step`` or ``save_as_onnx`` needs it), with ``sparse_labels`` where the gradient
+        graph has it."""
+        returned = prepared.state["outputs"]
+        evals = traced.program.setdefault("eval_built", {})
+        if tuple(returned) not in evals:
+            sparse = len(returned) < len(job.desc.output_names)
+            evals[tuple(returned)] = torch_autograd.build_eval(traced.program["traced"], outputs=returned,
+                                                               sparse_labels=sparse)
+        return specialize(evals[tuple(returned)], prepared.state["dims"] or {})
 
 
 def _raise_for_recurrent_layers(model: object, exc: ExportError) -> None:

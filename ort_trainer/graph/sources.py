@@ -78,7 +78,8 @@ class Built:
     """The graphs a source built, and what the pipeline records about them."""
 
     gradient: onnx.ModelProto
-    eval: onnx.ModelProto
+    #: None when the source builds it only on demand (``GradientSource.build_eval``)
+    eval: onnx.ModelProto | None
     trained: list[str]
     buffer_updates: dict[str, str]
     input_constraints: dict
@@ -105,6 +106,12 @@ class GradientSource(ABC):
         build, or ignore them and trace symbolically.
         """
 
+    def record_key(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> str | None:
+        """A key of what the model computes on the sample that is much cheaper than ``trace``
+        (``op_record.py``), or None when this source has none: the pipeline then finds cache
+        entries by tracing. The pipeline links a record key to an entry only after a trace."""
+        return None
+
     @abstractmethod
     def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:
@@ -112,7 +119,13 @@ class GradientSource(ABC):
 
     @abstractmethod
     def build(self, job: "GraphJob", traced: Traced, prepared: Prepared) -> Built:
-        """Build the gradient and eval graphs."""
+        """Build the gradient graph, and the eval graph where that is cheap (else ``Built.eval``
+        is None and ``build_eval`` makes it when an evaluation or an export first needs it)."""
+
+    def build_eval(self, job: "GraphJob", traced: Traced, prepared: Prepared) -> onnx.ModelProto:
+        """The eval graph alone (for a source whose ``build`` leaves ``Built.eval`` None; by
+        default the whole build again)."""
+        return self.build(job, traced, prepared).eval
 
 
 def value_info(info: onnx.ValueInfoProto) -> list:

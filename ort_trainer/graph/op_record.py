@@ -1,0 +1,257 @@
+"""A cheap key for the graph cache: a record of the operators one eager forward runs.
+
+``torch.export`` is what the graphs are built from and what the cache key hashes
+(``pipeline.GraphJob.cache_key``), but tracing costs ~0.6 s per mode on the BERT-like model, plus
+~1 s importing ``torch._dynamo`` in a fresh process. A cache hit does not need the program, only
+proof that the program would be the same. ``record_key`` gets that from an eager run: the model
+and loss run forward once in training mode and once in eval mode, on the sample batch, with the
+flags the tracer sets, under a ``TorchDispatchMode`` that hashes every ATen operator that runs,
+with its non-tensor arguments, the shapes, strides and dtypes of its tensors and where each tensor
+came from (a data input, a weight by name, an earlier operator's output, or a constant, hashed by
+value). That is what was computed, not the source text: a module-level helper, a callable
+attribute, a monkeypatched ``forward``, a ``functools.partial``'s keywords, an ``if
+self.training`` branch, a device or autocast branch all change the operators that run.
+
+The pipeline maps a record key to the export key it was seen with (``GraphCache.link``) only
+after a full trace in the same process produced both, so a record never names a graph that was
+not traced from code producing that record.
+
+What one eager forward cannot show makes the record decline (None), and the build then takes
+the export path, whose guard handles it: module, parameter or tensor hooks (they run in the
+backward), custom ``autograd.Function``s and custom operators (their backward is Python code),
+a value read into Python (``.item()``: control flow may depend on the batch), and Python
+attributes the forward changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._logging import logger
+from ..model_desc import ModelDescription
+from .export import _ModelWithLoss, export_order
+
+_DATA_DEPENDENT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
+
+
+class _Declined(Exception):
+    """The forward did something a record cannot key (the reason is the message)."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Hashes each ATen operator call: name, arguments, and the provenance of its tensors."""
+
+    def __init__(self, labels: dict[int, str]):
+        super().__init__()
+        self._labels = dict(labels)
+        self._alive: list[torch.Tensor] = []  # keeps ids unique while the record runs
+        self._count = 0
+        self.digest = hashlib.sha256()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # never under torch.compile; the default wraps __torch_dispatch__ in a dynamo disable,
+        # which imports torch._dynamo (~1 s in a fresh process) on the first operator
+        return False
+
+    def _tensor(self, tensor: torch.Tensor) -> str:
+        label = self._labels.get(id(tensor))
+        if label is None:  # made outside the forward and not a weight: a constant of the graph
+            label = f"const:{_value_hash(tensor)}"
+            self._labels[id(tensor)] = label
+            self._alive.append(tensor)
+        return f"{label}{tuple(tensor.shape)}{tuple(tensor.stride())}{tensor.dtype}"
+
+    def _encode(self, value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
+        if isinstance(value, (list, tuple)):
+            return "(" + ",".join(self._encode(v) for v in value) + ")"
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}:{self._encode(v)}" for k, v in sorted(value.items())) + "}"
+        return repr(value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name in _DATA_DEPENDENT:
+            raise _Declined(f"the forward reads a tensor's value into Python ({name})")
+        if func.namespace not in ("aten", "prims"):
+            raise _Declined(f"the forward calls the custom operator {name}")
+        line = f"{name}|{self._encode(args)}|{self._encode(kwargs)}"
+        result = func(*args, **kwargs)
+        outputs = result if isinstance(result, (list, tuple)) else [result]
+        for output in outputs:
+            if isinstance(output, torch.Tensor):
+                self._labels[id(output)] = f"v{self._count}"
+                self._alive.append(output)
+                self._count += 1
+        self.digest.update(f"{line}->{self._encode(result)}\n".encode())
+        return result
+
+
+def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
+               sample_inputs: Sequence[np.ndarray], tracing: Callable[[], Any] = contextlib.nullcontext) -> str | None:
+    """The record key of ``model`` with ``loss_fn`` on inputs of the sample's shapes and dtypes.
+
+    Args:
+        model: the user's module (anything else, e.g. an ONNX model, has no record: None).
+        loss_fn: ``loss_fn(prediction, *labels)`` or None.
+        desc: the model description (input order, outputs).
+        sample_inputs: one array per description input.
+        tracing: a context manager that sets the flags the gradient source's tracer sets (code
+            may branch on ``torch.compiler.is_exporting()``): the record then runs the branches
+            the trace runs.
+
+    Returns:
+        A hex SHA-256, or None when the forward does something a record cannot key (logged at
+        DEBUG). The model is left as it was: modes, buffers, requires_grad flags, torch's RNG.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    count = len(desc.inputs) - (1 if loss_fn is not None else 0)
+    wrapper = _ModelWithLoss(model, loss_fn, desc.input_names[:count])
+    try:
+        _refuse_hooks(wrapper)
+        labels = _weight_labels(wrapper)
+        inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in sample_inputs]
+        labels.update({id(t): f"input:{n}" for n, t in zip(desc.input_names, inputs)})
+        digest = hashlib.sha256(repr([sorted(set(labels.values())), export_order(desc, loss_fn is not None),
+                                      desc.fingerprint(), torch.__version__,
+                                      str(torch.get_default_dtype())]).encode())
+        state = _python_state(wrapper)
+        with _left_untouched(wrapper):
+            for training in (True, False):
+                wrapper.train(training)
+                recorder = _Recorder(labels)
+                # grad enabled in both modes, as the traces are
+                try:
+                    with torch.enable_grad(), tracing(), _HookWatch(), recorder:
+                        outputs = wrapper(*inputs)
+                except _Declined:
+                    raise
+                except Exception as exc:  # the trace reports what is wrong, in its own words
+                    raise _Declined(f"the forward failed ({type(exc).__name__})") from exc
+                if training:
+                    _refuse_custom_functions(outputs)
+                digest.update(recorder.digest.digest())
+                del outputs, recorder
+        if _python_state(wrapper) != state:
+            raise _Declined("the forward changes the model's Python attributes")
+    except _Declined as exc:
+        logger.debug("no record key (%s); the graph cache is looked up by the export's key", exc)
+        return None
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def exporting_flags() -> Iterator[None]:
+    """The flags non-strict ``torch.export`` sets while it traces: ``torch.compiler.is_compiling()``
+    and ``is_exporting()`` (torch/_export/utils.py ``_compiling_state_context``) and
+    ``torch.fx._symbolic_trace.is_fx_tracing()`` (set by the make_fx tracer)."""
+    from torch.fx import _symbolic_trace
+
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag, _symbolic_trace._is_fx_tracing_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    _symbolic_trace._is_fx_tracing_flag = True
+    try:
+        yield
+    finally:
+        (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag,
+         _symbolic_trace._is_fx_tracing_flag) = old
+
+
+def _weight_labels(wrapper: torch.nn.Module) -> dict[int, str]:
+    """``{id(tensor): label}`` of every parameter and buffer: its first name and requires_grad,
+    plus the values of non-persistent buffers (constants of the graph)."""
+    labels = {}
+    persistent = set(wrapper.state_dict(keep_vars=True))
+    for name, tensor in [*wrapper.named_parameters(remove_duplicate=False),
+                         *wrapper.named_buffers(remove_duplicate=False)]:
+        if tensor is None or id(tensor) in labels:
+            continue
+        label = f"weight:{name}:{tensor.requires_grad}"
+        if name not in persistent:
+            label += ":" + _value_hash(tensor)
+        labels[id(tensor)] = label
+    return labels
+
+
+@contextlib.contextmanager
+def _left_untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Restore each module's mode, the buffers the forward updates, and torch's RNG state."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            for module, mode in modes:
+                module.training = mode
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+class _HookWatch(TorchFunctionMode):
+    """Declines when the forward registers a hook on a tensor (it would run in the backward)."""
+
+    _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._HOOKS:
+            raise _Declined("the forward registers a tensor hook")
+        return func(*args, **(kwargs or {}))
+
+
+def _value_hash(tensor: torch.Tensor) -> str:
+    if not tensor.numel():
+        return "empty"
+    data = tensor.detach().contiguous().cpu()
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+
+
+def _refuse_hooks(wrapper: torch.nn.Module) -> None:
+    from torch.nn.modules import module as module_mod
+
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if any(getattr(module_mod, f"_global{h}", None) for h in hooks):
+        raise _Declined("global module hooks are registered")
+    for name, module in wrapper.named_modules():
+        if any(getattr(module, h, None) for h in hooks):
+            raise _Declined(f"module {name or '<top>'} has hooks")
+    for name, parameter in wrapper.named_parameters():
+        if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
+            raise _Declined(f"parameter {name} has hooks")
+
+
+def _refuse_custom_functions(outputs: Any) -> None:
+    """Walk the autograd graph of the forward's outputs; a custom Function's backward is Python."""
+    roots = [t.grad_fn for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            raise _Declined(f"the forward applies a custom autograd.Function ({type(node).__name__})")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _python_state(wrapper: torch.nn.Module) -> list:
+    """The modules' plain Python attributes (what a forward that changes state would change)."""
+    plain = (bool, int, float, str, type(None))
+    return [(name, sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, plain)))
+            for name, module in wrapper.named_modules()]
+
+
+__all__ = ["exporting_flags", "record_key"]
