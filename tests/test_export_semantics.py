@@ -441,6 +441,15 @@ class ClipsItsWeight(_Base):
         return self.c(self.a(x))
 
 
+class SavedTensorHooks(_Base):
+    """Pack/unpack hooks that change what the backward reads: PyTorch's gradients differ."""
+
+    def forward(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t * 2):
+            h = torch.tanh(self.a(x))
+        return self.c(h)
+
+
 def _with_backward_hook():
     model = _Base()
     model.forward = lambda x: model.c(model.b(model.a(x)))
@@ -454,7 +463,10 @@ def _with_backward_hook():
     (_with_backward_hook, r"a module backward hook \(register_full_backward_hook .* on module b \(Linear\)"),
     (RunningMean, r"the forward changes buffer 'average' .* in module <top-level forward> \(RunningMean\)"),
     (ClipsItsWeight, r"the forward changes weight 'a.weight' .* in module a \(Linear\)"),
-], ids=["tensor-hook", "autograd-grad", "module-backward-hook", "buffer-update", "weight-update"])
+    (SavedTensorHooks, r"torch.autograd.graph.saved_tensors_hooks around code of module <top-level forward> "
+                       r"\(SavedTensorHooks\) at .*tanh"),
+], ids=["tensor-hook", "autograd-grad", "module-backward-hook", "buffer-update", "weight-update",
+        "saved-tensor-hooks"])
 def test_what_the_backward_graph_cannot_run_is_refused(make, expected):
     model = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}

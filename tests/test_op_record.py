@@ -321,8 +321,18 @@ class _CustomOperator(MLP):
         return self.fc2(torch.relu(_double(self.fc1(x))))
 
 
+class _SavedTensorHooks(MLP):
+    """Pack/unpack hooks change what the backward reads; the record never runs the backward."""
+
+    def forward(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t * 2):
+            h = torch.relu(self.fc1(x))
+        return self.fc2(h)
+
+
 DECLINED = {
     "custom operator": _CustomOperator,
+    "saved-tensor hooks": _SavedTensorHooks,
     "forward hook": _with_forward_hook,
     "forward pre-hook": _with_forward_pre_hook,
     "full backward hook": _with_full_backward_hook,

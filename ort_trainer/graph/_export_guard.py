@@ -122,6 +122,12 @@ class StopGradient(torch.autograd.Function):
         return out
 
 
+def _user_saved_tensors_hooks() -> bool:
+    """Whether pack/unpack hooks of the user's (not torch's own) are active."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and not getattr(hooks[0], "__module__", "").startswith("torch.")
+
+
 def _func_name(func: Any) -> str:
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property of Tensor (shape, data, T...): name the property
@@ -292,6 +298,11 @@ class ExportGuard:
             self._report(("autograd", name), f"{_AUTOGRAD_CALLS[func]} inside the forward, in module {{modules}} at "
                          "{where}: the exported graph has no autograd, so the gradients it computes would be "
                          "frozen; compute that term without autograd, or train this model with PyTorch")
+        elif _user_saved_tensors_hooks():
+            self._report(("saved_tensors_hooks", ""), "torch.autograd.graph.saved_tensors_hooks around code of module "
+                         f"{{modules}} at {{where}}: {self._builder}, so the pack/unpack hooks would never run and "
+                         "the backward would use the values PyTorch's hooks replace; remove the hooks (torch's own, "
+                         "torch.utils.checkpoint and save_on_cpu, are fine)")
         elif name in ("register_hook", "register_post_accumulate_grad_hook") and args[0].requires_grad:
             self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: {self._builder}, so "
                          "a gradient hook would never run; remove the hook, or express its effect in the forward or "

@@ -201,13 +201,16 @@ def _left_untouched(model: torch.nn.Module) -> Iterator[None]:
 
 
 class _HookWatch(TorchFunctionMode):
-    """Declines when the forward registers a hook on a tensor (it would run in the backward)."""
+    """Declines when the forward registers a hook on a tensor or runs under saved-tensor hooks
+    (they would run in the backward)."""
 
     _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self._HOOKS:
             raise _Declined("the forward registers a tensor hook")
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            raise _Declined("the forward runs under saved-tensor hooks")
         return func(*args, **(kwargs or {}))
 
 
