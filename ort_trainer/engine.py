@@ -1,7 +1,8 @@
 """The engine: ONNX Runtime sessions over buffers the trainer owns.
 
-Weights, gradients and optimizer states are ``OrtValue`` buffers that live across steps; a step
-binds them once (IOBinding) and copies nothing but its inputs. Nothing a step computes becomes
+Weights, gradients and optimizer states are torch tensors on the engine's device that live
+across steps, seen by ONNX Runtime as ``OrtValue``s over the same memory (DLPack); a step binds
+them once (IOBinding) and copies nothing but its inputs. Nothing a step computes becomes
 current until the trainer commits it (``commit_update``, ``commit_buffers``), so a step that
 fails or is refused half-way changes no state. Trained weights and their states
 are double-buffered: the optimizer session reads buffer set ``p`` and writes set ``1 - p``, then
@@ -47,6 +48,11 @@ class StepResult:
 
 
 _SHARED_ARENA = False
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy copy of a buffer on any device."""
+    return tensor.detach().cpu().numpy().copy()
 
 
 def _use_shared_arena(options: ort.SessionOptions) -> None:
@@ -152,6 +158,7 @@ class Engine:
                 "host memory; use device.id='cpu'"
             )
         self.device_type, self.device_id = "cpu", 0
+        self.device = torch.device("cpu")
         self._session_options = session_options or ort.SessionOptions()
         self._session_options.log_severity_level = ort_severity()
         if session_options is None:  # the user's own session options are used as given
@@ -174,16 +181,16 @@ class Engine:
         self.parity = 0
         # fixed: weights nobody updates (frozen weights, buffers)
         trained_set = set(trained)
-        self.fixed_arrays = {n: np.array(v, copy=True) for n, v in weights.items() if n not in trained_set}
-        self.fixed = {n: self._ortvalue(v) for n, v in self.fixed_arrays.items()}
-        self.buffer_scratch_arrays = {n: np.empty_like(self.fixed_arrays[n]) for n in self.buffer_updates}
-        self.buffer_scratch = {n: self._ortvalue(v) for n, v in self.buffer_scratch_arrays.items()}
-        self.buffer_input_arrays = {n: np.empty_like(self.fixed_arrays[n]) for n in self.buffer_updates}
-        self.buffer_inputs = {n: self._ortvalue(v) for n, v in self.buffer_input_arrays.items()}
+        self.fixed_tensors = {n: self._tensor(v) for n, v in weights.items() if n not in trained_set}
+        self.fixed = {n: self._ortvalue(v) for n, v in self.fixed_tensors.items()}
+        self.buffer_scratch_tensors = {n: torch.empty_like(self.fixed_tensors[n]) for n in self.buffer_updates}
+        self.buffer_scratch = {n: self._ortvalue(v) for n, v in self.buffer_scratch_tensors.items()}
+        self.buffer_input_tensors = {n: torch.empty_like(self.fixed_tensors[n]) for n in self.buffer_updates}
+        self.buffer_inputs = {n: self._ortvalue(v) for n, v in self.buffer_input_tensors.items()}
 
-        # Trained weights, gradients and optimizer states live in flat float32 arrays laid out as
+        # Trained weights, gradients and optimizer states live in flat float32 tensors laid out as
         # ``optimizer_spec.layout`` (group by group); each weight is a view into them. Weights and
-        # states are double-buffered (parity 0/1). Collectives are one call on a flat array.
+        # states are double-buffered (parity 0/1). Collectives are one call on a flat tensor.
         self.layout = list(optimizer_spec.layout)
         self.shapes = {w: tuple(np.shape(weights[w])) for w in self.layout}
         sizes = [int(np.prod(self.shapes[w])) for w in self.layout]
@@ -191,14 +198,15 @@ class Engine:
         total = int(sum(sizes))
         self.begin, self.end = optimizer_spec.begin, optimizer_spec.end
         self.segments = list(optimizer_spec.segments)
-        self.weights_flat = [np.zeros(total, np.float32) for _ in (0, 1)]
-        self.states_flat = [{s: np.zeros(self.end - self.begin, np.float32) for s in state_names} for _ in (0, 1)]
+        zeros = lambda size: torch.zeros(size, dtype=torch.float32, device=self.device)  # noqa: E731
+        self.weights_flat = [zeros(total) for _ in (0, 1)]
+        self.states_flat = [{s: zeros(self.end - self.begin) for s in state_names} for _ in (0, 1)]
         self.buffers: list[dict[str, ort.OrtValue]] = [self._weight_views(self.weights_flat[p]) for p in (0, 1)]
         self.load_weights({w: weights[w] for w in trained})
-        self.grads_flat = np.zeros(total, np.float32)
+        self.grads_flat = zeros(total)
         self.grads = self._weight_views(self.grads_flat)
         if host_accumulation:
-            self.accumulated_flat = np.zeros(total, np.float32)
+            self.accumulated_flat = zeros(total)
             self.accumulated = self._weight_views(self.accumulated_flat)
         else:
             self.accumulated_flat, self.accumulated = self.grads_flat, self.grads
@@ -212,21 +220,44 @@ class Engine:
     def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
         return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers)
 
-    def _ortvalue(self, value: np.ndarray) -> ort.OrtValue:
-        """An OrtValue holding ``value``; on the CPU it shares ``value``'s memory."""
-        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device_type, self.device_id)
+    def _tensor(self, value: np.ndarray) -> torch.Tensor:
+        """A contiguous tensor on the engine's device holding a copy of ``value``."""
+        return torch.from_numpy(np.array(value, order="C")).to(self.device)  # np.array keeps a 0-d shape
 
-    def _weight_views(self, flat: np.ndarray) -> dict[str, ort.OrtValue]:
+    @staticmethod
+    def _ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
+        """An OrtValue over ``tensor``'s memory (DLPack: no copy, on any device)."""
+        if tensor.dtype == torch.bool:  # DLPack's bool code is unknown to ONNX Runtime: same bytes as uint8
+            return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(
+                tensor.view(torch.uint8).__dlpack__(), True))
+        return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(tensor.__dlpack__(), False))
+
+    def _weight_views(self, flat: torch.Tensor) -> dict[str, ort.OrtValue]:
         """One OrtValue per trained weight, viewing its part of ``flat``."""
-        return {w: self._ortvalue(flat[o:o + int(np.prod(self.shapes[w]))].reshape(self.shapes[w]))
-                for w, o in self.offsets.items()}
+        return {w: self._ortvalue(self._view(flat, w)) for w in self.offsets}
+
+    def _view(self, flat: torch.Tensor, weight: str) -> torch.Tensor:
+        """``weight``'s part of a whole-layout flat tensor, in its shape (a view)."""
+        o = self.offsets[weight]
+        return flat[o:o + int(np.prod(self.shapes[weight]))].view(self.shapes[weight])
+
+    @staticmethod
+    def host(tensor: torch.Tensor) -> np.ndarray:
+        """A NumPy array over a CPU buffer's memory, for the MPI collectives (no copy).
+
+        Raises:
+            RuntimeError: for a buffer in device memory (its collectives go through NCCL).
+        """
+        if tensor.device.type != "cpu":
+            raise RuntimeError(f"a {tensor.device} buffer has no host view; its collectives need NCCL")
+        return tensor.numpy()
 
     def accumulate_on_host(self, reset: bool) -> None:
         """Add this micro-batch's (all-reduced) gradients into the accumulation buffers."""
         if reset:
-            np.copyto(self.accumulated_flat, self.grads_flat)
+            self.accumulated_flat.copy_(self.grads_flat)
         else:
-            np.add(self.accumulated_flat, self.grads_flat, out=self.accumulated_flat)
+            self.accumulated_flat.add_(self.grads_flat)
 
     def _bind_weights(self, session: ort.InferenceSession, parity: int, outputs: list[str] = (),
                       replaced: dict[str, ort.OrtValue] | None = None) -> ort.IOBinding:
@@ -284,8 +315,8 @@ class Engine:
         sessions = self._require_sessions()
         if seed is not None:
             ort.set_seed(seed)
-        for name, array in self.buffer_input_arrays.items():
-            np.copyto(array, self.fixed_arrays[name])
+        for name, tensor in self.buffer_input_tensors.items():
+            tensor.copy_(self.fixed_tensors[name])
         binding = sessions.grad_bindings[self.parity]
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
         if sessions.accumulates:
@@ -334,11 +365,11 @@ class Engine:
         batch would otherwise poison running statistics for good).
         """
         rejected = []
-        for name, scratch in self.buffer_scratch_arrays.items():
-            if np.issubdtype(scratch.dtype, np.floating) and not np.isfinite(scratch).all():
+        for name, scratch in self.buffer_scratch_tensors.items():
+            if scratch.is_floating_point() and not bool(torch.isfinite(scratch).all()):
                 rejected.append(name)
             else:
-                np.copyto(self.fixed_arrays[name], scratch)
+                self.fixed_tensors[name].copy_(scratch)
         return rejected
 
     def _require_sessions(self) -> _SessionSet:
@@ -359,24 +390,28 @@ class Engine:
         return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(sessions.output_names, values)}
 
     # ---- state access -----------------------------------------------------------------------
+    @property
+    def fixed_arrays(self) -> dict[str, np.ndarray]:
+        """The fixed weights (frozen weights, buffers) as NumPy arrays over their memory (CPU only)."""
+        return {n: self.host(t) for n, t in self.fixed_tensors.items()}
+
     def weights(self) -> dict[str, np.ndarray]:
         """Copies of the current value of every weight (trained and fixed)."""
         current = self.weights_flat[self.parity]
-        out = {n: v.copy() for n, v in self.fixed_arrays.items()}
-        out.update({w: current[o:o + int(np.prod(self.shapes[w]))].reshape(self.shapes[w]).copy()
-                    for w, o in self.offsets.items()})
+        out = {n: _numpy(v) for n, v in self.fixed_tensors.items()}
+        out.update({w: _numpy(self._view(current, w)) for w in self.offsets})
         return out
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The current optimizer states as flat arrays over ``[begin, end)`` of the layout (no copy)."""
-        return self.states_flat[self.parity]
+        """The current optimizer states as flat arrays over ``[begin, end)`` of the layout (copies)."""
+        return {s: _numpy(t) for s, t in self.states_flat[self.parity].items()}
 
     def optimizer_states(self, full: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """``{weight: {state: value}}`` copies, from ``full`` (whole-layout arrays) or this process's range.
 
         Without ``full`` only the weights inside ``[begin, end)`` are returned (all of them without ZeRO).
         """
-        source, base = (full, 0) if full is not None else (self.states_flat[self.parity], self.begin)
+        source, base = (full, 0) if full is not None else (self.state_arrays(), self.begin)
         out = {}
         for w, o in self.offsets.items():
             size = int(np.prod(self.shapes[w]))
@@ -394,23 +429,24 @@ class Engine:
             if lo >= hi:
                 continue
             for state, value in values.items():
-                flat = np.asarray(value, dtype=np.float32).ravel()
-                current[state][lo - self.begin:hi - self.begin] = flat[lo - o:hi - o]
+                flat = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32).ravel())
+                current[state][lo - self.begin:hi - self.begin].copy_(flat[lo - o:hi - o])
 
     def accumulated_values(self) -> dict[str, np.ndarray]:
         """Copies of the gradients accumulated so far in the current window."""
-        return {w: v.numpy().copy() for w, v in self.accumulated.items()}
+        return {w: _numpy(self._view(self.accumulated_flat, w)) for w in self.offsets}
 
     def load_accumulated(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite the accumulated gradients (resuming inside an accumulation window)."""
         for name, value in values.items():
-            self.accumulated[name].update_inplace(np.ascontiguousarray(value, dtype=np.float32))
+            self._view(self.accumulated_flat, name).copy_(torch.from_numpy(np.ascontiguousarray(value, np.float32)))
 
     def load_weights(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite weights in place (names must exist; shapes must match)."""
         for name, value in values.items():
             if name in self.offsets:
-                o = self.offsets[name]
-                self.weights_flat[self.parity][o:o + int(np.prod(self.shapes[name]))] = np.asarray(value).ravel()
+                view = self._view(self.weights_flat[self.parity], name)
+                view.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)).view(view.shape))
             else:
-                np.copyto(self.fixed_arrays[name], np.asarray(value, dtype=self._dtypes[name]))
+                target = self.fixed_tensors[name]
+                target.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=self._dtypes[name])).view(target.shape))

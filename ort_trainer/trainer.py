@@ -203,7 +203,7 @@ class ORTTrainer(_StateMixin):
             buffer_updates=graphs.meta.get("buffer_updates", {}),
         )
         if self._comm is not None:  # every rank starts from rank 0's weights
-            self._comm.broadcast(self._engine.weights_flat[self._engine.parity])
+            self._comm.broadcast(self._engine.host(self._engine.weights_flat[self._engine.parity]))
             for array in self._engine.fixed_arrays.values():
                 self._comm.broadcast(array)
         if isinstance(self.model, torch.nn.Module):
@@ -454,11 +454,11 @@ class ORTTrainer(_StateMixin):
         with deferred_interrupt():
             outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed())
             if self._allreduce_micro_batches:
-                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
+                self._comm.allreduce_sum(engine.host(engine.grads_flat), step=info.step)
             if self._host_accumulation:
                 engine.accumulate_on_host(reset=first)
             if self._comm is not None and boundary and not self._allreduce_micro_batches:
-                self._comm.allreduce_sum(engine.accumulated_flat, step=info.step)
+                self._comm.allreduce_sum(engine.host(engine.accumulated_flat), step=info.step)
             if boundary:
                 ranks = self._comm.size if self._comm is not None else 1
                 self._update(engine, learning_rates, grad_scale=1.0 / (loss_scale * window * ranks))
@@ -503,7 +503,7 @@ class ORTTrainer(_StateMixin):
         if applied:
             engine.commit_update()
             if self._zero_counts is not None:  # each rank updated its range: share them
-                self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts, step=info.step)
+                self._comm.allgather(engine.host(engine.weights_flat[engine.parity]), self._zero_counts, step=info.step)
             info.optimization_step += 1
         elif not result.all_finite:
             logger.warning("step %d: gradients are not finite; the update was skipped", info.step)

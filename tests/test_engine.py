@@ -19,14 +19,14 @@ def test_buffers_live_across_steps_and_outputs_are_not_overwritten():
     def pointers():
         arrays = [*engine.weights_flat, engine.grads_flat, *(a for p in (0, 1) for a in engine.states_flat[p].values())]
         views = [v.data_ptr() for p in (0, 1) for v in engine.buffers[p].values()]
-        return [a.ctypes.data for a in arrays] + views + [v.data_ptr() for v in engine.grads.values()]
+        return [a.data_ptr() for a in arrays] + views + [v.data_ptr() for v in engine.grads.values()]
 
     before = pointers()
     assert set(engine.buffers[0]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert set(engine.states_flat[0]) == {"Moment_1", "Moment_2"}
-    assert engine.weights_flat[0].ctypes.data != engine.weights_flat[1].ctypes.data
+    assert engine.weights_flat[0].data_ptr() != engine.weights_flat[1].data_ptr()
     # every weight is a view into the flat array of its parity, laid out back to back
-    assert engine.buffers[0]["fc1.bias"].data_ptr() == engine.weights_flat[0].ctypes.data + 4 * engine.offsets["fc1.bias"]
+    assert engine.buffers[0]["fc1.bias"].data_ptr() == engine.weights_flat[0].data_ptr() + 4 * engine.offsets["fc1.bias"]
     for _ in range(4):
         trainer.train_step(*mlp_batch(gen))
     assert pointers() == before
