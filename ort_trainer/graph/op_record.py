@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._logging import logger
 from ..model_desc import ModelDescription
 from .export import _ModelWithLoss, export_order
+from .torch_autograd import _model_left_untouched
 
 _DATA_DEPENDENT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
 
@@ -127,7 +128,7 @@ def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                                       desc.fingerprint(), torch.__version__,
                                       str(torch.get_default_dtype())]).encode())
         state = _python_state(wrapper)
-        with _left_untouched(wrapper):
+        with _model_left_untouched(wrapper):
             for training in (True, False):
                 wrapper.train(training)
                 recorder = _Recorder(labels)
@@ -182,22 +183,6 @@ def _weight_labels(wrapper: torch.nn.Module) -> dict[int, str]:
             label += ":" + _value_hash(tensor)
         labels[id(tensor)] = label
     return labels
-
-
-@contextlib.contextmanager
-def _left_untouched(model: torch.nn.Module) -> Iterator[None]:
-    """Restore each module's mode, the buffers the forward updates, and torch's RNG state."""
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None]
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            for module, mode in modes:
-                module.training = mode
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
 
 
 class _HookWatch(TorchFunctionMode):

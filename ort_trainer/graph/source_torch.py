@@ -95,9 +95,7 @@ class TorchGradientSource(GradientSource):
                 returned = wanted
         path = job.save_paths.get("model_after_graph_transforms_path")
         if path:  # written here so that a cache hit writes it too
-            sparse = len(returned) < len(desc.output_names)
-            onnx.save(specialize(torch_autograd.build_eval(traced.program["traced"], outputs=returned,
-                                                           sparse_labels=sparse), dims or {}), path)
+            onnx.save(_eval_graph(job, traced, returned, dims), path)
         expected = {"outputs": returned, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
         readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
         return Prepared(expected, readable, None, {"dims": dims, "outputs": returned})
@@ -135,13 +133,18 @@ class TorchGradientSource(GradientSource):
         """The eval-mode trace translated (~1.5 s for the BERT-like model, so only once an
         ``eval_step`` or ``save_as_onnx`` needs it), with ``sparse_labels`` where the gradient
         graph has it."""
-        returned = prepared.state["outputs"]
-        evals = traced.program.setdefault("eval_built", {})
-        if tuple(returned) not in evals:
-            sparse = len(returned) < len(job.desc.output_names)
-            evals[tuple(returned)] = torch_autograd.build_eval(traced.program["traced"], outputs=returned,
-                                                               sparse_labels=sparse)
-        return specialize(evals[tuple(returned)], prepared.state["dims"] or {})
+        return _eval_graph(job, traced, prepared.state["outputs"], prepared.state["dims"])
+
+
+def _eval_graph(job: "GraphJob", traced: Traced, returned: list[str], dims: dict[str, int] | None) -> onnx.ModelProto:
+    """The eval graph returning ``returned``, specialised to ``dims``: translated once per trace
+    and set of outputs (the debug dump and the engine's eval graph share it)."""
+    evals = traced.program.setdefault("eval_built", {})
+    if tuple(returned) not in evals:
+        sparse = len(returned) < len(job.desc.output_names)
+        evals[tuple(returned)] = torch_autograd.build_eval(traced.program["traced"], outputs=returned,
+                                                           sparse_labels=sparse)
+    return specialize(evals[tuple(returned)], dims or {})  # a copy: the translation serves every specialisation
 
 
 def _raise_for_recurrent_layers(model: object, exc: ExportError) -> None:
