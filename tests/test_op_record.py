@@ -612,3 +612,20 @@ def test_code_only_the_trace_runs_changes_the_key(pair):
 
 def test_a_hook_on_an_intermediate_tensor_gives_no_key():
     assert _key(_seeded(_IntermediateHook)) is None
+
+
+class _ScalarConstant(MLP):
+    """A non-persistent 0-d buffer: a constant of the graph, keyed by its value."""
+
+    def __init__(self, scale: float = 2.0):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+
+
+def test_a_zero_dimensional_constant_is_keyed_by_its_value():
+    two, three = _key(_seeded(_ScalarConstant, 2.0)), _key(_seeded(_ScalarConstant, 3.0))
+    assert two is not None and three is not None and two != three
+    assert _key(_seeded(_ScalarConstant, 2.0)) == two

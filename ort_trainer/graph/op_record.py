@@ -202,7 +202,7 @@ class _HookWatch(TorchFunctionMode):
 def _value_hash(tensor: torch.Tensor) -> str:
     if not tensor.numel():
         return "empty"
-    data = tensor.detach().contiguous().cpu()
+    data = tensor.detach().contiguous().cpu().reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
 
 
