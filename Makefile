@@ -36,7 +36,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-legacy bench install install-legacy clean
+.PHONY: run test test-legacy bench gpu-check gpu-wheels install install-legacy clean
 
 install: $(STAMP)
 
@@ -71,6 +71,27 @@ bench: $(STAMP) $(LEGACY_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(LEGACY_PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/run.py --legacy-python $(LEGACY_PY)
+
+# On a GPU machine, in an environment with a CUDA build of torch and ort_trainer[cuda,dev]
+# (onnxruntime-gpu) installed: the `cuda`-marked tests, then the GPU benchmark, which writes
+# docs/benchmarks_gpu.md. docs/gpu.md says how to set that environment up, also without network.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu.py --preflight
+	$(GPU_PYTHON) -m pytest -q -m cuda -rs tests
+	$(GPU_PYTHON) benchmarks/gpu.py
+
+# The wheels a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ with every
+# file over 60 MiB split into 60 MiB parts (docs/gpu.md: carrying them to such a machine).
+GPU_WHEEL_PYTHON_VERSION ?= 3.12
+gpu-wheels:
+	mkdir -p .gpu-wheels
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .gpu-wheels "onnxruntime-gpu==1.31.1" "onnx2fx==0.0.1"
+	cd .gpu-wheels && for f in *.whl; do \
+		if [ $$(stat -c %s "$$f") -gt 62914560 ]; then split -b 60M -d "$$f" "$$f.part-" && rm "$$f"; fi; done
+	ls -l .gpu-wheels
 
 clean:
 	rm -rf $(VENV) $(LEGACY_VENV) build *.egg-info

@@ -63,7 +63,8 @@ class _StateMixin:
                 (``model.full_precision``, ``optimizer``, ``trainer_options``, ``train_step_info``
                 with ``step``, ``optimization_step`` and the dropout ``seed``).
                 True: ``{torch state_dict key: torch.Tensor}`` that the model's
-                ``load_state_dict`` accepts (BatchNorm buffers and counters included).
+                ``load_state_dict`` accepts (BatchNorm buffers and counters included), on the CPU
+                whatever the device the trainer or the module is on.
 
         Returns:
             The state; it works before the first step (the initial weights, no optimizer state
@@ -74,7 +75,7 @@ class _StateMixin:
         if pytorch_format:
             if not isinstance(self.model, torch.nn.Module):
                 return {k: torch.from_numpy(v) for k, v in self._current_weights().items()}
-            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
             if self._engine is not None:
                 state.update({k: torch.from_numpy(v) for k, v in self._weights_by_torch_key().items()})
                 state.update({k: torch.tensor(v, dtype=state[k].dtype) for k, v in self._counter_values().items()})
@@ -113,13 +114,13 @@ class _StateMixin:
 
     def _gather_zero_states(self) -> dict[str, dict[str, np.ndarray]]:
         """Every weight's optimizer state, assembled from each rank's ZeRO range (collective)."""
-        full = {}
-        for state, local in self._engine.state_arrays().items():
-            whole = np.zeros(sum(self._zero_counts), np.float32)
-            whole[self._engine.begin:self._engine.end] = local
+        engine, full = self._engine, {}
+        for state, local in engine.state_arrays().items():
+            whole = torch.zeros(sum(self._zero_counts), dtype=torch.float32, device=engine.device)
+            whole[engine.begin:engine.end] = torch.from_numpy(local)
             self._comm.allgather(whole, self._zero_counts)
-            full[state] = whole
-        return self._engine.optimizer_states(full)
+            full[state] = whole.cpu().numpy()
+        return engine.optimizer_states(full)
 
     # ---- what a state must look like --------------------------------------------------------------
     def _weight_specs(self, pytorch_format: bool) -> dict[str, WeightSpec]:

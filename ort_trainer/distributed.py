@@ -2,11 +2,12 @@
 
 ``setup_onnxruntime_with_mpi()`` reads rank, size and local rank from mpi4py, picks the device,
 seeds, splits the CPU threads between the ranks of a node, and makes an uncaught exception on
-any rank end the whole job. The trainer uses ``Communicator`` for the collectives: one call per
+any rank end the whole job. The trainer uses a ``Communicator`` for the collectives: one call per
 step on one flat buffer (gradients all-reduced, weights broadcast and, with ZeRO stage 1,
-all-gathered). No collective waits forever: each starts with a header exchange that checks every
-rank is in the same collective at the same step and gives up after
-``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds (default 600).
+all-gathered), moved by MPI (host buffers) or by ``torch.distributed`` (gloo for host buffers,
+NCCL for CUDA buffers), as ``distributed.backend`` says. No collective waits forever: each starts
+with a header exchange over MPI that checks every rank is in the same collective at the same
+step and gives up after ``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds (default 600).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from ._logging import logger
 
@@ -207,7 +209,8 @@ class CollectiveTimeoutError(CollectiveError):
 
 
 _HEADER_TAG = 0x6F7274  # point-to-point tag of the collective headers ("ort")
-_OPERATIONS = ("barrier", "broadcast", "allreduce_sum", "allgather", "allgather_object", "exit")
+_OPERATIONS = ("barrier", "broadcast", "allreduce_sum", "allgather", "allgather_object", "init_process_group",
+               "exit")
 _EXIT = _OPERATIONS.index("exit")
 _FIX = ("Every rank must make the same train_step calls in the same order (and the same "
         "state_dict/save_checkpoint calls): a rank that skips a batch, for example after catching its error, "
@@ -336,15 +339,81 @@ class _Headers:
 _headers: _Headers | None = None
 
 
-class Communicator:
-    """Collectives over ``MPI.COMM_WORLD`` on flat float32 numpy buffers, in place.
+BACKENDS = ("auto", "mpi", "gloo", "nccl")
 
-    Every collective first exchanges a small header with every other rank: which collective it
-    is, how many collectives this process has made, the caller's ``train_step`` count and the
-    buffer size; a rank whose script ends sends a last header saying so. Ranks that disagree,
-    or a rank that has left, raise ``CollectiveMismatchError`` naming each rank's collective and
-    step; no collective waits longer than ``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds (default
-    600) for the others, after which ``CollectiveTimeoutError`` names the ranks that never
+
+def resolve_backend(backend: str, device: str) -> str:
+    """The backend ``distributed.backend`` names for ``device``: ``"auto"`` is NCCL on CUDA, else MPI."""
+    if backend != "auto":
+        return backend
+    return "nccl" if device.startswith("cuda") else "mpi"
+
+
+def backend_problem(backend: str, device: str, world_size: int) -> str | None:
+    """What is wrong with ``distributed.backend`` for ``device`` (None when it fits).
+
+    A backend named explicitly must be available in this torch build; ``"auto"`` only when there
+    are several ranks (a single process makes no collectives).
+    """
+    chosen = resolve_backend(backend, device)
+    on_cuda = device.startswith("cuda")
+    if chosen == "nccl" and not on_cuda:
+        return (f"'nccl' moves CUDA buffers, but device.id is {device!r}; on the CPU use 'gloo' or 'mpi' "
+                "(or 'auto', which picks 'mpi')")
+    if chosen in ("mpi", "gloo") and on_cuda:
+        return (f"{chosen!r} moves host buffers, but device.id is {device!r} and the engine's buffers live in "
+                "device memory; use 'nccl' (or 'auto', which picks it on CUDA)")
+    if chosen in ("gloo", "nccl") and (backend != "auto" or world_size > 1):
+        if not torch.distributed.is_available():
+            return (f"{chosen!r} runs through torch.distributed, which this torch build ({torch.__version__}) does "
+                    "not have; install a torch build with it, or use 'mpi' on the CPU")
+        if not torch.distributed.is_backend_available(chosen):
+            build = "a CUDA build of torch on Linux" if chosen == "nccl" else "a torch build with gloo"
+            return (f"torch.distributed in this torch build ({torch.__version__}) has no {chosen!r} backend; "
+                    f"install {build}" + (", or use 'mpi' on the CPU" if chosen == "gloo" else ""))
+    return None
+
+
+def make_communicator(backend: str, device: str, world_size: int, world_rank: int) -> "Communicator":
+    """The communicator of ``distributed.backend`` for buffers on ``device``.
+
+    Args:
+        backend: ``"auto"``, ``"mpi"``, ``"gloo"`` or ``"nccl"``.
+        device: the engine's device, ``"cpu"`` or ``"cuda[:N]"``.
+        world_size, world_rank: as ``options.distributed`` declares them.
+
+    Returns:
+        An ``MPICommunicator`` or a ``TorchDistributedCommunicator``.
+
+    Raises:
+        ValueError: the backend does not fit the device, is not available in this torch build, or
+            MPI disagrees with ``world_size``/``world_rank``.
+    """
+    problem = backend_problem(backend, device, world_size)
+    if problem:
+        raise ValueError(f"distributed.backend: {problem}")
+    chosen = resolve_backend(backend, device)
+    if chosen == "mpi":
+        return MPICommunicator(world_size, world_rank)
+    from ._torch_distributed import TorchDistributedCommunicator
+
+    return TorchDistributedCommunicator(world_size, world_rank, chosen, device)
+
+
+class Communicator:
+    """Collectives between the ranks of an ``mpirun`` job, in place on flat buffers (torch tensors).
+
+    One interface; the subclasses move the data: ``MPICommunicator`` (mpi4py, host buffers) and
+    ``TorchDistributedCommunicator`` (``torch.distributed``: gloo for host buffers, NCCL for CUDA
+    buffers). ``make_communicator`` picks one for ``distributed.backend``. Small Python objects
+    (``allgather_object``) and ``barrier`` go over MPI with every backend.
+
+    Every collective first exchanges a small header over MPI with every other rank: which
+    collective it is, how many collectives this process has made, the caller's ``train_step``
+    count and the buffer size; a rank whose script ends sends a last header saying so. Ranks that
+    disagree, or a rank that has left, raise ``CollectiveMismatchError`` naming each rank's
+    collective and step; no collective waits longer than ``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds
+    (default 600) for the others, after which ``CollectiveTimeoutError`` names the ranks that never
     arrived. After either error every later collective raises at once, and the process ends
     with ``MPI_Abort`` even if the error was caught.
 
@@ -356,6 +425,8 @@ class Communicator:
         ValueError: when MPI disagrees with ``world_size``/``world_rank``, or the timeout variable
             is malformed.
     """
+
+    backend = ""
 
     def __init__(self, world_size: int, world_rank: int):
         global _headers
@@ -384,28 +455,51 @@ class Communicator:
         self._headers.exchange(operation, step, count, self.timeout)
         return call()
 
-    def allreduce_sum(self, buffer: np.ndarray, step: int | None = None) -> None:
+    def _check(self, buffer: torch.Tensor) -> None:
+        """Refuse, before the header exchange, a buffer this backend cannot move (the same on every rank)."""
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: expected a torch.Tensor buffer, got {type(buffer).__name__}")
+        if not buffer.is_contiguous():
+            raise ValueError(f"{type(self).__name__}: the buffer must be contiguous (a flat buffer or a "
+                             "contiguous slice of one)")
+
+    def allreduce_sum(self, buffer: torch.Tensor, step: int | None = None) -> None:
         """Sum ``buffer`` over all ranks, in place (one call for the whole buffer).
 
         Args:
-            buffer: a contiguous float32 array, the same size on every rank.
+            buffer: a contiguous tensor on the engine's device, the same size on every rank.
             step: the caller's ``train_step`` count, checked to be the same on every rank.
 
         Raises:
             CollectiveMismatchError, CollectiveTimeoutError: see the class.
+            RuntimeError: the buffer is on a device this backend does not move.
         """
-        self._run("allreduce_sum", step, buffer.size,
-                  lambda: self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM))
+        self._check(buffer)
+        self._run("allreduce_sum", step, buffer.numel(), lambda: self._allreduce_sum(buffer))
 
-    def broadcast(self, buffer: np.ndarray, root: int = 0, step: int | None = None) -> None:
+    def broadcast(self, buffer: torch.Tensor, root: int = 0, step: int | None = None) -> None:
         """Overwrite ``buffer`` with rank ``root``'s, in place (checked as ``allreduce_sum`` is)."""
-        self._run("broadcast", step, buffer.size, lambda: self.comm.Bcast(buffer, root=root))
+        self._check(buffer)
+        self._run("broadcast", step, buffer.numel(), lambda: self._broadcast(buffer, root))
 
-    def allgather(self, buffer: np.ndarray, counts: list[int], step: int | None = None) -> None:
-        """Each rank owns the ``counts[rank]`` elements after the previous ranks'; share them all."""
-        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        self._run("allgather", step, buffer.size, lambda: self.comm.Allgatherv(
-            self._mpi.IN_PLACE, [buffer, list(counts), displacements, self._mpi.FLOAT]))
+    def allgather(self, buffer: torch.Tensor, counts: list[int], step: int | None = None) -> None:
+        """Each rank owns the ``counts[rank]`` elements after the previous ranks'; share them all, in place.
+
+        Args:
+            buffer: a flat contiguous float32 tensor of ``sum(counts)`` elements on every rank.
+            counts: elements per rank (ZeRO stage 1 ranges; they may differ).
+            step: as in ``allreduce_sum``.
+
+        Raises:
+            ValueError: ``counts`` does not have one entry per rank summing to the buffer's size.
+            CollectiveMismatchError, CollectiveTimeoutError: see the class.
+        """
+        self._check(buffer)
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != buffer.numel() or buffer.dim() != 1:
+            raise ValueError(f"allgather: counts {counts} must give one range per rank ({self.size}) covering the "
+                             f"flat buffer ({list(buffer.shape)})")
+        self._run("allgather", step, buffer.numel(), lambda: self._allgather(buffer, counts))
 
     def allgather_object(self, value: Any, step: int | None = None) -> list:
         """Every rank's ``value`` (small picklable Python objects only), in rank order."""
@@ -414,3 +508,39 @@ class Communicator:
     def barrier(self, step: int | None = None) -> None:
         """Wait for every rank (the header exchange is itself the barrier)."""
         self._headers.exchange("barrier", step, 0, self.timeout)
+
+    # ---- what the backends implement: the data movement, after the header exchange --------------
+    def _allreduce_sum(self, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, buffer: torch.Tensor, root: int) -> None:
+        raise NotImplementedError
+
+    def _allgather(self, buffer: torch.Tensor, counts: list[int]) -> None:
+        raise NotImplementedError
+
+
+class MPICommunicator(Communicator):
+    """Collectives with MPI on host buffers: ``MPI_Allreduce``, ``MPI_Bcast`` and ``MPI_Allgatherv``
+    on NumPy views of the tensors (no copy). CPU buffers only (see ``Communicator``)."""
+
+    backend = "mpi"
+
+    def _check(self, buffer: torch.Tensor) -> None:
+        super()._check(buffer)
+        if buffer.device.type != "cpu":
+            raise RuntimeError(
+                f"the MPI backend moves host buffers, and this buffer is on {buffer.device}: use "
+                "distributed.backend='nccl' (or 'auto', which picks it on CUDA) to all-reduce device buffers "
+                "through torch.distributed")
+
+    def _allreduce_sum(self, buffer: torch.Tensor) -> None:
+        self.comm.Allreduce(self._mpi.IN_PLACE, buffer.detach().numpy(), op=self._mpi.SUM)
+
+    def _broadcast(self, buffer: torch.Tensor, root: int) -> None:
+        self.comm.Bcast(buffer.detach().numpy(), root=root)
+
+    def _allgather(self, buffer: torch.Tensor, counts: list[int]) -> None:
+        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        array = buffer.detach().numpy()
+        self.comm.Allgatherv(self._mpi.IN_PLACE, [array, counts, displacements, self._mpi._typedict[array.dtype.char]])

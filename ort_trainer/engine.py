@@ -1,8 +1,9 @@
 """The engine: ONNX Runtime sessions over buffers the trainer owns.
 
-Weights, gradients and optimizer states are torch tensors on the engine's device that live
-across steps, seen by ONNX Runtime as ``OrtValue``s over the same memory (DLPack); a step binds
-them once (IOBinding) and copies nothing but its inputs. Nothing a step computes becomes
+Weights, gradients and optimizer states are torch tensors on the engine's device (``devices.py``:
+the CPU or a GPU) that live across steps; each session binds them once (IOBinding) and reads and
+writes them in place, so a step copies nothing but its inputs, and its outputs come back as torch
+tensors on the device (DLPack). Nothing a step computes becomes
 current until the trainer commits it (``commit_update``, ``commit_buffers``), so a step that
 fails or is refused half-way changes no state. Trained weights and their states
 are double-buffered: the optimizer session reads buffer set ``p`` and writes set ``1 - p``, then
@@ -23,7 +24,8 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from ._logging import ort_severity
+from ._logging import logger, ort_severity
+from .devices import Device, make_device
 from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from .graph.optimizer import (ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, GRADIENTS_INPUT, OUT_SUFFIX, STEP_INPUT,
                               WEIGHTS_FINITE, lr_input)
@@ -47,28 +49,9 @@ class StepResult:
     weights_finite: bool = True
 
 
-_SHARED_ARENA = False
-
-
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy copy of a buffer on any device."""
     return tensor.detach().cpu().numpy().copy()
-
-
-def _use_shared_arena(options: ort.SessionOptions) -> None:
-    """Let the session allocate from one process-wide CPU arena that grows by what is requested.
-
-    Every session otherwise has its own arena growing in powers of two; sharing one that grows
-    exactly was measured on the BERT-like benchmark at 248 ms/step and 737 MB peak RSS, against
-    263 ms and 995 MB with per-session arenas (``docs/benchmarks.md``).
-    """
-    global _SHARED_ARENA
-    if not _SHARED_ARENA:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        # max_mem 0: no limit; extend strategy 1: kSameAsRequested; defaults for the chunk sizes
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
-        _SHARED_ARENA = True
-    options.add_session_config_entry("session.use_env_allocators", "1")
 
 
 class _SessionSet:
@@ -88,17 +71,18 @@ class _SessionSet:
         self.grad_bindings = [engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs)
                               for p in (0, 1)]
         self.accumulates = RESET_INPUT in self.gradient_inputs
+        device = engine.placement
         for binding in self.grad_bindings:
             for w, buffer in engine.grads.items():
                 if self.accumulates:  # the graph adds into the buffer in place
-                    binding.bind_ortvalue_input(w + ACCUMULATOR_SUFFIX, buffer)
-                    binding.bind_output(w + ACCUMULATED_FLAG_SUFFIX, "cpu")
+                    engine._bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
+                    device.bind_fresh_output(binding, w + ACCUMULATED_FLAG_SUFFIX)
                 else:  # the graph writes the gradient straight into the buffer
-                    binding.bind_ortvalue_output(w + GRAD_SUFFIX, buffer)
+                    device.bind_output(binding, w + GRAD_SUFFIX, buffer)
             # Forward-updated buffers (BatchNorm statistics) land in scratch buffers; the trainer
             # commits them once the whole step has succeeded (``Engine.commit_buffers``).
             for buffer_name, output in engine.buffer_updates.items():
-                binding.bind_ortvalue_output(output, engine.buffer_scratch[buffer_name])
+                device.bind_output(binding, output, engine.buffer_scratch[buffer_name])
 
     def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str]]:
         """The eval session, its per-parity bindings and its input names, made on first use (the
@@ -131,6 +115,11 @@ class Engine:
         intra_op_threads: threads per session when no session_options are given (0: default).
         buffer_updates: ``{buffer: gradient-graph output}``: the buffer's new value each step
             (committed by ``commit_buffers``).
+
+    Raises:
+        RuntimeError: when ``device`` cannot be used here (``devices.device_problem`` says why).
+        ValueError: when ``provider_options`` name another GPU than ``device``.
+        TypeError: for a trained weight that is not float32.
     """
 
     def __init__(
@@ -151,23 +140,17 @@ class Engine:
         intra_op_threads: int = 0,
         buffer_updates: dict[str, str] | None = None,
     ):
-        kind, _, index = device.partition(":")
-        if kind == "cuda":
-            raise RuntimeError(
-                "training on CUDA is not supported yet by this version of ort_trainer: its buffers are "
-                "host memory; use device.id='cpu'"
-            )
-        self.device_type, self.device_id = "cpu", 0
-        self.device = torch.device("cpu")
+        self.placement: Device = make_device(device)
+        self.device = self.placement.torch_device
+        self._providers = self.placement.providers(provider_options, mem_limit, deterministic)
         self._session_options = session_options or ort.SessionOptions()
         self._session_options.log_severity_level = ort_severity()
         if session_options is None:  # the user's own session options are used as given
-            _use_shared_arena(self._session_options)
+            self.placement.configure_session(self._session_options)
             if intra_op_threads:
                 self._session_options.intra_op_num_threads = intra_op_threads
         if deterministic:
             self._session_options.use_deterministic_compute = True
-        self._providers = [("CPUExecutionProvider", dict(provider_options or {}))]
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)
@@ -182,11 +165,8 @@ class Engine:
         # fixed: weights nobody updates (frozen weights, buffers)
         trained_set = set(trained)
         self.fixed_tensors = {n: self._tensor(v) for n, v in weights.items() if n not in trained_set}
-        self.fixed = {n: self._ortvalue(v) for n, v in self.fixed_tensors.items()}
-        self.buffer_scratch_tensors = {n: torch.empty_like(self.fixed_tensors[n]) for n in self.buffer_updates}
-        self.buffer_scratch = {n: self._ortvalue(v) for n, v in self.buffer_scratch_tensors.items()}
-        self.buffer_input_tensors = {n: torch.empty_like(self.fixed_tensors[n]) for n in self.buffer_updates}
-        self.buffer_inputs = {n: self._ortvalue(v) for n, v in self.buffer_input_tensors.items()}
+        self.buffer_scratch = {n: torch.empty_like(self.fixed_tensors[n]) for n in self.buffer_updates}
+        self.buffer_inputs = {n: torch.empty_like(self.fixed_tensors[n]) for n in self.buffer_updates}
 
         # Trained weights, gradients and optimizer states live in flat float32 tensors laid out as
         # ``optimizer_spec.layout`` (group by group); each weight is a view into them. Weights and
@@ -201,7 +181,7 @@ class Engine:
         zeros = lambda size: torch.zeros(size, dtype=torch.float32, device=self.device)  # noqa: E731
         self.weights_flat = [zeros(total) for _ in (0, 1)]
         self.states_flat = [{s: zeros(self.end - self.begin) for s in state_names} for _ in (0, 1)]
-        self.buffers: list[dict[str, ort.OrtValue]] = [self._weight_views(self.weights_flat[p]) for p in (0, 1)]
+        self.buffers: list[dict[str, torch.Tensor]] = [self._weight_views(self.weights_flat[p]) for p in (0, 1)]
         self.load_weights({w: weights[w] for w in trained})
         self.grads_flat = zeros(total)
         self.grads = self._weight_views(self.grads_flat)
@@ -210,6 +190,8 @@ class Engine:
             self.accumulated = self._weight_views(self.accumulated_flat)
         else:
             self.accumulated_flat, self.accumulated = self.grads_flat, self.grads
+        self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see _bind_buffer
+        self._rebinds: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by id(binding)
         self._graph_provider = graph_provider
         self._session_sets: dict[Hashable, _SessionSet] = {}
         self._current: _SessionSet | None = None
@@ -224,17 +206,9 @@ class Engine:
         """A contiguous tensor on the engine's device holding a copy of ``value``."""
         return torch.from_numpy(np.array(value, order="C")).to(self.device)  # np.array keeps a 0-d shape
 
-    @staticmethod
-    def _ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
-        """An OrtValue over ``tensor``'s memory (DLPack: no copy, on any device)."""
-        if tensor.dtype == torch.bool:  # DLPack's bool code is unknown to ONNX Runtime: same bytes as uint8
-            return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(
-                tensor.view(torch.uint8).__dlpack__(), True))
-        return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(tensor.__dlpack__(), False))
-
-    def _weight_views(self, flat: torch.Tensor) -> dict[str, ort.OrtValue]:
-        """One OrtValue per trained weight, viewing its part of ``flat``."""
-        return {w: self._ortvalue(self._view(flat, w)) for w in self.offsets}
+    def _weight_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One view per trained weight: its part of ``flat``, in its shape."""
+        return {w: self._view(flat, w) for w in self.offsets}
 
     def _view(self, flat: torch.Tensor, weight: str) -> torch.Tensor:
         """``weight``'s part of a whole-layout flat tensor, in its shape (a view)."""
@@ -260,34 +234,59 @@ class Engine:
             self.accumulated_flat.add_(self.grads_flat)
 
     def _bind_weights(self, session: ort.InferenceSession, parity: int, outputs: list[str] = (),
-                      replaced: dict[str, ort.OrtValue] | None = None) -> ort.IOBinding:
+                      replaced: dict[str, torch.Tensor] | None = None) -> ort.IOBinding:
         binding = session.io_binding()
         for name in outputs:  # first: get_outputs() lists outputs in first-binding order
-            binding.bind_output(name, self.device_type, self.device_id)
+            self.placement.bind_fresh_output(binding, name)
         names = {i.name for i in session.get_inputs()}
-        for name, value in [*{**self.fixed, **(replaced or {})}.items(), *self.buffers[parity].items()]:
+        for name, tensor in [*{**self.fixed_tensors, **(replaced or {})}.items(), *self.buffers[parity].items()]:
             if name in names:
-                binding.bind_ortvalue_input(name, value)
+                self._bind_buffer(session, binding, name, tensor)
         return binding
 
+    def _bind_buffer(self, session: ort.InferenceSession, binding: ort.IOBinding, name: str,
+                     tensor: torch.Tensor) -> None:
+        """Bind a buffer that ``session`` reads in place. One that ONNX Runtime copies when it is
+        bound instead (its consumers run on another device) is bound again before every run, or
+        the session would keep reading the value it had at binding time."""
+        copied = self._copied_inputs.get(id(session))
+        if copied is None:
+            copied = self._copied_inputs[id(session)] = self.placement.inputs_copied_at_binding(session)
+            if copied:
+                logger.warning("ONNX Runtime reads %s from another device than %s (their consumers have no kernel "
+                               "there); they are copied before every run", ", ".join(sorted(copied)), self.device)
+        self.placement.bind_input(binding, name, tensor)
+        if name in copied:
+            self._rebinds.setdefault(id(binding), []).append((name, tensor))
+
+    def _before_run(self, binding: ort.IOBinding) -> None:
+        self.placement.synchronize()  # first: the copies below read buffers torch may still be writing
+        for name, tensor in self._rebinds.get(id(binding), ()):
+            self.placement.bind_input(binding, name, tensor)
+
     def _optimizer_binding(self, parity: int) -> ort.IOBinding:
-        """Read weights and states of set ``parity``, write set ``1 - parity``, segment by segment."""
-        binding = self.optimizer.io_binding()
+        """Read weights and states of set ``parity``, write set ``1 - parity``, segment by segment.
+
+        The three scalars the trainer reads are bound to host memory (ONNX Runtime copies them
+        there); every buffer is bound where it lives.
+        """
+        device, binding = self.placement, self.optimizer.io_binding()
         binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
         binding.bind_output(GRAD_NORM, "cpu")
         binding.bind_output(WEIGHTS_FINITE, "cpu")
-        binding.bind_ortvalue_input(GRADIENTS_INPUT, self._ortvalue(self.accumulated_flat))
+        session = self.optimizer
+        self._bind_buffer(session, binding, GRADIENTS_INPUT, self.accumulated_flat)
         read, write = self.weights_flat[parity], self.weights_flat[1 - parity]
         for seg in self.segments:
             a, b = seg.start, seg.stop
-            binding.bind_ortvalue_input(seg.name, self._ortvalue(read[a:b]))
-            binding.bind_ortvalue_input(seg.name + GRAD_SUFFIX, self._ortvalue(self.accumulated_flat[a:b]))
-            binding.bind_ortvalue_output(seg.name + OUT_SUFFIX, self._ortvalue(write[a:b]))
+            self._bind_buffer(session, binding, seg.name, read[a:b])
+            self._bind_buffer(session, binding, seg.name + GRAD_SUFFIX, self.accumulated_flat[a:b])
+            device.bind_output(binding, seg.name + OUT_SUFFIX, write[a:b])
             for state in self.state_names:
                 lo, hi = a - self.begin, b - self.begin
-                binding.bind_ortvalue_input(f"{seg.name}.{state}", self._ortvalue(self.states_flat[parity][state][lo:hi]))
-                binding.bind_ortvalue_output(f"{seg.name}.{state}{OUT_SUFFIX}",
-                                             self._ortvalue(self.states_flat[1 - parity][state][lo:hi]))
+                self._bind_buffer(session, binding, f"{seg.name}.{state}", self.states_flat[parity][state][lo:hi])
+                device.bind_output(binding, f"{seg.name}.{state}{OUT_SUFFIX}",
+                                   self.states_flat[1 - parity][state][lo:hi])
         return binding
 
     # ---- steps ------------------------------------------------------------------------------
@@ -315,7 +314,7 @@ class Engine:
         sessions = self._require_sessions()
         if seed is not None:
             ort.set_seed(seed)
-        for name, tensor in self.buffer_input_tensors.items():
+        for name, tensor in self.buffer_inputs.items():
             tensor.copy_(self.fixed_tensors[name])
         binding = sessions.grad_bindings[self.parity]
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
@@ -337,16 +336,17 @@ class Engine:
             step: the 1-based update count ``t`` of this update.
             grad_scale: multiplies the gradient buffers into the averaged, unscaled gradient.
         """
-        binding = self._opt_bindings[self.parity]
+        device, binding = self.placement, self._opt_bindings[self.parity]
         keep_alive = [np.array(step, dtype=np.float32), np.array(grad_scale, dtype=np.float32)]
-        binding.bind_cpu_input(STEP_INPUT, keep_alive[0])
-        binding.bind_cpu_input(GRAD_SCALE_INPUT, keep_alive[1])
+        device.bind_feed(binding, STEP_INPUT, keep_alive[0])
+        device.bind_feed(binding, GRAD_SCALE_INPUT, keep_alive[1])
         for group, lr in enumerate(learning_rates):
             keep_alive.append(np.array(lr, dtype=np.float32))
-            binding.bind_cpu_input(lr_input(group), keep_alive[-1])
+            device.bind_feed(binding, lr_input(group), keep_alive[-1])
         binding.bind_output(ALL_FINITE, "cpu")
         binding.bind_output(GRAD_NORM, "cpu")
         binding.bind_output(WEIGHTS_FINITE, "cpu")
+        self._before_run(binding)
         self.optimizer.run_with_iobinding(binding)
         produced = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
         return StepResult(bool(produced[0].numpy()), float(produced[1].numpy()), bool(produced[2].numpy()))
@@ -365,7 +365,7 @@ class Engine:
         batch would otherwise poison running statistics for good).
         """
         rejected = []
-        for name, scratch in self.buffer_scratch_tensors.items():
+        for name, scratch in self.buffer_scratch.items():
             if scratch.is_floating_point() and not bool(torch.isfinite(scratch).all()):
                 rejected.append(name)
             else:
@@ -379,14 +379,16 @@ class Engine:
 
     def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, sessions: _SessionSet,
              feeds: dict[str, np.ndarray], inputs: set[str] | None = None) -> dict[str, torch.Tensor]:
-        accepted = sessions.gradient_inputs if inputs is None else inputs
+        device, accepted = self.placement, sessions.gradient_inputs if inputs is None else inputs
         for name, value in feeds.items():
             if name in accepted:
-                binding.bind_cpu_input(name, value)
+                device.bind_feed(binding, name, value)
         for name in sessions.output_names:  # fresh buffers: returned tensors must not be overwritten
-            binding.bind_output(name, self.device_type, self.device_id)
+            device.bind_fresh_output(binding, name)
+        self._before_run(binding)
         session.run_with_iobinding(binding)
         values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
+        # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
         return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(sessions.output_names, values)}
 
     # ---- state access -----------------------------------------------------------------------

@@ -9,19 +9,20 @@ that lists every problem with the key's path.
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import onnxruntime as ort
 
-from . import _runtime
+from . import _runtime, devices
+from .distributed import BACKENDS, backend_problem
 
 _SENTINEL = object()
 
 
 def _has_cuda() -> bool:
-    return "CUDAExecutionProvider" in ort.get_available_providers()
+    """Whether ``device.id`` defaults to ``"cuda"``: the CUDA runtime, a CUDA build of torch and a GPU are here."""
+    return devices.default_device_id() == "cuda"
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,9 @@ def _in_range(low: int, high: int) -> Callable[[Any], str | None]:
     return lambda v: None if low <= v <= high else f"must be between {low} and {high}, got {v}"
 
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-
-
 def _check_device(value: str) -> str | None:
-    if not _DEVICE_RE.match(value):
-        return f"expected 'cpu', 'cuda' or 'cuda:N', got {value!r}"
-    if value.startswith("cuda") and not _has_cuda():
-        return (
-            f"{value!r} was asked for but the installed ONNX Runtime has no CUDA provider "
-            f"(installed: {_runtime.runtime_description()}); install the CUDA runtime instead "
-            "(pip uninstall -y the installed one, then pip install \"ort_trainer[cuda]\") or use device.id='cpu'"
-        )
-    if value.startswith("cuda"):
-        return f"{value!r}: training on CUDA is not supported yet by this version of ort_trainer; use 'cpu'"
-    return None
+    """'cpu', 'cuda' or 'cuda:N', usable here: the CUDA runtime, a CUDA torch and that GPU (devices.py)."""
+    return devices.device_problem(value)
 
 
 def _check_str_list(value: list) -> str | None:
@@ -95,7 +84,8 @@ _SCHEMA: dict[str, _Field] = {
         _INT, 1, "micro-batches whose gradients are summed before one optimizer update", _at_least(1)
     ),
     "device.id": _Field(
-        _STR, _SENTINEL, "'cpu', 'cuda' or 'cuda:N'; default 'cuda' when the CUDA build is installed, else 'cpu'",
+        _STR, _SENTINEL, "'cpu', 'cuda' or 'cuda:N'; default 'cuda' when onnxruntime-gpu, a CUDA build of torch "
+        "and a GPU are all present, else 'cpu'",
         _check_device,
     ),
     "device.mem_limit": _Field(_INT, 0, "GPU arena limit in bytes (0: no limit)", _at_least(0)),
@@ -110,12 +100,25 @@ _SCHEMA: dict[str, _Field] = {
     "distributed.deepspeed_zero_optimization.stage": _Field(
         _INT, 0, "ZeRO stage: 0 off, 1 optimizer state sharded across ranks", _one_of(0, 1)
     ),
+    "distributed.backend": _Field(
+        _STR, "auto", "what moves the gradients between ranks: 'mpi' (mpi4py, host buffers), 'gloo' "
+        "(torch.distributed, host buffers), 'nccl' (torch.distributed, CUDA buffers), 'auto' ('nccl' on CUDA, "
+        "else 'mpi')", _one_of(*BACKENDS)
+    ),
     "lr_scheduler": _Field(
         _ANY, None, "a learning-rate scheduler from ort_trainer.optim.lr_scheduler, or None", _check_scheduler
     ),
-    "mixed_precision.enabled": _Field(_BOOL, False, "fp16 mixed precision (needs CUDA)"),
+    "mixed_precision.enabled": _Field(
+        _BOOL, False, "half-precision compute (torch.autocast semantics), fp32 master weights, optimizer states "
+        "and loss; needs the 'torch' gradient source"
+    ),
+    "mixed_precision.dtype": _Field(
+        _STR, "float16", "the half-precision dtype with enabled=True: 'float16' (a DynamicLossScaler by default) "
+        "or 'bfloat16' (no loss scaler needed)", _one_of("float16", "bfloat16")
+    ),
     "mixed_precision.loss_scaler": _Field(
-        _ANY, None, "an ort_trainer.amp.LossScaler, or None (works in fp32 too)", _check_loss_scaler
+        _ANY, None, "an ort_trainer.amp.LossScaler, or None (with enabled=True and dtype float16: a "
+        "DynamicLossScaler(); works in fp32 too)", _check_loss_scaler
     ),
     "utils.frozen_weights": _Field((list, tuple), (), "weight names that are never updated", _check_str_list),
     "utils.grad_norm_clip": _Field(_BOOL, True, "clip the global gradient L2 norm (Adam and Lamb)"),
@@ -265,6 +268,7 @@ class ORTTrainerOptions(_Group):
         problems.extend(_cross_field_problems(values, problems))
         if problems:
             raise ValueError("invalid ORTTrainerOptions:\n  " + "\n  ".join(problems))
+        _mixed_precision_defaults(values)
         nested: dict[str, Any] = {}
         for path, value in values.items():
             node = nested
@@ -307,23 +311,42 @@ def _cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[s
         problem = _runtime.gradient_source_problem(values["graph.gradient_source"])
         if problem:
             found.append(f"graph.gradient_source: {problem}")
-    if values["mixed_precision.enabled"] is True:
-        if values["device.id"] == "cpu":
-            found.append(
-                "mixed_precision.enabled: True needs fp16 training kernels, which ONNX Runtime's CPU "
-                "execution provider does not have; train in fp32 on the CPU (a loss_scaler still "
-                "works with enabled=False), or use device.id='cuda' with the CUDA build"
-            )
-        elif "device.id" not in own:
-            found.append(
-                "mixed_precision.enabled: True is not supported yet by this version of ort_trainer; "
-                "leave it at its default (False)"
-            )
+    found += _mixed_precision_problems(values, own)
     rank, size = values["distributed.world_rank"], values["distributed.world_size"]
     if not own & {"distributed.world_rank", "distributed.world_size"} and rank >= size:
         found.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size}); "
                      "fill both from setup_onnxruntime_with_mpi() (MPIContext.trainer_options)")
+    if not own & {"distributed.backend", "device.id", "distributed.world_size"}:
+        problem = backend_problem(values["distributed.backend"], values["device.id"], values["distributed.world_size"])
+        if problem:
+            found.append(f"distributed.backend: {problem}")
     return found
+
+
+def _mixed_precision_problems(values: dict[str, Any], own: set[str]) -> list[str]:
+    """The mixed-precision block: only the 'torch' gradient source records autocast."""
+    if values["mixed_precision.enabled"] is not True or "graph.gradient_source" in own:
+        return []
+    source = values["graph.gradient_source"]
+    if _runtime.gradient_source_problem(source) is None and _runtime.resolve_gradient_source(source) == "onnxruntime":
+        chosen = "'onnxruntime'" if source == "onnxruntime" else "'auto' (here 'onnxruntime': the training build)"
+        return [
+            f"mixed_precision.enabled: True computes in half precision the way torch.autocast does, which only the "
+            f"'torch' gradient source records; graph.gradient_source is {chosen}, whose TorchScript export and "
+            "gradient builder would train in fp32. Set graph.gradient_source='torch' (it runs on every runtime, "
+            "the training build included), or leave mixed_precision.enabled False"
+        ]
+    return []
+
+
+def _mixed_precision_defaults(values: dict[str, Any]) -> None:
+    """float16 with no scaler gets a ``DynamicLossScaler()`` (api.md section 5), set in the options
+    so that the trainer, its checkpoints and the user all see the one object."""
+    if values["mixed_precision.enabled"] is True and values["mixed_precision.dtype"] == "float16" \
+            and values["mixed_precision.loss_scaler"] is None:
+        from .amp.loss_scaler import DynamicLossScaler
+
+        values["mixed_precision.loss_scaler"] = DynamicLossScaler()
 
 
 def _to_groups(node: dict) -> _Group:

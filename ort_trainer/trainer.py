@@ -21,7 +21,8 @@ from ._interrupt import deferred_interrupt
 from ._logging import logger
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
-from .distributed import Communicator
+from .amp.kernels import missing_kernels_explained
+from .distributed import make_communicator
 from .engine import Engine
 from .graph import rewrites
 from .graph.gradient import build_inference_graph
@@ -118,9 +119,11 @@ class ORTTrainer(_StateMixin):
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
             passes={name: opts.graph_optimizations[name] for name in rewrites.FORWARD_PASSES + rewrites.GRADIENT_PASSES},
             source=source,
+            autocast=opts.mixed_precision.dtype if opts.mixed_precision.enabled else None,
         )
         dist = opts.distributed
-        self._comm = Communicator(dist.world_size, dist.world_rank) if dist.world_size > 1 else None
+        self._comm = (make_communicator(dist.backend, opts.device.id, dist.world_size, dist.world_rank)
+                      if dist.world_size > 1 else None)
         # With several ranks and per-micro-batch all-reduce, micro-batch gradients leave the graph
         # to be all-reduced; they, and those of a source that cannot accumulate inside its graph,
         # are summed on the host.
@@ -203,9 +206,9 @@ class ORTTrainer(_StateMixin):
             buffer_updates=graphs.meta.get("buffer_updates", {}),
         )
         if self._comm is not None:  # every rank starts from rank 0's weights
-            self._comm.broadcast(self._engine.host(self._engine.weights_flat[self._engine.parity]))
-            for array in self._engine.fixed_arrays.values():
-                self._comm.broadcast(array)
+            self._comm.broadcast(self._engine.weights_flat[self._engine.parity])
+            for tensor in self._engine.fixed_tensors.values():
+                self._comm.broadcast(tensor)
         if isinstance(self.model, torch.nn.Module):
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
                                   if k.endswith("num_batches_tracked")}
@@ -223,10 +226,12 @@ class ORTTrainer(_StateMixin):
         traced batch's value shows up on the second one.
 
         Raises:
-            ExportMismatchError: naming the first output that differs (beyond rtol 1e-3, atol 1e-5)
+            ExportMismatchError: naming the first output that differs (beyond rtol 1e-3, atol 1e-5;
+                with mixed precision, against the model under the same autocast: rtol 1e-2, atol 1e-3)
                 and the input it differs on.
         """
         from .graph.export import ExportMismatchError, _ModelWithLoss, export_order
+        from .graph.torch_autograd import autocast_context
 
         desc = self.model_desc
         count = len(desc.inputs) - (1 if self.loss_fn is not None else 0)
@@ -246,15 +251,16 @@ class ORTTrainer(_StateMixin):
             was_training = self.model.training
             self.model.eval()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), autocast_context(self._job.autocast):
                     expected = dict(zip(export_order(desc, self.loss_fn is not None),
                                         wrapper(*(torch.from_numpy(a) for a in inputs))))
             finally:
                 self.model.train(was_training)
             got = self._engine.evaluate(dict(zip(desc.input_names, inputs)))
             for name in desc.output_names:
-                a, b = expected[name].detach().numpy(), got[name].numpy()
-                if a.shape != b.shape or not np.allclose(b, a, rtol=1e-3, atol=1e-5, equal_nan=True):
+                a, b = (_host_array(t) for t in (expected[name], got[name]))
+                rtol, atol = (1e-2, 1e-3) if self._job.autocast else (1e-3, 1e-5)
+                if a.shape != b.shape or not np.allclose(b, a, rtol=rtol, atol=atol, equal_nan=True):
                     detail = (f"shapes {list(a.shape)} vs {list(b.shape)}" if a.shape != b.shape
                               else f"max abs difference {float(np.nanmax(np.abs(a - b))):.3g}")
                     raise ExportMismatchError(
@@ -338,10 +344,16 @@ class ORTTrainer(_StateMixin):
         return tuple(n for n in fetched if n != self.model_desc.loss_name)
 
     def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:
-        if self._engine is None:
-            self._build([feeds[name] for name in self.model_desc.input_names])
-        self._engine.select(self._signature(feeds))
+        with self._kernels_explained():  # sessions are made here, before the step changes anything
+            if self._engine is None:
+                self._build([feeds[name] for name in self.model_desc.input_names])
+            self._engine.select(self._signature(feeds))
         return self._engine
+
+    def _kernels_explained(self):
+        """Mixed precision: a half-precision kernel ONNX Runtime lacks is a ``MissingKernelError``."""
+        mixed = self.options.mixed_precision
+        return missing_kernels_explained(mixed.dtype if mixed.enabled else None, self.options.device.id)
 
     def _symbol_sizes(self, feeds: dict[str, np.ndarray]) -> tuple:
         """``((symbol, size), ...)`` of the symbolic dimensions in these inputs, sorted."""
@@ -454,11 +466,11 @@ class ORTTrainer(_StateMixin):
         with deferred_interrupt():
             outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed())
             if self._allreduce_micro_batches:
-                self._comm.allreduce_sum(engine.host(engine.grads_flat), step=info.step)
+                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
             if self._host_accumulation:
                 engine.accumulate_on_host(reset=first)
             if self._comm is not None and boundary and not self._allreduce_micro_batches:
-                self._comm.allreduce_sum(engine.host(engine.accumulated_flat), step=info.step)
+                self._comm.allreduce_sum(engine.accumulated_flat, step=info.step)
             if boundary:
                 ranks = self._comm.size if self._comm is not None else 1
                 self._update(engine, learning_rates, grad_scale=1.0 / (loss_scale * window * ranks))
@@ -503,7 +515,7 @@ class ORTTrainer(_StateMixin):
         if applied:
             engine.commit_update()
             if self._zero_counts is not None:  # each rank updated its range: share them
-                self._comm.allgather(engine.host(engine.weights_flat[engine.parity]), self._zero_counts, step=info.step)
+                self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts, step=info.step)
             info.optimization_step += 1
         elif not result.all_finite:
             logger.warning("step %d: gradients are not finite; the update was skipped", info.step)
@@ -524,7 +536,8 @@ class ORTTrainer(_StateMixin):
         feeds = self._prepare_inputs(inputs, named_inputs)
         engine = self._ready(feeds)
         self._check_batch(feeds, training=False)
-        return self._select_outputs(engine.evaluate(feeds))
+        with self._kernels_explained():  # the eval session is made on the first evaluation
+            return self._select_outputs(engine.evaluate(feeds))
 
     def _learning_rates(self) -> list[float]:
         """One learning rate per parameter group (group 0: weights in no group).
@@ -590,6 +603,12 @@ class ORTTrainer(_StateMixin):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values in NumPy (bfloat16, which NumPy lacks, as float32)."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _to_numpy(value: Any, name: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated graph cache per test session, deterministic seeds."""
+"""Shared fixtures: an isolated graph cache per test session, deterministic seeds; the ``cuda`` marker."""
 
 import os
 import sys
@@ -9,6 +9,23 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs CUDAExecutionProvider and a GPU (run by make gpu-check)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every ``cuda`` test skips with one reason where training on CUDA cannot run."""
+    from ort_trainer.devices import cuda_missing
+
+    missing = cuda_missing()
+    if missing is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs CUDAExecutionProvider and a GPU: {missing}")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -7,6 +7,7 @@ to ``<out>/weights_rank<r>.npz`` and a few facts to ``<out>/facts_rank<r>.json``
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ parser.add_argument("--leave-at-step", type=int, default=-1, help="rank 1 leaves
 parser.add_argument("--stall-at-step", type=int, default=-1, help="rank 1 stops responding at this step")
 parser.add_argument("--vanish-at-step", type=int, default=-1, help="rank 1's process ends at once at this step")
 parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
+parser.add_argument("--backend", choices=["auto", "mpi", "gloo", "nccl"], default="auto", help="distributed.backend")
+parser.add_argument("--device", default="cpu", help="device.id; 'auto': the one setup_onnxruntime_with_mpi picked")
 parser.add_argument("--load", default="", help="checkpoint to resume from")
 parser.add_argument("--save", default="", help="checkpoint to write at the end")
 parser.add_argument("--load-on-rank-0-only", action="store_true", help="rank 1 forgets to load the checkpoint")
@@ -45,15 +48,16 @@ torch.manual_seed(100 + ctx.world_rank)  # ranks start from different weights: r
 options = ctx.trainer_options(
     batch={"gradient_accumulation_steps": args.accumulation},
     distributed={"allreduce_post_accumulation": args.post_accumulation,
-                 "deepspeed_zero_optimization": {"stage": args.zero}},
+                 "deepspeed_zero_optimization": {"stage": args.zero}, "backend": args.backend},
 )
+options["device"]["id"] = ctx.device if args.device == "auto" else args.device
 config = (AdamConfig if args.optimizer == "adam" else LambConfig)(lr=1e-2, lambda_coef=0.01)
 trainer = ORTTrainer(MLP(), MLP_DESC, config, loss_fn=torch.nn.functional.cross_entropy, options=options)
 loads = args.load and not (args.load_on_rank_0_only and ctx.world_rank == 1)
 start = trainer.load_checkpoint(args.load)["next_step"] if loads else 0
 micro = args.global_batch // args.accumulation  # the global micro-batch, split across ranks
 share = micro // ctx.world_size
-losses = []
+losses, seconds = [], []
 for step in range(start, start + args.steps * args.accumulation):
     if step == args.fail_at_step and ctx.world_rank == 1:
         raise RuntimeError(f"deliberate failure on rank {ctx.world_rank} at step {step}")
@@ -70,7 +74,9 @@ for step in range(start, start + args.steps * args.accumulation):
             trainer.train_step(x[mine][:, :19], y[mine])  # a malformed batch: the step is refused
         except ValueError:
             continue  # the user skips it on this rank only: the ranks are now one step apart
+    started = time.perf_counter()
     losses.append(trainer.train_step(x[mine], y[mine])[0].item())
+    seconds.append(time.perf_counter() - started)
 
 if args.save:
     trainer.save_checkpoint(args.save, user_dict={"next_step": start + args.steps * args.accumulation})
@@ -81,4 +87,6 @@ local_states = sum(a.size for a in trainer._engine.state_arrays().values())
     "rank": ctx.world_rank, "size": ctx.world_size, "local_rank": ctx.local_rank, "threads": ctx.threads,
     "optimization_step": trainer._train_step_info.optimization_step, "local_optimizer_state_elements": int(local_states),
     "gathered_optimizer_weights": len(state["optimizer"]), "first_loss": losses[0],
+    "backend": trainer._comm.backend if trainer._comm is not None else None,
+    "median_step_seconds": statistics.median(seconds[3:] or seconds),
 }))

@@ -1,4 +1,5 @@
-"""Data-parallel training with real ``mpiexec -n 2`` jobs (api.md section 8)."""
+"""Data-parallel training with real ``mpiexec -n 2`` jobs (api.md section 8), with each backend that
+runs on the CPU: MPI and torch.distributed's gloo."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 JOB = Path(__file__).with_name("mpi_job.py")
+COLLECTIVES_JOB = Path(__file__).with_name("collectives_job.py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 try:
@@ -20,13 +22,18 @@ try:
 except ImportError:  # pragma: no cover
     mpi4py = None
 
-pytestmark = pytest.mark.skipif(MPIEXEC is None or mpi4py is None,
-                                reason="needs mpi4py and mpiexec: pip install -e '.[mpi]'")
+BACKENDS = ["mpi", "gloo"]
 
 
-def _run(out: Path, ranks: int, *args: str, check: bool = True, timeout: float = 300):
+def _needs_mpi():
+    if MPIEXEC is None or mpi4py is None:
+        pytest.skip("needs mpi4py and mpiexec: pip install -e '.[mpi]'")
+
+
+def _run(out: Path, ranks: int, *args: str, check: bool = True, timeout: float = 300, job: Path = JOB):
+    _needs_mpi()
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(JOB), "--out", str(out), *args]
+    command = [sys.executable, str(job), "--out", str(out), *args]
     if ranks > 1:
         command = [MPIEXEC, "-n", str(ranks), *command]
     env = dict(os.environ)
@@ -61,7 +68,8 @@ def accumulated_reference(tmp_path_factory):
     return _weights(out, 0)
 
 
-def _check(out, expected, facts):
+def _check(out, expected, facts, backend="mpi"):
+    assert [f["backend"] for f in facts] == [backend] * 2
     rank0, rank1 = _weights(out, 0), _weights(out, 1)
     for name, value in expected.items():
         np.testing.assert_array_equal(rank0[name], rank1[name])  # bitwise identical on both ranks
@@ -71,23 +79,27 @@ def _check(out, expected, facts):
     assert [f["threads"] for f in facts] == [max(1, len(os.sched_getaffinity(0)) // 2)] * 2
 
 
-def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, reference):
-    _run(tmp_path, 2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, reference, backend):
+    _run(tmp_path, 2, "--backend", backend)
     facts = _facts(tmp_path)
     assert [(f["rank"], f["size"], f["local_rank"]) for f in facts] == [(0, 2, 0), (1, 2, 1)]
-    _check(tmp_path, reference, facts)
+    _check(tmp_path, reference, facts, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("post", [False, True], ids=["per-micro-batch", "post-accumulation"])
-def test_two_ranks_with_accumulation(tmp_path, accumulated_reference, post):
-    _run(tmp_path, 2, "--accumulation", "2", *(["--post-accumulation"] if post else []))
-    _check(tmp_path, accumulated_reference, _facts(tmp_path))
+def test_two_ranks_with_accumulation(tmp_path, accumulated_reference, post, backend):
+    _run(tmp_path, 2, "--accumulation", "2", "--backend", backend, *(["--post-accumulation"] if post else []))
+    _check(tmp_path, accumulated_reference, _facts(tmp_path), backend)
 
 
-def test_zero_stage_1_shards_the_optimizer_state(tmp_path, reference):
-    _run(tmp_path, 2, "--zero", "1")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_stage_1_shards_the_optimizer_state(tmp_path, reference, backend):
+    """837 weights: ranges of 419 and 418, so gloo gathers them through its padded path."""
+    _run(tmp_path, 2, "--zero", "1", "--backend", backend)
     facts = _facts(tmp_path)
-    _check(tmp_path, reference, facts)
+    _check(tmp_path, reference, facts, backend)
     total = sum(v.size for v in reference.values()) * 2  # two Adam moments per weight
     local = [f["local_optimizer_state_elements"] for f in facts]
     assert sum(local) == total and max(local) <= 0.6 * total, local
@@ -101,25 +113,33 @@ def test_zero_stage_1_with_lamb_keeps_whole_tensors(tmp_path):
     _check(tmp_path / "zero", _weights(single, 0), _facts(tmp_path / "zero"))
 
 
-def test_zero_checkpoint_resume_under_mpirun(tmp_path, reference):
-    """2 ranks with ZeRO: 10 steps, save (rank 0 writes the gathered state), resume for 10 more."""
+@pytest.mark.parametrize("saved, resumed", [("mpi", "mpi"), ("gloo", "gloo"), ("gloo", "mpi")],
+                         ids=["mpi", "gloo", "gloo-then-mpi"])
+def test_zero_checkpoint_resume_under_mpirun(tmp_path, reference, saved, resumed):
+    """2 ranks with ZeRO: 10 steps, save (rank 0 writes the gathered state), resume for 10 more;
+    the checkpoint does not depend on the backend that wrote it."""
     ckpt = tmp_path / "ckpt.h5"
-    _run(tmp_path / "first", 2, "--zero", "1", "--steps", "10", "--save", str(ckpt))
+    _run(tmp_path / "first", 2, "--zero", "1", "--steps", "10", "--save", str(ckpt), "--backend", saved)
     assert ckpt.exists() and [p.name for p in tmp_path.iterdir() if p.suffix == ".h5"] == ["ckpt.h5"]
-    _run(tmp_path / "second", 2, "--zero", "1", "--steps", "10", "--load", str(ckpt))
-    _check(tmp_path / "second", reference, _facts(tmp_path / "second"))
+    assert [f["backend"] for f in _facts(tmp_path / "first")] == [saved] * 2
+    _run(tmp_path / "second", 2, "--zero", "1", "--steps", "10", "--load", str(ckpt), "--backend", resumed)
+    _check(tmp_path / "second", reference, _facts(tmp_path / "second"), resumed)
 
 
-def test_an_error_on_one_rank_ends_the_job(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_error_on_one_rank_ends_the_job(tmp_path, backend):
+    """The traceback reaches stderr under gloo too (torch's excepthook wrapper would buffer it past MPI_Abort)."""
     started = time.monotonic()
-    result = _run(tmp_path, 2, "--fail-at-step", "3", check=False, timeout=60)
+    result = _run(tmp_path, 2, "--fail-at-step", "3", "--backend", backend, check=False, timeout=60)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
-    assert "deliberate failure on rank 1 at step 3" in result.stderr
+    assert "[rank 1] uncaught exception; aborting the MPI job" in result.stderr, result.stderr
+    assert "RuntimeError: deliberate failure on rank 1 at step 3" in result.stderr, result.stderr
 
 
 def _timed(out: Path, *args: str, timeout_variable: str = "", limit: float = 120):
+    _needs_mpi()
     env = dict(os.environ, ORT_TRAINER_COLLECTIVE_TIMEOUT=timeout_variable) if timeout_variable else None
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -142,8 +162,10 @@ def test_a_rank_that_skips_a_step_ends_the_job_naming_the_ranks(tmp_path):
     assert not (tmp_path / "facts_rank0.json").exists()  # rank 0 never got past its 20th step
 
 
-def test_a_rank_that_leaves_its_loop_early_ends_the_job(tmp_path):
-    result, elapsed = _timed(tmp_path, "--leave-at-step", "7")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_leaves_its_loop_early_ends_the_job(tmp_path, backend):
+    """Under gloo too: the header exchange over MPI precedes every torch.distributed collective."""
+    result, elapsed = _timed(tmp_path, "--leave-at-step", "7", "--backend", backend)
     assert result.returncode != 0 and elapsed < 30, (elapsed, result.stderr)
     assert re.search(r"rank 0 is in allreduce_sum at train_step 7 \(collective #\d+\); rank 1 has left the job: "
                      r"its script ended after train_step 6", result.stderr), result.stderr
@@ -172,3 +194,141 @@ def test_ranks_at_different_steps_are_stopped_at_their_first_all_reduce(tmp_path
     assert result.returncode != 0 and elapsed < 30, (elapsed, result.stderr)
     assert re.search(r"rank 0 is in allreduce_sum at train_step 3 \(collective #\d+\); rank 1 is in allreduce_sum at "
                      r"train_step 0 \(collective #\d+\)", result.stderr), result.stderr
+
+
+def _expected_collectives(ranks: int) -> dict:
+    """What collectives_job.py's buffers must hold after each collective, for ``ranks`` ranks."""
+    gathered = {}
+    for counts in ([5] * ranks, [7 if r % 2 == 0 else 3 for r in range(ranks)],
+                   [3 if r % 2 == 0 else 7 for r in range(ranks)]):
+        gathered[str(counts)] = [100.0 * (r + 1) + i for r, count in enumerate(counts) for i in range(count)]
+    return {
+        "allreduce_sum": [float(i * ranks * (ranks + 1) // 2) for i in range(1000)],
+        "allreduce_slice": lambda rank: [float(rank)] * 2 + [float(ranks * (ranks - 1) // 2)] * 4 + [float(rank)] * 4,
+        "broadcast": {"float32": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "int64": [0, 7], "bool": [True, False],
+                      "scalar": 3.5},
+        "allgather": gathered,
+        "allgather_object": [{"rank": r} for r in range(ranks)],
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_collective_on_known_values(tmp_path, backend):
+    """The communicator alone: in-place all-reduce (of a slice too), broadcast of every buffer dtype
+    the engine holds (float32, int64, bool, 0-d), all-gather of equal ranges (in place) and of unequal
+    ranges both ways round, twice (gloo pads them), and the refusals, which leave the ranks in step."""
+    _run(tmp_path, 2, "--backend", backend, job=COLLECTIVES_JOB, timeout=120)
+    expected = _expected_collectives(2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"collectives_rank{rank}.json").read_text())
+        assert (got["class"], got["backend"]) == (
+            {"mpi": "MPICommunicator", "gloo": "TorchDistributedCommunicator"}[backend], backend)
+        assert got["allreduce_sum"] == expected["allreduce_sum"]
+        assert got["allreduce_slice"] == expected["allreduce_slice"](rank)
+        assert got["broadcast"] == expected["broadcast"]
+        assert got["broadcast_from_last_rank"] == [1.0] * 4
+        assert got["allgather"] == expected["allgather"]
+        assert got["allgather_object"] == expected["allgather_object"]
+        _check_refusals(got["errors"], backend, ranks=2)
+
+
+def _check_refusals(errors: dict, backend: str, ranks: int):
+    device_fix = {"mpi": "the MPI backend moves host buffers, and this buffer is on meta: use "
+                         "distributed.backend='nccl'",
+                  "gloo": "the gloo communicator moves buffers on cpu, and this buffer is on meta: use "
+                          "distributed.backend='nccl'",
+                  "nccl": "the nccl communicator moves buffers on cuda:"}[backend]
+    assert errors["device"].startswith("RuntimeError: " + device_fix), errors["device"]
+    assert "the buffer must be contiguous" in errors["strided"]
+    assert f"allgather: counts [5, 4] must give one range per rank ({ranks})" in errors["counts"]
+
+
+def test_a_single_process_job_runs_the_communicator_too(tmp_path):
+    """Rank 0 of 1 (no mpiexec): the gloo process group forms from a store on a free port."""
+    _run(tmp_path, 1, "--backend", "gloo", job=COLLECTIVES_JOB, timeout=120)
+    got = json.loads((tmp_path / "collectives_rank0.json").read_text())
+    expected = _expected_collectives(1)
+    assert got["allreduce_sum"] == expected["allreduce_sum"] and got["allgather"] == expected["allgather"]
+
+
+# ---- choosing the backend (no MPI job needed) -------------------------------------------------------
+def test_the_backend_option_and_its_default():
+    from ort_trainer import ORTTrainerOptions
+    from ort_trainer.distributed import resolve_backend
+
+    assert ORTTrainerOptions().distributed.backend == "auto"
+    assert ORTTrainerOptions({"distributed": {"backend": "gloo"}}).distributed.backend == "gloo"
+    assert [resolve_backend("auto", d) for d in ("cpu", "cuda", "cuda:3")] == ["mpi", "nccl", "nccl"]
+    assert resolve_backend("gloo", "cpu") == "gloo"
+    with pytest.raises(ValueError, match=r"distributed.backend: must be one of \['auto', 'mpi', 'gloo', 'nccl'\], "
+                                         r"got 'ucc'"):
+        ORTTrainerOptions({"distributed": {"backend": "ucc"}})
+
+
+def test_nccl_on_the_cpu_is_an_options_error():
+    from ort_trainer import ORTTrainerOptions
+
+    with pytest.raises(ValueError, match=r"distributed.backend: 'nccl' moves CUDA buffers, but device.id is 'cpu'; "
+                                         r"on the CPU use 'gloo' or 'mpi'"):
+        ORTTrainerOptions({"device": {"id": "cpu"}, "distributed": {"backend": "nccl"}})
+
+
+def test_backend_problems_name_the_fix():
+    import torch.distributed
+
+    from ort_trainer.distributed import backend_problem, make_communicator
+
+    for backend in ("mpi", "gloo"):
+        problem = backend_problem(backend, "cuda:1", 2)
+        assert problem.startswith(f"{backend!r} moves host buffers, but device.id is 'cuda:1'") and "use 'nccl'" in problem
+    assert backend_problem("auto", "cpu", 2) is None and backend_problem("gloo", "cpu", 2) is None
+    assert backend_problem("auto", "cuda", 1) is None  # one process makes no collectives
+    if not torch.distributed.is_nccl_available():  # this CPU build of torch
+        assert "has no 'nccl' backend; install a CUDA build of torch on Linux" in backend_problem("nccl", "cuda:0", 2)
+        assert "has no 'nccl' backend" in backend_problem("auto", "cuda:0", 2)
+    with pytest.raises(ValueError, match="distributed.backend: 'nccl' moves CUDA buffers"):
+        make_communicator("nccl", "cpu", 2, 0)  # refused before MPI is touched
+
+
+# ---- NCCL on GPUs (make gpu-check; skipped without CUDAExecutionProvider, a CUDA torch and a GPU) --------
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.cuda
+def test_nccl_collectives_on_known_values(tmp_path):
+    """The NCCL communicator on CUDA buffers: 2 ranks on 2 GPUs (1 rank where there is one GPU;
+    NCCL refuses two ranks on one GPU)."""
+    ranks = min(2, _gpus())
+    _run(tmp_path, ranks, "--backend", "nccl", job=COLLECTIVES_JOB, timeout=300)
+    expected = _expected_collectives(ranks)
+    for rank in range(ranks):
+        got = json.loads((tmp_path / f"collectives_rank{rank}.json").read_text())
+        assert (got["class"], got["device"]) == ("TorchDistributedCommunicator", f"cuda:{rank}")
+        assert got["allreduce_sum"] == expected["allreduce_sum"]
+        assert got["allreduce_slice"] == expected["allreduce_slice"](rank)
+        assert got["broadcast"] == expected["broadcast"]
+        assert got["allgather"] == expected["allgather"]
+        _check_refusals(got["errors"], "nccl", ranks)
+
+
+@pytest.mark.cuda
+def test_two_gpus_with_nccl_equal_one_gpu_with_twice_the_batch(tmp_path):
+    """2 ranks x batch 8 on 2 GPUs, gradients all-reduced by NCCL in device memory == 1 GPU x batch 16,
+    and with ZeRO stage 1."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
+    _run(tmp_path / "single", 1, "--device", "auto")
+    expected = _weights(tmp_path / "single", 0)
+    for zero in ("0", "1"):
+        out = tmp_path / f"nccl_zero{zero}"
+        _run(out, 2, "--device", "auto", "--backend", "nccl", "--zero", zero)
+        facts = _facts(out)
+        assert [f["backend"] for f in facts] == ["nccl", "nccl"]
+        rank0, rank1 = _weights(out, 0), _weights(out, 1)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(rank0[name], rank1[name])
+            error = np.linalg.norm(rank0[name] - value) / np.linalg.norm(value)
+            assert error < 1e-4, f"ZeRO {zero}, {name}: relative error {error:.2e}"

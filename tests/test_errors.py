@@ -4,6 +4,7 @@ import copy
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -192,7 +193,8 @@ def test_output_count_mismatch_is_explained():
         trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
 
 
-def test_cuda_without_the_cuda_build():
+def test_cuda_without_the_cuda_build(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])  # as on a CPU-only install
     with pytest.raises(ValueError, match=r"device.id: 'cuda' was asked for but the installed ONNX Runtime has no CUDA "
                                          r"provider .*pip install \"ort_trainer\[cuda\]\""):
         ORTTrainer(MLP(), MLP_DESC, SGDConfig(), loss_fn=CE, options={"device": {"id": "cuda"}})

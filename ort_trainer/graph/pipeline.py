@@ -83,6 +83,8 @@ class GraphJob:
     accumulate: bool = False
     passes: dict = None  # graph_optimizations flags: {pass name: enabled}
     source: GradientSource = field(default_factory=OnnxRuntimeGradientSource)
+    #: mixed precision: "float16" or "bfloat16" traces the forward under torch.autocast (None: fp32)
+    autocast: str | None = None
 
     def cache_key(self, traced: Traced, input_dtypes: dict[str, str], dims: dict[str, int] | None,
                   outputs: tuple | None = None) -> str:
@@ -126,6 +128,8 @@ class GraphJob:
             "outputs": list(outputs) if outputs is not None else None,
             "accumulate": self.accumulate,
             "passes": sorted((self.passes or {}).items()),
+            # only when set, so that fp32 keys stay those of earlier versions
+            **({"autocast": self.autocast} if self.autocast else {}),
         }
 
 

@@ -11,7 +11,8 @@ operator), so with gradient accumulation the engine sums them (``accumulates_in_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -49,7 +50,7 @@ class TorchGradientSource(GradientSource):
             model, renamed = onnx_to_module(model, job.desc)
         try:
             traced = torch_autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
-                                          dynamic=dims is None, unknown_frozen="ignore")
+                                          dynamic=dims is None, unknown_frozen="ignore", autocast=job.autocast)
         except ExportError as exc:
             if dims is None:
                 _raise_for_recurrent_layers(model, exc)
@@ -60,17 +61,24 @@ class TorchGradientSource(GradientSource):
             # with the module named.
             logger.debug("static trace refused the sample (%s); tracing symbolically", exc)
             traced = torch_autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
-                                          dynamic=True, unknown_frozen="ignore")
+                                          dynamic=True, unknown_frozen="ignore", autocast=job.autocast)
             dims = None
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
                       program={"traced": traced, "built": None, "renamed": renamed}, dims=dims or None)
 
     def record_key(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> str | None:
         """The operators one eager forward runs, with the flags ``torch.export`` sets
-        (``op_record.record_key``); None for an ONNX model."""
+        (``op_record.record_key``) and, with mixed precision, under the trace's autocast (a model
+        may branch on ``torch.is_autocast_enabled()``); None for an ONNX model."""
         if isinstance(job.model, onnx.ModelProto) or job.extra_postprocess is not None:
             return None
-        return op_record.record_key(job.model, job.loss_fn, job.desc, sample_inputs, op_record.exporting_flags)
+
+        @contextlib.contextmanager
+        def tracing() -> Iterator[None]:
+            with op_record.exporting_flags(), torch_autograd.autocast_context(job.autocast):
+                yield
+
+        return op_record.record_key(job.model, job.loss_fn, job.desc, sample_inputs, tracing)
 
     def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:
@@ -175,7 +183,8 @@ def _retrace(traced: torch_autograd.TracedModel, frozen_weights: Sequence[str]) 
     """The same ``torch.export`` trace again (a build consumes its trace)."""
     job = traced._job
     return torch_autograd.trace(job["model"], job["loss_fn"], job["desc"], [a.numpy() for a in job["args"][:-1]],
-                                frozen_weights, dynamic=job["dynamic_shapes"] is not None)
+                                frozen_weights, dynamic=job["dynamic_shapes"] is not None,
+                                autocast=job.get("autocast"))
 
 
 __all__ = ["TorchGradientSource"]

@@ -112,7 +112,7 @@ def export_joint(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDe
 
 def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescription,
           sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), dynamic: bool = True,
-          unknown_frozen: str = "raise") -> TracedModel:
+          unknown_frozen: str = "raise", autocast: str | None = None) -> TracedModel:
     """``torch.export`` of the model with its loss in training mode, and its fingerprint.
 
     The traced module returns ``(loss × __loss_scale, *description outputs)`` with the outputs
@@ -124,6 +124,8 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     Args: as ``export_joint``, and
         unknown_frozen: ``"raise"`` for a ``frozen_weights`` name that is no weight of the model,
             ``"ignore"`` when the caller reports it (the trainer, with the optimizer's groups).
+        autocast: ``"float16"`` or ``"bfloat16"``: mixed precision, the model and loss traced under
+            ``torch.autocast`` (``autocast_context``), the loss returned in float32; None: as written.
 
     Returns:
         The traced program; ``build`` turns it into graphs, ``fingerprint`` keys a cache.
@@ -137,7 +139,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     count = len(desc.inputs) - (1 if loss_fn is not None else 0)
     order = export_order(desc, loss_fn is not None)
     wrapper = _Scaled(model, loss_fn, desc.input_names[:count], [order.index(n) for n in desc.output_names],
-                      order.index(desc.loss_name))
+                      order.index(desc.loss_name), autocast=autocast)
     tensors, keys = _tensors_by_name(wrapper)
     aliases: dict[int, list[str]] = {}
     for name, tensor in tensors.items():
@@ -174,15 +176,15 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     # The eval graph comes from its own trace, in eval mode: code that only eval mode runs (an
     # ``if self.training`` branch) must key the cache too, or an edit there would reuse a stale graph.
     job = {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "dynamic_shapes": dynamic_shapes,
-           "count": count, "order": order}
+           "count": count, "order": order, "autocast": autocast}
     eval_program = _export_eval(job)
     settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__,
-                _traced_program.fingerprint(eval_program, [])]
+                _traced_program.fingerprint(eval_program, []), *([autocast] if autocast else [])]
     logger.debug("torch.export of the model with its loss: %.2f s", seconds)
     return TracedModel(_traced_program.fingerprint(program, settings), torch_keys, trainable, program, seconds,
                        {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
                         "dynamic_shapes": dynamic_shapes, "weight_of": weight_of, "count": count,
-                        "tensors": tensors, "order": order, "eval_program": eval_program})
+                        "tensors": tensors, "order": order, "eval_program": eval_program, "autocast": autocast})
 
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
@@ -295,19 +297,44 @@ def _check_opset(opset: int | None) -> int:
     return opset
 
 
+def autocast_context(dtype: str | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for mixed precision in ``dtype`` (``"float16"``/``"bfloat16"``; None: a no-op).
+
+    Always the CPU autocast, whatever device the graphs will run on: the trace runs on CPU (fake)
+    tensors, and autocast only rewrites operators on tensors of its own device type, so the CPU
+    autocast op lists (matmul, linear, convolutions... in ``dtype``; losses and reductions such as
+    ``cross_entropy``, ``mse_loss``, ``nll_loss`` in float32; everything else in its inputs' dtype)
+    decide what the graph computes in half precision on every device.
+    """
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=getattr(torch, dtype))
+
+
 class _Scaled(_ModelWithLoss):
-    """``forward(*inputs, loss_scale)`` -> ``(loss × loss_scale, *description outputs detached)``."""
+    """``forward(*inputs, loss_scale)`` -> ``(loss × loss_scale, *description outputs detached)``.
+
+    With ``autocast`` the model and loss run under ``autocast_context`` and the loss is cast to
+    float32 (autograd then differentiates the casts: weights stay float32 inputs, their
+    gradients float32 outputs).
+    """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, input_names: list[str],
-                 desc_positions: list[int], loss_position: int, scaled: bool = True):
+                 desc_positions: list[int], loss_position: int, scaled: bool = True, autocast: str | None = None):
         super().__init__(model, loss_fn, input_names)
         self.desc_positions, self.loss_position, self.scaled = desc_positions, loss_position, scaled
+        self.autocast = autocast
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         """The scaled loss then the description outputs (training), or the outputs alone (eval)."""
         data = inputs[:-1] if self.scaled else inputs
         with self.guard.watching(data) if self.guard is not None else contextlib.nullcontext():
-            outputs = self._forward(*data)
+            with autocast_context(self.autocast):
+                outputs = self._forward(*data)
+        if self.autocast and len(outputs) > self.loss_position \
+                and outputs[self.loss_position].dtype in (torch.float16, torch.bfloat16):
+            outputs = (*outputs[:self.loss_position], outputs[self.loss_position].float(),
+                       *outputs[self.loss_position + 1:])
         if len(outputs) != len(self.desc_positions):
             what = "loss_fn's loss plus the model's outputs" if self.loss_fn is not None else "the model's outputs"
             raise ExportError(f"{what} are {len(outputs)} tensor(s) but model_desc.outputs declares "
@@ -458,7 +485,8 @@ def _export_eval(job: dict) -> Any:
     statistics), returning the description's outputs."""
     model, desc, order = job["model"], job["desc"], job["order"]
     wrapper = _Scaled(model, job["loss_fn"], desc.input_names[:job["count"]],
-                      [order.index(n) for n in desc.output_names], 0, scaled=False)
+                      [order.index(n) for n in desc.output_names], order.index(desc.loss_name), scaled=False,
+                      autocast=job.get("autocast"))
     shapes = None if job["dynamic_shapes"] is None else job["dynamic_shapes"][:-1]
     with _model_left_untouched(wrapper):
         model.eval()

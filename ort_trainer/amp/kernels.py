@@ -1,0 +1,72 @@
+"""Half-precision kernels ONNX Runtime lacks: its session-creation error, said in the user's terms.
+
+A mixed-precision graph (``mixed_precision.enabled``) computes matmuls, linear layers and
+convolutions in float16 or bfloat16. ONNX Runtime's CPU execution provider has float16 kernels
+for them but almost no bfloat16 ones (1.31.1: no bfloat16 ``MatMul``, ``Gemm``, ``Neg``...), and
+the session then fails with ``NOT_IMPLEMENTED : Could not find an implementation for MatMul(13)
+node with name '...'``. ``missing_kernels_explained`` turns that into an error that names the
+dtype, the device, the operator, the node and the fix. Sessions are made when a shape signature
+is first selected, before anything runs, so the error leaves the trainer's state unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Iterator
+
+_MISSING = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+
+
+class MissingKernelError(RuntimeError):
+    """The execution provider has no kernel for an operator in the mixed-precision dtype."""
+
+
+def missing_kernel_error(exc: BaseException, dtype: str, device: str) -> MissingKernelError | None:
+    """The error to raise instead of ``exc``, or None when ``exc`` is not a missing kernel.
+
+    Args:
+        exc: what ONNX Runtime raised while creating a session.
+        dtype: ``mixed_precision.dtype`` (``"float16"`` or ``"bfloat16"``).
+        device: ``device.id`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
+
+    Returns:
+        A ``MissingKernelError`` naming the operator, its node and the fix, or None.
+    """
+    found = _MISSING.search(str(exc))
+    if found is None:
+        return None
+    op, opset, node = found.groups()
+    provider = "CPU" if device == "cpu" else "CUDA"
+    other = "float16" if dtype == "bfloat16" else "bfloat16"
+    if device == "cpu":
+        fix = f"use dtype '{other}' or device 'cuda'" if dtype == "bfloat16" else \
+            "use device 'cuda', or train in fp32 on the CPU (mixed_precision.enabled=False)"
+    else:
+        fix = f"use dtype '{other}', or train in fp32 (mixed_precision.enabled=False)"
+    return MissingKernelError(
+        f"mixed_precision.dtype={dtype!r} on device {device!r}: ONNX Runtime's {provider} execution provider has "
+        f"no {dtype} kernel for {op} (opset {opset}; node {node!r}); {fix}")
+
+
+@contextlib.contextmanager
+def missing_kernels_explained(dtype: str | None, device: str) -> Iterator[None]:
+    """Re-raise ONNX Runtime's missing-kernel error of a mixed-precision graph as a
+    ``MissingKernelError`` (``missing_kernel_error``); anything else, and everything when
+    ``dtype`` is None (fp32), passes through unchanged.
+
+    Raises:
+        MissingKernelError: when a session of the block cannot be created for want of a kernel.
+    """
+    try:
+        yield
+    except Exception as exc:  # onnxruntime's pybind exception types are not importable by a stable path
+        if dtype is None:
+            raise
+        translated = missing_kernel_error(exc, dtype, device)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
+__all__ = ["MissingKernelError", "missing_kernel_error", "missing_kernels_explained"]

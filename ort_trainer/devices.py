@@ -1,0 +1,287 @@
+"""The devices the engine runs on: one class per device behind one interface (``Device``).
+
+A device says where the engine's buffers live (a torch device), which execution providers run its
+sessions and with which options, how a buffer is bound to a session so that ONNX Runtime reads or
+writes it in place, and how a run is ordered after the torch work that wrote its buffers. The
+engine calls this interface and holds no per-device branches.
+
+``device_problem`` checks a ``device.id`` before anything is built: the CUDA runtime, a CUDA build
+of torch and the GPU asked for must all be there, or the error says what to install or which GPUs
+exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from . import _runtime
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+_CUDA_PROVIDER = "CUDAExecutionProvider"
+
+# IOBinding.bind_input/bind_output with a pointer take a numpy type, or an ONNX type for bfloat16
+_ELEMENT_TYPES = {
+    torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.int64: np.int64, torch.int32: np.int32,
+    torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.uint16: np.uint16,
+    torch.uint32: np.uint32, torch.uint64: np.uint64, torch.bool: np.bool_,
+}
+
+
+def _element_type(tensor: torch.Tensor):
+    try:
+        return _ELEMENT_TYPES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"a {tensor.dtype} buffer cannot be bound to ONNX Runtime; supported: "
+                        f"{sorted(str(t) for t in _ELEMENT_TYPES)}") from None
+
+
+def parse_device_id(value: str) -> tuple[str, int | None]:
+    """``"cpu"`` → ``("cpu", None)``, ``"cuda:1"`` → ``("cuda", 1)``.
+
+    Raises:
+        ValueError: for anything but ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    """
+    match = _DEVICE_RE.match(value) if isinstance(value, str) else None
+    if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
+        raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    return match.group(1), None if match.group(2) is None else int(match.group(2))
+
+
+def cuda_missing() -> str | None:
+    """What keeps training off CUDA on this machine (None: the CUDA provider, a CUDA build of torch
+    and at least one GPU are all there)."""
+    if _CUDA_PROVIDER not in ort.get_available_providers():
+        return f"the installed ONNX Runtime has no {_CUDA_PROVIDER} (installed: {_runtime.runtime_description()})"
+    if not torch.backends.cuda.is_built():
+        return f"torch {torch.__version__} is a CPU build"
+    if torch.cuda.device_count() == 0:
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+    return None
+
+
+def default_device_id() -> str:
+    """``"cuda"`` when the CUDA runtime, a CUDA build of torch and a GPU are all present, else ``"cpu"``."""
+    return "cuda" if cuda_missing() is None else "cpu"
+
+
+def device_problem(value: str) -> str | None:
+    """Why ``device.id = value`` cannot be used here, with what to do about it (None: it can).
+
+    Checked when the options are made, before any graph is built.
+    """
+    try:
+        kind, index = parse_device_id(value)
+    except ValueError as exc:
+        return str(exc)
+    if kind == "cpu":
+        return None
+    if _CUDA_PROVIDER not in ort.get_available_providers():
+        return (
+            f"{value!r} was asked for but the installed ONNX Runtime has no CUDA provider "
+            f"(installed: {_runtime.runtime_description()}); install the CUDA runtime instead "
+            "(pip uninstall -y the installed one, then pip install \"ort_trainer[cuda]\") or use device.id='cpu'"
+        )
+    if not torch.backends.cuda.is_built():
+        return (
+            f"{value!r} needs a CUDA build of torch: the trainer keeps its weights, gradients and optimizer "
+            f"states in torch CUDA tensors, and the installed torch {torch.__version__} is a CPU build. Install "
+            "a CUDA 13 build (the CUDA version of onnxruntime-gpu 1.31), e.g. pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu130, or use device.id='cpu'"
+        )
+    count = torch.cuda.device_count()
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+        return (f"{value!r}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU on this machine{where}; "
+                "run where a GPU is visible, or use device.id='cpu'")
+    if index is not None and index >= count:
+        names = ", ".join(f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(count))
+        return f"{value!r}: there is no GPU {index}; this machine has {count}: {names}"
+    return None
+
+
+def make_device(value: str) -> "Device":
+    """The ``Device`` of a ``device.id``.
+
+    Raises:
+        RuntimeError: saying what is missing (``device_problem``).
+    """
+    problem = device_problem(value)
+    if problem:
+        raise RuntimeError(f"device.id: {problem}")
+    kind, index = parse_device_id(value)
+    if kind == "cpu":
+        return CPUDevice()
+    return CUDADevice(torch.cuda.current_device() if index is None else index)
+
+
+def _ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
+    """An OrtValue over ``tensor``'s memory (DLPack: no copy)."""
+    if tensor.dtype == torch.bool:  # DLPack's bool code is unknown to ONNX Runtime: same bytes as uint8
+        return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(
+            tensor.view(torch.uint8).__dlpack__(), True))
+    return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(tensor.__dlpack__(), False))
+
+
+_SHARED_ARENA = False
+
+
+def _use_shared_arena(options: ort.SessionOptions) -> None:
+    """Let the session allocate from one process-wide CPU arena that grows by what is requested.
+
+    Every session otherwise has its own arena growing in powers of two; sharing one that grows
+    exactly was measured on the BERT-like benchmark at 248 ms/step and 737 MB peak RSS, against
+    263 ms and 995 MB with per-session arenas (``docs/benchmarks.md``).
+    """
+    global _SHARED_ARENA
+    if not _SHARED_ARENA:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        # max_mem 0: no limit; extend strategy 1: kSameAsRequested; defaults for the chunk sizes
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
+        _SHARED_ARENA = True
+    options.add_session_config_entry("session.use_env_allocators", "1")
+
+
+class Device:
+    """Where the engine's buffers live and how ONNX Runtime's sessions see them.
+
+    Attributes:
+        kind: ``"cpu"`` or ``"cuda"`` (also ONNX Runtime's device name in IOBinding).
+        index: the device ordinal.
+        torch_device: the torch device of every engine buffer.
+    """
+
+    kind = ""
+
+    def __init__(self, index: int = 0):
+        self.index = index
+        self.torch_device = torch.device(self.kind, index) if self.kind != "cpu" else torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return str(self.torch_device)
+
+    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
+        """The execution providers of every session, each with its options (the user's on top)."""
+        raise NotImplementedError
+
+    def configure_session(self, options: ort.SessionOptions) -> None:
+        """Settings for session options the engine made itself (the user's own are used as given)."""
+
+    def bind_input(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+        """Bind a buffer that the session reads in place (no copy)."""
+        raise NotImplementedError
+
+    def bind_output(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+        """Bind a buffer that the session writes in place."""
+        raise NotImplementedError
+
+    def bind_fresh_output(self, binding: ort.IOBinding, name: str) -> None:
+        """Bind an output that ONNX Runtime allocates on this device, anew each run."""
+        binding.bind_output(name, self.kind, self.index)
+
+    @staticmethod
+    def bind_feed(binding: ort.IOBinding, name: str, array: np.ndarray) -> None:
+        """Bind a step input that is in host memory; ``array`` must live until the run.
+
+        IOBinding::BindInput copies a tensor to the device its consuming kernels read it from
+        (utils::CopyOneInputAcrossDevices) when the input is bound: nothing on the CPU, one
+        host-to-device copy on a GPU, none for inputs that CPU kernels read (shapes, scalars).
+        """
+        binding.bind_cpu_input(name, array)
+
+    def inputs_copied_at_binding(self, session: ort.InferenceSession) -> set[str]:
+        """The inputs of ``session`` that ONNX Runtime reads on another device than this one, so
+        that binding one of this device's buffers to them copies its value at that moment."""
+        return set()
+
+    def synchronize(self) -> None:
+        """Called before every session run: torch work that wrote a buffer must be done before
+        ONNX Runtime reads it."""
+
+
+class CPUDevice(Device):
+    """Buffers in host memory, the CPU execution provider, zero-copy DLPack bindings."""
+
+    kind = "cpu"
+
+    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
+        return [("CPUExecutionProvider", dict(provider_options or {}))]
+
+    def configure_session(self, options: ort.SessionOptions) -> None:
+        _use_shared_arena(options)
+
+    def bind_input(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+        binding.bind_ortvalue_input(name, _ortvalue(tensor))
+
+    def bind_output(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+        binding.bind_ortvalue_output(name, _ortvalue(tensor))
+
+
+class CUDADevice(Device):
+    """Buffers in the memory of GPU ``index``, the CUDA execution provider (CPU as fallback).
+
+    Buffers are bound by pointer (``IOBinding.bind_input(name, "cuda", index, type, shape, ptr)``),
+    the documented way to hand ONNX Runtime device memory: its OrtDevice (GPU, NVIDIA, index) is the
+    one the CUDA provider allocates on, so binding copies nothing.
+
+    Ordering with torch: each session run executes on a stream ONNX Runtime creates with
+    ``cudaStreamNonBlocking``, which does not wait for torch's stream, so ``synchronize`` waits for
+    torch's current stream before a run (the buffer copies and sums the engine makes with torch).
+    A run ends with ``cudaStreamSynchronize`` on its stream (run option
+    ``disable_synchronize_execution_providers`` left at "0": onnxruntime_run_options_config_keys.h),
+    so its outputs are complete when ``run_with_iobinding`` returns and torch may read them on any
+    stream.
+    """
+
+    kind = "cuda"
+
+    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
+        options = {
+            "device_id": str(self.index),
+            # grow the arena by what is asked for, not to the next power of two
+            "arena_extend_strategy": "kSameAsRequested",
+            # TF32 matmuls as torch does them: off unless torch.set_float32_matmul_precision allows them
+            "use_tf32": "0" if torch.get_float32_matmul_precision() == "highest" else "1",
+        }
+        if mem_limit:
+            options["gpu_mem_limit"] = str(mem_limit)
+        if deterministic:
+            # EXHAUSTIVE (the default) picks convolution algorithms by timing them, so two runs may
+            # differ; DEFAULT always uses CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
+            options["cudnn_conv_algo_search"] = "DEFAULT"
+        user = {str(k): str(v) for k, v in (provider_options or {}).items()}
+        if "device_id" in user and user["device_id"] != options["device_id"]:
+            raise ValueError(
+                f"provider_options: device_id {user['device_id']} contradicts device.id 'cuda:{self.index}', where "
+                f"the trainer's buffers live; choose the GPU with device.id='cuda:{user['device_id']}' instead")
+        return [(_CUDA_PROVIDER, {**options, **user}), ("CPUExecutionProvider", {})]
+
+    def bind_input(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+        binding.bind_input(name, self.kind, self.index, _element_type(tensor), tuple(tensor.shape), tensor.data_ptr())
+
+    def bind_output(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+        binding.bind_output(name, self.kind, self.index, _element_type(tensor), tuple(tensor.shape),
+                            tensor.data_ptr())
+
+    def inputs_copied_at_binding(self, session: ort.InferenceSession) -> set[str]:
+        # where each input is read: the memory of its consuming kernels, which is where binding
+        # copies it to; a runtime without get_input_memory_infos (1.19.2) is CPU-only here
+        memory_infos = getattr(session, "get_input_memory_infos", None)
+        if memory_infos is None:
+            return set()
+        return {i.name for i, info in zip(session.get_inputs(), memory_infos())
+                if not (info.name.lower() == "cuda" and info.device_id == self.index)}
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.torch_device).synchronize()
+
+
+__all__ = ["CPUDevice", "CUDADevice", "Device", "cuda_missing", "default_device_id", "device_problem", "make_device",
+           "parse_device_id"]

@@ -1,0 +1,270 @@
+"""The device seam (ort_trainer/devices.py) on the CPU: providers and their options, in-place
+bindings, device selection and its errors. The CUDA device's pointer bindings run here too, on host
+memory, through the whole engine."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch
+from ort_trainer import ORTTrainer, ORTTrainerOptions, devices, engine as engine_module
+from ort_trainer.optim import AdamConfig
+
+CE = torch.nn.functional.cross_entropy
+
+
+def _add_one_session() -> ort.InferenceSession:
+    """``y = x + 1`` over float32 [2, 3]."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "one"], ["y"])], "add_one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # readable by both runtimes
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+class _PointerBoundCPU(devices.CUDADevice):
+    """The CUDA device's pointer bindings, pointed at host memory: ``kind`` is also the device
+    name IOBinding gets, so everything but the CUDA memory and stream runs on the CPU."""
+
+    kind = "cpu"
+
+    def providers(self, provider_options, mem_limit, deterministic):
+        return [("CPUExecutionProvider", dict(provider_options or {}))]
+
+    def synchronize(self):
+        pass
+
+    def inputs_copied_at_binding(self, session):
+        return set()
+
+
+class _CopyingAtBinding(_PointerBoundCPU):
+    """Stands for a GPU whose session reads some weights on the CPU: binding them copies their
+    value at that moment, as ONNX Runtime's IOBinding does for an input read on another device."""
+
+    copied = {"fc1.weight", "fc2.bias"}
+
+    def __init__(self, reports_copies: bool):
+        super().__init__()
+        self.reports_copies, self.kept = reports_copies, []
+
+    def bind_input(self, binding, name, tensor):
+        if name in self.copied:
+            tensor = tensor.clone()
+            self.kept.append(tensor)  # a pointer binding does not keep its memory alive
+        super().bind_input(binding, name, tensor)
+
+    def inputs_copied_at_binding(self, session):
+        return {i.name for i in session.get_inputs()} & self.copied if self.reports_copies else set()
+
+
+@pytest.mark.parametrize("device", [devices.CPUDevice(), _PointerBoundCPU()], ids=["dlpack", "pointer"])
+def test_bound_buffers_are_read_and_written_in_place(device):
+    session = _add_one_session()
+    storage = torch.zeros(20)
+    x, y = storage[2:8].view(2, 3), storage[10:16].view(2, 3)  # views at an offset, as the engine binds
+    x.copy_(torch.arange(6.0).view(2, 3))
+    binding = session.io_binding()
+    device.bind_input(binding, "x", x)
+    device.bind_output(binding, "y", y)
+    session.run_with_iobinding(binding)
+    torch.testing.assert_close(y, torch.arange(6.0).view(2, 3) + 1, rtol=0, atol=0)
+    x.mul_(10)  # no rebinding: the session reads the tensor's memory itself
+    session.run_with_iobinding(binding)
+    torch.testing.assert_close(y, torch.arange(6.0).view(2, 3) * 10 + 1, rtol=0, atol=0)
+    assert storage[:2].eq(0).all() and storage[8:10].eq(0).all() and storage[16:].eq(0).all()
+
+
+def test_fresh_outputs_come_back_as_torch_tensors_on_the_engine_device():
+    trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE)
+    loss, logits = trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    engine = trainer._engine
+    assert isinstance(engine.placement, devices.CPUDevice) and engine.device == torch.device("cpu")
+    assert isinstance(loss, torch.Tensor) and loss.device == engine.device and logits.device == engine.device
+    buffers = [*engine.weights_flat, engine.grads_flat, *engine.fixed_tensors.values(),
+               *(t for p in (0, 1) for t in engine.states_flat[p].values()),
+               *(t for p in (0, 1) for t in engine.buffers[p].values()), *engine.grads.values()]
+    assert all(t.device == engine.device for t in buffers)
+    # the per-weight tensors are views of the flat buffers, not copies
+    assert engine.grads["fc2.bias"].data_ptr() == engine.grads_flat.data_ptr() + 4 * engine.offsets["fc2.bias"]
+    assert engine._providers == [("CPUExecutionProvider", {})]
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "encoder"])
+def test_pointer_bindings_train_exactly_like_dlpack_bindings(monkeypatch, model_name):
+    """The whole engine through the CUDA device's binding code (pointer, element type, shape of
+    every buffer, view and output), on host memory: the same numbers as the CPU device."""
+    gen = torch.Generator().manual_seed(5)
+    if model_name == "mlp":
+        model, desc, loss_fn = MLP(), MLP_DESC, CE
+        batches = [mlp_batch(gen) for _ in range(4)]
+    else:
+        model, desc, loss_fn = TinyEncoder(), ENCODER_DESC, mlm_loss
+        batches = [mlm_batch(gen, 2, 6) for _ in range(4)]
+    reference = ORTTrainer(clone(model), desc, AdamConfig(lr=1e-2), loss_fn=loss_fn)
+    monkeypatch.setattr(engine_module, "make_device", lambda value: _PointerBoundCPU())
+    pointer = ORTTrainer(model, desc, AdamConfig(lr=1e-2), loss_fn=loss_fn)
+    for batch in batches:
+        expected = reference.train_step(*batch)
+        got = pointer.train_step(*batch)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(pointer.eval_step(*batches[0])[0], reference.eval_step(*batches[0])[0], rtol=0, atol=0)
+    assert isinstance(pointer._engine.placement, _PointerBoundCPU)
+    for name, value in reference.state_dict()["model"]["full_precision"].items():
+        np.testing.assert_array_equal(pointer.state_dict()["model"]["full_precision"][name], value)
+
+
+def test_inputs_copied_at_binding_are_bound_again_before_every_run(monkeypatch, caplog):
+    gen = torch.Generator().manual_seed(6)
+    batches = [mlp_batch(gen) for _ in range(3)]
+    model = MLP()
+    reference = ORTTrainer(clone(model), MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE)
+    expected = [reference.train_step(*b)[0] for b in batches]
+    for reports_copies in (True, False):
+        monkeypatch.setattr(engine_module, "make_device", lambda value: _CopyingAtBinding(reports_copies))
+        trainer = ORTTrainer(clone(model), MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE)
+        with caplog.at_level("WARNING", logger="ort_trainer"):
+            got = [trainer.train_step(*b)[0] for b in batches]
+        if reports_copies:
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            assert "ONNX Runtime reads fc1.weight, fc2.bias from another device than cpu" in caplog.text
+        else:  # the test can tell: bound once, the copies keep the initial weights
+            assert got[0] == expected[0] and got[2] != expected[2]
+    session = _add_one_session()
+    reported = devices.CUDADevice(0).inputs_copied_at_binding(session)  # a CPU session: read on the host
+    assert reported == ({"x"} if hasattr(session, "get_input_memory_infos") else set())
+
+
+def test_cuda_provider_options():
+    torch.set_float32_matmul_precision("highest")
+    device = devices.CUDADevice(1)
+    assert device.torch_device == torch.device("cuda", 1) and repr(device) == "cuda:1"
+    name, options = device.providers({}, 0, False)[0]
+    assert name == "CUDAExecutionProvider" and device.providers({}, 0, False)[1] == ("CPUExecutionProvider", {})
+    assert options == {"device_id": "1", "arena_extend_strategy": "kSameAsRequested", "use_tf32": "0"}
+    _, options = device.providers({"cudnn_conv_use_max_workspace": 0, "arena_extend_strategy": "kNextPowerOfTwo"},
+                                  2**30, True)[0]
+    assert options["gpu_mem_limit"] == str(2**30) and options["cudnn_conv_algo_search"] == "DEFAULT"
+    # the user's options go on top, as strings
+    assert options["cudnn_conv_use_max_workspace"] == "0" and options["arena_extend_strategy"] == "kNextPowerOfTwo"
+    try:
+        torch.set_float32_matmul_precision("high")  # torch allows TF32 matmuls: so does ONNX Runtime
+        assert device.providers({}, 0, False)[0][1]["use_tf32"] == "1"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert device.providers({"device_id": 1}, 0, False)[0][1]["device_id"] == "1"
+    with pytest.raises(ValueError, match=r"provider_options: device_id 0 contradicts device.id 'cuda:1'.*"
+                                         r"device.id='cuda:0'"):
+        device.providers({"device_id": 0}, 0, False)
+
+
+class _RecordingBinding:
+    def __init__(self):
+        self.calls = []
+
+    def bind_input(self, *args):
+        self.calls.append(("input", *args))
+
+    def bind_output(self, *args):
+        self.calls.append(("output", *args))
+
+
+def test_cuda_bindings_pass_the_pointer_type_and_shape():
+    device, binding = devices.CUDADevice(2), _RecordingBinding()
+    flat = torch.zeros(10)
+    device.bind_input(binding, "w", flat[4:10].view(2, 3))
+    device.bind_output(binding, "flag", torch.zeros((), dtype=torch.bool))
+    device.bind_input(binding, "half", torch.zeros(3, dtype=torch.bfloat16))
+    device.bind_fresh_output(binding, "loss")
+    kind, name, device_name, index, element_type, shape, pointer = binding.calls[0]
+    assert (kind, name, device_name, index, element_type, shape) == ("input", "w", "cuda", 2, np.float32, (2, 3))
+    assert pointer == flat.data_ptr() + 16
+    assert binding.calls[1][1:6] == ("flag", "cuda", 2, np.bool_, ())
+    assert binding.calls[2][4] == onnx.TensorProto.BFLOAT16
+    assert binding.calls[3] == ("output", "loss", "cuda", 2)
+
+
+def test_device_ids_are_parsed():
+    assert devices.parse_device_id("cpu") == ("cpu", None)
+    assert devices.parse_device_id("cuda") == ("cuda", None)
+    assert devices.parse_device_id("cuda:12") == ("cuda", 12)
+    for bad in ["gpu", "cpu:0", "cuda:", "cuda:-1", "CUDA", " cuda"]:
+        with pytest.raises(ValueError, match=f"expected 'cpu', 'cuda' or 'cuda:N', got {bad!r}"):
+            devices.parse_device_id(bad)
+
+
+def _machine(monkeypatch, provider: bool, cuda_torch: bool = True, gpus: int = 1):
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider else ["CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: cuda_torch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"NVIDIA H100 #{i}")
+    monkeypatch.setattr(torch.version, "cuda", "13.0" if cuda_torch else None)
+
+
+def test_cuda_without_the_cuda_runtime_says_what_to_install(monkeypatch):
+    _machine(monkeypatch, provider=False)
+    with pytest.raises(ValueError) as info:
+        ORTTrainerOptions({"device": {"id": "cuda:0"}})
+    message = str(info.value)
+    assert "device.id: 'cuda:0' was asked for but the installed ONNX Runtime has no CUDA provider" in message
+    assert 'pip install "ort_trainer[cuda]"' in message and "device.id='cpu'" in message
+
+
+def test_cuda_with_a_cpu_build_of_torch_asks_for_a_cuda_torch(monkeypatch):
+    _machine(monkeypatch, provider=True, cuda_torch=False)
+    with pytest.raises(ValueError, match=r"device.id: 'cuda' needs a CUDA build of torch: .* torch CUDA tensors, and the "
+                                         r"installed torch .* is a CPU build\. Install a CUDA 13 build"):
+        ORTTrainerOptions({"device": {"id": "cuda"}})
+    with pytest.raises(RuntimeError, match="device.id: 'cuda' needs a CUDA build of torch"):
+        devices.make_device("cuda")
+
+
+def test_cuda_without_a_gpu_says_none_is_visible(monkeypatch):
+    _machine(monkeypatch, provider=True, gpus=0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match=r"device.id: 'cuda': torch .* \(CUDA 13.0\) sees no GPU on this machine "
+                                         r"\(CUDA_VISIBLE_DEVICES=''\); run where a GPU is visible, or use device.id='cpu'"):
+        ORTTrainerOptions({"device": {"id": "cuda"}})
+
+
+def test_a_gpu_index_past_the_last_names_the_gpus_that_exist(monkeypatch):
+    _machine(monkeypatch, provider=True, gpus=2)
+    with pytest.raises(ValueError, match=r"device.id: 'cuda:3': there is no GPU 3; this machine has 2: "
+                                         r"cuda:0 \(NVIDIA H100 #0\), cuda:1 \(NVIDIA H100 #1\)"):
+        ORTTrainerOptions({"device": {"id": "cuda:3"}})
+    assert ORTTrainerOptions({"device": {"id": "cuda:1"}}).device.id == "cuda:1"
+
+
+def test_an_unusable_device_fails_at_construction_before_any_graph_is_built(monkeypatch):
+    _machine(monkeypatch, provider=True, gpus=1)
+    built = []
+    monkeypatch.setattr(ORTTrainer, "_build", lambda self, *a: built.append(a))
+    with pytest.raises(ValueError, match="device.id: 'cuda:1': there is no GPU 1; this machine has 1: cuda:0"):
+        ORTTrainer(MLP(), {**MLP_DESC, "inputs": [("x", ["batch", 20], "float32"), ("label", ["batch"], "int64")]},
+                   AdamConfig(), loss_fn=CE, options={"device": {"id": "cuda:1"}})
+    assert built == []
+
+
+@pytest.mark.parametrize("provider, cuda_torch, gpus, expected", [
+    (True, True, 1, "cuda"), (True, True, 0, "cpu"), (True, False, 0, "cpu"), (False, True, 2, "cpu"),
+])
+def test_the_default_device_is_cuda_only_where_training_on_it_can_run(monkeypatch, provider, cuda_torch, gpus,
+                                                                       expected):
+    _machine(monkeypatch, provider=provider, cuda_torch=cuda_torch, gpus=gpus)
+    assert devices.default_device_id() == expected
+    assert ORTTrainerOptions().device.id == expected
+    assert (devices.cuda_missing() is None) == (expected == "cuda")
+
+
+def test_the_default_device_here():
+    usable = ("CUDAExecutionProvider" in ort.get_available_providers() and torch.backends.cuda.is_built()
+              and torch.cuda.device_count() > 0)
+    assert ORTTrainerOptions().device.id == ("cuda" if usable else "cpu")
