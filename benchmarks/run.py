@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
           "integer_powers")
+# the graph passes, and the fused in-place optimizer update (off: graph.optimizer="graph")
+ABLATIONS = (*PASSES, "fused_optimizer")
 
 
 # ---- the implementations -------------------------------------------------------------------------
@@ -53,7 +55,9 @@ def _ort(workload, model, passes_off=()):
     from ort_trainer import ORTTrainer
     from ort_trainer.optim import AdamConfig
 
-    options = {"graph_optimizations": {name: False for name in passes_off}}
+    options = {"graph_optimizations": {name: False for name in passes_off if name in PASSES}}
+    if "fused_optimizer" in passes_off:  # the ONNX optimizer graph instead of the fused in-place update
+        options["graph"] = {"optimizer": "graph"}
     trainer = ORTTrainer(model, workload.desc, AdamConfig(lr=1e-4, lambda_coef=0.01), loss_fn=workload.loss_fn,
                          options=options)
     trainer._train_step_info.fetches = list(workload.fetches)
@@ -269,7 +273,7 @@ def main() -> None:
                     entries[runtime]["ablation"] = {
                         name: _spawn("timing", model, f"ort,ort_without:{name}", max(5, args.steps // 2), 3,
                                      args.rounds, env=envs[runtime], python=python)
-                        for name in PASSES}
+                        for name in ABLATIONS}
     report["load_after"] = os.getloadavg()
     write_report(report, args.out)
 
@@ -474,7 +478,8 @@ def write_report(report: dict, out: Path) -> None:
     if any("ablation" in entry for models in runtimes.values() for entry in models.values()):
         lines += ["", "## Graph optimisations", "",
                   "Each row: the step time with every optimisation on, and with that one turned off "
-                  "(`graph_optimizations.<name>: false`), alternating in one process per runtime: both sides "
+                  "(`graph_optimizations.<name>: false`; for `fused_optimizer`, `graph.optimizer: \"graph\"`: the "
+                  "double-buffered ONNX optimizer graph), alternating in one process per runtime: both sides "
                   "are ONNX Runtime, so the spinning of its intra-op threads taxes both alike.", "",
                   "| model | runtime | optimisation | all on ms | without it ms | its effect |",
                   "|---|---|---|---|---|---|"]

@@ -4,10 +4,15 @@ Weights, gradients and optimizer states are torch tensors on the engine's device
 the CPU or a GPU) that live across steps; each session binds them once (IOBinding) and reads and
 writes them in place, so a step copies nothing but its inputs, and its outputs come back as torch
 tensors on the device (DLPack). Nothing a step computes becomes
-current until the trainer commits it (``commit_update``, ``commit_buffers``), so a step that
-fails or is refused half-way changes no state. Trained weights and their states
-are double-buffered: the optimizer session reads buffer set ``p`` and writes set ``1 - p``, then
-the sets swap, so no node can read a weight after it was overwritten in the same run.
+current until the trainer commits it (``update.commit``, ``commit_buffers``), so a step that
+fails or is refused half-way changes no state.
+
+The optimizer step is the engine's ``update`` (``update.py``): torch's fused kernels in place over
+the flat buffers, which then hold weights and optimizer states once, or the ONNX optimizer graph,
+for which they are double-buffered (it reads set ``p`` and writes set ``1 - p``, then the sets
+swap, so no node can read a weight after it was overwritten in the same run). With one set,
+``weights_flat``, ``states_flat`` and ``buffers`` hold the same object at both parities and
+``parity`` stays 0.
 
 Graphs that depend on input shapes (gradient and eval) are held per *shape signature*: the
 trainer asks ``select(signature)`` before each step and the engine builds the sessions for a new
@@ -16,7 +21,6 @@ signature on demand from ``graph_provider``. The optimizer graph is shape-indepe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import numpy as np
@@ -27,26 +31,10 @@ import torch
 from ._logging import logger, ort_severity
 from .devices import Device, make_device
 from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
-from .graph.optimizer import (ALL_FINITE, GRAD_NORM, GRAD_SCALE_INPUT, GRADIENTS_INPUT, OUT_SUFFIX, STEP_INPUT,
-                              WEIGHTS_FINITE, lr_input)
+from .optim.config import _OptimizerConfig
+from .update import OptimizerUpdate, update_class
 
 GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]"]
-
-
-@dataclass
-class StepResult:
-    """What one optimizer run reports.
-
-    Attributes:
-        all_finite: every gradient is finite.
-        global_gradient_norm: L2 norm of the averaged, unscaled gradient.
-        weights_finite: every updated weight is finite (false when the update itself overflowed,
-            e.g. from an enormous learning rate).
-    """
-
-    all_finite: bool
-    global_gradient_norm: float
-    weights_finite: bool = True
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -60,7 +48,7 @@ class _SessionSet:
     def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: Callable[[], onnx.ModelProto]):
         self._engine, self._eval_model = engine, eval_model
         self._eval: tuple | None = None
-        self.gradient = engine._session(gradient)
+        self.gradient = engine.make_session(gradient)
         produced = {o.name for o in self.gradient.get_outputs()}
         # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
         self.output_names = [n for n in engine.output_names if n in produced]
@@ -68,14 +56,14 @@ class _SessionSet:
         # get_outputs() lists outputs in first-binding order: the description's outputs go first
         # ONNX Runtime's training BatchNorm kernel writes the running statistics it reads in
         # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
-        self.grad_bindings = [engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs)
-                              for p in (0, 1)]
+        self.grad_bindings = engine.per_parity(
+            lambda p: engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs))
         self.accumulates = RESET_INPUT in self.gradient_inputs
         device = engine.placement
-        for binding in self.grad_bindings:
+        for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
                 if self.accumulates:  # the graph adds into the buffer in place
-                    engine._bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
+                    engine.bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
                     device.bind_fresh_output(binding, w + ACCUMULATED_FLAG_SUFFIX)
                 else:  # the graph writes the gradient straight into the buffer
                     device.bind_output(binding, w + GRAD_SUFFIX, buffer)
@@ -88,8 +76,8 @@ class _SessionSet:
         """The eval session, its per-parity bindings and its input names, made on first use (the
         eval graph itself may be built only then)."""
         if self._eval is None:
-            session = self._engine._session(self._eval_model())
-            bindings = [self._engine._bind_weights(session, p, self.output_names) for p in (0, 1)]
+            session = self._engine.make_session(self._eval_model())
+            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, self.output_names))
             self._eval = session, bindings, {i.name for i in session.get_inputs()}
         return self._eval
 
@@ -98,7 +86,6 @@ class Engine:
     """Runs forward/backward, the optimizer and eval over trainer-owned ONNX Runtime buffers.
 
     Args:
-        optimizer_graph: the update step.
         graph_provider: ``signature -> (gradient_graph, eval_graph_maker)``; the eval graph is asked
             for (``eval_graph_maker()``) on the first evaluation of that signature.
         weights: initial value of every weight input.
@@ -110,36 +97,47 @@ class Engine:
         provider_options: extra execution-provider options.
         mem_limit: GPU arena limit in bytes (0: none).
         deterministic: ask for deterministic kernels.
-        optimizer_spec: the optimizer's flat layout, segments and ZeRO range (``pipeline.OptimizerSpec``).
+        optimizer_spec: the optimizer graph, flat layout, segments and ZeRO range (``pipeline.OptimizerSpec``).
+        optimizer_config: the optimizer config the update implements.
+        grad_norm_clip: clip the global gradient norm (Adam and Lamb).
+        optimizer_implementation: ``graph.optimizer``: ``"fused"`` (torch's fused kernels in place
+            where their formula is the config's, else the graph) or ``"graph"``.
         host_accumulation: sum micro-batch gradients on the host (after their all-reduce).
         intra_op_threads: threads per session when no session_options are given (0: default).
         buffer_updates: ``{buffer: gradient-graph output}``: the buffer's new value each step
             (committed by ``commit_buffers``).
 
+    Attributes:
+        update: the optimizer step (``update.OptimizerUpdate``): ``step`` then ``commit``.
+
     Raises:
         RuntimeError: when ``device`` cannot be used here (``devices.device_problem`` says why).
-        ValueError: when ``provider_options`` name another GPU than ``device``.
+        ValueError: when ``provider_options`` name another GPU than ``device``, or for an unknown
+            ``optimizer_implementation``.
         TypeError: for a trained weight that is not float32.
     """
 
     def __init__(
         self,
-        optimizer_graph: onnx.ModelProto,
         graph_provider: GraphProvider,
         weights: dict[str, np.ndarray],
         trained: list[str],
         state_names: list[str],
         output_names: list[str],
+        optimizer_spec,
+        optimizer_config: _OptimizerConfig,
         device: str = "cpu",
         session_options: ort.SessionOptions | None = None,
         provider_options: dict | None = None,
         mem_limit: int = 0,
         deterministic: bool = False,
-        optimizer_spec=None,
         host_accumulation: bool = False,
         intra_op_threads: int = 0,
         buffer_updates: dict[str, str] | None = None,
+        grad_norm_clip: bool = True,
+        optimizer_implementation: str = "fused",
     ):
+        update = update_class(optimizer_implementation, optimizer_config)
         self.placement: Device = make_device(device)
         self.device = self.placement.torch_device
         self._providers = self.placement.providers(provider_options, mem_limit, deterministic)
@@ -170,7 +168,8 @@ class Engine:
 
         # Trained weights, gradients and optimizer states live in flat float32 tensors laid out as
         # ``optimizer_spec.layout`` (group by group); each weight is a view into them. Weights and
-        # states are double-buffered (parity 0/1). Collectives are one call on a flat tensor.
+        # states are double-buffered (parity 0/1) for the graph update only. Collectives are one
+        # call on a flat tensor.
         self.layout = list(optimizer_spec.layout)
         self.shapes = {w: tuple(np.shape(weights[w])) for w in self.layout}
         sizes = [int(np.prod(self.shapes[w])) for w in self.layout]
@@ -179,10 +178,12 @@ class Engine:
         self.begin, self.end = optimizer_spec.begin, optimizer_spec.end
         self.segments = list(optimizer_spec.segments)
         zeros = lambda size: torch.zeros(size, dtype=torch.float32, device=self.device)  # noqa: E731
-        self.weights_flat = [zeros(total) for _ in (0, 1)]
-        self.states_flat = [{s: zeros(self.end - self.begin) for s in state_names} for _ in (0, 1)]
-        self.buffers: list[dict[str, torch.Tensor]] = [self._weight_views(self.weights_flat[p]) for p in (0, 1)]
-        self.load_weights({w: weights[w] for w in trained})
+        self._double_buffered = update.double_buffered
+        self.weights_flat = self.per_parity(lambda p: zeros(total))
+        self.states_flat = self.per_parity(lambda p: {s: zeros(self.end - self.begin) for s in state_names})
+        self.buffers: list[dict[str, torch.Tensor]] = self.per_parity(
+            lambda p: self._weight_views(self.weights_flat[p]))
+        self._copy_weights({w: weights[w] for w in trained})
         self.grads_flat = zeros(total)
         self.grads = self._weight_views(self.grads_flat)
         if host_accumulation:
@@ -190,16 +191,21 @@ class Engine:
             self.accumulated = self._weight_views(self.accumulated_flat)
         else:
             self.accumulated_flat, self.accumulated = self.grads_flat, self.grads
-        self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see _bind_buffer
+        self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see bind_buffer
         self._rebinds: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by id(binding)
         self._graph_provider = graph_provider
         self._session_sets: dict[Hashable, _SessionSet] = {}
         self._current: _SessionSet | None = None
-        self.optimizer = self._session(optimizer_graph)
-        self._opt_bindings = [self._optimizer_binding(p) for p in (0, 1)]
+        self.update: OptimizerUpdate = update(self, optimizer_spec.graph, optimizer_config, grad_norm_clip)
 
     # ---- set-up helpers -------------------------------------------------------------------
-    def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+    def per_parity(self, make: Callable[[int], object]) -> list:
+        """``[make(0), make(1)]`` with double buffering, else ``[x, x]`` with ``x = make(0)``: one object."""
+        first = make(0)
+        return [first, make(1) if self._double_buffered else first]
+
+    def make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+        """A session of ``model`` with the engine's session options and execution providers."""
         return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers)
 
     def _tensor(self, value: np.ndarray) -> torch.Tensor:
@@ -241,11 +247,11 @@ class Engine:
         names = {i.name for i in session.get_inputs()}
         for name, tensor in [*{**self.fixed_tensors, **(replaced or {})}.items(), *self.buffers[parity].items()]:
             if name in names:
-                self._bind_buffer(session, binding, name, tensor)
+                self.bind_buffer(session, binding, name, tensor)
         return binding
 
-    def _bind_buffer(self, session: ort.InferenceSession, binding: ort.IOBinding, name: str,
-                     tensor: torch.Tensor) -> None:
+    def bind_buffer(self, session: ort.InferenceSession, binding: ort.IOBinding, name: str,
+                    tensor: torch.Tensor) -> None:
         """Bind a buffer that ``session`` reads in place. One that ONNX Runtime copies when it is
         bound instead (its consumers run on another device) is bound again before every run, or
         the session would keep reading the value it had at binding time."""
@@ -259,35 +265,11 @@ class Engine:
         if name in copied:
             self._rebinds.setdefault(id(binding), []).append((name, tensor))
 
-    def _before_run(self, binding: ort.IOBinding) -> None:
+    def before_run(self, binding: ort.IOBinding) -> None:
+        """Order a run of ``binding`` after torch's work and rebind what ONNX Runtime copies at binding."""
         self.placement.synchronize()  # first: the copies below read buffers torch may still be writing
         for name, tensor in self._rebinds.get(id(binding), ()):
             self.placement.bind_input(binding, name, tensor)
-
-    def _optimizer_binding(self, parity: int) -> ort.IOBinding:
-        """Read weights and states of set ``parity``, write set ``1 - parity``, segment by segment.
-
-        The three scalars the trainer reads are bound to host memory (ONNX Runtime copies them
-        there); every buffer is bound where it lives.
-        """
-        device, binding = self.placement, self.optimizer.io_binding()
-        binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
-        binding.bind_output(GRAD_NORM, "cpu")
-        binding.bind_output(WEIGHTS_FINITE, "cpu")
-        session = self.optimizer
-        self._bind_buffer(session, binding, GRADIENTS_INPUT, self.accumulated_flat)
-        read, write = self.weights_flat[parity], self.weights_flat[1 - parity]
-        for seg in self.segments:
-            a, b = seg.start, seg.stop
-            self._bind_buffer(session, binding, seg.name, read[a:b])
-            self._bind_buffer(session, binding, seg.name + GRAD_SUFFIX, self.accumulated_flat[a:b])
-            device.bind_output(binding, seg.name + OUT_SUFFIX, write[a:b])
-            for state in self.state_names:
-                lo, hi = a - self.begin, b - self.begin
-                self._bind_buffer(session, binding, f"{seg.name}.{state}", self.states_flat[parity][state][lo:hi])
-                device.bind_output(binding, f"{seg.name}.{state}{OUT_SUFFIX}",
-                                   self.states_flat[1 - parity][state][lo:hi])
-        return binding
 
     # ---- steps ------------------------------------------------------------------------------
     def select(self, signature: Hashable) -> None:
@@ -328,36 +310,6 @@ class Engine:
         session, bindings, inputs = sessions.evaluation()
         return self._run(session, bindings[self.parity], sessions, feeds, inputs=inputs)
 
-    def optimizer_step(self, learning_rates: list[float], step: int, grad_scale: float = 1.0) -> StepResult:
-        """Compute the update into the other buffer set; ``commit_update`` makes it current.
-
-        Args:
-            learning_rates: one per parameter group.
-            step: the 1-based update count ``t`` of this update.
-            grad_scale: multiplies the gradient buffers into the averaged, unscaled gradient.
-        """
-        device, binding = self.placement, self._opt_bindings[self.parity]
-        keep_alive = [np.array(step, dtype=np.float32), np.array(grad_scale, dtype=np.float32)]
-        device.bind_feed(binding, STEP_INPUT, keep_alive[0])
-        device.bind_feed(binding, GRAD_SCALE_INPUT, keep_alive[1])
-        for group, lr in enumerate(learning_rates):
-            keep_alive.append(np.array(lr, dtype=np.float32))
-            device.bind_feed(binding, lr_input(group), keep_alive[-1])
-        binding.bind_output(ALL_FINITE, "cpu")
-        binding.bind_output(GRAD_NORM, "cpu")
-        binding.bind_output(WEIGHTS_FINITE, "cpu")
-        self._before_run(binding)
-        self.optimizer.run_with_iobinding(binding)
-        produced = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
-        return StepResult(bool(produced[0].numpy()), float(produced[1].numpy()), bool(produced[2].numpy()))
-
-    def commit_update(self) -> None:
-        """Make the update computed by the last ``optimizer_step`` current (swap the buffer sets).
-
-        Not calling it drops the update: the old weights and states stay current.
-        """
-        self.parity = 1 - self.parity
-
     def commit_buffers(self) -> list[str]:
         """Write the last step's new buffer values (BatchNorm statistics) into the buffers.
 
@@ -385,7 +337,7 @@ class Engine:
                 device.bind_feed(binding, name, value)
         for name in sessions.output_names:  # fresh buffers: returned tensors must not be overwritten
             device.bind_fresh_output(binding, name)
-        self._before_run(binding)
+        self.before_run(binding)
         session.run_with_iobinding(binding)
         values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
         # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
@@ -424,6 +376,7 @@ class Engine:
 
     def load_optimizer_states(self, states: dict[str, dict[str, np.ndarray]]) -> None:
         """Overwrite optimizer states from whole-weight values (the part inside ``[begin, end)``)."""
+        self.update.values_loaded()
         current = self.states_flat[self.parity]
         for w, values in states.items():
             o = self.offsets[w]
@@ -445,6 +398,10 @@ class Engine:
 
     def load_weights(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite weights in place (names must exist; shapes must match)."""
+        self.update.values_loaded()
+        self._copy_weights(values)
+
+    def _copy_weights(self, values: dict[str, np.ndarray]) -> None:
         for name, value in values.items():
             if name in self.offsets:
                 view = self._view(self.weights_flat[self.parity], name)

@@ -169,6 +169,12 @@ _SCHEMA: dict[str, _Field] = {
         "'auto' (the gradient builder when the training build is installed, else torch)",
         _runtime.gradient_source_problem,
     ),
+    "graph.optimizer": _Field(
+        _STR, "fused", "the optimizer update: 'fused' (torch's fused kernels, one in-place pass per parameter "
+        "segment, weights and states held once; for SGD and Adam in mode BEFORE_WEIGHT_UPDATE with bias "
+        "correction, the ONNX optimizer graph for the rest) or 'graph' (always the ONNX optimizer graph, "
+        "double-buffered)", _one_of("fused", "graph")
+    ),
     "session_options": _Field(
         _ANY, None, "an onnxruntime.SessionOptions for the trainer's sessions, or None",
         lambda v: None if v is None or isinstance(v, ort.SessionOptions)

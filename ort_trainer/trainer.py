@@ -189,7 +189,6 @@ class ORTTrainer(_StateMixin):
                                zero=dist.deepspeed_zero_optimization.stage == 1)
         self._zero_counts = spec.counts
         self._engine = Engine(
-            optimizer_graph=spec.graph,
             graph_provider=self._graphs_for,
             weights=initial_weights(self.model, graphs.meta),
             trained=trained,
@@ -201,6 +200,9 @@ class ORTTrainer(_StateMixin):
             mem_limit=self.options.device.mem_limit,
             deterministic=self.options.debug.deterministic_compute,
             optimizer_spec=spec,
+            optimizer_config=self.optim_config,
+            grad_norm_clip=self.options.utils.grad_norm_clip,
+            optimizer_implementation=self.options.graph.optimizer,
             host_accumulation=self._host_accumulation,
             intra_op_threads=distributed.intra_op_threads(),
             buffer_updates=graphs.meta.get("buffer_updates", {}),
@@ -506,14 +508,14 @@ class ORTTrainer(_StateMixin):
         The update is committed only when every gradient and every updated weight is finite
         (on every rank); otherwise weights and optimizer states stay as they were.
         """
-        info = self._train_step_info
-        result = engine.optimizer_step(learning_rates, info.optimization_step + 1, grad_scale)
+        info, update = self._train_step_info, engine.update
+        result = update.step(learning_rates, info.optimization_step + 1, grad_scale)
         weights_finite = result.weights_finite
         if self._zero_counts is not None:  # each rank checked only the range it updated
             weights_finite = all(self._comm.allgather_object(weights_finite, step=info.step))
         applied = result.all_finite and weights_finite
         if applied:
-            engine.commit_update()
+            update.commit()
             if self._zero_counts is not None:  # each rank updated its range: share them
                 self._comm.allgather(engine.weights_flat[engine.parity], self._zero_counts, step=info.step)
             info.optimization_step += 1

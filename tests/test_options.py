@@ -26,6 +26,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.fast_gelu_gradient", "graph_optimizations.integer_powers", "graph.gradient_source",
     "distributed.backend",
     "mixed_precision.dtype",
+    "graph.optimizer",
 }
 
 

@@ -245,7 +245,7 @@ def _interrupt_after(obj, name):
     return original
 
 
-@pytest.mark.parametrize("where", ["optimizer_step", "forward_backward"])
+@pytest.mark.parametrize("where", ["update.step", "forward_backward"])
 def test_ctrl_c_inside_train_step_applies_the_step_whole(where):
     model = MLP()
     options = {"batch": {"gradient_accumulation_steps": 2}}
@@ -256,10 +256,11 @@ def test_ctrl_c_inside_train_step_applies_the_step_whole(where):
     for x, y in batches[:1]:
         trainer.train_step(x, y)
         reference.train_step(x, y)
-    original = _interrupt_after(trainer._engine, where)
+    target, name = (trainer._engine.update, "step") if where == "update.step" else (trainer._engine, where)
+    original = _interrupt_after(target, name)
     with pytest.raises(KeyboardInterrupt):
         trainer.train_step(*batches[1])  # the window's last micro-batch: backward and the update
-    setattr(trainer._engine, where, original)
+    setattr(target, name, original)
     reference.train_step(*batches[1])
     info, expected = trainer._train_step_info, reference._train_step_info
     assert (info.step, info.optimization_step) == (expected.step, expected.optimization_step) == (2, 1)

@@ -17,7 +17,10 @@ is finite: false when, say, an overflowing learning rate made the update itself 
 
 The graph always computes the update; the engine keeps it only when ``all_finite`` and
 ``weights_finite`` are true (it writes into the second set of buffers and simply does not swap to
-them otherwise), so skipping a non-finite step costs nothing inside the graph.
+them otherwise), so skipping a non-finite step costs nothing inside the graph. This graph is one of
+the two implementations of the update (``ort_trainer/update.py``: ``GraphUpdate``); the other runs
+torch's fused kernels in place where their formula is this one, and reuses ``CLIP_EPS`` and
+``resolved_groups`` from here so both read the same definitions.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ ALL_FINITE = "all_finite"
 WEIGHTS_FINITE = "weights_finite"
 GRAD_NORM = "global_gradient_norm"
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
-_CLIP_EPS = 1e-6
+CLIP_EPS = 1e-6
 
 
 def lr_input(group: int) -> str:
@@ -50,6 +53,11 @@ def lr_input(group: int) -> str:
 def state_names(config: _OptimizerConfig) -> list[str]:
     """Per-weight optimizer state names of a config (``[]`` for SGD)."""
     return [] if isinstance(config, SGDConfig) else ["Moment_1", "Moment_2"]
+
+
+def resolved_groups(config: _OptimizerConfig) -> list[dict]:
+    """The hyper-parameters of every parameter group, group 0 being the config's defaults."""
+    return [config.group_hyperparameters(None)] + [config.group_hyperparameters(i) for i in range(len(config.params))]
 
 
 @dataclass
@@ -70,14 +78,13 @@ def plan(config: _OptimizerConfig, weights: list[str], frozen: list[str], all_we
     known = set(all_weights)
     problems = [f"utils.frozen_weights: {name!r} is not a weight of the model" for name in frozen if name not in known]
     group_of = {w: 0 for w in weights}
-    groups = [config.group_hyperparameters(None)]
     for index, group in enumerate(config.params):
         for name in group["params"]:
             if name not in known:
                 problems.append(f"{type(config).__name__}.params[{index}]: {name!r} is not a weight of the model")
             elif name in group_of:
                 group_of[name] = index + 1
-        groups.append(config.group_hyperparameters(index))
+    groups = resolved_groups(config)
     if problems:
         hint = "known weights: " + ", ".join(sorted(known)[:20]) + (" ..." if len(known) > 20 else "")
         raise ValueError("invalid weight names:\n  " + "\n  ".join(problems) + "\n  " + hint)
@@ -196,7 +203,7 @@ def build_optimizer_graph(
 
     scale = GRAD_SCALE_INPUT
     if clip and not isinstance(config, SGDConfig):
-        ratio = b.op("Div", b.const(config.max_norm_clip), b.op("Add", norm, b.const(_CLIP_EPS)))
+        ratio = b.op("Div", b.const(config.max_norm_clip), b.op("Add", norm, b.const(CLIP_EPS)))
         scale = b.op("Mul", b.op("Min", ratio, b.const(1.0)), GRAD_SCALE_INPUT)
 
     used_groups = sorted({seg.group for seg in segments})
@@ -233,8 +240,13 @@ def _group_scalars(b: _Builder, config: _OptimizerConfig, hp: dict, group: int, 
     scalars["m_factor"] = b.op("Mul", b.const(1.0 - hp["alpha"]), scale)
     scalars["v_factor"] = b.op("Mul", b.const(1.0 - hp["beta"]), b.op("Mul", scale, scale))
     if hp["do_bias_correction"]:
-        scalars["c1"] = b.op("Sub", b.const(1.0), b.op("Pow", b.const(hp["alpha"]), STEP_INPUT))
-        scalars["c2"] = b.op("Sub", b.const(1.0), b.op("Pow", b.const(hp["beta"]), STEP_INPUT))
+        # In double, as torch.optim does: from a float32 β = 0.999, 1 - β^t is off by 1.3e-5.
+        step = b.op("Cast", STEP_INPUT, to=TensorProto.DOUBLE)
+        c1, c2 = (b.op("Sub", b.const(1.0, np.float64), b.op("Pow", b.const(hp[k], np.float64), step))
+                  for k in ("alpha", "beta"))
+        scalars["c1"] = b.op("Cast", c1, to=TensorProto.FLOAT)
+        scalars["c2"] = b.op("Cast", c2, to=TensorProto.FLOAT)
+        scalars["sqrt_c2"] = b.op("Cast", b.op("Sqrt", c2), to=TensorProto.FLOAT)
     return scalars
 
 
@@ -256,7 +268,7 @@ def _update(b: _Builder, config: _OptimizerConfig, hp: dict, s: dict[str, str], 
         if hp["weight_decay_mode"] == DecayMode.BEFORE_WEIGHT_UPDATE:
             # torch.optim.AdamW's order of operations, for step-for-step parity
             sqrt_v = b.op("Sqrt", v)
-            denom = b.op("Add", b.op("Div", sqrt_v, b.op("Sqrt", s["c2"])) if "c2" in s else sqrt_v, eps)
+            denom = b.op("Add", b.op("Div", sqrt_v, s["sqrt_c2"]) if "c2" in s else sqrt_v, eps)
             step_size = b.op("Div", lr, s["c1"]) if "c1" in s else lr
             base = w
             if decay:
@@ -266,7 +278,7 @@ def _update(b: _Builder, config: _OptimizerConfig, hp: dict, s: dict[str, str], 
             # Hugging Face's former AdamW: decay applied to the updated weight
             step_size = lr
             if "c1" in s:
-                step_size = b.op("Div", b.op("Mul", lr, b.op("Sqrt", s["c2"])), s["c1"])
+                step_size = b.op("Div", b.op("Mul", lr, s["sqrt_c2"]), s["c1"])
             moved = b.op("Sub", w, b.op("Mul", b.op("Div", m, b.op("Add", b.op("Sqrt", v), eps)), step_size))
             new_w = b.op("Sub", moved, b.op("Mul", moved, b.op("Mul", lr, b.const(decay)))) if decay else moved
         return [new_w, m, v]
