@@ -225,8 +225,18 @@ class CPUDevice(Device):
         return [("CPUExecutionProvider", dict(provider_options or {}))]
 
     def configure_session(self, options: ort.SessionOptions) -> None:
+        """The shared arena (``_use_shared_arena``), and no memory pattern.
+
+        With ``enable_mem_pattern`` (ONNX Runtime's default) the first run allocates each
+        intermediate from the arena, and the second allocates one block sized for the whole
+        planned run on top, while the arena keeps the first run's chunks: the activations are
+        held twice. Measured (peak RSS after 4 steps, fresh processes): GPT-2-like 1080 -> 866 MB,
+        BERT-like 822 -> 694 MB, against 813 and 764 MB for eager PyTorch; step times within
+        the machine's noise (MLP fastest steps 1.3-1.4 ms either way).
+        """
         super().configure_session(options)
         _use_shared_arena(options)
+        options.enable_mem_pattern = False
 
     def bind_input(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
         binding.bind_ortvalue_input(name, _ortvalue(tensor))

@@ -42,6 +42,22 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().numpy().copy()
 
 
+_RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                         "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
+
+
+def _draws_random_numbers(graph: onnx.GraphProto) -> bool:
+    """Whether a node of ``graph`` (or of a subgraph) draws from ONNX Runtime's random generator."""
+    for node in graph.node:
+        if node.op_type in _RANDOM_OPS:
+            return True
+        for attr in node.attribute:
+            subgraphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+            if any(_draws_random_numbers(g) for g in subgraphs):
+                return True
+    return False
+
+
 class _SessionSet:
     """Gradient and eval sessions of one shape signature, with their per-parity bindings."""
 
@@ -59,6 +75,7 @@ class _SessionSet:
         self.grad_bindings = engine.per_parity(
             lambda p: engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs))
         self.accumulates = RESET_INPUT in self.gradient_inputs
+        self.draws_random_numbers = _draws_random_numbers(gradient.graph)
         device = engine.placement
         for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
@@ -221,17 +238,6 @@ class Engine:
         o = self.offsets[weight]
         return flat[o:o + int(np.prod(self.shapes[weight]))].view(self.shapes[weight])
 
-    @staticmethod
-    def host(tensor: torch.Tensor) -> np.ndarray:
-        """A NumPy array over a CPU buffer's memory, for the MPI collectives (no copy).
-
-        Raises:
-            RuntimeError: for a buffer in device memory (its collectives go through NCCL).
-        """
-        if tensor.device.type != "cpu":
-            raise RuntimeError(f"a {tensor.device} buffer has no host view; its collectives need NCCL")
-        return tensor.numpy()
-
     def accumulate_on_host(self, reset: bool) -> None:
         """Add this micro-batch's (all-reduced) gradients into the accumulation buffers."""
         if reset:
@@ -281,7 +287,7 @@ class Engine:
         self._current = sessions
 
     def forward_backward(self, feeds: dict[str, np.ndarray], loss_scale: float = 1.0,
-                         reset: bool = True, seed: int | None = None) -> dict[str, torch.Tensor]:
+                         reset: bool = True, seed: int | Callable[[], int] | None = None) -> dict[str, torch.Tensor]:
         """Run forward + backward; returns the outputs.
 
         Gradients of ``loss * loss_scale`` land in ``self.grads``: written over them, or with an
@@ -292,10 +298,11 @@ class Engine:
             seed: reseeds ONNX Runtime's default random generator first. Dropout nodes draw
                 their masks from it (each run takes the next seeds in node order), so masks are a
                 function of ``seed`` alone: a resumed run draws the same masks as an uninterrupted one.
+                A callable is asked for the seed only when the graph draws random numbers.
         """
         sessions = self._require_sessions()
-        if seed is not None:
-            ort.set_seed(seed)
+        if seed is not None and sessions.draws_random_numbers:
+            ort.set_seed(seed() if callable(seed) else seed)
         for name, tensor in self.buffer_inputs.items():
             tensor.copy_(self.fixed_tensors[name])
         binding = sessions.grad_bindings[self.parity]
@@ -344,11 +351,6 @@ class Engine:
         return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(sessions.output_names, values)}
 
     # ---- state access -----------------------------------------------------------------------
-    @property
-    def fixed_arrays(self) -> dict[str, np.ndarray]:
-        """The fixed weights (frozen weights, buffers) as NumPy arrays over their memory (CPU only)."""
-        return {n: self.host(t) for n, t in self.fixed_tensors.items()}
-
     def weights(self) -> dict[str, np.ndarray]:
         """Copies of the current value of every weight (trained and fixed)."""
         current = self.weights_flat[self.parity]

@@ -466,7 +466,7 @@ class ORTTrainer(_StateMixin):
         learning_rates = self._learning_rates() if boundary else None  # checked before any work
         # From here the step changes state: it is applied whole or not at all (Ctrl-C waits).
         with deferred_interrupt():
-            outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed())
+            outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed)
             if self._allreduce_micro_batches:
                 self._comm.allreduce_sum(engine.grads_flat, step=info.step)
             if self._host_accumulation:

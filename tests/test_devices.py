@@ -268,3 +268,51 @@ def test_the_default_device_here():
     usable = ("CUDAExecutionProvider" in ort.get_available_providers() and torch.backends.cuda.is_built()
               and torch.cuda.device_count() > 0)
     assert ORTTrainerOptions().device.id == ("cuda" if usable else "cpu")
+
+
+def test_sessions_the_engine_makes_stop_spinning_and_hold_activations_once():
+    """Engine-made CPU sessions: threads stop spinning when a run ends, no memory pattern (it
+    allocated a second copy of the activations beside the arena's); the user's own session
+    options are used as given."""
+    model = MLP()
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE)
+    trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    made = trainer._engine._session_options
+    assert made.enable_mem_pattern is False
+    assert made.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert made.get_session_config_entry("session.use_env_allocators") == "1"
+
+    own = ort.SessionOptions()
+    trainer = ORTTrainer(clone(model), MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE,
+                         options=ORTTrainerOptions({"session_options": own}))
+    trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    assert trainer._engine._session_options is own and own.enable_mem_pattern is True
+    with pytest.raises(Exception):  # no entry was added to the user's options
+        own.get_session_config_entry("session.force_spinning_stop")
+
+
+def test_the_step_seed_is_drawn_only_for_graphs_that_draw_random_numbers(monkeypatch):
+    """Reseeding costs a SeedSequence per step: graphs without Dropout or random ops skip it,
+    graphs with one (also inside an If branch) reseed before every run."""
+    drop = helper.make_node("Dropout", ["x", "r", "t"], ["y"])
+    plain = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [], [])
+    assert not engine_module._draws_random_numbers(plain)
+    assert engine_module._draws_random_numbers(helper.make_graph([drop], "g", [], []))
+    branch = helper.make_graph([drop], "b", [], [])
+    nested = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=plain)
+    assert engine_module._draws_random_numbers(helper.make_graph([nested], "g", [], []))
+
+    seeds = []
+    monkeypatch.setattr(ort, "set_seed", seeds.append)
+    trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE)
+    asked = []
+    monkeypatch.setattr(trainer, "_step_seed", lambda: asked.append(1) or 7)
+    trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    assert asked == [] and seeds == []
+
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5))
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE)
+    monkeypatch.setattr(trainer, "_step_seed", lambda: asked.append(1) or 7)
+    for _ in range(2):
+        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    assert asked == [1, 1] and seeds == [7, 7]

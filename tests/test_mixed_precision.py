@@ -167,17 +167,24 @@ def test_float16_gradients_are_the_autocast_computation_within_float16_rounding(
 # ---- non-finite steps --------------------------------------------------------------------------------------------
 
 
+def _scaled_pair(init_scale: float, window: int):
+    """An MLP trained by ORTTrainer with a DynamicLossScaler and its clone with AdamW + GradScaler,
+    both starting at ``init_scale`` and growing every ``window`` finite steps."""
+    model = MLP()
+    reference = clone(model)
+    scaler = DynamicLossScaler(loss_scale=init_scale, up_scale_window=window)
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE, options=_options(scaler=scaler))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=window)
+    return model, reference, trainer, scaler, optimizer, grad_scaler
+
+
 def test_an_overflowing_loss_scale_skips_steps_without_changing_anything_as_grad_scaler_does():
     """Scale 2**40: every float16 gradient overflows for ten steps (the scale halves to 2**30, far
     above where this MLP's gradients fit in float16); weights, Adam moments and buffers stay
     bitwise, optimization_step stays 0, the loss itself (float32) stays finite; GradScaler skips
     the same steps and lands on the same scales."""
-    model = MLP()
-    reference = clone(model)
-    scaler = DynamicLossScaler(loss_scale=2.0 ** 40, up_scale_window=5)
-    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE, options=_options(scaler=scaler))
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=5)
+    model, reference, trainer, scaler, optimizer, grad_scaler = _scaled_pair(2.0 ** 40, window=5)
     gen = torch.Generator().manual_seed(3)
     trainer.eval_step(*mlp_batch(gen))  # builds the graphs: the snapshot then holds the engine's state
     before = snapshot(trainer)
@@ -201,12 +208,7 @@ def test_training_goes_on_after_a_batch_that_overflows_float16_with_grad_scalers
     """A batch whose activations overflow float16 (x·1e5: inf, then NaN) is skipped and halves the
     scale; the next steps train, the scale grows every 5 finite steps, and losses, scales and
     weights follow torch.autocast + GradScaler (scales step for step, losses 5e-4 relative)."""
-    model = MLP()
-    reference = clone(model)
-    scaler = DynamicLossScaler(loss_scale=2.0 ** 8, up_scale_window=5)
-    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE, options=_options(scaler=scaler))
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=5)
+    model, reference, trainer, scaler, optimizer, grad_scaler = _scaled_pair(2.0 ** 8, window=5)
     gen = torch.Generator().manual_seed(3)
     batches = [mlp_batch(gen) for _ in range(20)]
     batches[0] = (batches[0][0] * 1e5, batches[0][1])
