@@ -23,7 +23,9 @@ API_KEYS = {
 OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turned off
     "graph_optimizations.shape_specialization", "graph_optimizations.max_shape_graphs",
     "graph_optimizations.sparse_labels", "graph_optimizations.cross_entropy", "graph_optimizations.embedding_gradient",
-    "graph_optimizations.fast_gelu_gradient", "graph_optimizations.integer_powers", "graph.gradient_source",
+    "graph_optimizations.fast_gelu_gradient", "graph_optimizations.integer_powers", "graph_optimizations.gelu",
+    "graph.gradient_source",
+    "graph_optimizations.dropout_gradient", "graph_optimizations.sequences", "graph_optimizations.output_reshape",
     "distributed.backend",
     "mixed_precision.dtype",
     "graph.optimizer",

@@ -87,7 +87,7 @@ def _ops(trainer):
 
 
 ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False,
-           "embedding_gradient": False, "fast_gelu_gradient": False, "integer_powers": False}
+           "embedding_gradient": False, "fast_gelu_gradient": False, "integer_powers": False, "gelu": False}
 
 
 def _one_hot_scatters(trainer):

@@ -18,7 +18,7 @@ import functools
 import logging
 import re
 import warnings
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -26,6 +26,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from ._backward_decompositions import DECOMPOSITIONS
+from ._joint_passes import keep_dropouts
 from .export import ExportError
 
 ONNX_OPSET = 18  # what torchlib emits; onnxruntime 1.19.2 reads opsets <= 21
@@ -64,12 +65,14 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
         return program.run_decompositions(_registry_and_tables()[1])
 
 
-def joint_program(program: torch.export.ExportedProgram, loss_index: int) -> torch.export.ExportedProgram:
+def joint_program(program: torch.export.ExportedProgram, loss_index: int,
+                  keep: Collection = ()) -> torch.export.ExportedProgram:
     """Forward + backward of ``program`` (autograd through the loss output ``loss_index``).
 
     What ``torch.export.experimental._export_forward_backward`` does, with the decomposition table
     extended by the exporter's own (so the result needs no second decomposition pass before ONNX
-    translation) and without its defensive copy of the graph.
+    translation) and without its defensive copy of the graph. Operators in ``keep`` stay
+    undecomposed, for a pass that rewrites them before translation (``torch_gelu.KEPT``).
     """
     from torch.export.exported_program import _decompose_exported_program
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -78,7 +81,10 @@ def joint_program(program: torch.export.ExportedProgram, loss_index: int) -> tor
     # kernel's backward has no ONNX translation (and its strides broke GPT-2's views when traced).
     with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own use of its deprecated pytree API
-        return _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table=_registry_and_tables()[2],
+        table = _registry_and_tables()[2]
+        if keep:
+            table = {op: decomposition for op, decomposition in table.items() if op not in keep}
+        return _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table=table,
                                            joint_loss_index=loss_index, decompose_custom_triton_ops=False)
 
 
@@ -107,7 +113,8 @@ def program_to_onnx(
 
     Returns:
         The ONNX model (opset ``ONNX_OPSET``, IR version ``ONNX_IR_VERSION``), ScatterND(add)
-        rewritten (``scatter_nd_add_to_scatter_elements``).
+        rewritten (``scatter_nd_add_to_scatter_elements``), every training-mode Dropout's mask read
+        (``_joint_passes.keep_dropouts``: ONNX Runtime 1.31 removes a Dropout whose mask is unread).
     """
     from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec,
                                               TensorArgument)
@@ -152,6 +159,7 @@ def program_to_onnx(
     proto = ir.serde.serialize_model(model)
     proto.ir_version = ONNX_IR_VERSION
     scatter_nd_add_to_scatter_elements(proto)
+    keep_dropouts(proto)
     return proto
 
 

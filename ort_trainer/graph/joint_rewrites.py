@@ -19,10 +19,12 @@ checks it against float64 PyTorch gradients.
   ``ScatterND(add)`` itself is always rewritten to ``ScatterElements(add)`` when the graph is
   built, for correctness: ``_joint_onnx.scatter_nd_add_to_scatter_elements``.)
 - ``integer_powers``: ``Pow(x, 2)`` and ``Pow(x, 3)`` (tanh-GELU's cube and its derivative's
-  square) as multiplications, a little cheaper than the CPU ``Pow`` kernel.
+  square) as multiplications, a little cheaper than the CPU ``Pow`` kernel. With the ``gelu``
+  pass on (``torch_gelu.py``) a written-out GELU has no ``Pow`` left; other powers still get it.
 
 ``fast_gelu_gradient`` has nothing to do here: autograd spells the GELU derivative in
-elementwise operators already.
+elementwise operators already. ``dropout_gradient``, ``sequences`` and ``output_reshape`` are in
+``_joint_passes.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers")
+JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers", "dropout_gradient", "sequences",
+                "output_reshape")
 
 
 class _Graph:
@@ -275,6 +278,12 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
         counts["embedding_gradient"] = identity_transposes(model)
     if enabled.get("integer_powers"):
         counts["integer_powers"] = integer_powers(model)
+    from . import _joint_passes  # it builds on this module's helpers
+
+    for name, run in (("dropout_gradient", _joint_passes.dropout_gradient), ("sequences", _joint_passes.sequence_reads),
+                      ("output_reshape", _joint_passes.output_reshapes)):
+        if enabled.get(name):
+            counts[name] = run(model)
     return counts
 
 

@@ -14,7 +14,8 @@ Forward passes run on the forward graph before the gradient builder:
 - ``cross_entropy``: ``SoftmaxCrossEntropyLoss`` (whose CPU kernels are slow for a large
   vocabulary) becomes ``LogSoftmax`` + ``GatherElements`` + a masked mean.
 
-The ``"torch"`` gradient source's joint graph has its own passes (``joint_rewrites.py``).
+The ``"torch"`` gradient source's joint graph has its own passes (``joint_rewrites.py``), and
+``gelu`` (``torch_gelu.py``), which computes each GELU's forward and backward together.
 
 Gradient passes run on the gradient graph, replacing ONNX Runtime's gradient kernels with
 equivalent standard operators:
@@ -39,9 +40,13 @@ from onnx import helper, numpy_helper
 MS_DOMAIN = "com.microsoft"
 
 FORWARD_PASSES = ("sparse_labels", "cross_entropy")
-GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient", "integer_powers")
+GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient", "integer_powers", "gelu")
 ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
-              "integer_powers")
+              "integer_powers", "gelu")
+# the "torch" source's passes over dropout masks, tensor sequences and output copies (_joint_passes.py)
+JOINT_COPY_PASSES = ("dropout_gradient", "sequences", "output_reshape")
+GRADIENT_PASSES += JOINT_COPY_PASSES
+ALL_PASSES += JOINT_COPY_PASSES
 
 
 class _Editor:

@@ -127,8 +127,9 @@ class TorchGradientSource(GradientSource):
             if built:  # building consumed the trace
                 traced_model = _retrace(traced_model, job.frozen_weights)
             sparse = len(returned) < len(job.desc.output_names)
+            gelu = bool((job.passes or {}).get("gelu"))
             built[tuple(returned)] = torch_autograd.build(traced_model, outputs=returned, sparse_labels=sparse,
-                                                          with_eval=False)
+                                                          with_eval=False, gelu=gelu)
         joint = built[tuple(returned)]
         # a copy: the joint graph stays as built for later specialisations
         gradient = specialize(joint.gradient, prepared.state["dims"] or {})

@@ -25,7 +25,7 @@ import torch
 
 from .._logging import logger
 from ..model_desc import ModelDescription
-from . import _joint_onnx, _traced_program, torch_sparse_labels
+from . import _joint_onnx, _traced_program, torch_gelu, torch_sparse_labels
 from .buffers import UPDATED_SUFFIX
 from .gradient import GRAD_SUFFIX, LOSS_SCALE_INPUT
 from ._export_guard import _CONVERSION_FIX, ExportGuard
@@ -188,7 +188,8 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
-          optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False) -> JointGraphs:
+          optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
+          gelu: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -197,6 +198,9 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         with_eval: False leaves ``JointGraphs.eval`` None (``build_eval`` makes it later).
         sparse_labels: run the ``sparse_labels`` pass (``torch_sparse_labels.py``) before autograd;
             it applies only where ``outputs`` leaves the projection's output (the logits) out.
+        gelu: run the ``gelu`` pass (``torch_gelu.py``): GELUs written out as arithmetic become
+            ``aten.gelu`` before autograd, and each GELU's forward and backward are computed
+            together in the gradient graph (the eval graph is left as traced).
 
     Returns:
         The graphs (see ``JointGraphs``).
@@ -217,8 +221,10 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         unread = torch_sparse_labels.unreturned(program, desc.output_names, returned)
         torch_sparse_labels.drop_outputs(program, unread)
         torch_sparse_labels.sparse_labels(program)
+    if gelu:
+        torch_gelu.rewrite_formulas(program)
     try:
-        joint = _joint_onnx.joint_program(program, loss_index=0)
+        joint = _joint_onnx.joint_program(program, loss_index=0, keep=torch_gelu.KEPT if gelu else ())
     except Exception as exc:  # torch raises many types; the message is what helps
         missing = re.search(r"derivative for '?([\w.]+)", str(exc))
         modules = _traced_program.modules_using(program, missing.group(1)) if missing else []
@@ -227,6 +233,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
                "the weights before it (utils.frozen_weights)") if missing else ""
         raise ExportError(f"autograd could not differentiate the traced model{where}: "
                           f"{_first_line(exc).rstrip('.')}{fix}") from exc
+    if gelu:
+        torch_gelu.rewrite_joint(joint)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

@@ -1,0 +1,304 @@
+"""The "torch" source's passes of ``graph/_joint_passes.py`` (dropout_gradient, sequences, output_reshape)
+and the Dropout keeper: each against float64 PyTorch gradients, with its effect on the graph."""
+
+import copy
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.graph import _joint_passes, joint_rewrites
+from ort_trainer.optim import SGDConfig
+
+pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
+                                reason="the 'torch' gradient source exports with onnxscript")
+
+VOCAB, HIDDEN, HEADS, P = 40, 16, 2, 0.3
+PASSES = ("dropout_gradient", "sequences", "output_reshape")
+ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False, "embedding_gradient": False,
+           "fast_gelu_gradient": False, "integer_powers": False, **{name: False for name in PASSES}}
+
+
+class TinyDecoder(torch.nn.Module):
+    """An attention block whose q/k/v come from one projection split in three, dropout on the attention
+    probabilities and on the residual branch, and an output head without bias (a matrix product).
+    Returns the dropped tensors too, so that the test reads the masks ONNX Runtime drew."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.2)
+        self.masks = None  # the float64 reference multiplies by these instead of drawing
+
+    def _drop(self, x, which):
+        if self.masks is None:
+            return F.dropout(x, P, self.training)
+        return x * self.masks[which] / (1 - P)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        batch, seq, width = x.shape
+        q, k, v = (t.reshape(batch, seq, HEADS, width // HEADS).transpose(1, 2)
+                   for t in self.qkv(x).split(HIDDEN, dim=2))
+        probs = self._drop(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(width // HEADS), dim=-1), 0)
+        branch = self._drop(self.proj((probs @ v).transpose(1, 2).reshape(batch, seq, width)), 1)
+        logits = self.norm(x + branch) @ self.head.T
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), logits, probs, branch
+
+
+DESC = {"inputs": [("ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB]), ("probs", ["batch", HEADS, "seq", "seq"]),
+                    ("branch", ["batch", "seq", HIDDEN])]}
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(0, VOCAB, (3, 10), generator=gen), torch.randint(0, VOCAB, (3, 10), generator=gen)
+
+
+def _train_step(model, batch, **passes):
+    """One step (lr 0) with only ``passes`` on: the trainer, its gradients and its outputs."""
+    torch.manual_seed(0)  # the trainer's dropout seed: every trainer here draws the same masks
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0),
+                         options={"graph_optimizations": {**ALL_OFF, **passes}, "graph": {"gradient_source": "torch"}})
+    outputs = trainer.train_step(*batch)
+    return trainer, {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}, outputs
+
+
+def _reference_grads(model, batch, masks):
+    """float64 PyTorch gradients with the masks ONNX Runtime drew."""
+    double = copy.deepcopy(model).double()
+    double.masks = [m.double() for m in masks]
+    double(*(b.double() if b.is_floating_point() else b for b in batch))[0].backward()
+    return {name: p.grad.numpy() for name, p in double.named_parameters()}
+
+
+def _assert_close(got, expected, rtol=1e-5):
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        error = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-12)
+        assert error < rtol, f"{name}: relative error {error:.2e}"
+
+
+def _count(trainer, op_type):
+    return sum(n.op_type == op_type for n in trainer._graphs.gradient.graph.node)
+
+
+def _checked_step(model, batch, **passes):
+    """A step with ``passes`` on whose gradients match float64 PyTorch on the masks it drew."""
+    trainer, grads, (_, logits, probs, branch) = _train_step(model, batch, **passes)
+    masks = [probs != 0, branch != 0]
+    assert 0 < sum(int((~m).sum()) for m in masks) < sum(m.numel() for m in masks) / 2  # dropout really dropped
+    _assert_close(grads, _reference_grads(model, batch, masks))
+    return trainer, grads, logits
+
+
+def _unread_masks(model: onnx.ModelProto) -> list[str]:
+    read = {name for node in model.graph.node for name in node.input}
+    return [n.name for n in model.graph.node
+            if n.op_type == "Dropout" and (len(n.output) < 2 or n.output[1] not in read)]
+
+
+def _dropouts_after_onnxruntime(model: onnx.ModelProto, tmp_path) -> int:
+    """Dropout nodes left once ONNX Runtime has optimised ``model`` for a session."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return sum(n.op_type == "Dropout" for n in onnx.load(options.optimized_model_filepath).graph.node)
+
+
+def test_dropout_gradient_matches_float64_pytorch(tmp_path):
+    """The attention dropout's backward (Cast, Mul by the scale, Mul by the gradient, then Mul by the
+    probabilities) becomes one Mul of the gradient and the dropped probabilities; the residual
+    dropout's scaled mask, Cast + Mul by the scale, becomes a uint8 Cast + DequantizeLinear. Both
+    Dropouts survive ONNX Runtime's optimisation (the first one's mask is read by a no-op Reshape)."""
+    model, batch = TinyDecoder(), _batch()
+    off, _, _ = _checked_step(model, batch)
+    on, _, _ = _checked_step(model, batch, dropout_gradient=True)
+    assert _count(on, "Dropout") == _count(off, "Dropout") == 2
+    assert _count(off, "Cast") - _count(on, "Cast") == 1
+    assert _count(off, "Mul") - _count(on, "Mul") == 3
+    assert _count(on, "DequantizeLinear") == 1 and _count(off, "DequantizeLinear") == 0
+    assert not _unread_masks(on._graphs.gradient)
+    assert _dropouts_after_onnxruntime(on._graphs.gradient, tmp_path) == 2
+
+
+@pytest.mark.parametrize("after", ["x", "z"], ids=["times-input", "elsewhere"])
+def test_dropout_gradient_keeps_nan_and_inf_where_the_decomposition_has_them(after):
+    """Unit check on the decomposition's own pattern, its product multiplied by the Dropout's input
+    (rewritten to g · y) or by another tensor (the scaled mask as DequantizeLinear): the same elements
+    are NaN or inf (a NaN or inf gradient times a dropped element is NaN in both); the others differ by
+    a few ulps after the first rewrite and not at all after the second."""
+    shape = [64, 64]
+    nodes = [helper.make_node("Dropout", ["x", "ratio", "training"], ["y", "mask"]),
+             helper.make_node("Cast", ["mask"], ["c"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["c", "scale"], ["cs"]),
+             helper.make_node("Mul", ["g", "cs"], ["gin"]),
+             helper.make_node("Mul", ["gin", after], ["out"])]
+    graph = helper.make_graph(
+        nodes, "dropout_backward",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "g", "z")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("y", "out")],
+        [numpy_helper.from_array(np.array(P, np.float32), "ratio"), numpy_helper.from_array(np.array(True), "training"),
+         numpy_helper.from_array(np.array(1 / (1 - P), np.float32), "scale")])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.checker.check_model(original, full_check=True)
+    rewritten = copy.deepcopy(original)
+    assert _joint_passes.dropout_gradient(rewritten) == 1
+    onnx.checker.check_model(rewritten, full_check=True)
+    expected = ["Dropout", "Reshape", "Mul"] if after == "x" else ["Dropout", "Cast", "DequantizeLinear", "Mul", "Mul"]
+    assert [n.op_type for n in rewritten.graph.node] == expected
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name in ("x", "g", "z")}
+    feeds["g"][0, :8], feeds["g"][1, :8], feeds["x"][2, :8] = np.inf, np.nan, -np.inf
+    results = []
+    for model in (original, rewritten):
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        ort.set_seed(7)
+        results.append(session.run(None, feeds))
+    (y0, out0), (y1, out1) = results
+    np.testing.assert_array_equal(y0, y1)  # same mask
+    assert np.isnan(out0).any() and np.isinf(out0).any()
+    np.testing.assert_array_equal(np.isnan(out0), np.isnan(out1))
+    np.testing.assert_array_equal(np.isinf(out0), np.isinf(out1))
+    if after == "x":
+        finite = np.isfinite(out0)
+        np.testing.assert_allclose(out1[finite], out0[finite], rtol=4 * np.finfo(np.float32).eps, atol=0)
+    else:
+        np.testing.assert_array_equal(out1.view(np.uint32), out0.view(np.uint32))
+
+
+def test_dropout_after_frozen_layers_is_applied(tmp_path):
+    """A Dropout whose mask the backward never reads (everything before it frozen) is kept: ONNX
+    Runtime 1.31 would remove it as unused and train without that dropout."""
+    class FrozenFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(12, 12)
+            self.last = torch.nn.Linear(12, 4)
+            self.masks = None
+
+        def forward(self, x, labels):
+            h = self.first(x)
+            dropped = F.dropout(h, 0.5, self.training) if self.masks is None else h * self.masks[0] / 0.5
+            return F.cross_entropy(self.last(dropped), labels), dropped
+
+    model = FrozenFirst()
+    batch = (torch.randn(8, 12), torch.randint(0, 4, (8,)))
+    torch.manual_seed(0)
+    trainer = ORTTrainer(model, {"inputs": [("x", ["batch", 12]), ("labels", ["batch"])],
+                                 "outputs": [("loss", [], True), ("dropped", ["batch", 12])]},
+                         SGDConfig(lr=0.0), options={"graph": {"gradient_source": "torch"},
+                                                     "utils": {"frozen_weights": ["first.weight", "first.bias"]}})
+    _, dropped = trainer.train_step(*batch)
+    mask = dropped != 0
+    assert 0 < int((~mask).sum()) < mask.numel()
+    grads = {w: g.numpy() for w, g in trainer._engine.grads.items()}
+    expected = _reference_grads(model, batch, [mask])
+    _assert_close(grads, {name: expected[name] for name in ("last.weight", "last.bias")})
+    assert _dropouts_after_onnxruntime(trainer._graphs.gradient, tmp_path) == 1
+
+
+def test_sequences_read_split_outputs_directly():
+    """q/k/v of one split projection: Split -> SequenceConstruct -> SequenceAt (torchlib's aten_getitem)
+    becomes Split alone; the unused sequence and function go."""
+    model, batch = TinyDecoder(), _batch()
+    off, _, _ = _checked_step(model, batch)
+    on, _, _ = _checked_step(model, batch, sequences=True)
+    getters = {f.name for f in off._graphs.gradient.functions if f.node[0].op_type == "SequenceAt"}
+    assert _count(off, "SequenceConstruct") == 1 and sum(_count(off, name) for name in getters) == 3
+    assert _count(on, "SequenceConstruct") == 0 and sum(_count(on, name) for name in getters) == 0
+    assert not any(f.node[0].op_type == "SequenceAt" for f in on._graphs.gradient.functions)
+    assert _count(on, "Split") == _count(off, "Split") == 1
+    assert len(on._graphs.gradient.graph.node) == len(off._graphs.gradient.graph.node) - 4
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "symbolic"])
+def test_output_reshape_computes_the_output_in_its_shape(static):
+    """The logits (a graph output) come from the MatMul itself instead of a copying Reshape, in the
+    static graph and in the symbolic one (whose target shape is computed at run time); the values
+    are the same bits."""
+    model, batch = TinyDecoder(), _batch()
+    off, _, logits_off = _checked_step(model, batch, shape_specialization=static)
+    on, _, logits_on = _checked_step(model, batch, shape_specialization=static, output_reshape=True)
+
+    def producer(trainer):
+        return next(n.op_type for n in trainer._graphs.gradient.graph.node if "logits" in n.output)
+
+    assert producer(off) == "Reshape" and producer(on) == "MatMul"
+    np.testing.assert_array_equal(logits_on.numpy(), logits_off.numpy())
+
+
+@pytest.mark.parametrize("producer", ["MatMul", "Gemm"])
+def test_output_reshape_unit(producer):
+    """Hand-made graphs: the product as MatMul or as Gemm(transB=1) without bias, also read in 2-D by
+    another node (which then reads a Reshape of the output back); the outputs are the same bits."""
+    b_shape = [5, 7] if producer == "Gemm" else [7, 5]
+    nodes = [helper.make_node("Reshape", ["h", "flat"], ["h2"]),
+             helper.make_node(producer, ["h2", "w"], ["product"], **({"transB": 1} if producer == "Gemm" else {})),
+             helper.make_node("Reshape", ["product", "shape"], ["out"], allowzero=1),
+             helper.make_node("ReduceSum", ["product"], ["total"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "output_reshape", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 3, 7]),
+                                  helper.make_tensor_value_info("w", TensorProto.FLOAT, b_shape)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 3, 5]),
+         helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.array([6, 7], np.int64), "flat"),
+         numpy_helper.from_array(np.array([2, 3, 5], np.int64), "shape")],
+        value_info=[helper.make_tensor_value_info("h2", TensorProto.FLOAT, [6, 7]),
+                    helper.make_tensor_value_info("product", TensorProto.FLOAT, [6, 5])])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    rewritten = copy.deepcopy(original)
+    assert _joint_passes.output_reshapes(rewritten) == 1
+    onnx.checker.check_model(rewritten, full_check=True)
+    producers = {out: n.op_type for n in rewritten.graph.node for out in n.output}
+    assert producers["out"] == "MatMul" and producers["product"] == "Reshape"
+    rng = np.random.default_rng(0)
+    feeds = {"h": rng.standard_normal([2, 3, 7]).astype(np.float32),
+             "w": rng.standard_normal(b_shape).astype(np.float32)}
+    results = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+               for m in (original, rewritten)]
+    for before, after in zip(*results):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_passes_apply_to_hugging_face_gpt2():
+    """GPT-2's graph has the patterns: an attention dropout and a q/k/v split per layer, dropouts on
+    the embeddings and the residual branches, the logits from a reshaped product. With dropout on,
+    the passes' gradients equal those without them (same masks: the trainers share the seed) to
+    float32 rounding."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.1,
+                                     embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+                                     loss_type="ForCausalLM", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                       ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", 50])]}
+    ids = torch.randint(0, 50, (2, 8))
+    results = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={"graph_optimizations": {name: on for name in PASSES},
+                                      "graph": {"gradient_source": "torch"}})
+        loss, _ = trainer.train_step(ids, torch.ones_like(ids), ids)
+        results[on] = (trainer, loss.item(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
+    counts = joint_rewrites.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient),
+                                               {name: True for name in PASSES})
+    # 7 dropouts (embeddings, and per layer attention, attention output, MLP output), 2 of them attention
+    assert counts == {"dropout_gradient": 7, "sequences": 6, "output_reshape": 1}
+    graph = results[True][0]._graphs.gradient.graph
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 5
+    assert results[True][1] == results[False][1]  # same masks, same forward
+    _assert_close(results[True][2], results[False][2], rtol=1e-6)
