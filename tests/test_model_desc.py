@@ -1,5 +1,7 @@
 """Model descriptions in both forms, and how outputs map to them."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +87,27 @@ def test_missing_or_malformed_lists_are_reported_together():
     assert "model_desc.inputs[1]: expected an IODescription, got NoneType" in message
     assert "model_desc.outputs[0].is_loss: expected a bool, got 1" in message
     assert "model_desc: names used for both an input and an output: ['x']" in message
+
+
+def test_outputs_not_fetched_are_dropped_from_the_graphs_and_change_nothing_else():
+    """Fetching only the loss (a classifier: sparse_labels does not apply) runs graphs without the
+    logits output, so ONNX Runtime need not give them a buffer of their own; losses and weights
+    stay bitwise those of the graph with every output."""
+    desc = {"inputs": [("x", ["batch", 20]), ("label", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+    model = MLP()
+    trainers = [ORTTrainer(m, desc, SGDConfig(lr=0.1), loss_fn=CE) for m in (model, copy.deepcopy(model))]
+    trainers[1]._train_step_info.fetches = ["loss"]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = mlp_batch(gen)
+        loss_all, _ = trainers[0].train_step(x, y)
+        loss_only = trainers[1].train_step(x, y)
+        assert loss_all.item() == loss_only.item()
+    for key, value in trainers[0].state_dict()["model"]["full_precision"].items():
+        np.testing.assert_array_equal(value, trainers[1].state_dict()["model"]["full_precision"][key])
+    sessions = trainers[1]._engine._current
+    assert [o.name for o in sessions.gradient.get_outputs()][:1] == ["loss"]
+    assert "logits" not in {o.name for o in sessions.gradient.get_outputs()}
+    assert sessions.output_names == ["loss"]
+    assert trainers[1].eval_step(x, y).dim() == 0  # the eval graph of this fetch set returns the loss only

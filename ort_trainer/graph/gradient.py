@@ -54,6 +54,44 @@ def specialize(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
     return result
 
 
+def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
+    """Remove the graph outputs named in ``unwanted``, in place, and what only they needed.
+
+    A value that is a graph output gets a buffer of its own from ONNX Runtime's allocation planner
+    (it cannot share one with the run's intermediates, and a Reshape into it copies): a 32 MB
+    logits tensor returned and dropped every step when the loop fetches only the loss.
+
+    Returns:
+        The number of nodes removed.
+    """
+    graph = model.graph
+    kept = [o for o in graph.output if o.name not in unwanted]
+    if len(kept) == len(graph.output):
+        return 0
+    del graph.output[:]
+    graph.output.extend(kept)
+    needed = {o.name for o in kept}
+    live = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output if o):
+            live.append(node)
+            needed.update(i for i in node.input if i)
+            for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    needed |= _outer_names(attr.g)
+    removed = len(graph.node) - len(live)
+    live.reverse()
+    del graph.node[:]
+    graph.node.extend(live)
+    initializers = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    value_info = [v for v in graph.value_info if v.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(value_info)
+    return removed
+
+
 def _session_options() -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.log_severity_level = ort_severity()

@@ -20,7 +20,7 @@ import onnx
 from .._logging import logger
 from . import joint_rewrites, op_record, torch_autograd, torch_sparse_labels
 from .export import ExportError
-from .gradient import LOSS_SCALE_INPUT, specialize
+from .gradient import LOSS_SCALE_INPUT, drop_outputs, specialize
 from .input_checks import find_input_constraints, find_program_constraints
 from .sources import Built, GradientSource, Prepared, Traced
 
@@ -82,8 +82,10 @@ class TorchGradientSource(GradientSource):
 
     def prepare(self, job: "GraphJob", traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:
-        """The graphs return every description output, unless ``outputs`` leaves some out and the
-        ``sparse_labels`` pass then applies: those graphs return the loss and ``outputs`` only.
+        """The graphs return the loss and ``outputs`` (every description output when ``outputs`` is
+        None). The program is traced for those outputs only where the ``sparse_labels`` pass then
+        applies; otherwise it is traced for all of them and the graphs drop the rest
+        (``drop_outputs``): an output left in would keep its own buffer, written every step.
 
         Writes ``model_after_graph_transforms_path`` on a cache hit as on a miss: this source has no
         separate forward graph, so the dump is the forward as ONNX (the eval-mode graph of the
@@ -91,8 +93,8 @@ class TorchGradientSource(GradientSource):
         """
         desc = job.desc
         returned = list(desc.output_names)
+        wanted = returned if outputs is None else [n for n in desc.output_names if n in outputs or n == desc.loss_name]
         if outputs is not None and (job.passes or {}).get("sparse_labels"):
-            wanted = [n for n in desc.output_names if n in outputs or n == desc.loss_name]
             # asked once per trace, before any build (building edits the traced program)
             answers = traced.program.setdefault("sparse_labels", {})
             if tuple(wanted) not in answers:
@@ -104,9 +106,10 @@ class TorchGradientSource(GradientSource):
         path = job.save_paths.get("model_after_graph_transforms_path")
         if path:  # written here so that a cache hit writes it too
             onnx.save(_eval_graph(job, traced, returned, dims), path)
-        expected = {"outputs": returned, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
+        # the graphs return ``wanted``: outputs traced but not fetched are dropped from them (drop_outputs)
+        expected = {"outputs": wanted, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
         readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
-        return Prepared(expected, readable, None, {"dims": dims, "outputs": returned})
+        return Prepared(expected, readable, None, {"dims": dims, "outputs": returned, "wanted": wanted})
 
     def build(self, job: "GraphJob", traced: Traced, prepared: Prepared) -> Built:
         """The joint graphs, built once per trace and set of returned outputs (a shape specialisation
@@ -133,6 +136,7 @@ class TorchGradientSource(GradientSource):
         joint = built[tuple(returned)]
         # a copy: the joint graph stays as built for later specialisations
         gradient = specialize(joint.gradient, prepared.state["dims"] or {})
+        drop_outputs(gradient, set(returned) - set(prepared.state["wanted"]))
         logger.debug("joint graph rewrites: %s", joint_rewrites.apply_joint_passes(gradient, job.passes or {}))
         meta = joint.meta
         return Built(gradient, None, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
@@ -142,7 +146,9 @@ class TorchGradientSource(GradientSource):
         """The eval-mode trace translated (~1.5 s for the BERT-like model, so only once an
         ``eval_step`` or ``save_as_onnx`` needs it), with ``sparse_labels`` where the gradient
         graph has it."""
-        return _eval_graph(job, traced, prepared.state["outputs"], prepared.state["dims"])
+        model = _eval_graph(job, traced, prepared.state["outputs"], prepared.state["dims"])
+        drop_outputs(model, set(prepared.state["outputs"]) - set(prepared.state["wanted"]))
+        return model
 
 
 def _eval_graph(job: "GraphJob", traced: Traced, returned: list[str], dims: dict[str, int] | None) -> onnx.ModelProto:
