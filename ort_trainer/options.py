@@ -182,6 +182,11 @@ _SCHEMA: dict[str, _Field] = {
         _BOOL, True, "a matrix product reshaped into a graph output (GPT-2's logits) computed in the output's shape, "
         "so ONNX Runtime does not copy it (gradient source 'torch' only)"
     ),
+    "graph_optimizations.safe_softmax": _Field(
+        _BOOL, True, "the fully-masked-row guard of scaled_dot_product_attention's softmax (rows of -inf give 0) "
+        "from two row reductions and one Where instead of five passes over the attention scores and a Where "
+        "with a full-size zero tensor; bit-equal, NaN rows stay NaN (gradient source 'torch' only)"
+    ),
     "graph.gradient_source": _Field(
         _STR, "auto", "where the backward graph comes from: 'torch' (PyTorch's autograd exported to standard "
         "ONNX, any runtime), 'onnxruntime' (ONNX Runtime's gradient builder, training build 1.19.2 only), "

@@ -24,7 +24,7 @@ checks it against float64 PyTorch gradients.
 
 ``fast_gelu_gradient`` has nothing to do here: autograd spells the GELU derivative in
 elementwise operators already. ``dropout_gradient``, ``sequences`` and ``output_reshape`` are in
-``_joint_passes.py``.
+``_joint_passes.py``, ``safe_softmax`` in ``_softmax_passes.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers", "dropout_gradient", "sequences",
-                "output_reshape")
+                "output_reshape", "safe_softmax")
 
 
 class _Graph:
@@ -278,10 +278,10 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
         counts["embedding_gradient"] = identity_transposes(model)
     if enabled.get("integer_powers"):
         counts["integer_powers"] = integer_powers(model)
-    from . import _joint_passes  # it builds on this module's helpers
+    from . import _joint_passes, _softmax_passes  # they build on this module's helpers
 
     for name, run in (("dropout_gradient", _joint_passes.dropout_gradient), ("sequences", _joint_passes.sequence_reads),
-                      ("output_reshape", _joint_passes.output_reshapes)):
+                      ("output_reshape", _joint_passes.output_reshapes), ("safe_softmax", _softmax_passes.safe_softmax)):
         if enabled.get(name):
             counts[name] = run(model)
     return counts

@@ -1,0 +1,209 @@
+"""The "torch" source's ``safe_softmax`` pass (``graph/_softmax_passes.py``): the fully-masked-row guard
+of ``scaled_dot_product_attention``'s softmax, checked against float64 PyTorch gradients and torch's
+own outputs for masked, NaN and inf rows."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.graph import _softmax_passes, joint_rewrites
+from ort_trainer.optim import SGDConfig
+
+pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
+                                reason="the 'torch' gradient source exports with onnxscript")
+
+VOCAB, HIDDEN, HEADS, BATCH, SEQ = 30, 16, 2, 3, 6
+GUARD_OPS = ("Equal", "Not", "Cast", "ReduceMax", "ReduceMin", "ReduceSum", "And", "Where")
+
+
+class TinyAttention(torch.nn.Module):
+    """One attention block through ``F.scaled_dot_product_attention`` (whose softmax is
+    ``aten._safe_softmax``) with an additive float mask or ``is_causal``; returns the attention output
+    too, whose fully masked rows are 0."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, mask, labels):
+        x = self.embed(ids)
+        batch, seq, width = x.shape
+        q, k, v = (t.reshape(batch, seq, HEADS, width // HEADS).transpose(1, 2)
+                   for t in self.qkv(x).split(HIDDEN, dim=2))
+        if self.causal:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attended = attended.transpose(1, 2).reshape(batch, seq, width)
+        logits = self.head(attended)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), attended
+
+
+DESC = {"inputs": [("ids", ["batch", "seq"]), ("mask", ["batch", 1, "seq", "seq"]), ("labels", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("attended", ["batch", "seq", HIDDEN])]}
+
+
+def _batch(mask=None):
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return ids, torch.zeros(BATCH, 1, SEQ, SEQ) if mask is None else mask, torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def _padding_mask():
+    """Key padding on the last two positions of batch 1, and every key masked for queries 0 and 3 of
+    batch 2: two fully masked rows (all -inf) whose attention output torch sets to 0."""
+    mask = torch.zeros(BATCH, 1, SEQ, SEQ)
+    mask[1, :, :, -2:] = float("-inf")
+    mask[2, :, [0, 3], :] = float("-inf")
+    return mask
+
+
+def _step(model, batch, on, static=True):
+    torch.manual_seed(0)
+    trainer = ORTTrainer(copy.deepcopy(model), DESC, SGDConfig(lr=0.0),
+                         options={"graph_optimizations": {"safe_softmax": on, "shape_specialization": static},
+                                  "graph": {"gradient_source": "torch"}})
+    loss, attended = trainer.train_step(*batch)
+    return trainer, loss, attended, {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
+
+
+def _reference(model, batch):
+    """float64 PyTorch: loss, attention output and gradients."""
+    double = copy.deepcopy(model).double()
+    ids, mask, labels = batch
+    loss, attended = double(ids, mask.double(), labels)
+    loss.backward()
+    return loss, attended, {name: p.grad.numpy() for name, p in double.named_parameters()}
+
+
+def _assert_close(got, expected, rtol=1e-5):
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        error = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-12)
+        assert error < rtol, f"{name}: relative error {error:.2e}"
+
+
+def _ops(trainer):
+    return [n.op_type for n in trainer._graphs.gradient.graph.node if n.op_type in GUARD_OPS]
+
+
+def _count(trainer, op_type):
+    return sum(n.op_type == op_type for n in trainer._graphs.gradient.graph.node)
+
+
+@pytest.mark.parametrize("causal, static", [(True, True), (False, True), (False, False)],
+                         ids=["is_causal", "padding-mask", "padding-mask-symbolic"])
+def test_safe_softmax_matches_float64_pytorch(causal, static):
+    """Causal attention, and a padding mask that masks whole rows: gradients and attention outputs as
+    float64 PyTorch's (fully masked rows give 0, not NaN); the guard's Equal/Not/Cast/ReduceMax/Cast/Not
+    chain over the scores becomes ReduceMax + ReduceSum and three nodes on the [B, H, S, 1] results,
+    the full-size zero tensor a scalar; the outputs are the same bits with the pass off. In the
+    symbolic graph (no shape specialization) too."""
+    model = TinyAttention(causal)
+    batch = _batch(None if causal else _padding_mask())
+    expected_loss, expected_attended, expected_grads = _reference(model, batch)
+    results = {on: _step(model, batch, on, static) for on in (False, True)}
+    for on, (_, loss, attended, grads) in results.items():
+        _assert_close(grads, expected_grads)
+        np.testing.assert_allclose(loss.item(), expected_loss.item(), rtol=1e-6)
+        np.testing.assert_allclose(attended.numpy(), expected_attended.detach().numpy(), rtol=1e-5, atol=1e-6)
+    if not causal:
+        assert (results[True][2][2, [0, 3]] == 0).all()
+    np.testing.assert_array_equal(results[True][2].numpy(), results[False][2].numpy())
+    on, off = results[True][0], results[False][0]
+    assert _count(off, "Not") - _count(on, "Not") == 2
+    assert _count(off, "Cast") - _count(on, "Cast") == 2
+    assert _count(on, "ReduceSum") - _count(off, "ReduceSum") == 1 and _count(on, "And") - _count(off, "And") == 1
+    assert _count(on, "Where") == _count(off, "Where")
+    assert len(on._graphs.gradient.graph.node) == len(off._graphs.gradient.graph.node) - 1
+    if static:
+        scores_shaped = {t: [i.name for i in t._graphs.gradient.graph.initializer
+                             if list(i.dims) == [BATCH, HEADS, SEQ, SEQ]] for t in (on, off)}
+        assert len(scores_shaped[off]) == 1 and not scores_shaped[on]  # the zeros_like(out) constant is gone
+
+
+def test_nan_and_inf_rows_match_pytorch():
+    """Rows of the scores holding NaN stay NaN as in torch (``x == -inf`` is false at NaN, so torch
+    keeps the softmax's NaN), also where all other entries are -inf (ONNX Runtime's ReduceMax skips
+    NaN: the sum tells); a row with +inf is not masked either; all -inf rows give 0. The pass's
+    outputs and gradients are the same bits as without it."""
+    mask = _padding_mask()
+    mask[0, :, 1, :] = float("-inf")
+    mask[0, :, 1, 2] = float("nan")  # NaN among -inf
+    mask[0, :, 4, 3] = float("nan")  # NaN among finite
+    mask[1, :, 2, 0] = float("inf")
+    model, batch = TinyAttention(causal=False), _batch(mask)
+    _, expected = model(*batch)
+    expected = expected.detach().numpy()
+    results = {on: _step(model, batch, on) for on in (False, True)}
+    attended = results[True][2].numpy()
+    np.testing.assert_array_equal(np.isnan(attended), np.isnan(expected))
+    assert np.isnan(attended[0, 1]).all() and np.isnan(attended[0, 4]).all() and (attended[2, [0, 3]] == 0).all()
+    finite = ~np.isnan(expected)
+    np.testing.assert_allclose(attended[finite], expected[finite], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(attended, results[False][2].numpy())
+    for name, grad in results[True][3].items():
+        np.testing.assert_array_equal(grad, results[False][3][name])
+
+
+def test_pass_off_keeps_the_decomposition():
+    """With the pass off the graph is the exporter's (the guard chain as torchlib spells it); the pass
+    run on that graph rewrites one guard and gives the graph the trainer builds with it on."""
+    model, batch = TinyAttention(causal=False), _batch(_padding_mask())
+    off, on = _step(model, batch, False)[0], _step(model, batch, True)[0]
+    assert _ops(off) == ["Equal", "Not", "Cast", "ReduceMax", "Cast", "Not", "Where", *_ops(off)[7:]]
+    assert not any("safe_softmax" in n.name for n in off._graphs.gradient.graph.node)
+    rewritten = copy.deepcopy(off._graphs.gradient)
+    assert joint_rewrites.apply_joint_passes(rewritten, {"safe_softmax": True}) == {"safe_softmax": 1}
+    assert [n.op_type for n in rewritten.graph.node] == [n.op_type for n in on._graphs.gradient.graph.node]
+    assert _softmax_passes.safe_softmax(rewritten) == 0  # nothing left to match
+
+
+def test_plain_softmax_is_left_alone():
+    """``torch.softmax`` has no guard: nothing to rewrite."""
+    class Plain(TinyAttention):
+        def forward(self, ids, mask, labels):
+            x = self.embed(ids)
+            scores = torch.softmax(x @ x.transpose(-1, -2) + mask[:, 0], dim=-1)
+            logits = self.head(scores @ x)
+            return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), scores @ x
+
+    trainer = _step(Plain(causal=False), _batch(), True)[0]
+    assert not any("safe_softmax" in n.name for n in trainer._graphs.gradient.graph.node)
+
+
+def test_safe_softmax_applies_to_hugging_face_gpt2():
+    """HF GPT-2's sdpa attention has one guard per layer; gradients with the pass equal those without."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     loss_type="ForCausalLM", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                       ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", 50])]}
+    ids = torch.randint(0, 50, (2, 8))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # left padding
+    results = {}
+    for on in (False, True):
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={"graph_optimizations": {"safe_softmax": on},
+                                      "graph": {"gradient_source": "torch"}})
+        loss, logits = trainer.train_step(ids, attention_mask, ids)
+        results[on] = (trainer, logits.numpy().copy(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
+    counts = joint_rewrites.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient), {"safe_softmax": True})
+    if counts["safe_softmax"] == 0:
+        pytest.skip(f"transformers {transformers.__version__}'s GPT-2 attention has no safe-softmax guard here")
+    assert counts == {"safe_softmax": config.n_layer}
+    np.testing.assert_array_equal(results[True][1], results[False][1])
+    for name, grad in results[True][2].items():
+        np.testing.assert_array_equal(grad, results[False][2][name])
