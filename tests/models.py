@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -137,3 +138,19 @@ def torch_step(model, optimizer, loss_fn, inputs, label, clip: float | None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     return loss.item()
+
+
+def tiny_gpt2(n_layer: int = 2, dropout: float = 0.0, vocab: int = VOCAB, seq: int = 8) -> tuple:
+    """A tiny Hugging Face ``GPT2LMHeadModel`` (initialised after ``torch.manual_seed(0)``) and its
+    description: ``(input_ids, attention_mask, labels) -> (loss, logits)``. Skips the test when
+    transformers is not installed."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=16, n_layer=n_layer, n_head=2,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
+                                     eos_token_id=0, loss_type="ForCausalLM", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                       ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+    return model, desc

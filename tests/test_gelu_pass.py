@@ -20,6 +20,8 @@ from ort_trainer.graph import rewrites, torch_autograd, torch_gelu  # noqa: E402
 from ort_trainer.model_desc import parse_model_desc  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
 
+from models import tiny_gpt2  # noqa: E402
+
 WIDTH, HIDDEN = 8, 32
 DESC = {"inputs": [("x", ["batch", WIDTH]), ("y", ["batch", WIDTH])], "outputs": [("loss", [], True)]}
 ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Pow", "Tanh", "Sigmoid", "Erf", "Exp"}
@@ -279,21 +281,12 @@ def test_float16_mixed_precision_keeps_the_forward_and_differentiates_in_float32
 def test_hugging_face_gpt2_gradients_match_float64():
     """A one-layer GPT2LMHeadModel (NewGELUActivation between its Conv1D projections): the formula
     is found in the real model and every gradient is float64 PyTorch's."""
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
-    vocab, seq = 50, 8
-    config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=16, n_layer=1, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM",
-                                     use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    model, desc = tiny_gpt2(n_layer=1)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     batch = (ids, torch.ones_like(ids), ids.clone())
     double = copy.deepcopy(model).double()
     double(input_ids=batch[0], attention_mask=batch[1], labels=batch[2]).loss.backward()
     expected = {name: p.grad.numpy() for name, p in double.named_parameters()}
-    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                       ("labels", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
     options = {"graph": {"gradient_source": "torch"}, "graph_optimizations": {"gelu": True}}
     trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), options=options)
     trainer.train_step(*batch)

@@ -16,6 +16,8 @@ from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph import _joint_passes, joint_rewrites
 from ort_trainer.optim import SGDConfig
 
+from models import tiny_gpt2
+
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
                                 reason="the 'torch' gradient source exports with onnxscript")
 
@@ -276,15 +278,7 @@ def test_passes_apply_to_hugging_face_gpt2():
     the embeddings and the residual branches, the logits from a reshaped product. With dropout on,
     the passes' gradients equal those without them (same masks: the trainers share the seed) to
     float32 rounding."""
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
-    config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.1,
-                                     embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
-                                     loss_type="ForCausalLM", use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                       ("labels", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", 50])]}
+    model, desc = tiny_gpt2(dropout=0.1)
     ids = torch.randint(0, 50, (2, 8))
     results = {}
     for on in (False, True):

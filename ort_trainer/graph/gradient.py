@@ -71,16 +71,8 @@ def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
     del graph.output[:]
     graph.output.extend(kept)
     needed = {o.name for o in kept}
-    live = []
-    for node in reversed(graph.node):
-        if any(o in needed for o in node.output if o):
-            live.append(node)
-            needed.update(i for i in node.input if i)
-            for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    needed |= _outer_names(attr.g)
+    live = _live_nodes(graph.node, needed)
     removed = len(graph.node) - len(live)
-    live.reverse()
     del graph.node[:]
     graph.node.extend(live)
     initializers = [i for i in graph.initializer if i.name in needed]
@@ -370,15 +362,7 @@ def build_inference_graph(
         if source != out.name:
             nodes.append(helper.make_node("Identity", [source], [out.name], name=f"{out.name}_identity"))
     needed = set(o.name for o in outputs)
-    live = []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            live.append(node)
-            needed.update(i for i in node.input if i)
-            for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    needed.update(_outer_names(attr.g))
-    live.reverse()
+    live = _live_nodes(nodes, needed)
     for node in live:  # trim optional outputs (LayerNorm stats, Dropout masks) nobody reads
         while len(node.output) > 1 and node.output[-1] not in needed and node.op_type in (
             "LayerNormalization", "BatchNormalization"
@@ -398,6 +382,21 @@ def build_inference_graph(
     graph.initializer.extend(kept_inits)
     del graph.value_info[:]
     return model
+
+
+def _live_nodes(nodes, needed: set[str]) -> list[onnx.NodeProto]:
+    """The nodes (in order) that compute a name in ``needed``, directly or through each other;
+    ``needed`` grows by every name they read."""
+    live = []
+    for node in reversed(list(nodes)):
+        if any(o in needed for o in node.output if o):
+            live.append(node)
+            needed.update(i for i in node.input if i)
+            for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    needed |= _outer_names(attr.g)
+    live.reverse()
+    return live
 
 
 def _outer_names(graph: onnx.GraphProto) -> set[str]:
