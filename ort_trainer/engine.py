@@ -123,6 +123,8 @@ class Engine:
         intra_op_threads: threads per session when no session_options are given (0: default).
         buffer_updates: ``{buffer: gradient-graph output}``: the buffer's new value each step
             (committed by ``commit_buffers``).
+        unfused_skip_layer_norm: ``graph_optimizations.unfused_skip_layer_norm`` (the device
+            decides which ONNX Runtime optimizers that turns off: ``Device.disabled_optimizers``).
 
     Attributes:
         update: the optimizer step (``update.OptimizerUpdate``): ``step`` then ``commit``.
@@ -153,6 +155,7 @@ class Engine:
         buffer_updates: dict[str, str] | None = None,
         grad_norm_clip: bool = True,
         optimizer_implementation: str = "fused",
+        unfused_skip_layer_norm: bool = True,
     ):
         update = update_class(optimizer_implementation, optimizer_config)
         self.placement: Device = make_device(device)
@@ -166,6 +169,7 @@ class Engine:
                 self._session_options.intra_op_num_threads = intra_op_threads
         if deterministic:
             self._session_options.use_deterministic_compute = True
+        self._disabled_optimizers = self.placement.disabled_optimizers(unfused_skip_layer_norm)
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)
@@ -223,7 +227,8 @@ class Engine:
 
     def make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
         """A session of ``model`` with the engine's session options and execution providers."""
-        return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers)
+        return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers,
+                                    disabled_optimizers=self._disabled_optimizers)
 
     def _tensor(self, value: np.ndarray) -> torch.Tensor:
         """A contiguous tensor on the engine's device holding a copy of ``value``."""

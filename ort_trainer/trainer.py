@@ -206,6 +206,7 @@ class ORTTrainer(_StateMixin):
             host_accumulation=self._host_accumulation,
             intra_op_threads=distributed.intra_op_threads(),
             buffer_updates=graphs.meta.get("buffer_updates", {}),
+            unfused_skip_layer_norm=self.options.graph_optimizations.unfused_skip_layer_norm,
         )
         if self._comm is not None:  # every rank starts from rank 0's weights
             self._comm.broadcast(self._engine.weights_flat[self._engine.parity])

@@ -24,9 +24,17 @@ Run by ``joint_rewrites.apply_joint_passes``; each has a name under ``graph_opti
   copied 32 MB per step. The product is computed in the output's shape instead (``MatMul`` of a
   rank-3 input and a matrix is the same single GEMM in ONNX Runtime); readers of the 2-D product
   get a ``Reshape`` of the output, which aliases it. Bit-equal.
+- ``gelu`` on the eval graph (``erf_gelu_order``): the eval graph is translated without the joint
+  graph's GELU rewrite, and torchlib writes ``aten.gelu`` (BERT's) as ``x · ((erf(x / √2) + 1) ·
+  0.5)``, an order that ONNX Runtime's ``GeluFusion`` does not match (1.19.2 and 1.31.1), so five
+  elementwise kernels run. ``(x · (erf(x / √2) + 1)) · 0.5`` is fused into one ``Gelu``: 1.2 ->
+  0.6 ms on [1024, 1024]. Before the fusion the two orders are bit-equal (a product by 0.5 is
+  exact); ONNX Runtime's ``Gelu`` kernel differs from the unfused operators by about 1 ulp.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import onnx
@@ -367,4 +375,48 @@ def _match_output_product(g: _Graph, reshape: onnx.NodeProto) -> tuple | None:
     return producer, a, b, transposed, n_out
 
 
-__all__ = ["dropout_gradient", "keep_dropouts", "output_reshapes", "sequence_reads"]
+def erf_gelu_order(model: onnx.ModelProto) -> int:
+    """``Mul(x, Mul(Add(Erf(Div(x, √2)), 1), 0.5))`` -> ``Mul(Mul(x, Add(...)), 0.5)``; returns the count.
+
+    The two ``Mul`` nodes are rewired in place (operands in either order, ``Div`` by √2 or
+    ``Mul`` by 1/√2); the intermediates must have no other reader.
+    """
+    g = _Graph(model)
+    count = 0
+
+    def constant(name: str, value: float) -> bool:
+        found = g.const(name)
+        return found is not None and found.size == 1 and abs(float(found.reshape(-1)[0]) - value) <= 1e-6 * value
+
+    def producer(name: str, op_type: str, reader: onnx.NodeProto) -> onnx.NodeProto | None:
+        node = g.producer.get(name)
+        return node if node is not None and _is(node, op_type) and _sole_consumer(g, name) is reader else None
+
+    for out in [n for n in model.graph.node if _is(n, "Mul")]:
+        for x, half_name in ((out.input[0], out.input[1]), (out.input[1], out.input[0])):
+            half = producer(half_name, "Mul", out)
+            if half is None:
+                continue
+            plus_one = next((p for a, c in ((half.input[0], half.input[1]), (half.input[1], half.input[0]))
+                             if constant(c, 0.5) and (p := producer(a, "Add", half)) is not None), None)
+            erf_out = None if plus_one is None else next(
+                (a for a, c in ((plus_one.input[0], plus_one.input[1]), (plus_one.input[1], plus_one.input[0]))
+                 if constant(c, 1.0)), None)
+            erf = None if erf_out is None else producer(erf_out, "Erf", plus_one)
+            scaled = None if erf is None else g.producer.get(erf.input[0])
+            if scaled is None or _sole_consumer(g, erf.input[0]) is not erf or not (
+                    (_is(scaled, "Div") and scaled.input[0] == x and constant(scaled.input[1], math.sqrt(2.0)))
+                    or (_is(scaled, "Mul") and x in scaled.input
+                        and constant(_other(scaled, x), math.sqrt(0.5)))):
+                continue
+            half_value = next(c for c in half.input if c != plus_one.output[0])
+            del half.input[:]
+            half.input.extend([x, plus_one.output[0]])
+            del out.input[:]
+            out.input.extend([half.output[0], half_value])
+            count += 1
+            break
+    return count
+
+
+__all__ = ["dropout_gradient", "erf_gelu_order", "keep_dropouts", "output_reshapes", "sequence_reads"]

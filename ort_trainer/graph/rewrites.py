@@ -94,16 +94,16 @@ def _attrs(node: onnx.NodeProto) -> dict:
 def cross_entropy_forward(model: onnx.ModelProto) -> int:
     """``SoftmaxCrossEntropyLoss`` over [N, C] scores -> LogSoftmax + GatherElements; returns the count.
 
-    Handles ``reduction`` mean/sum/none and ``ignore_index``; nodes with class weights or scores
-    of another rank are left alone.
+    Handles ``reduction`` mean/sum/none and ``ignore_index``; nodes with class weights, or scores
+    of another rank or of unknown type, are left alone.
     """
     graph = model.graph
     replacements = {}
-    ranks = _ranks(model)
+    ranks, types = _ranks(model, with_types=True)
     for index, node in enumerate(graph.node):
         if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx") or len(node.input) > 2:
             continue
-        if ranks.get(node.input[0]) != 2:
+        if ranks.get(node.input[0]) != 2 or not types.get(node.input[0]):
             continue
         attrs = _attrs(node)
         reduction = attrs.get("reduction", b"mean")
@@ -116,7 +116,7 @@ def cross_entropy_forward(model: onnx.ModelProto) -> int:
             ignore = e.const(attrs["ignore_index"], np.int64)
             valid = e.op("Not", [e.op("Equal", [labels, e.op("Cast", [ignore], to=onnx.TensorProto.INT64)])])
             safe = e.op("Where", [valid, labels, e.const(0, np.int64)])
-            weight = e.op("Cast", [valid], to=onnx.TensorProto.FLOAT)
+            weight = e.op("Cast", [valid], to=types[node.input[0]])
         else:
             safe, weight = labels, None
         picked = e.op("GatherElements", [log_prob, e.op("Unsqueeze", [safe, e.const([1], np.int64)])], axis=1)
@@ -129,7 +129,7 @@ def cross_entropy_forward(model: onnx.ModelProto) -> int:
             e.op("ReduceSum", [nll], node.output[0], keepdims=0)
         else:
             count = e.op("ReduceSum", [weight], keepdims=0) if weight is not None else e.op(
-                "Cast", [e.op("Size", [labels])], to=onnx.TensorProto.FLOAT)
+                "Cast", [e.op("Size", [labels])], to=types[node.input[0]])
             e.op("Div", [e.op("ReduceSum", [nll], keepdims=0), count], node.output[0])
         replacements[index] = e.nodes
     _replace(graph, replacements)
@@ -205,10 +205,14 @@ def sparse_labels_forward(model: onnx.ModelProto) -> int:
     return count
 
 
-def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+def _ranks(model: onnx.ModelProto, with_types: bool = False):
+    """``{value: rank}`` from ONNX shape inference; with ``with_types``, also ``{value: element type}``."""
     inferred = onnx.shape_inference.infer_shapes(model)
     values = [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
-    return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    if not with_types:
+        return ranks
+    return ranks, {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
 
 
 # ---- gradient -------------------------------------------------------------------------------------

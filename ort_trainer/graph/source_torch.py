@@ -89,7 +89,8 @@ class TorchGradientSource(GradientSource):
 
         Writes ``model_after_graph_transforms_path`` on a cache hit as on a miss: this source has no
         separate forward graph, so the dump is the forward as ONNX (the eval-mode graph of the
-        trace, specialised like the graphs), exported only when the dump is asked for.
+        trace, specialised like the graphs, with the eval passes), exported only when the dump is
+        asked for.
         """
         desc = job.desc
         returned = list(desc.output_names)
@@ -105,7 +106,7 @@ class TorchGradientSource(GradientSource):
                 returned = wanted
         path = job.save_paths.get("model_after_graph_transforms_path")
         if path:  # written here so that a cache hit writes it too
-            onnx.save(_eval_graph(job, traced, returned, dims), path)
+            onnx.save(_passed_eval_graph(job, traced, returned, wanted, dims), path)
         # the graphs return ``wanted``: outputs traced but not fetched are dropped from them (drop_outputs)
         expected = {"outputs": wanted, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
         readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
@@ -146,9 +147,17 @@ class TorchGradientSource(GradientSource):
         """The eval-mode trace translated (~1.5 s for the BERT-like model, so only once an
         ``eval_step`` or ``save_as_onnx`` needs it), with ``sparse_labels`` where the gradient
         graph has it."""
-        model = _eval_graph(job, traced, prepared.state["outputs"], prepared.state["dims"])
-        drop_outputs(model, set(prepared.state["outputs"]) - set(prepared.state["wanted"]))
-        return model
+        state = prepared.state
+        return _passed_eval_graph(job, traced, state["outputs"], state["wanted"], state["dims"])
+
+
+def _passed_eval_graph(job: "GraphJob", traced: Traced, returned: list[str], wanted: list[str],
+                       dims: dict[str, int] | None) -> onnx.ModelProto:
+    """The eval graph returning ``wanted``, with the eval passes (``joint_rewrites.apply_eval_passes``)."""
+    model = _eval_graph(job, traced, returned, dims)
+    drop_outputs(model, set(returned) - set(wanted))
+    logger.debug("eval graph rewrites: %s", joint_rewrites.apply_eval_passes(model, job.passes or {}))
+    return model
 
 
 def _eval_graph(job: "GraphJob", traced: Traced, returned: list[str], dims: dict[str, int] | None) -> onnx.ModelProto:
