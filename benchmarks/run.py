@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
           "integer_powers", "gelu", "dropout_gradient", "sequences", "output_reshape", "safe_softmax",
-          "unfused_skip_layer_norm")
+          "column_sums", "unfused_skip_layer_norm")
 # the graph passes, and the fused in-place optimizer update (off: graph.optimizer="graph")
 ABLATIONS = (*PASSES, "fused_optimizer")
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
                                 reason="the 'torch' gradient source exports with onnxscript")
 
 VOCAB, HIDDEN, HEADS, P = 40, 16, 2, 0.3
-PASSES = ("dropout_gradient", "sequences", "output_reshape")
+PASSES = ("dropout_gradient", "sequences", "output_reshape", "column_sums")
 ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False, "embedding_gradient": False,
            "fast_gelu_gradient": False, "integer_powers": False, **{name: False for name in PASSES}}
 
@@ -224,6 +224,90 @@ def test_sequences_read_split_outputs_directly():
     assert len(on._graphs.gradient.graph.node) == len(off._graphs.gradient.graph.node) - 4
 
 
+def test_small_table_gradients_are_one_hot_products():
+    """The embedding table (40 rows, at most SMALL_TABLE_ROWS) gets its gradient from OneHot and one
+    Gemm instead of ScatterElements(add) into zeros; gradients match float64 PyTorch."""
+    assert VOCAB <= _joint_passes.SMALL_TABLE_ROWS
+    model, batch = TinyDecoder(), _batch()
+    off, _, _ = _checked_step(model, batch)
+    on, _, _ = _checked_step(model, batch, embedding_gradient=True)
+    assert _count(off, "OneHot") == 0 and _count(on, "OneHot") == 1
+    assert _count(on, "ScatterElements") == _count(off, "ScatterElements") - 1
+
+
+def test_small_table_gradients_unit():
+    """Hand-made graph: a non-zero table (the product is added to it), negative and repeated
+    indices, against numpy's unbuffered add; a table of more rows than SMALL_TABLE_ROWS is left."""
+    rng = np.random.default_rng(0)
+    rows = _joint_passes.SMALL_TABLE_ROWS
+    index = np.array([[0], [2], [-1], [0], [2]], np.int64)
+    updates = rng.standard_normal((5, 4)).astype(np.float32)
+    nodes, outputs, inits = [], [], []
+    for name, table_rows in (("small", 3), ("large", rows + 1)):
+        table = rng.standard_normal((table_rows, 4)).astype(np.float32)
+        inits.append(numpy_helper.from_array(table, f"{name}_table"))
+        nodes += [helper.make_node("Expand", ["index", "update_shape"], [f"{name}_index"]),
+                  helper.make_node("ScatterElements", [f"{name}_table", f"{name}_index", "updates"], [name],
+                                   axis=0, reduction="add")]
+        outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [table_rows, 4]))
+    inits.append(numpy_helper.from_array(np.array([5, 4], np.int64), "update_shape"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("index", TensorProto.INT64, [5, 1]),
+                                           helper.make_tensor_value_info("updates", TensorProto.FLOAT, [5, 4])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    model = onnx.shape_inference.infer_shapes(model)
+    expected = {}
+    for init in inits[:2]:
+        table = numpy_helper.to_array(init).copy()
+        np.add.at(table, index[:, 0], updates)
+        expected[init.name.split("_")[0]] = table
+    assert _joint_passes.small_table_gradients(model) == 1
+    assert [n.op_type for n in model.graph.node].count("ScatterElements") == 1
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    small, large = session.run(None, {"index": index, "updates": updates})
+    np.testing.assert_allclose(small, expected["small"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(large, expected["large"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "symbolic"])
+def test_column_sums_are_matrix_products_by_ones(static):
+    """Bias and LayerNorm weight gradients (sums over the batch and sequence axes) become a MatMul by
+    ones of the tensor's 2-D view where the shape is static; the symbolic graph keeps its ReduceSums.
+    Gradients match float64 PyTorch either way."""
+    model, batch = TinyDecoder(), _batch()
+    off, grads_off, _ = _checked_step(model, batch, shape_specialization=static)
+    on, grads_on, _ = _checked_step(model, batch, shape_specialization=static, column_sums=True)
+    rewritten = [n for n in on._graphs.gradient.graph.node if "/column_sums/" in n.name and n.op_type == "MatMul"]
+    if not static:
+        assert not rewritten and _count(on, "ReduceSum") == _count(off, "ReduceSum")
+        return
+    # qkv, proj and the LayerNorm's weight and bias: 4 sums over [batch, seq, features] (at least)
+    assert len(rewritten) >= 4 and _count(off, "ReduceSum") - _count(on, "ReduceSum") == len(rewritten)
+    for name, value in grads_off.items():
+        np.testing.assert_allclose(grads_on[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_column_sums_unit():
+    """Hand-made graph: sums over leading axes with and without keepdims, and sums the pass leaves
+    (a trailing axis, every axis), equal to numpy's in float64."""
+    x = np.random.default_rng(0).standard_normal((3, 4, 5)).astype(np.float64)
+    cases = [([0], 1), ([0, 1], 0), ([1, 0], 1), ([-3], 0), ([2], 1), ([0, 1, 2], 0)]
+    nodes, outputs, inits = [], [], []
+    for i, (axes, keep) in enumerate(cases):
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), f"axes{i}"))
+        nodes.append(helper.make_node("ReduceSum", ["x", f"axes{i}"], [f"y{i}"], keepdims=keep))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.DOUBLE, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3, 4, 5])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    assert _joint_passes.column_sums(model) == 4
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for (axes, keep), value in zip(cases, got):
+        np.testing.assert_allclose(value, x.sum(axis=tuple(axes), keepdims=bool(keep)), rtol=1e-12)
+
+
 @pytest.mark.parametrize("static", [True, False], ids=["static", "symbolic"])
 def test_output_reshape_computes_the_output_in_its_shape(static):
     """The logits (a graph output) come from the MatMul itself instead of a copying Reshape, in the
@@ -290,8 +374,10 @@ def test_passes_apply_to_hugging_face_gpt2():
         results[on] = (trainer, loss.item(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
     counts = joint_rewrites.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient),
                                                {name: True for name in PASSES})
-    # 7 dropouts (embeddings, and per layer attention, attention output, MLP output), 2 of them attention
-    assert counts == {"dropout_gradient": 7, "sequences": 6, "output_reshape": 1}
+    # 7 dropouts (embeddings, and per layer attention, attention output, MLP output), 2 of them attention;
+    # 19 sums over leading axes: per layer 4 biases and 2 LayerNorms (weight, bias), the final LayerNorm,
+    # and the position embedding's sum over the batch
+    assert counts == {"dropout_gradient": 7, "sequences": 6, "output_reshape": 1, "column_sums": 19}
     graph = results[True][0]._graphs.gradient.graph
     assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 5
     assert results[True][1] == results[False][1]  # same masks, same forward

@@ -42,7 +42,8 @@ import torch
 from .._logging import logger
 from .._temporaries import pid_alive
 
-_VERSION = "4"  # 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes
+# 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes; 5: column_sums
+_VERSION = "5"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]

@@ -17,14 +17,16 @@ checks it against float64 PyTorch gradients.
   which for an embedding are identity permutations that ONNX Runtime still runs, as copies of
   the table (of its gradient, of a zero table). They are dropped. (The exporter's
   ``ScatterND(add)`` itself is always rewritten to ``ScatterElements(add)`` when the graph is
-  built, for correctness: ``_joint_onnx.scatter_nd_add_to_scatter_elements``.)
+  built, for correctness: ``_joint_onnx.scatter_nd_add_to_scatter_elements``.) A table of a few rows
+  (BERT's token types) gets its gradient as a one-hot product instead
+  (``_joint_passes.small_table_gradients``).
 - ``integer_powers``: ``Pow(x, 2)`` and ``Pow(x, 3)`` (tanh-GELU's cube and its derivative's
   square) as multiplications, a little cheaper than the CPU ``Pow`` kernel. With the ``gelu``
   pass on (``torch_gelu.py``) a written-out GELU has no ``Pow`` left; other powers still get it.
 
 ``fast_gelu_gradient`` has nothing to do here: autograd spells the GELU derivative in
-elementwise operators already. ``dropout_gradient``, ``sequences`` and ``output_reshape`` are in
-``_joint_passes.py``, ``safe_softmax`` in ``_softmax_passes.py``.
+elementwise operators already. ``dropout_gradient``, ``sequences``, ``output_reshape`` and
+``column_sums`` are in ``_joint_passes.py``, ``safe_softmax`` in ``_softmax_passes.py``.
 
 The eval graph (the eval-mode trace, translated without autograd) gets the passes that act on a
 forward graph (``apply_eval_passes``): ``cross_entropy`` there is the forward rewrite of
@@ -42,7 +44,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers", "dropout_gradient", "sequences",
-                "output_reshape", "safe_softmax")
+                "output_reshape", "safe_softmax", "column_sums")
 EVAL_PASSES = ("cross_entropy", "sequences", "output_reshape", "safe_softmax", "gelu")
 
 
@@ -284,14 +286,16 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
     if enabled.get("cross_entropy"):
         counts["cross_entropy"] = cross_entropy_backward(model)
     if enabled.get("embedding_gradient"):
-        counts["embedding_gradient"] = identity_transposes(model)
+        from ._joint_passes import small_table_gradients
+
+        counts["embedding_gradient"] = identity_transposes(model) + small_table_gradients(model)
     if enabled.get("integer_powers"):
         counts["integer_powers"] = integer_powers(model)
     from . import _joint_passes, _softmax_passes  # they build on this module's helpers
 
     for name, run in (("dropout_gradient", _joint_passes.dropout_gradient), ("sequences", _joint_passes.sequence_reads),
-                      ("output_reshape", _joint_passes.output_reshapes),
-                      ("safe_softmax", _softmax_passes.safe_softmax), ("gelu", _joint_passes.erf_gelu_order)):
+                      ("output_reshape", _joint_passes.output_reshapes), ("safe_softmax", _softmax_passes.safe_softmax),
+                      ("column_sums", _joint_passes.column_sums)):
         if enabled.get(name):
             counts[name] = run(model)
     return counts
