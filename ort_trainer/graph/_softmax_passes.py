@@ -105,7 +105,7 @@ def safe_softmax(model: onnx.ModelProto) -> int:
         replaced_zeros.add(zeros)
     if not before:
         return 0
-    _mask_with_minus_inf(g, guarded, initializers)
+    _mask_with_minus_inf(g, guarded)
     _keep(model, dead, before=before)
     model.graph.initializer.extend(initializers.values())
     read = {name for node in _all_nodes(model.graph) for name in node.input} | g.outputs
@@ -117,16 +117,16 @@ def safe_softmax(model: onnx.ModelProto) -> int:
 
 
 
-def _mask_with_minus_inf(g: _Graph, guarded: dict[str, int], initializers: dict[str, onnx.TensorProto]) -> int:
+def _mask_with_minus_inf(g: _Graph, guarded: dict[str, int]) -> int:
     """Fill torchlib's boolean attention masks with ``-inf`` instead of the dtype's lowest value.
 
     torchlib turns ``scaled_dot_product_attention``'s boolean mask into ``Where(mask, 0, lowest)``
     added to the scores, so a fully masked row is finite, and its softmax uniform, where torch
     (``-inf``, then ``_safe_softmax``) gives zeros. A bias whose every reader is an ``Add`` into a
     guarded softmax input gets ``-inf``: fully masked rows become zeros, as in eager PyTorch; other
-    rows are bit-equal (``exp`` of either fill underflows to 0). Returns the count.
+    rows are bit-equal (``exp`` of either fill underflows to 0). Returns the count of masks.
     """
-    count = 0
+    filled: set[int] = set()
     for x, elem_type in guarded.items():
         add = g.producer.get(x)
         if add is None or not _is(add, "Add"):
@@ -143,8 +143,8 @@ def _mask_with_minus_inf(g: _Graph, guarded: dict[str, int], initializers: dict[
                 continue
             name = f"ort_trainer/safe_softmax/minus_inf_{np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name}"
             fill.input[2] = name  # made by safe_softmax for this element type
-            count += 1
-    return count
+            filled.add(id(fill))
+    return len(filled)
 
 
 def _match(g: _Graph, types: dict[str, int], where: onnx.NodeProto) -> tuple | None:
