@@ -91,6 +91,23 @@ def _keep(model: onnx.ModelProto, dead: set[int], before: dict[int, list[onnx.No
     model.graph.node.extend(nodes)
 
 
+def _shared_constants(g: _Graph, pending: dict[str, onnx.TensorProto], constants) -> None:
+    """Queue each ``(name, value)`` of ``constants`` as an initializer unless the graph or
+    ``pending`` has it already (passes name their constants by value, so equal ones are shared)."""
+    for name, value in constants:
+        if name not in g.initializers and name not in pending:
+            pending[name] = numpy_helper.from_array(value, name)
+
+
+def _replace_nodes(model: onnx.ModelProto, replaced: dict[int, list[onnx.NodeProto]],
+                   initializers: dict[str, onnx.TensorProto]) -> int:
+    """Put ``replaced[id(node)]`` in place of each such node, add ``initializers``; returns the count."""
+    if replaced:
+        _keep(model, set(replaced), before=replaced)
+        model.graph.initializer.extend(initializers.values())
+    return len(replaced)
+
+
 def _redirect(model: onnx.ModelProto, renamed: dict[str, str], removed: set[int]) -> dict[str, onnx.NodeProto]:
     """Make readers of each ``old`` name read ``renamed[old]`` instead (the nodes in ``removed``,
     which produced the old names, are skipped: the caller drops them). A graph output, and every
@@ -462,10 +479,9 @@ def column_sums(model: onnx.ModelProto) -> int:
         names = {"ones": f"ort_trainer/column_sums/ones_{k}_{np.dtype(dtype).name}",
                  "view": f"ort_trainer/column_sums/shape_{k}_{n}", "out": f"ort_trainer/column_sums/shape_" +
                  "_".join(map(str, out_shape))}
-        for key, value in (("ones", np.ones((1, k), dtype)), ("view", np.array([k, n], np.int64)),
-                           ("out", np.array(out_shape, np.int64))):
-            if names[key] not in g.initializers and names[key] not in initializers:
-                initializers[names[key]] = numpy_helper.from_array(value, names[key])
+        _shared_constants(g, initializers, [(names["ones"], np.ones((1, k), dtype)),
+                                            (names["view"], np.array([k, n], np.int64)),
+                                            (names["out"], np.array(out_shape, np.int64))])
         nodes = [helper.make_node("Reshape", [x, names["view"]], [prefix + "/view"], name=prefix + "/Reshape_in")]
         if out_shape == [1, n]:
             nodes.append(helper.make_node("MatMul", [names["ones"], prefix + "/view"], [node.output[0]],
@@ -476,11 +492,7 @@ def column_sums(model: onnx.ModelProto) -> int:
                       helper.make_node("Reshape", [prefix + "/sum", names["out"]], [node.output[0]],
                                        name=prefix + "/Reshape_out")]
         replaced[id(node)] = nodes
-    if not replaced:
-        return 0
-    _keep(model, set(replaced), before=replaced)
-    model.graph.initializer.extend(initializers.values())
-    return len(replaced)
+    return _replace_nodes(model, replaced, initializers)
 
 
 SMALL_TABLE_ROWS = 64  # up to here a one-hot product beats the scatter (~7 ns per added element)
@@ -517,10 +529,9 @@ def small_table_gradients(model: onnx.ModelProto) -> int:
         prefix = f"{node.name or node.output[0]}/small_table"
         names = {"flat": "ort_trainer/small_table/flat", "depth": f"ort_trainer/small_table/depth_{rows}",
                  "values": f"ort_trainer/small_table/values_{dtype.name}"}
-        for key, value in (("flat", np.array([-1], np.int64)), ("depth", np.array(rows, np.int64)),
-                           ("values", np.array([0, 1], dtype))):
-            if names[key] not in g.initializers and names[key] not in initializers:
-                initializers[names[key]] = numpy_helper.from_array(value, names[key])
+        _shared_constants(g, initializers, [(names["flat"], np.array([-1], np.int64)),
+                                            (names["depth"], np.array(rows, np.int64)),
+                                            (names["values"], np.array([0, 1], dtype))])
         zero = g.fill_value(data) == 0.0
         product = node.output[0] if zero else prefix + "/product"
         nodes = [helper.make_node("Reshape", [expand.input[0], names["flat"]], [prefix + "/index"],
@@ -531,11 +542,7 @@ def small_table_gradients(model: onnx.ModelProto) -> int:
         if not zero:
             nodes.append(helper.make_node("Add", [data, product], [node.output[0]], name=prefix + "/Add"))
         replaced[id(node)] = nodes
-    if not replaced:
-        return 0
-    _keep(model, set(replaced), before=replaced)
-    model.graph.initializer.extend(initializers.values())
-    return len(replaced)
+    return _replace_nodes(model, replaced, initializers)
 
 
 def _column_of_indices(g: _Graph, name: str) -> bool:

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from ._joint_passes import _ONNX_DOMAINS, _all_nodes, _elem_types, _is, _keep, _sole_consumer
+from ._joint_passes import _ONNX_DOMAINS, _all_nodes, _elem_types, _is, _keep, _shared_constants, _sole_consumer
 from .joint_rewrites import _attrs, _Graph
 
 
@@ -79,16 +79,13 @@ def safe_softmax(model: onnx.ModelProto) -> int:
             continue
         x, axes, axis, elem_type, zeros, chain = found
         dtype = helper.tensor_dtype_to_np_dtype(elem_type)
-        suffix = np.dtype(dtype).name
-        minus_inf, zero = f"ort_trainer/safe_softmax/minus_inf_{suffix}", f"ort_trainer/safe_softmax/zero_{suffix}"
+        minus_inf, zero = _minus_inf_name(elem_type), f"ort_trainer/safe_softmax/zero_{np.dtype(dtype).name}"
         constants = [(minus_inf, np.array(-np.inf, dtype)), (zero, np.array(0.0, dtype))]
         if axes is None:  # the IsNaN spelling has no reduction whose axes could be reused
             guarded[x] = elem_type
             axes = f"ort_trainer/safe_softmax/axes_{axis}"
             constants.append((axes, np.array([axis], np.int64)))
-        for name, value in constants:
-            if name not in g.initializers and name not in initializers:
-                initializers[name] = numpy_helper.from_array(value, name)
+        _shared_constants(g, initializers, constants)
         prefix = f"{where.name or where.output[0]}/safe_softmax"
         before[id(where)] = [
             helper.make_node("ReduceMax", [x, axes], [prefix + "/max"], name=prefix + "/ReduceMax", keepdims=1),
@@ -117,6 +114,11 @@ def safe_softmax(model: onnx.ModelProto) -> int:
 
 
 
+def _minus_inf_name(elem_type: int) -> str:
+    """The name of the pass's ``-inf`` initializer of that element type."""
+    return f"ort_trainer/safe_softmax/minus_inf_{np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name}"
+
+
 def _mask_with_minus_inf(g: _Graph, guarded: dict[str, int]) -> int:
     """Fill torchlib's boolean attention masks with ``-inf`` instead of the dtype's lowest value.
 
@@ -141,8 +143,7 @@ def _mask_with_minus_inf(g: _Graph, guarded: dict[str, int]) -> int:
             readers = g.consumers.get(bias, [])
             if bias in g.outputs or not all(_is(r, "Add") and r.output[0] in guarded for r in readers):
                 continue
-            name = f"ort_trainer/safe_softmax/minus_inf_{np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name}"
-            fill.input[2] = name  # made by safe_softmax for this element type
+            fill.input[2] = _minus_inf_name(elem_type)  # made by safe_softmax for this element type
             filled.add(id(fill))
     return len(filled)
 

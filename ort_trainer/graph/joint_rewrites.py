@@ -282,23 +282,16 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
     Returns:
         ``{pass name: nodes rewritten}`` of the passes that ran.
     """
-    counts = {}
-    if enabled.get("cross_entropy"):
-        counts["cross_entropy"] = cross_entropy_backward(model)
-    if enabled.get("embedding_gradient"):
-        from ._joint_passes import small_table_gradients
-
-        counts["embedding_gradient"] = identity_transposes(model) + small_table_gradients(model)
-    if enabled.get("integer_powers"):
-        counts["integer_powers"] = integer_powers(model)
     from . import _joint_passes, _softmax_passes  # they build on this module's helpers
 
-    for name, run in (("dropout_gradient", _joint_passes.dropout_gradient), ("sequences", _joint_passes.sequence_reads),
-                      ("output_reshape", _joint_passes.output_reshapes), ("safe_softmax", _softmax_passes.safe_softmax),
-                      ("column_sums", _joint_passes.column_sums)):
-        if enabled.get(name):
-            counts[name] = run(model)
-    return counts
+    def embedding_gradient(graph: onnx.ModelProto) -> int:
+        return identity_transposes(graph) + _joint_passes.small_table_gradients(graph)
+
+    return _run_passes(model, enabled, (
+        ("cross_entropy", cross_entropy_backward), ("embedding_gradient", embedding_gradient),
+        ("integer_powers", integer_powers), ("dropout_gradient", _joint_passes.dropout_gradient),
+        ("sequences", _joint_passes.sequence_reads), ("output_reshape", _joint_passes.output_reshapes),
+        ("safe_softmax", _softmax_passes.safe_softmax), ("column_sums", _joint_passes.column_sums)))
 
 
 def apply_eval_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[str, int]:
@@ -313,17 +306,21 @@ def apply_eval_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[
     """
     from . import _joint_passes, _softmax_passes, rewrites
 
+    if not any(enabled.get(name) for name in EVAL_PASSES):
+        return {}
     # the passes read shapes and types, which the translation gives only some values of here
     known = {info.name for info in model.graph.value_info}
     model.graph.value_info.extend(info for info in onnx.shape_inference.infer_shapes(model).graph.value_info
                                   if info.name not in known)
-    counts = {}
-    for name, run in (("cross_entropy", rewrites.cross_entropy_forward), ("sequences", _joint_passes.sequence_reads),
-                      ("output_reshape", _joint_passes.output_reshapes),
-                      ("safe_softmax", _softmax_passes.safe_softmax), ("gelu", _joint_passes.erf_gelu_order)):
-        if enabled.get(name):
-            counts[name] = run(model)
-    return counts
+    return _run_passes(model, enabled, (
+        ("cross_entropy", rewrites.cross_entropy_forward), ("sequences", _joint_passes.sequence_reads),
+        ("output_reshape", _joint_passes.output_reshapes), ("safe_softmax", _softmax_passes.safe_softmax),
+        ("gelu", _joint_passes.erf_gelu_order)))
+
+
+def _run_passes(model: onnx.ModelProto, enabled: dict[str, bool], passes) -> dict[str, int]:
+    """``{name: run(model)}`` for each ``(name, run)`` of ``passes`` that ``enabled`` turns on, in order."""
+    return {name: run(model) for name, run in passes if enabled.get(name)}
 
 
 __all__ = ["EVAL_PASSES", "JOINT_PASSES", "apply_eval_passes", "apply_joint_passes", "cross_entropy_backward",
