@@ -76,9 +76,11 @@ bench: $(STAMP) $(LEGACY_STAMP)
 # (onnxruntime-gpu) installed: the `cuda`-marked tests, then the GPU benchmark, which writes
 # docs/benchmarks_gpu.md. docs/gpu.md says how to set that environment up, also without network.
 GPU_PYTHON ?= python3
+# e.g. GPU_PYTEST_ARGS=--junitxml=cuda.xml: the measured differences the cuda tests record as properties
+GPU_PYTEST_ARGS ?=
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu.py --preflight
-	$(GPU_PYTHON) -m pytest -q -m cuda -rs tests
+	$(GPU_PYTHON) -m pytest -q -m cuda -rs tests $(GPU_PYTEST_ARGS)
 	$(GPU_PYTHON) benchmarks/gpu.py
 
 # The wheels a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ with every

@@ -28,13 +28,14 @@ def test_the_preflight_says_what_this_machine_lacks():
 
 
 def test_make_gpu_check_runs_the_preflight_the_cuda_tests_and_the_benchmark():
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "GPU_PYTHON=py"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert dry.returncode == 0, dry.stderr
-    # under an outer make (make test) make may still announce directories: only the commands count
-    commands = [line for line in dry.stdout.splitlines() if not line.startswith("make")]
-    assert commands[:3] == ["py benchmarks/gpu.py --preflight", "py -m pytest -q -m cuda -rs tests",
-                                          "py benchmarks/gpu.py"]
+    for extra, pytest_args in (([], ""), (["GPU_PYTEST_ARGS=--junitxml=cuda.xml"], " --junitxml=cuda.xml")):
+        dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "GPU_PYTHON=py", *extra], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        # under an outer make (make test) make may still announce directories: only the commands count
+        commands = [line.rstrip() for line in dry.stdout.splitlines() if not line.startswith("make")]
+        assert commands[:3] == ["py benchmarks/gpu.py --preflight", "py -m pytest -q -m cuda -rs tests" + pytest_args,
+                                "py benchmarks/gpu.py"]
 
 
 def _entry(ort_ms: float, torch_ms: float) -> dict:

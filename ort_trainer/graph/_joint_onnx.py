@@ -153,6 +153,7 @@ def program_to_onnx(
                 "or use the gradient source of the onnxruntime-training 1.19.2 build (pip install -e "
                 "'.[training]')") from exc
     _name_inputs_and_outputs(model, inputs, [name for _, name in outputs], input_dims)
+    _layer_norms_in_the_weights_type(model)
     _optimize(model, full=optimize)
     import onnx_ir as ir
 
@@ -161,6 +162,50 @@ def program_to_onnx(
     scatter_nd_add_to_scatter_elements(proto)
     keep_dropouts(proto)
     return proto
+
+
+def _layer_norms_in_the_weights_type(model) -> int:
+    """Give every ``LayerNormalization`` whose input type differs from its scale's (mixed precision:
+    a half-precision input, float32 weights) an input cast to the scale's type and its output cast
+    back, in place; returns how many.
+
+    torch's layer norm takes such a pair as it is: it computes in float32 with the float32 weights
+    and returns the input's type (under autocast, e.g. a LayerNorm straight after a float16 GELU,
+    the BERT masked-LM head). torchlib writes one ``LayerNormalization`` of both types, which ONNX
+    does not allow (one type T for X, Scale and B): ONNX Runtime refuses the graph. The casts are
+    torch's computation: float32 normalisation and affine, rounded once to the input's type.
+    """
+    import onnx_ir as ir
+
+    changed = 0
+    for node in list(model.graph):
+        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        x, scale = node.inputs[0], node.inputs[1]
+        if x is None or scale is None or x.dtype is None or scale.dtype is None or x.dtype == scale.dtype:
+            continue
+        cast_in = ir.node("Cast", [x], {"to": scale.dtype}, name=f"{node.name}_input_cast")
+        cast_in.outputs[0].dtype, cast_in.outputs[0].shape = scale.dtype, x.shape
+        cast_in.outputs[0].name = f"{x.name}_as_{scale.dtype.name.lower()}"
+        node.replace_input_with(0, cast_in.outputs[0])
+        model.graph.insert_before(node, cast_in)
+        stash = node.attributes.get_int("stash_type", 1)
+        produced = [scale.dtype] + [ir.DataType(stash)] * (len(node.outputs) - 1)
+        for value, dtype in zip(node.outputs, produced):  # each output back to the type torch gives it
+            if value.dtype is None or value.dtype == dtype:
+                continue
+            users = list(value.uses())
+            cast_out = ir.node("Cast", [value], {"to": value.dtype}, name=f"{value.name}_cast")
+            result = cast_out.outputs[0]
+            result.dtype, result.shape = value.dtype, value.shape
+            for user, index in users:
+                user.replace_input_with(index, result)
+            model.graph.outputs[:] = [result if output is value else output for output in model.graph.outputs]
+            result.name, value.name = value.name, f"{value.name}_{dtype.name.lower()}"
+            value.dtype = dtype
+            model.graph.insert_after(node, cast_out)
+        changed += 1
+    return changed
 
 
 @contextlib.contextmanager

@@ -42,8 +42,9 @@ import torch
 from .._logging import logger
 from .._temporaries import pid_alive
 
-# 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes; 5: column_sums
-_VERSION = "5"
+# 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes; 5: column_sums;
+# 6: mixed-type LayerNormalization casts (a graph of format 5 with one is refused by ONNX Runtime)
+_VERSION = "6"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
