@@ -30,6 +30,7 @@ import torch
 
 from ._logging import logger, ort_severity
 from .devices import Device, make_device
+from .dropout_masks import HostDropoutMasks
 from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from .optim.config import _OptimizerConfig
 from .update import OptimizerUpdate, update_class
@@ -76,6 +77,7 @@ class _SessionSet:
             lambda p: engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs))
         self.accumulates = RESET_INPUT in self.gradient_inputs
         self.draws_random_numbers = _draws_random_numbers(gradient.graph)
+        self.dropout_masks = HostDropoutMasks(gradient)  # Dropouts whose masks the host draws
         device = engine.placement
         for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
@@ -303,18 +305,24 @@ class Engine:
             seed: reseeds ONNX Runtime's default random generator first. Dropout nodes draw
                 their masks from it (each run takes the next seeds in node order), so masks are a
                 function of ``seed`` alone: a resumed run draws the same masks as an uninterrupted one.
-                A callable is asked for the seed only when the graph draws random numbers.
+                Masks the host draws (``dropout_masks``) come from ``seed`` too. A callable is asked
+                for the seed only when the graph draws random numbers.
         """
         sessions = self._require_sessions()
-        if seed is not None and sessions.draws_random_numbers:
-            ort.set_seed(seed() if callable(seed) else seed)
+        draws = sessions.draws_random_numbers or bool(sessions.dropout_masks)
+        value = (seed() if callable(seed) else seed) if seed is not None and draws else None
+        if value is not None and sessions.draws_random_numbers:
+            ort.set_seed(value)
+        masks = {}
+        if sessions.dropout_masks:  # the host_dropout_masks pass: the same seed, NumPy's generator
+            masks = sessions.dropout_masks.draw(value if value is not None else np.random.SeedSequence().entropy)
         for name, tensor in self.buffer_inputs.items():
             tensor.copy_(self.fixed_tensors[name])
         binding = sessions.grad_bindings[self.parity]
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
         if sessions.accumulates:
             extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
-        return self._run(sessions.gradient, binding, sessions, {**feeds, **extra})
+        return self._run(sessions.gradient, binding, sessions, {**feeds, **extra, **masks})
 
     def evaluate(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run the eval graph with the current weights. Returns the outputs by name."""

@@ -22,6 +22,7 @@ from ._logging import logger
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
 from .amp.kernels import missing_kernels_explained
+from .devices import device_class
 from .distributed import make_communicator
 from .engine import Engine
 from .graph import rewrites
@@ -117,7 +118,9 @@ class ORTTrainer(_StateMixin):
             save_paths=dict(opts.debug.graph_save_paths),
             accumulate=window > 1 and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
-            passes={name: opts.graph_optimizations[name] for name in rewrites.FORWARD_PASSES + rewrites.GRADIENT_PASSES},
+            passes={**{name: opts.graph_optimizations[name] for name in rewrites.FORWARD_PASSES + rewrites.GRADIENT_PASSES},
+                    "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
+                    and device_class(opts.device.id).host_dropout_masks},
             source=source,
             autocast=opts.mixed_precision.dtype if opts.mixed_precision.enabled else None,
         )

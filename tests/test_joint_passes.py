@@ -40,11 +40,12 @@ class TinyDecoder(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(HIDDEN)
         self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.2)
         self.masks = None  # the float64 reference multiplies by these instead of drawing
+        self.scale = 1 / (1 - P)  # and scales by this
 
     def _drop(self, x, which):
         if self.masks is None:
             return F.dropout(x, P, self.training)
-        return x * self.masks[which] / (1 - P)
+        return x * self.masks[which] * self.scale
 
     def forward(self, ids, labels):
         x = self.embed(ids)
@@ -76,10 +77,10 @@ def _train_step(model, batch, **passes):
     return trainer, {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}, outputs
 
 
-def _reference_grads(model, batch, masks):
+def _reference_grads(model, batch, masks, scale=1 / (1 - P)):
     """float64 PyTorch gradients with the masks ONNX Runtime drew."""
     double = copy.deepcopy(model).double()
-    double.masks = [m.double() for m in masks]
+    double.masks, double.scale = [m.double() for m in masks], scale
     double(*(b.double() if b.is_floating_point() else b for b in batch))[0].backward()
     return {name: p.grad.numpy() for name, p in double.named_parameters()}
 
@@ -95,12 +96,12 @@ def _count(trainer, op_type):
     return sum(n.op_type == op_type for n in trainer._graphs.gradient.graph.node)
 
 
-def _checked_step(model, batch, **passes):
+def _checked_step(model, batch, scale=1 / (1 - P), **passes):
     """A step with ``passes`` on whose gradients match float64 PyTorch on the masks it drew."""
     trainer, grads, (_, logits, probs, branch) = _train_step(model, batch, **passes)
     masks = [probs != 0, branch != 0]
     assert 0 < sum(int((~m).sum()) for m in masks) < sum(m.numel() for m in masks) / 2  # dropout really dropped
-    _assert_close(grads, _reference_grads(model, batch, masks))
+    _assert_close(grads, _reference_grads(model, batch, masks, scale))
     return trainer, grads, logits
 
 
@@ -132,6 +133,81 @@ def test_dropout_gradient_matches_float64_pytorch(tmp_path):
     assert _count(on, "DequantizeLinear") == 1 and _count(off, "DequantizeLinear") == 0
     assert not _unread_masks(on._graphs.gradient)
     assert _dropouts_after_onnxruntime(on._graphs.gradient, tmp_path) == 2
+
+
+def test_host_dropout_masks_match_float64_pytorch():
+    """With static shapes each Dropout becomes ``x · m``, ``m`` an input the engine fills from NumPy
+    (``dropout_masks``): the attention dropout's backward reads the dropped probabilities, the
+    residual one's reads ``m``; gradients equal float64 PyTorch's on the masks drawn, scaled by the
+    reciprocal of the keep probability actually drawn (P = 0.3: 45875 / 2**16)."""
+    from ort_trainer.dropout_masks import keep_threshold
+
+    model, batch = TinyDecoder(), _batch()
+    bits, threshold = keep_threshold(P)
+    assert (bits, threshold) == (16, 45875)
+    on, _, _ = _checked_step(model, batch, scale=2.0 ** bits / threshold, shape_specialization=True,
+                             host_dropout_masks=True)
+    graph = on._graphs.gradient.graph
+    assert _count(on, "Dropout") == 0 and _count(on, "DequantizeLinear") == 0
+    masks = [i.name for i in graph.input if i.name.startswith("ort_trainer/dropout_mask/")]
+    assert len(masks) == 2 and all(dict(i.type.tensor_type.shape.dim[0].ListFields()).get(
+        onnx.TensorShapeProto.Dimension.DESCRIPTOR.fields_by_name["dim_value"]) == 3
+        for i in graph.input if i.name in masks)
+    off, _, _ = _checked_step(model, batch, shape_specialization=True)
+    assert _count(off, "Dropout") == 2  # the pass is off by default
+    # symbolic shapes: the engine could not size the masks, ONNX Runtime's Dropout stays
+    symbolic, _, _ = _checked_step(model, batch, host_dropout_masks=True)
+    assert _count(symbolic, "Dropout") == 2
+
+
+def test_host_dropout_masks_come_from_the_cache_and_resume_exactly(tmp_path, caplog):
+    """A second trainer reuses the cached graph with its mask inputs (a first version rejected it as
+    damaged and rebuilt it every run), and a run resumed from a checkpoint draws the masks the
+    uninterrupted run drew: the same losses, bit for bit."""
+    model, batch = TinyDecoder(), _batch()
+    options = {"graph_optimizations": {**ALL_OFF, "shape_specialization": True, "host_dropout_masks": True},
+               "graph": {"gradient_source": "torch"}}
+
+    def trainer(source):
+        torch.manual_seed(0)  # the dropout seed
+        return ORTTrainer(copy.deepcopy(source), DESC, SGDConfig(lr=0.1), options=options)
+
+    whole = trainer(model)
+    losses = [whole.train_step(*batch)[0].item() for _ in range(4)]
+    assert len(set(losses)) == 4
+    first = trainer(model)
+    with caplog.at_level("WARNING", logger="ort_trainer"):
+        assert [first.train_step(*batch)[0].item() for _ in range(2)] == losses[:2]
+    assert "damaged" not in caplog.text and _count(first, "Dropout") == 0
+    first.save_checkpoint(tmp_path / "half.h5")
+    resumed = trainer(TinyDecoder())
+    resumed.load_checkpoint(tmp_path / "half.h5")
+    assert [resumed.train_step(*batch)[0].item() for _ in range(2)] == losses[2:]
+
+
+def test_host_dropout_masks_draw_from_the_seed_alone():
+    from ort_trainer.dropout_masks import HostDropoutMasks, keep_threshold
+
+    assert keep_threshold(0.1) == (16, 58982) and keep_threshold(0.5) == (16, 32768)
+    assert keep_threshold(0.01)[0] == 32  # 16 bits would put the drop probability 5.5e-4 (relative) off
+    assert keep_threshold(0.0) == (16, 65536)
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [], "g", [onnx.helper.make_tensor_value_info("ort_trainer/dropout_mask/0", onnx.TensorProto.FLOAT, [1000, 1000]),
+                  onnx.helper.make_tensor_value_info("ort_trainer/dropout_mask/1", onnx.TensorProto.FLOAT, [7])], []))
+    model.metadata_props.add(key="ort_trainer.host_dropout_masks",
+                             value='{"ort_trainer/dropout_mask/0": 0.1, "ort_trainer/dropout_mask/1": 0.0}')
+    masks = HostDropoutMasks(model)
+    first = {k: v.copy() for k, v in masks.draw(5).items()}
+    big = first["ort_trainer/dropout_mask/0"]
+    scale = np.float32(65536 / 58982)
+    assert set(np.unique(big)) == {0.0, scale}
+    assert abs(float((big != 0).mean()) - 58982 / 65536) < 3e-3  # 1e6 draws: 10 standard deviations
+    assert abs(float(big.mean()) - 1.0) < 4e-3  # expected value 1: the output's expectation is the input
+    np.testing.assert_array_equal(first["ort_trainer/dropout_mask/1"], np.ones(7, np.float32))
+    again = masks.draw(5)
+    np.testing.assert_array_equal(again["ort_trainer/dropout_mask/0"], big)  # a function of the seed alone
+    assert not np.array_equal(masks.draw(6)["ort_trainer/dropout_mask/0"], big)
+    assert not HostDropoutMasks(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])))
 
 
 @pytest.mark.parametrize("after", ["x", "z"], ids=["times-input", "elsewhere"])

@@ -14,6 +14,10 @@ Run by ``joint_rewrites.apply_joint_passes``; each has a name under ``graph_opti
   as one ``DequantizeLinear`` of the mask cast to bytes (bit-equal). (``Where(mask, g · s, 0)``
   is slower on the CPU: its kernel took 0.7 ms where ``Cast`` + ``Mul`` took 0.3 on a [8, 4, 128,
   128] mask, and it would hide a NaN in ``g`` that PyTorch propagates.)
+- ``host_dropout_masks`` (off by default; CPU graphs only, ``Device.host_dropout_masks``): each
+  static-shape training Dropout as ``x · m`` with ``m`` a graph input the engine fills from the
+  host every step (``ort_trainer/dropout_masks.py``); runs before ``dropout_gradient``, whose
+  backward forms it writes itself.
 - ``sequences``: torch's exporter translates ``split`` / ``split_with_sizes`` (GPT-2's q/k/v) to a
   tensor sequence: ``Split`` -> ``SequenceConstruct`` -> ``SequenceAt(i)`` (inside torchlib's
   ``aten_getitem`` function), and ONNX Runtime's ``SequenceConstruct`` and ``SequenceAt`` each copy
@@ -557,3 +561,70 @@ def _column_of_indices(g: _Graph, name: str) -> bool:
 
 __all__ = ["SMALL_TABLE_ROWS", "column_sums", "dropout_gradient", "erf_gelu_order", "keep_dropouts", "output_reshapes",
            "sequence_reads", "small_table_gradients"]
+
+
+#: metadata key of a graph whose Dropouts take their masks as inputs: JSON ``{input: drop probability}``
+HOST_DROPOUT_MASKS = "ort_trainer.host_dropout_masks"
+_MASK_INPUT = "ort_trainer/dropout_mask/"
+
+
+def host_mask_inputs(model: onnx.ModelProto) -> dict[str, float]:
+    """``{input name: drop probability}`` of the mask inputs ``host_dropout_masks`` gave ``model``."""
+    import json
+
+    entry = next((e.value for e in model.metadata_props if e.key == HOST_DROPOUT_MASKS), None)
+    return json.loads(entry) if entry else {}
+
+
+def host_dropout_masks(model: onnx.ModelProto) -> int:
+    """Each training-mode float32 Dropout of a static shape as ``x · m``, ``m`` a graph input the
+    engine fills every step with a scaled keep mask drawn on the host (``dropout_masks.draw``).
+
+    ONNX Runtime's CPU Dropout draws one float per element from a Mersenne Twister on one thread:
+    4.6 ns per element, 20-25 ms of the GPT-2-like and BERT-like steps (4.46 M elements each); the
+    host draws 16-bit integers from NumPy's PCG64 at about 1.5 ns per element, mask included. The
+    backward's ``g · (Cast(mask) · s)`` reads ``m`` directly, the attention dropout's ``g · y`` as
+    ``dropout_gradient`` would write it; any other reader of the mask gets ``Cast(m, bool)``.
+    The inputs and their drop probabilities are listed in the model's metadata under
+    ``HOST_DROPOUT_MASKS``. Returns the number of Dropouts rewritten.
+    """
+    import json
+
+    g = _Graph(model)
+    types = _elem_types(model)
+    dead: set[int] = set()
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    masks: dict[str, float] = {}
+    for drop in [n for n in model.graph.node if _is(n, "Dropout")]:
+        if len(drop.input) < 3 or not drop.input[1] or not drop.input[2]:
+            continue
+        training, ratio = g.const(drop.input[2]), g.const(drop.input[1])
+        x, shape = drop.input[0], g.shapes.get(drop.input[0])
+        if (training is None or training.size != 1 or not bool(training.flat[0]) or ratio is None or ratio.size != 1
+                or not 0.0 <= float(ratio.flat[0]) < 1.0 or types.get(x) != TensorProto.FLOAT
+                or shape is None or not all(isinstance(d, int) and d > 0 for d in shape)):
+            continue  # symbolic shapes: the engine could not size the mask before the run
+        name = f"{_MASK_INPUT}{len(masks)}"
+        masks[name] = float(ratio.flat[0])
+        model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+        nodes = [helper.make_node("Mul", [x, name], [drop.output[0]], name=f"{name}/apply")]
+        mask = drop.output[1] if len(drop.output) > 1 else ""
+        found = _match_dropout_backward(g, types, drop) if mask else None
+        if found is not None and found[3] is not None:  # the attention dropout: g · y
+            cast, scale_mul, grad_mul, through = found
+            through.input[:] = [_other(grad_mul, scale_mul.output[0]), drop.output[0]]
+            dead |= {id(cast), id(scale_mul), id(grad_mul)}
+        elif found is not None and found[1].output[0] not in g.outputs:  # g · (Cast(mask) · s) -> g · m
+            cast, scale_mul = found[0], found[1]
+            for reader in g.consumers.get(scale_mul.output[0], []):
+                reader.input[:] = [name if i == scale_mul.output[0] else i for i in reader.input]
+            dead |= {id(cast), id(scale_mul)}
+        elif mask and (g.consumers.get(mask) or mask in g.outputs):
+            nodes.append(helper.make_node("Cast", [name], [mask], to=TensorProto.BOOL, name=f"{name}/as_mask"))
+        replaced[id(drop)] = nodes
+        dead.add(id(drop))
+    if not masks:
+        return 0
+    _keep(model, dead, after=replaced)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=HOST_DROPOUT_MASKS, value=json.dumps(masks)))
+    return len(masks)

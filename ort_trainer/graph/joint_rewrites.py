@@ -43,8 +43,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers", "dropout_gradient", "sequences",
-                "output_reshape", "safe_softmax", "column_sums")
+JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers", "host_dropout_masks", "dropout_gradient",
+                "sequences", "output_reshape", "safe_softmax", "column_sums")
 EVAL_PASSES = ("cross_entropy", "sequences", "output_reshape", "safe_softmax", "gelu")
 
 
@@ -289,7 +289,8 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
 
     return _run_passes(model, enabled, (
         ("cross_entropy", cross_entropy_backward), ("embedding_gradient", embedding_gradient),
-        ("integer_powers", integer_powers), ("dropout_gradient", _joint_passes.dropout_gradient),
+        ("integer_powers", integer_powers), ("host_dropout_masks", _joint_passes.host_dropout_masks),
+        ("dropout_gradient", _joint_passes.dropout_gradient),
         ("sequences", _joint_passes.sequence_reads), ("output_reshape", _joint_passes.output_reshapes),
         ("safe_softmax", _softmax_passes.safe_softmax), ("column_sums", _joint_passes.column_sums)))
 

@@ -22,6 +22,7 @@ from .._logging import logger
 from ..model_desc import ModelDescription
 from ..optim.config import LambConfig, _OptimizerConfig
 from . import cache as graph_cache
+from ._joint_passes import host_mask_inputs
 from .export import ExportError, export_order
 from .gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
@@ -341,7 +342,7 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
         problems.append("eval.onnx's outputs are not the description's outputs")
     # the gradient graph may only read what the engine feeds, with the traced program's types
     inputs = prepared.gradient_inputs
-    suffix, fed = GRAD_SUFFIX, set(inputs)
+    suffix, fed = GRAD_SUFFIX, set(inputs) | set(host_mask_inputs(models["gradient"]))
     if accumulate:
         suffix, fed = ACCUMULATED_FLAG_SUFFIX, fed | {w + ACCUMULATOR_SUFFIX for w in trained} | {RESET_INPUT}
     graphs = [models["gradient"].graph] + ([models["eval"].graph] if eval_io and prepared.eval_io is None else [])
