@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
-          "integer_powers", "gelu", "dropout_gradient", "sequences", "output_reshape", "safe_softmax",
+          "integer_powers", "gelu", "host_dropout_masks", "dropout_gradient", "sequences", "output_reshape", "safe_softmax",
           "column_sums", "unfused_skip_layer_norm")
 # the graph passes, and the fused in-place optimizer update (off: graph.optimizer="graph")
 ABLATIONS = (*PASSES, "fused_optimizer")

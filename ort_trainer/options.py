@@ -171,12 +171,11 @@ _SCHEMA: dict[str, _Field] = {
         "'torch' only)"
     ),
     "graph_optimizations.host_dropout_masks": _Field(
-        _BOOL, False, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
+        _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "
-        "draws 4.6 ns per element on one thread (20-25 ms of the GPT-2-like step; the host takes ~6 ms); off by "
-        "default until make bench measures it: in one A/B of 3 alternating rounds the GPT-2-like step's medians "
-        "went 269-275 -> 253-270 ms and the BERT-like 205-228 -> 181-254 ms, 18-22 MB more peak RSS (gradient "
-        "source 'torch' only; GPU graphs keep ONNX Runtime's Dropout)"
+        "draws 4.6 ns per element on one thread (20-25 ms of the GPT-2-like step; the host takes ~6 ms) and "
+        "costs one float per masked element of host memory (18 MB on the GPT-2-like model) (gradient source "
+        "'torch' only; GPU graphs keep ONNX Runtime's Dropout)"
     ),
     "graph_optimizations.dropout_gradient": _Field(
         _BOOL, True, "an attention dropout's backward (grad · mask · scale, then · the softmax output) as grad · "

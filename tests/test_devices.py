@@ -310,9 +310,14 @@ def test_the_step_seed_is_drawn_only_for_graphs_that_draw_random_numbers(monkeyp
     trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
     assert asked == [] and seeds == []
 
-    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5))
-    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE)
-    monkeypatch.setattr(trainer, "_step_seed", lambda: asked.append(1) or 7)
-    for _ in range(2):
-        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
-    assert asked == [1, 1] and seeds == [7, 7]
+    # with its masks drawn on the host (the CPU default) the graph has no Dropout left, but the
+    # step still asks for the seed: the host draws from it instead of ONNX Runtime
+    for host_masks, reseeded in ((False, [7, 7]), (True, [])):
+        model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5))
+        trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE,
+                             options={"graph_optimizations": {"host_dropout_masks": host_masks}})
+        asked.clear(), seeds.clear()
+        monkeypatch.setattr(trainer, "_step_seed", lambda: asked.append(1) or 7)
+        for _ in range(2):
+            trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+        assert asked == [1, 1] and seeds == reseeded

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
 VOCAB, HIDDEN, HEADS, P = 40, 16, 2, 0.3
 PASSES = ("dropout_gradient", "sequences", "output_reshape", "column_sums")
 ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False, "embedding_gradient": False,
-           "fast_gelu_gradient": False, "integer_powers": False, **{name: False for name in PASSES}}
+           "fast_gelu_gradient": False, "integer_powers": False, "host_dropout_masks": False,
+           **{name: False for name in PASSES}}
 
 
 class TinyDecoder(torch.nn.Module):
@@ -140,8 +141,10 @@ def test_host_dropout_masks_match_float64_pytorch():
     (``dropout_masks``): the attention dropout's backward reads the dropped probabilities, the
     residual one's reads ``m``; gradients equal float64 PyTorch's on the masks drawn, scaled by the
     reciprocal of the keep probability actually drawn (P = 0.3: 45875 / 2**16)."""
+    from ort_trainer import ORTTrainerOptions
     from ort_trainer.dropout_masks import keep_threshold
 
+    assert ORTTrainerOptions({}).graph_optimizations.host_dropout_masks  # on by default (CPU graphs)
     model, batch = TinyDecoder(), _batch()
     bits, threshold = keep_threshold(P)
     assert (bits, threshold) == (16, 45875)
@@ -153,8 +156,8 @@ def test_host_dropout_masks_match_float64_pytorch():
     assert len(masks) == 2 and all(dict(i.type.tensor_type.shape.dim[0].ListFields()).get(
         onnx.TensorShapeProto.Dimension.DESCRIPTOR.fields_by_name["dim_value"]) == 3
         for i in graph.input if i.name in masks)
-    off, _, _ = _checked_step(model, batch, shape_specialization=True)
-    assert _count(off, "Dropout") == 2  # the pass is off by default
+    off, _, _ = _checked_step(model, batch, shape_specialization=True, host_dropout_masks=False)
+    assert _count(off, "Dropout") == 2
     # symbolic shapes: the engine could not size the masks, ONNX Runtime's Dropout stays
     symbolic, _, _ = _checked_step(model, batch, host_dropout_masks=True)
     assert _count(symbolic, "Dropout") == 2
@@ -255,9 +258,11 @@ def test_dropout_gradient_keeps_nan_and_inf_where_the_decomposition_has_them(aft
         np.testing.assert_array_equal(out1.view(np.uint32), out0.view(np.uint32))
 
 
-def test_dropout_after_frozen_layers_is_applied(tmp_path):
+@pytest.mark.parametrize("host_masks", [False, True], ids=["onnxruntime-dropout", "host-masks"])
+def test_dropout_after_frozen_layers_is_applied(tmp_path, host_masks):
     """A Dropout whose mask the backward never reads (everything before it frozen) is kept: ONNX
-    Runtime 1.31 would remove it as unused and train without that dropout."""
+    Runtime 1.31 would remove it as unused and train without that dropout. With the masks drawn on
+    the host, the product by the mask input stays."""
     class FrozenFirst(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -276,6 +281,7 @@ def test_dropout_after_frozen_layers_is_applied(tmp_path):
     trainer = ORTTrainer(model, {"inputs": [("x", ["batch", 12]), ("labels", ["batch"])],
                                  "outputs": [("loss", [], True), ("dropped", ["batch", 12])]},
                          SGDConfig(lr=0.0), options={"graph": {"gradient_source": "torch"},
+                                                     "graph_optimizations": {"host_dropout_masks": host_masks},
                                                      "utils": {"frozen_weights": ["first.weight", "first.bias"]}})
     _, dropped = trainer.train_step(*batch)
     mask = dropped != 0
@@ -283,7 +289,9 @@ def test_dropout_after_frozen_layers_is_applied(tmp_path):
     grads = {w: g.numpy() for w, g in trainer._engine.grads.items()}
     expected = _reference_grads(model, batch, [mask])
     _assert_close(grads, {name: expected[name] for name in ("last.weight", "last.bias")})
-    assert _dropouts_after_onnxruntime(trainer._graphs.gradient, tmp_path) == 1
+    assert _dropouts_after_onnxruntime(trainer._graphs.gradient, tmp_path) == (0 if host_masks else 1)
+    read = {name for node in onnx.load(tmp_path / "optimized.onnx").graph.node for name in node.input}
+    assert ("ort_trainer/dropout_mask/0" in read) == host_masks
 
 
 def test_sequences_read_split_outputs_directly():
@@ -444,7 +452,8 @@ def test_passes_apply_to_hugging_face_gpt2():
     for on in (False, True):
         torch.manual_seed(0)
         trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={"graph_optimizations": {name: on for name in PASSES},
+                             options={"graph_optimizations": {**{name: on for name in PASSES},
+                                                              "host_dropout_masks": False},
                                       "graph": {"gradient_source": "torch"}})
         loss, _ = trainer.train_step(ids, torch.ones_like(ids), ids)
         results[on] = (trainer, loss.item(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})

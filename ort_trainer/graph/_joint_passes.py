@@ -14,7 +14,7 @@ Run by ``joint_rewrites.apply_joint_passes``; each has a name under ``graph_opti
   as one ``DequantizeLinear`` of the mask cast to bytes (bit-equal). (``Where(mask, g · s, 0)``
   is slower on the CPU: its kernel took 0.7 ms where ``Cast`` + ``Mul`` took 0.3 on a [8, 4, 128,
   128] mask, and it would hide a NaN in ``g`` that PyTorch propagates.)
-- ``host_dropout_masks`` (off by default; CPU graphs only, ``Device.host_dropout_masks``): each
+- ``host_dropout_masks`` (CPU graphs only, ``Device.host_dropout_masks``): each
   static-shape training Dropout as ``x · m`` with ``m`` a graph input the engine fills from the
   host every step (``ort_trainer/dropout_masks.py``); runs before ``dropout_gradient``, whose
   backward forms it writes itself.
