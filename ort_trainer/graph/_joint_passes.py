@@ -49,6 +49,7 @@ Run by ``joint_rewrites.apply_joint_passes``; each has a name under ``graph_opti
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -161,8 +162,7 @@ def dropout_gradient(model: onnx.ModelProto) -> int:
         count += 1
         cast, scale_mul, grad_mul, through = found
         if through is not None:
-            through.input[:] = [_other(grad_mul, scale_mul.output[0]), drop.output[0]]
-            dead |= {id(cast), id(scale_mul), id(grad_mul)}
+            dead |= _gradient_times_output(found, drop)
             continue
         scale = _other(scale_mul, cast.output[0])
         next(a for a in cast.attribute if a.name == "to").i = TensorProto.UINT8
@@ -179,14 +179,34 @@ def dropout_gradient(model: onnx.ModelProto) -> int:
     return count
 
 
+def _training_ratio(g: _Graph, drop: onnx.NodeProto) -> float | None:
+    """The drop probability of a Dropout that always runs in training mode with a constant ratio;
+    None for any other (one that may run in inference mode returns x itself, not mask · x · scale)."""
+    if len(drop.input) < 3 or not drop.input[1] or not drop.input[2]:
+        return None
+    training, ratio = g.const(drop.input[2]), g.const(drop.input[1])
+    if training is None or training.size != 1 or not bool(training.flat[0]) or ratio is None or ratio.size != 1:
+        return None
+    return float(ratio.flat[0])
+
+
+def _gradient_times_output(found: tuple, drop: onnx.NodeProto) -> set[int]:
+    """Rewrite the attention dropout's ``Mul(Mul(g, Cast(mask) · s), x)`` (``found``, from
+    ``_match_dropout_backward``, with its last element) as ``Mul(g, y)``, ``y`` the Dropout's
+    output; returns the ids of the nodes that become dead."""
+    cast, scale_mul, grad_mul, through = found
+    through.input[:] = [_other(grad_mul, scale_mul.output[0]), drop.output[0]]
+    return {id(cast), id(scale_mul), id(grad_mul)}
+
+
 def _match_dropout_backward(g: _Graph, types: dict[str, int], drop: onnx.NodeProto) -> tuple | None:
     """``(Cast, Mul(cast, s), Mul(g, cs), Mul(gin, x) or None)`` of the pattern at ``drop``, or None."""
-    if len(drop.output) != 2 or not drop.output[1] or len(drop.input) < 3 or drop.output[1] in g.outputs:
+    if len(drop.output) != 2 or not drop.output[1] or drop.output[1] in g.outputs:
         return None
     x, mask = drop.input[0], drop.output[1]
-    training, ratio = g.const(drop.input[2]), g.const(drop.input[1]) if drop.input[1] else None
-    if training is None or training.size != 1 or not bool(training.flat[0]) or ratio is None or ratio.size != 1:
-        return None  # a Dropout that may run in inference mode returns x itself, not mask · x · scale
+    ratio = _training_ratio(g, drop)
+    if ratio is None:
+        return None
     if types.get(x) != TensorProto.FLOAT or types.get(drop.output[0]) != TensorProto.FLOAT:
         return None
     cast = _sole_consumer(g, mask)
@@ -197,7 +217,7 @@ def _match_dropout_backward(g: _Graph, types: dict[str, int], drop: onnx.NodePro
         return None
     scale = g.const(_other(scale_mul, cast.output[0]))
     if (scale is None or scale.shape != () or scale.dtype != np.float32
-            or abs(float(scale) * (1.0 - float(ratio.flat[0])) - 1.0) > 1e-6):
+            or abs(float(scale) * (1.0 - ratio) - 1.0) > 1e-6):
         return None  # not this Dropout's 1 / (1 - ratio) as a float scalar
     grad_mul = _sole_consumer(g, scale_mul.output[0])
     if grad_mul is None or not _is(grad_mul, "Mul"):
@@ -559,10 +579,6 @@ def _column_of_indices(g: _Graph, name: str) -> bool:
     return target is not None and target.reshape(-1).tolist() == [-1, 1]
 
 
-__all__ = ["SMALL_TABLE_ROWS", "column_sums", "dropout_gradient", "erf_gelu_order", "keep_dropouts", "output_reshapes",
-           "sequence_reads", "small_table_gradients"]
-
-
 #: metadata key of a graph whose Dropouts take their masks as inputs: JSON ``{input: drop probability}``
 HOST_DROPOUT_MASKS = "ort_trainer.host_dropout_masks"
 _MASK_INPUT = "ort_trainer/dropout_mask/"
@@ -570,8 +586,6 @@ _MASK_INPUT = "ort_trainer/dropout_mask/"
 
 def host_mask_inputs(model: onnx.ModelProto) -> dict[str, float]:
     """``{input name: drop probability}`` of the mask inputs ``host_dropout_masks`` gave ``model``."""
-    import json
-
     entry = next((e.value for e in model.metadata_props if e.key == HOST_DROPOUT_MASKS), None)
     return json.loads(entry) if entry else {}
 
@@ -588,32 +602,25 @@ def host_dropout_masks(model: onnx.ModelProto) -> int:
     The inputs and their drop probabilities are listed in the model's metadata under
     ``HOST_DROPOUT_MASKS``. Returns the number of Dropouts rewritten.
     """
-    import json
-
     g = _Graph(model)
     types = _elem_types(model)
     dead: set[int] = set()
     replaced: dict[int, list[onnx.NodeProto]] = {}
     masks: dict[str, float] = {}
     for drop in [n for n in model.graph.node if _is(n, "Dropout")]:
-        if len(drop.input) < 3 or not drop.input[1] or not drop.input[2]:
-            continue
-        training, ratio = g.const(drop.input[2]), g.const(drop.input[1])
+        ratio = _training_ratio(g, drop)
         x, shape = drop.input[0], g.shapes.get(drop.input[0])
-        if (training is None or training.size != 1 or not bool(training.flat[0]) or ratio is None or ratio.size != 1
-                or not 0.0 <= float(ratio.flat[0]) < 1.0 or types.get(x) != TensorProto.FLOAT
+        if (ratio is None or not 0.0 <= ratio < 1.0 or types.get(x) != TensorProto.FLOAT
                 or shape is None or not all(isinstance(d, int) and d > 0 for d in shape)):
             continue  # symbolic shapes: the engine could not size the mask before the run
         name = f"{_MASK_INPUT}{len(masks)}"
-        masks[name] = float(ratio.flat[0])
+        masks[name] = ratio
         model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
         nodes = [helper.make_node("Mul", [x, name], [drop.output[0]], name=f"{name}/apply")]
         mask = drop.output[1] if len(drop.output) > 1 else ""
         found = _match_dropout_backward(g, types, drop) if mask else None
         if found is not None and found[3] is not None:  # the attention dropout: g · y
-            cast, scale_mul, grad_mul, through = found
-            through.input[:] = [_other(grad_mul, scale_mul.output[0]), drop.output[0]]
-            dead |= {id(cast), id(scale_mul), id(grad_mul)}
+            dead |= _gradient_times_output(found, drop)
         elif found is not None and found[1].output[0] not in g.outputs:  # g · (Cast(mask) · s) -> g · m
             cast, scale_mul = found[0], found[1]
             for reader in g.consumers.get(scale_mul.output[0], []):
@@ -628,3 +635,8 @@ def host_dropout_masks(model: onnx.ModelProto) -> int:
     _keep(model, dead, after=replaced)
     model.metadata_props.append(onnx.StringStringEntryProto(key=HOST_DROPOUT_MASKS, value=json.dumps(masks)))
     return len(masks)
+
+
+__all__ = ["HOST_DROPOUT_MASKS", "SMALL_TABLE_ROWS", "column_sums", "dropout_gradient", "erf_gelu_order",
+           "host_dropout_masks", "host_mask_inputs", "keep_dropouts", "output_reshapes", "sequence_reads",
+           "small_table_gradients"]
