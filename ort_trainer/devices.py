@@ -251,10 +251,19 @@ class CPUDevice(Device):
         held twice. Measured (peak RSS after 4 steps, fresh processes): GPT-2-like 1080 -> 866 MB,
         BERT-like 822 -> 694 MB, against 813 and 764 MB for eager PyTorch; step times within
         the machine's noise (MLP fastest steps 1.3-1.4 ms either way).
+
+        And nodes run in the graph's own order where their inputs allow (``PRIORITY_BASED``: the
+        ready node of lowest index first). ONNX Runtime's default order is a depth-first walk from
+        the graph outputs, which ran the GPT-2-like loss's ``GatherElements`` (its only reader
+        being the ``loss`` output) after the whole backward: the [1024, 8000] log-probabilities
+        stayed alive throughout, and the backward's ``Exp`` could not reuse their buffer. With the
+        graph's order, the resident memory after each step went 810 -> 760 MB (GPT-2-like) with
+        step times unchanged (248 and 252 ms median, alternating in one process).
         """
         super().configure_session(options)
         _use_shared_arena(options)
         options.enable_mem_pattern = False
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 
     def disabled_optimizers(self, unfused_skip_layer_norm: bool) -> list[str]:
         """``SkipLayerNormFusion`` with ``unfused_skip_layer_norm``: the CPU ``SkipLayerNormalization``

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -612,6 +613,33 @@ def test_code_only_the_trace_runs_changes_the_key(pair):
 
 def test_a_hook_on_an_intermediate_tensor_gives_no_key():
     assert _key(_seeded(_IntermediateHook)) is None
+
+
+_KEPT: list[bool] = []  # whether each record forward's autograd kept its intermediate
+
+
+class _SavesItsInput(MLP):
+    """``sin`` saves its input for the backward: an intermediate autograd would keep alive."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        ref = weakref.ref(h)
+        out = self.fc2(torch.sin(h))
+        del h
+        _KEPT.append(ref() is not None)
+        return out
+
+
+def test_the_record_keeps_no_tensors_for_a_backward():
+    """The record's forward runs with grad enabled, as the trace does, but autograd saves nothing:
+    it holds what an inference holds (the GPT-2-like model's peak RSS was this forward's)."""
+    _KEPT.clear()
+    assert _key(_seeded(_SavesItsInput)) is not None
+    assert _KEPT == [False, False]  # train and eval mode
+    _KEPT.clear()
+    with torch.enable_grad():
+        _seeded(_SavesItsInput)(_batch()[0])
+    assert _KEPT == [True]  # the model itself: autograd keeps ``h``
 
 
 class _ScalarConstant(MLP):

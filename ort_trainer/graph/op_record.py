@@ -26,7 +26,9 @@ attributes the forward changes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -52,7 +54,8 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, labels: dict[int, str]):
         super().__init__()
         self._labels = dict(labels)
-        self._alive: list[torch.Tensor] = []  # keeps ids unique while the record runs
+        self._alive: list[torch.Tensor] = []  # constants: their ids stay unique while the record runs
+        self._watched: dict[int, weakref.ref] = {}  # outputs: a label leaves with its tensor
         self._count = 0
         self.digest = hashlib.sha256()
 
@@ -61,6 +64,10 @@ class _Recorder(TorchDispatchMode):
         # never under torch.compile; the default wraps __torch_dispatch__ in a dynamo disable,
         # which imports torch._dynamo (~1 s in a fresh process) on the first operator
         return False
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        if self._watched.get(key) is ref:
+            del self._watched[key], self._labels[key]
 
     def _tensor(self, tensor: torch.Tensor) -> str:
         label = self._labels.get(id(tensor))
@@ -91,8 +98,11 @@ class _Recorder(TorchDispatchMode):
         outputs = result if isinstance(result, (list, tuple)) else [result]
         for output in outputs:
             if isinstance(output, torch.Tensor):
-                self._labels[id(output)] = f"v{self._count}"
-                self._alive.append(output)
+                # not kept alive: an intermediate is freed when the forward drops it, as in an
+                # inference, and its id's label goes with it (a new tensor may take the id)
+                key = id(output)
+                self._labels[key] = f"v{self._count}"
+                self._watched[key] = weakref.ref(output, functools.partial(self._forget, key))
                 self._count += 1
         self.digest.update(f"{line}->{self._encode(result)}\n".encode())
         return result
@@ -134,7 +144,7 @@ def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                 recorder = _Recorder(labels)
                 # grad enabled in both modes, as the traces are
                 try:
-                    with torch.enable_grad(), tracing(), _HookWatch(), recorder:
+                    with torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(), recorder:
                         outputs = wrapper(*inputs)
                 except _Declined:
                     raise
@@ -150,6 +160,18 @@ def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
         logger.debug("no record key (%s); the graph cache is looked up by the export's key", exc)
         return None
     return digest.hexdigest()
+
+
+def _drop(tensor: torch.Tensor) -> None:
+    """The pack hook of ``_nothing_saved``: keeps nothing."""
+    return None
+
+
+def _nothing_saved() -> contextlib.AbstractContextManager:
+    """Autograd keeps none of the tensors it would save for a backward the record never runs: the
+    forward holds what an inference holds. (Saving them kept the GPT-2-like model's activations,
+    ~300 MB, resident until the record ended: the process's peak RSS.)"""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, lambda packed: packed)
 
 
 @contextlib.contextmanager
@@ -186,15 +208,16 @@ def _weight_labels(wrapper: torch.nn.Module) -> dict[int, str]:
 
 
 class _HookWatch(TorchFunctionMode):
-    """Declines when the forward registers a hook on a tensor or runs under saved-tensor hooks
-    (they would run in the backward)."""
+    """Declines when the forward registers a hook on a tensor or runs under saved-tensor hooks of
+    its own (they would run in the backward)."""
 
     _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self._HOOKS:
             raise _Declined("the forward registers a tensor hook")
-        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is not None and hooks[0] is not _drop:  # the record's own (``_nothing_saved``) aside
             raise _Declined("the forward runs under saved-tensor hooks")
         return func(*args, **(kwargs or {}))
 
