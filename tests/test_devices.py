@@ -272,8 +272,9 @@ def test_the_default_device_here():
 
 def test_sessions_the_engine_makes_stop_spinning_and_hold_activations_once():
     """Engine-made CPU sessions: threads stop spinning when a run ends, no memory pattern (it
-    allocated a second copy of the activations beside the arena's); the user's own session
-    options are used as given."""
+    allocated a second copy of the activations beside the arena's), nodes in the graph's order
+    (the default order ran the GPT-2-like loss's last reader of the log-probabilities after the
+    whole backward); the user's own session options are used as given."""
     model = MLP()
     trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE)
     trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
@@ -281,12 +282,14 @@ def test_sessions_the_engine_makes_stop_spinning_and_hold_activations_once():
     assert made.enable_mem_pattern is False
     assert made.get_session_config_entry("session.force_spinning_stop") == "1"
     assert made.get_session_config_entry("session.use_env_allocators") == "1"
+    assert made.execution_order == ort.ExecutionOrder.PRIORITY_BASED
 
     own = ort.SessionOptions()
     trainer = ORTTrainer(clone(model), MLP_DESC, AdamConfig(lr=1e-3), loss_fn=CE,
                          options=ORTTrainerOptions({"session_options": own}))
     trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
     assert trainer._engine._session_options is own and own.enable_mem_pattern is True
+    assert own.execution_order == ort.ExecutionOrder.DEFAULT
     with pytest.raises(Exception):  # no entry was added to the user's options
         own.get_session_config_entry("session.force_spinning_stop")
 
