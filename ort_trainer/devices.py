@@ -257,7 +257,7 @@ class CPUDevice(Device):
         the graph outputs, which ran the GPT-2-like loss's ``GatherElements`` (its only reader
         being the ``loss`` output) after the whole backward: the [1024, 8000] log-probabilities
         stayed alive throughout, and the backward's ``Exp`` could not reuse their buffer. With the
-        graph's order, the resident memory after each step went 810 -> 760 MB (GPT-2-like) with
+        graph's order, the resident memory after each step went 810 -> 754-768 MB (GPT-2-like) with
         step times unchanged (248 and 252 ms median, alternating in one process).
         """
         super().configure_session(options)
