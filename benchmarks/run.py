@@ -10,11 +10,13 @@ environment (ONNX Runtime's gradient builder). For each model of ``benchmarks/mo
    today's runtime, ort_trainer on the legacy runtime, eager PyTorch, torch.compile (same initial
    weights, AdamW, clipping at 1.0). A worker warms its implementation up (ort_trainer's graph
    comes from the cache the graph-build workers filled, one cache per runtime), then times
-   ``--steps`` training steps and a few evaluation steps (``eval_step`` vs ``torch.no_grad()``
-   eager). The table reports, per implementation, the median over every timed step of every
-   round. Eager and torch.compile run in this interpreter only (both environments hold the same
-   torch), so one eager and one torch.compile measurement is the baseline of both runtimes: ONNX
-   Runtime's intra-op threads, which spin after each run, never share a process with PyTorch;
+   training steps, then evaluation steps (``eval_step`` vs ``torch.no_grad()`` eager): at least
+   ``--steps`` of each (a quarter of that for evaluation), and more until ``--min-seconds`` have
+   passed, so a 1 ms step is timed thousands of times. The table reports, per implementation, the
+   median over every timed step of every round. Eager and torch.compile run in this interpreter
+   only (both environments hold the same torch), so one eager and one torch.compile measurement
+   is the baseline of both runtimes: ONNX Runtime's intra-op threads, which spin after each run,
+   never share a process with PyTorch;
 2. peak RSS: one fresh process per implementation (per runtime) trains a few steps and reports
    ``ru_maxrss``;
 3. graph build: ort_trainer's first step in a process with an empty graph cache, then in a
@@ -141,9 +143,23 @@ def worker_timing(args) -> dict:
             result["errors"][impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     for _ in range(args.rounds):
         for impl, (train, evaluate) in impls.items():
-            result["train"].setdefault(impl, []).extend(_timed(train) for _ in range(args.steps))
-            result["eval"].setdefault(impl, []).extend(_timed(evaluate) for _ in range(max(3, args.steps // 4)))
+            result["train"].setdefault(impl, []).extend(_timed_steps(train, args.steps, args.min_seconds))
+            result["eval"].setdefault(impl, []).extend(
+                _timed_steps(evaluate, max(3, args.steps // 4), args.min_seconds))
     return result
+
+
+def _timed_steps(fn, steps: int, min_seconds: float) -> list[float]:
+    """Times of ``fn``'s calls: at least ``steps`` of them, and more until ``min_seconds`` have passed.
+
+    A 1 ms MLP step timed 10 times gives a median of 10 noisy samples; timed for 2 s it gives
+    ~2000, while a 250 ms transformer step is timed ``steps`` times as before.
+    """
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < steps or time.perf_counter() - started < min_seconds:
+        times.append(_timed(fn))
+    return times
 
 
 def worker_rss(args) -> dict:
@@ -179,9 +195,10 @@ def worker_build(args) -> dict:
 
 # ---- orchestration ------------------------------------------------------------------------------
 def _spawn(kind: str, model: str, impls: str, steps: int, warmup: int = 3, rounds: int = 1,
-           env: dict | None = None, python: str = sys.executable) -> dict:
+           env: dict | None = None, python: str = sys.executable, min_seconds: float = 0.0) -> dict:
     command = [python, __file__, "--worker", kind, "--model", model, "--impls", impls,
-               "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
+               "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds),
+               "--min-seconds", str(min_seconds)]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
@@ -235,7 +252,10 @@ def main() -> None:
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--models", default="mlp,bert,gpt2")
     parser.add_argument("--impls", default="ort,eager,compile")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation per round")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation per round (at least)")
+    parser.add_argument("--min-seconds", type=float, default=2.0,
+                        help="time steps (and evaluation steps) for at least this long per implementation per round; "
+                             "the ablation uses a quarter of it")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-ablation", action="store_true")
@@ -252,6 +272,7 @@ def main() -> None:
     runtimes = {"current": sys.executable, **({"legacy": args.legacy_python} if args.legacy_python else {})}
     impls = args.impls.split(",")
     report = {"machine": _machine(), "load_before": os.getloadavg(), "timing": {},
+              "timing_settings": {"steps": args.steps, "min_seconds": args.min_seconds},
               "runtimes": {runtime: {} for runtime in runtimes}}
     for model in args.models.split(","):
         with tempfile.TemporaryDirectory() as cache_root:
@@ -273,7 +294,8 @@ def main() -> None:
                 if not args.no_ablation:
                     entries[runtime]["ablation"] = {
                         name: _spawn("timing", model, f"ort,ort_without:{name}", max(5, args.steps // 2), 3,
-                                     args.rounds, env=envs[runtime], python=python)
+                                     args.rounds, env=envs[runtime], python=python,
+                                     min_seconds=args.min_seconds / 4)
                         for name in ABLATIONS}
     report["load_after"] = os.getloadavg()
     write_report(report, args.out)
@@ -292,7 +314,7 @@ def _timing_rounds(model: str, impls: list[str], runtimes: dict[str, str], envs:
         impls: ``ort`` (measured on every runtime), ``eager`` and/or ``compile`` (this interpreter).
         runtimes: runtime name to its python interpreter.
         envs: runtime name to the environment of its workers (its graph cache).
-        args: the parsed command line (``steps``, ``warmup``, ``rounds``).
+        args: the parsed command line (``steps``, ``min_seconds``, ``warmup``, ``rounds``).
 
     Returns:
         ``{key: {"train": [s, ...], "eval": [s, ...], "round_medians_ms": [...], "round_other_cores":
@@ -308,7 +330,8 @@ def _timing_rounds(model: str, impls: list[str], runtimes: dict[str, str], envs:
         for key, impl, python, env in workers if round_index % 2 == 0 else reversed(workers):
             print(f"== {model}: round {round_index + 1}/{args.rounds}, {key}", flush=True)
             before = _cpu_seconds()
-            result = _spawn("timing", model, impl, args.steps, args.warmup, 1, env=env, python=python)
+            result = _spawn("timing", model, impl, args.steps, args.warmup, 1, env=env, python=python,
+                            min_seconds=args.min_seconds)
             others = _cores_used_by_others(before, _cpu_seconds())
             record = timing[key]
             train = result.get("train", {}).get(impl)
@@ -357,6 +380,21 @@ def _load(values) -> str:
     return " / ".join(f"{value:.2f}" for value in values) if values else "not recorded"
 
 
+def _timed_for(report: dict) -> str:
+    """How long each worker timed, as the report's settings say (empty for a report without them)."""
+    settings = report.get("timing_settings")
+    if not settings:
+        return ""
+    return (f" (training steps: at least {settings['steps']} and for at least {settings['min_seconds']:g} s; "
+            f"then evaluation steps: at least {max(3, settings['steps'] // 4)} and for at least "
+            f"{settings['min_seconds']:g} s)")
+
+
+def _ms(value: float) -> str:
+    """A time in ms with two significant decimals below 10 ms (a 0.3 / 0.4 ms comparison says little)."""
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
 def write_report(report: dict, out: Path) -> None:
     """Write the markdown tables (a row per model per runtime) and the PNG chart.
 
@@ -379,9 +417,9 @@ def write_report(report: dict, out: Path) -> None:
               "Written by `make bench` (`benchmarks/run.py`). Timing: each implementation in its own process, "
               "alternating rounds; both runtimes against the same eager/compile measurement. A round starts a "
               "fresh process per implementation (ort_trainer on each runtime, eager, torch.compile; the order "
-              "reversed every other round), which warms up, then times its steps; a time is the median over "
-              "every timed step of every round. Speed-up = PyTorch time / ort_trainer time (> 1: ort_trainer is "
-              "faster). RSS = peak resident memory of a process training that model.", "",
+              f"reversed every other round), which warms up, then times its steps{_timed_for(report)}; a time is "
+              "the median over every timed step of every round. Speed-up = PyTorch time / ort_trainer time "
+              "(> 1: ort_trainer is faster). RSS = peak resident memory of a process training that model.", "",
               "## Training step", "",
               "| model | runtime | ort_trainer ms | eager ms | torch.compile ms | vs eager | vs compile | "
               "RSS ort / eager MB | RSS ratio |",
@@ -391,7 +429,7 @@ def write_report(report: dict, out: Path) -> None:
     for model in model_names:
         timing = timings.get(model, {})
         eager, comp = _median_of(timing, "eager", "train"), _median_of(timing, "compile", "train")
-        comp_cell = f"{comp:.1f}" if comp else f"failed: {timing['compile']['errors']}" if "compile" in timing \
+        comp_cell = _ms(comp) if comp else f"failed: {timing['compile']['errors']}" if "compile" in timing \
             else "not run"
         for runtime, models in runtimes.items():
             if model not in models:
@@ -404,7 +442,7 @@ def write_report(report: dict, out: Path) -> None:
                 continue
             rss = {impl: value.get("peak_rss_mb") or 0 for impl, value in models[model].get("rss", {}).items()}
             lines.append(
-                f"| {model} | {runtime} | {ort:.1f} | {eager:.1f} | {comp_cell} | {eager / ort:.2f}× | "
+                f"| {model} | {runtime} | {_ms(ort)} | {_ms(eager)} | {comp_cell} | {eager / ort:.2f}× | "
                 f"{_ratio(comp, ort):.2f}× | {rss.get('ort', 0):.0f} / {rss.get('eager', 0):.0f} | "
                 f"{_ratio(rss.get('ort'), rss.get('eager')):.2f} |")
             chart.setdefault(model, {"eager": 1.0})[f"ort_trainer ({runtime})"] = ort / eager
@@ -418,7 +456,7 @@ def write_report(report: dict, out: Path) -> None:
         for runtime, models in runtimes.items():
             ort = _median_of(timing, _timing_key("ort", runtime), "eval")
             if model in models and ort and eager:
-                lines.append(f"| {model} | {runtime} | {ort:.1f} | {eager:.1f} | {eager / ort:.2f}× |")
+                lines.append(f"| {model} | {runtime} | {_ms(ort)} | {_ms(eager)} | {eager / ort:.2f}× |")
     lines += ["", "## Timing rounds", "",
               "The median training step of each round, in ms, in the order the rounds ran; in brackets the cores "
               "that other processes kept busy meanwhile (on 2 cores, eager PyTorch's OpenMP threads slow down "
@@ -427,7 +465,7 @@ def write_report(report: dict, out: Path) -> None:
     for model in model_names:
         for key, record in timings.get(model, {}).items():
             others = record.get("round_other_cores") or [None] * len(record.get("round_medians_ms", []))
-            cell = ", ".join(f"{value:.1f}" + (f" ({busy:.2f})" if busy is not None else "")
+            cell = ", ".join(_ms(value) + (f" ({busy:.2f})" if busy is not None else "")
                              for value, busy in zip(record.get("round_medians_ms", []), others))
             if record.get("errors"):
                 cell += f" (failed rounds: {record['errors']})"
@@ -493,7 +531,7 @@ def write_report(report: dict, out: Path) -> None:
                                      f"{result.get('error', result.get('errors'))} |")
                         continue
                     on, off = train["ort"], train[f"ort_without:{name}"]
-                    lines.append(f"| {model} | {runtime} | {name} | {on:.1f} | {off:.1f} | {off / on:.2f}× |")
+                    lines.append(f"| {model} | {runtime} | {name} | {_ms(on)} | {_ms(off)} | {off / on:.2f}× |")
     out.write_text("\n".join(lines) + "\n")
     _chart(chart, out.with_suffix(".png"))
     print("\n".join(lines))

@@ -41,6 +41,7 @@ def _report() -> dict:
     current, legacy = "onnxruntime 1.31.1", "onnxruntime-training-cpu 1.19.2"
     return {
         "machine": "test machine", "load_before": (1.5, 1.25, 1.0), "load_after": (2.0, 1.5, 1.0),
+        "timing_settings": {"steps": 10, "min_seconds": 2.0},
         "timing": {
             # medians: the middle of the pooled steps (0.25 here), not the mean
             "bert": {"ort@current": _timed([0.25, 0.24, 0.9], current, "torch"),
@@ -66,7 +67,7 @@ def test_both_runtimes_are_rated_against_the_same_eager_and_compile_measurement(
     # one eager (300 ms) and one torch.compile (310 ms) in both rows; the legacy row has its vs-compile ratio
     assert "| bert | current | 250.0 | 300.0 | 310.0 | 1.20× | 1.24× | 700 / 750 | 0.93 |" in text
     assert "| bert | legacy | 260.0 | 300.0 | 310.0 | 1.15× | 1.19× | 600 / 750 | 0.80 |" in text
-    assert "| mlp | legacy | 3.0 | 2.5 | not run | 0.83× | nan× |" in text
+    assert "| mlp | legacy | 3.00 | 2.50 | not run | 0.83× | nan× |" in text  # two decimals below 10 ms
     assert "| bert | legacy | 86.7 | 100.0 | 1.15× |" in text  # evaluation against the same eager no_grad
     assert "| bert | ort@current | 250.0 (0.05) |" in text and "| bert | eager | 300.0 (0.05) |" in text
     # today's runtime against the legacy ratio: two ort processes against one eager
@@ -81,6 +82,8 @@ def test_both_runtimes_are_rated_against_the_same_eager_and_compile_measurement(
     assert "each implementation in its own process, alternating rounds; both runtimes against the same " \
            "eager/compile measurement" in text
     assert "1.50 / 1.25 / 1.00 at the start, 2.00 / 1.50 / 1.00 at the end" in text
+    assert "(training steps: at least 10 and for at least 2 s; then evaluation steps: at least 3 and for at " \
+           "least 2 s)" in text
     chart = bench.charts[0]["bert"]
     assert chart["ort_trainer (legacy)"] == pytest.approx(260 / 300)
     assert chart["ort_trainer (current)"] == pytest.approx(250 / 300)
@@ -97,8 +100,8 @@ def test_a_failed_runtime_gets_a_failed_row_and_the_ablation_says_it_shares_a_pr
     bench.write_report(report, out)
     text = out.read_text()
     assert "| mlp | legacy | failed: {'ort@legacy': ['ImportError: no onnxruntime'], 'eager': []} |" in text
-    assert "| mlp | current | 2.0 | 2.5 |" in text
-    assert "| mlp | current | sparse_labels | 2.0 | 3.0 | 1.50× |" in text
+    assert "| mlp | current | 2.00 | 2.50 |" in text
+    assert "| mlp | current | sparse_labels | 2.00 | 3.00 | 1.50× |" in text
     assert "alternating in one process per runtime: both sides are ONNX Runtime" in text
     assert "| mlp: step vs eager on today's runtime ≥ on 1.19.2 (nan×) | 1.25× | not measured |" in text
 
@@ -106,8 +109,8 @@ def test_a_failed_runtime_gets_a_failed_row_and_the_ablation_says_it_shares_a_pr
 def test_the_rounds_alternate_fresh_processes_and_pool_every_timed_step(bench, monkeypatch):
     calls = []
 
-    def spawn(kind, model, impls, steps, warmup=3, rounds=1, env=None, python="python"):
-        calls.append((impls, python, env["ORT_TRAINER_CACHE_DIR"], rounds))
+    def spawn(kind, model, impls, steps, warmup=3, rounds=1, env=None, python="python", min_seconds=0.0):
+        calls.append((impls, python, env["ORT_TRAINER_CACHE_DIR"], rounds, min_seconds))
         step = {"ort": 0.001 * len(calls), "eager": 0.002, "compile": 0.003}[impls]
         if python == "legacy-python" and len(calls) > 4:
             return {"error": "RuntimeError: killed"}
@@ -115,7 +118,7 @@ def test_the_rounds_alternate_fresh_processes_and_pool_every_timed_step(bench, m
                 "runtime": f"runtime of {python}", "gradient_source": "torch"}
 
     monkeypatch.setattr(bench, "_spawn", spawn)
-    args = type("Args", (), {"steps": 2, "warmup": 1, "rounds": 2})()
+    args = type("Args", (), {"steps": 2, "warmup": 1, "rounds": 2, "min_seconds": 1.5})()
     envs = {"current": {"ORT_TRAINER_CACHE_DIR": "/c"}, "legacy": {"ORT_TRAINER_CACHE_DIR": "/l"}}
     timing = bench._timing_rounds("mlp", ["ort", "eager", "compile"], {"current": "py", "legacy": "legacy-python"},
                                   envs, args)
@@ -123,6 +126,7 @@ def test_the_rounds_alternate_fresh_processes_and_pool_every_timed_step(bench, m
                                       ("compile", "py", "/c"), ("compile", "py", "/c"), ("eager", "py", "/c"),
                                       ("ort", "legacy-python", "/l"), ("ort", "py", "/c")]
     assert {c[3] for c in calls} == {1}  # one round per worker process
+    assert {c[4] for c in calls} == {1.5}  # each worker times for at least --min-seconds
     assert list(timing) == ["ort@current", "ort@legacy", "eager", "compile"]
     assert timing["ort@current"]["train"] == [0.001, 0.001, 0.008, 0.008]
     assert timing["ort@current"]["round_medians_ms"] == [1.0, 8.0]
@@ -138,3 +142,14 @@ def test_the_load_of_other_processes_excludes_the_worker(bench):
     assert bench._cores_used_by_others((100.0, 50.0, 3.0), (110.0, 64.0, 12.0)) == 0.5
     assert bench._cores_used_by_others((100.0, 50.0, 3.0), (110.0, 55.0, 12.0)) == 0.0
     assert bench._cores_used_by_others(None, (110.0, 64.0, 12.0)) is None
+
+
+def test_a_worker_times_at_least_the_steps_and_at_least_the_seconds(bench, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def step(seconds):
+        return lambda: clock.__setitem__(0, clock[0] + seconds)
+
+    assert bench._timed_steps(step(1.0), 5, 2.0) == [1.0] * 5  # a slow step: the steps bound
+    assert bench._timed_steps(step(0.25), 3, 2.0) == [0.25] * 8  # a fast step: timed for 2 s

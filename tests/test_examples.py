@@ -95,7 +95,8 @@ def test_benchmark_runner_writes_its_report(tmp_path):
     """`make bench` in miniature: the MLP only, two steps, no ablation."""
     out = tmp_path / "bench.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--models", "mlp", "--steps", "2",
-                             "--rounds", "1", "--warmup", "1", "--impls", "ort,eager", "--no-ablation", "--out", str(out)],
+                             "--min-seconds", "0.2", "--rounds", "1", "--warmup", "1", "--impls", "ort,eager",
+                             "--no-ablation", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()
