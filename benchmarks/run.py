@@ -136,7 +136,8 @@ def worker_timing(args) -> dict:
                                     passes_off=tuple(p for p in impl.split(":")[1:] if p))
             for _ in range(args.warmup):
                 train()
-                evaluate()
+                if not args.no_eval:
+                    evaluate()
             result.setdefault("warmup_s", {})[impl] = time.perf_counter() - started
             impls[impl] = (train, evaluate)
         except Exception as exc:  # torch.compile may fail on a machine: report it honestly
@@ -144,8 +145,9 @@ def worker_timing(args) -> dict:
     for _ in range(args.rounds):
         for impl, (train, evaluate) in impls.items():
             result["train"].setdefault(impl, []).extend(_timed_steps(train, args.steps, args.min_seconds))
-            result["eval"].setdefault(impl, []).extend(
-                _timed_steps(evaluate, max(3, args.steps // 4), args.min_seconds))
+            if not args.no_eval:
+                result["eval"].setdefault(impl, []).extend(
+                    _timed_steps(evaluate, max(3, args.steps // 4), args.min_seconds))
     return result
 
 
@@ -195,10 +197,11 @@ def worker_build(args) -> dict:
 
 # ---- orchestration ------------------------------------------------------------------------------
 def _spawn(kind: str, model: str, impls: str, steps: int, warmup: int = 3, rounds: int = 1,
-           env: dict | None = None, python: str = sys.executable, min_seconds: float = 0.0) -> dict:
+           env: dict | None = None, python: str = sys.executable, min_seconds: float = 0.0,
+           evaluation: bool = True) -> dict:
     command = [python, __file__, "--worker", kind, "--model", model, "--impls", impls,
                "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds),
-               "--min-seconds", str(min_seconds)]
+               "--min-seconds", str(min_seconds), *([] if evaluation else ["--no-eval"])]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
@@ -259,6 +262,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-ablation", action="store_true")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="a timing worker times training steps only (the ablation reports nothing else)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--legacy-python", default="",
                         help="python of an environment with the 1.19.2 training build (e.g. .venv-legacy/bin/python); "
@@ -295,7 +300,7 @@ def main() -> None:
                     entries[runtime]["ablation"] = {
                         name: _spawn("timing", model, f"ort,ort_without:{name}", max(5, args.steps // 2), 3,
                                      args.rounds, env=envs[runtime], python=python,
-                                     min_seconds=args.min_seconds / 4)
+                                     min_seconds=args.min_seconds / 4, evaluation=False)
                         for name in ABLATIONS}
     report["load_after"] = os.getloadavg()
     write_report(report, args.out)

@@ -1,5 +1,6 @@
 """The main job and the README's usage snippet run as documented."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -102,3 +103,14 @@ def test_benchmark_runner_writes_its_report(tmp_path):
     text = out.read_text()
     assert "| mlp |" in text and "## Targets" in text and "mlp: step ≥ 1.3× eager" in text
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_ablation_worker_times_training_steps_only():
+    """The ablation's workers (`--no-eval`) time both sides' training steps and no evaluation."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--worker", "timing", "--model", "mlp",
+                             "--impls", "ort,ort_without:gelu", "--steps", "3", "--warmup", "1", "--rounds", "2",
+                             "--min-seconds", "0", "--no-eval"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads([line for line in result.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    assert {impl: len(times) for impl, times in report["train"].items()} == {"ort": 6, "ort_without:gelu": 6}
+    assert report["eval"] == {} and report["errors"] == {}
