@@ -147,8 +147,13 @@ def worker_timing(args) -> dict:
             result["train"].setdefault(impl, []).extend(_timed_steps(train, args.steps, args.min_seconds))
             if not args.no_eval:
                 result["eval"].setdefault(impl, []).extend(
-                    _timed_steps(evaluate, max(3, args.steps // 4), args.min_seconds))
+                    _timed_steps(evaluate, _eval_steps(args.steps), args.min_seconds))
     return result
+
+
+def _eval_steps(steps: int) -> int:
+    """The fewest evaluation steps a worker times for ``--steps`` training steps."""
+    return max(3, steps // 4)
 
 
 def _timed_steps(fn, steps: int, min_seconds: float) -> list[float]:
@@ -391,7 +396,7 @@ def _timed_for(report: dict) -> str:
     if not settings:
         return ""
     return (f" (training steps: at least {settings['steps']} and for at least {settings['min_seconds']:g} s; "
-            f"then evaluation steps: at least {max(3, settings['steps'] // 4)} and for at least "
+            f"then evaluation steps: at least {_eval_steps(settings['steps'])} and for at least "
             f"{settings['min_seconds']:g} s)")
 
 
