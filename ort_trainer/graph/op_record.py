@@ -8,7 +8,10 @@ and loss run forward once in training mode and once in eval mode, on the sample 
 flags the tracer sets, under a ``TorchDispatchMode`` that hashes every ATen operator that runs,
 with its non-tensor arguments, the shapes, strides and dtypes of its tensors and where each tensor
 came from (a data input, a weight by name, an earlier operator's output, or a constant, hashed by
-value). That is what was computed, not the source text: a module-level helper, a callable
+value), and the grad and inference mode each operator ran under and whether each of its tensors
+requires grad (a ``torch.no_grad()`` or ``set_grad_enabled(False)`` region, a ``detach()``: autograd
+sits above the record, so these leave the operators themselves unchanged but not the backward).
+Autocast regions show as the casts they insert. That is what was computed, not the source text: a module-level helper, a callable
 attribute, a monkeypatched ``forward``, a ``functools.partial``'s keywords, an ``if
 self.training`` branch, a device or autocast branch all change the operators that run.
 
@@ -75,7 +78,8 @@ class _Recorder(TorchDispatchMode):
             label = f"const:{_value_hash(tensor)}"
             self._labels[id(tensor)] = label
             self._alive.append(tensor)
-        return f"{label}{tuple(tensor.shape)}{tuple(tensor.stride())}{tensor.dtype}"
+        # requires_grad: a ``detach()`` or a ``no_grad`` region upstream cuts the backward there
+        return f"{label}{tuple(tensor.shape)}{tuple(tensor.stride())}{tensor.dtype}{'g' if tensor.requires_grad else ''}"
 
     def _encode(self, value: Any) -> str:
         if isinstance(value, torch.Tensor):
@@ -93,7 +97,10 @@ class _Recorder(TorchDispatchMode):
             raise _Declined(f"the forward reads a tensor's value into Python ({name})")
         if func.namespace not in ("aten", "prims"):
             raise _Declined(f"the forward calls the custom operator {name}")
-        line = f"{name}|{self._encode(args)}|{self._encode(kwargs)}"
+        # Grad and inference mode live above this mode (autograd), so the operator itself is the
+        # same inside ``torch.no_grad()``; what the trace makes of it is not: no backward through it.
+        modes = f"{'G' if torch.is_grad_enabled() else ''}{'I' if torch.is_inference_mode_enabled() else ''}"
+        line = f"{name}|{modes}|{self._encode(args)}|{self._encode(kwargs)}"
         result = func(*args, **kwargs)
         outputs = result if isinstance(result, (list, tuple)) else [result]
         for output in outputs:
