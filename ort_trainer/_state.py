@@ -17,13 +17,18 @@ import torch
 from onnx import numpy_helper
 
 from . import checkpoint
-from ._state_checks import (IncomingState, WeightSpec, as_array, as_count, dtype_family, loss_scaler_problems,
-                            lr_scheduler_problems, parse_trainer_options, parse_train_step_info, shape_problems,
-                            trial_load)
+from ._logging import logger
+from ._state_checks import (SHARED_OPTIMIZER_STATE, IncomingState, IncompatibleKeys, WeightSpec, accumulated_problems,
+                            as_array, as_count, dtype_family, loss_scaler_problems, lr_scheduler_problems,
+                            optimizer_problems, parse_train_step_info, parse_trainer_options, trial_load,
+                            weight_problems)
+from .graph.optimizer import state_names
 from .optim.config import LambConfig
 
 _COUNTER_SUFFIX = "num_batches_tracked"
-_SHARED = "shared_optimizer_state"
+_SHARED = SHARED_OPTIMIZER_STATE
+_ACCUMULATED = "accumulated_gradients"
+_NESTED_KEYS = ("model", "optimizer", "trainer_options", "train_step_info", _ACCUMULATED)
 
 
 def _is_nested(state: Mapping) -> bool:
@@ -61,7 +66,9 @@ class _StateMixin:
         Args:
             pytorch_format: False: the nested numpy dict of api.md section 2
                 (``model.full_precision``, ``optimizer``, ``trainer_options``, ``train_step_info``
-                with ``step``, ``optimization_step`` and the dropout ``seed``).
+                with ``step``, ``optimization_step`` and the dropout ``seed``), and, taken inside a
+                gradient-accumulation window, ``accumulated_gradients``: the gradients summed so
+                far in the window, so that loading it resumes the window exactly.
                 True: ``{torch state_dict key: torch.Tensor}`` that the model's
                 ``load_state_dict`` accepts (BatchNorm buffers and counters included), on the CPU
                 whatever the device the trainer or the module is on.
@@ -94,12 +101,15 @@ class _StateMixin:
         step_info = {"step": info.step, "optimization_step": info.optimization_step}
         if getattr(self, "_seed", None) is not None:
             step_info["seed"] = int(self._seed)
-        return {
+        state = {
             "model": {"full_precision": self._current_weights()},
             "optimizer": optimizer,
             "trainer_options": self._trainer_options_record(),
             "train_step_info": step_info,
         }
+        if self._engine is not None and info.step % self.options.batch.gradient_accumulation_steps:
+            state[_ACCUMULATED] = self._engine.accumulated_values()
+        return state
 
     def _trainer_options_record(self) -> dict:
         """What a checkpoint records about the job, to rebuild the graph and check compatibility."""
@@ -143,86 +153,11 @@ class _StateMixin:
                 specs.setdefault(key, WeightSpec(tuple(value.shape), dtype_family(value.dtype), required=False))
         return specs
 
-    def _check_weights(self, given: dict[str, Any], specs: dict[str, WeightSpec], strict: bool) -> list[str]:
-        problems = [f"unexpected weight {name!r} (the model has no such weight)" for name in given if name not in specs]
-        for name, spec in specs.items():
-            if name in given:
-                problems += shape_problems(f"weight {name!r}", given[name], spec.shape, spec.kind)
-            elif strict and spec.required:
-                problems.append(f"missing weight {name!r}")
-        return problems
+    def _parse_nested(self, state: Mapping, strict: bool, problems: list[str], left_out: IncompatibleKeys,
+                      recorded_window: int | None = None) -> IncomingState:
+        """Validate a nested state (values may be unread ``StoredArray``s) into an ``IncomingState``.
 
-    def _check_optimizer(self, optimizer: Any, specs: dict[str, WeightSpec], strict: bool,
-                         incoming: IncomingState) -> list[str]:
-        """Validate optimizer states into ``incoming.moments`` / ``incoming.counts``."""
-        if not optimizer:
-            return []
-        if not isinstance(optimizer, Mapping):
-            return [f"optimizer: expected a dict of per-weight states, got {type(optimizer).__name__}"]
-        from .graph.optimizer import state_names
-
-        names = state_names(self.optim_config)
-        trained = self._graphs.meta["trained"] if self._graphs is not None else None
-        problems = []
-        for weight, entry in optimizer.items():
-            if not isinstance(entry, Mapping):
-                problems.append(f"optimizer state for {weight!r}: expected a dict, got {type(entry).__name__}")
-                continue
-            entry = {s: as_array(v) for s, v in entry.items()}
-            if weight == _SHARED:
-                if not isinstance(self.optim_config, LambConfig) or set(entry) != {"Step"}:
-                    problems.append(f"optimizer.{_SHARED} holds {sorted(entry)}; only Lamb has one, with 'Step'")
-                else:
-                    problems += shape_problems(f"optimizer.{_SHARED}.Step", entry["Step"], (), "int")
-                    incoming.counts[f"{_SHARED}.Step"] = entry["Step"]
-                continue
-            if weight not in specs or (trained is not None and weight not in trained):
-                problems.append(f"optimizer state for {weight!r}, which is not a trained weight")
-                continue
-            missing = [s for s in names if s not in entry]
-            extra = [s for s in entry if s not in names and s != "Update_Count"]
-            if missing or extra:
-                problems.append(f"optimizer state for {weight!r} has {sorted(entry)}; {self.optim_config.name} "
-                                f"needs {names + ['Update_Count']}")
-                continue
-            problems += [p for s in names for p in shape_problems(f"optimizer state {weight}.{s}", entry[s],
-                                                                   specs[weight].shape, "float")]
-            if "Update_Count" in entry:
-                problems += shape_problems(f"optimizer state {weight}.Update_Count", entry["Update_Count"], (), "int")
-                incoming.counts[f"{weight}.Update_Count"] = entry["Update_Count"]
-            incoming.moments[weight] = {s: entry[s] for s in names}
-        if strict and trained is not None and names:
-            problems += [f"missing optimizer state for {w!r}" for w in trained if w not in optimizer]
-        return problems
-
-    def _check_accumulated(self, accumulated: Any, recorded_window: int | None, incoming: IncomingState) -> list[str]:
-        """Gradients saved inside an accumulation window must fit this trainer's accumulation buffers."""
-        if not accumulated:
-            return []
-        if not isinstance(accumulated, Mapping):
-            return [f"accumulated_gradients: expected a dict, got {type(accumulated).__name__}"]
-        window = self.options.batch.gradient_accumulation_steps
-        if self._engine is None:
-            return ["accumulated_gradients: the state was saved inside a gradient-accumulation window, but this "
-                    "trainer's graph is not built (its inputs' dtypes are unknown): run one eval_step first"]
-        problems = []
-        if window == 1 or (recorded_window is not None and recorded_window != window):
-            problems.append(f"accumulated_gradients: the state was saved inside an accumulation window of "
-                            f"{recorded_window} steps; this trainer accumulates over {window}: use "
-                            f"batch.gradient_accumulation_steps={recorded_window}")
-        buffers = self._engine.accumulated
-        for name, value in accumulated.items():
-            value = as_array(value)
-            if name not in buffers:
-                problems.append(f"accumulated gradient for {name!r}, which is not a trained weight")
-                continue
-            problems += shape_problems(f"accumulated gradient {name!r}", value, self._engine.shapes[name], "float")
-            incoming.accumulated[name] = value
-        return problems
-
-    def _parse_nested(self, state: Mapping, strict: bool, problems: list[str],
-                      accumulated: Any = None, recorded_window: int | None = None) -> IncomingState:
-        """Validate a nested state (values may be unread ``StoredArray``s) into an ``IncomingState``."""
+        Its ``trainer_options`` were parsed by the caller (``_recorded_options``)."""
         incoming = IncomingState()
         weights = state["model"]["full_precision"]
         if not isinstance(weights, Mapping):
@@ -230,12 +165,26 @@ class _StateMixin:
             weights = {}
         incoming.weights = {k: as_array(v) for k, v in weights.items()}
         specs = self._weight_specs(pytorch_format=False)
-        problems += self._check_weights(incoming.weights, specs, strict)
-        problems += self._check_optimizer(state.get("optimizer"), specs, strict, incoming)
-        problems += self._check_accumulated(accumulated, recorded_window, incoming)
+        config, graphs, engine = self.optim_config, self._graphs, self._engine
+        problems += weight_problems(incoming.weights, specs, strict, left_out)
+        problems += optimizer_problems(state.get("optimizer"), specs, strict, incoming, left_out,
+                                       state_names=state_names(config), config_name=config.name,
+                                       lamb=isinstance(config, LambConfig),
+                                       trained=graphs.meta["trained"] if graphs is not None else None)
+        problems += accumulated_problems(state.get(_ACCUMULATED), recorded_window,
+                                         self.options.batch.gradient_accumulation_steps,
+                                         engine.shapes if engine is not None else None, incoming)
         incoming.info = parse_train_step_info(state.get("train_step_info"), problems)
-        parse_trainer_options(state.get("trainer_options"), problems)
         return incoming
+
+    def _recorded_options(self, state: Mapping, problems: list[str], build: bool) -> dict[str, Any]:
+        """The state's ``trainer_options``, parsed; with ``build``, an unbuilt trainer builds its
+        graph first from the input dtypes they record (when they record every input's)."""
+        recorded = parse_trainer_options(state.get("trainer_options"), problems)
+        dtypes = recorded.get("input_dtypes")
+        if build and self._engine is None and dtypes and all(d.name in dtypes for d in self.model_desc.inputs):
+            self._build(self._synthetic_inputs(dtypes))
+        return recorded
 
     def _check_values(self, incoming: IncomingState) -> list[str]:
         """Checks that need the data: the saved update counts are non-negative integers."""
@@ -243,38 +192,55 @@ class _StateMixin:
                 for name, value in incoming.counts.items() if as_count(value) is None]
 
     # ---- loading --------------------------------------------------------------------------------
-    def load_state_dict(self, state_dict: Mapping, strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: Mapping, strict: bool = True) -> IncompatibleKeys:
         """Restore weights, optimizer state and step counters from either ``state_dict`` format.
 
         All or nothing: every part is validated first, and nothing changes unless all of it fits.
+        A nested state taken inside a gradient-accumulation window carries the gradients
+        accumulated so far; loading it resumes the window exactly (it builds the graph first if
+        needed, from the input dtypes the state records).
 
         Args:
             state_dict: the nested dict of ``state_dict()`` or a flat torch ``state_dict``
                 (which carries no optimizer state: the optimizer state is left as it is).
-            strict: report missing weights as errors (unexpected ones, shape and dtype mismatches
-                are always errors).
+            strict: as torch's ``Module.load_state_dict``: True makes missing and unexpected
+                entries errors; False loads what fits, ignores the unexpected entries and
+                returns both lists. Shape and dtype mismatches are errors either way.
+
+        Returns:
+            ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty when strict): weight
+            names (torch keys for a flat state), ``optimizer.<weight>`` for optimizer states,
+            and top-level keys of a nested state.
 
         Raises:
-            ValueError: listing every missing and unexpected weight, shape or dtype mismatch and
-                malformed counter; nothing is changed.
+            ValueError: listing every missing and unexpected weight (strict), shape or dtype
+                mismatch and malformed counter; nothing is changed.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
         problems: list[str] = []
+        left_out = IncompatibleKeys([], [])
         if _is_nested(state_dict):
-            unknown = [k for k in state_dict if k not in ("model", "optimizer", "trainer_options", "train_step_info")]
-            problems += [f"unexpected key {k!r} in the nested state (it has model, optimizer, trainer_options, "
-                         "train_step_info)" for k in unknown]
-            incoming = self._parse_nested(state_dict, strict, problems)
+            unknown = [k for k in state_dict if k not in _NESTED_KEYS]
+            if strict:
+                problems += [f"unexpected key {k!r} in the nested state (it has {', '.join(_NESTED_KEYS)})"
+                             for k in unknown]
+            else:
+                left_out.unexpected_keys.extend(unknown)
+            # gradients accumulated in a window go to the engine's buffers: build it for them
+            recorded = self._recorded_options(state_dict, problems, build=bool(state_dict.get(_ACCUMULATED)))
+            incoming = self._parse_nested(state_dict, strict, problems, left_out,
+                                          recorded.get("gradient_accumulation_steps"))
         else:
             incoming = IncomingState(weights={k: as_array(v) for k, v in state_dict.items()})
-            problems += self._check_weights(incoming.weights, self._weight_specs(pytorch_format=True), strict)
+            problems += weight_problems(incoming.weights, self._weight_specs(pytorch_format=True), strict, left_out)
         if not problems:
             problems += self._check_values(incoming)
         if problems:
             raise ValueError("load_state_dict: the state does not fit this trainer; nothing was changed:\n  "
                              + "\n  ".join(problems))
         self._apply(incoming)
+        return left_out
 
     def _apply(self, incoming: IncomingState) -> None:
         """Write a validated state (no check can fail from here on)."""
@@ -395,9 +361,8 @@ class _StateMixin:
                             if self.options.mixed_precision.loss_scaler else None),
             "user_dict": user_dict,
         }
-        window = self.options.batch.gradient_accumulation_steps
-        if self._engine is not None and self._train_step_info.step % window:
-            content["accumulated_gradients"] = self._engine.accumulated_values()
+        if _ACCUMULATED in state:
+            content[_ACCUMULATED] = state[_ACCUMULATED]
         if self._comm is None or self._comm.rank == 0:
             checkpoint.write(path, content, allow_pickle=allow_pickle)
 
@@ -414,7 +379,8 @@ class _StateMixin:
 
         Args:
             *paths: checkpoint files.
-            strict: missing weights are errors.
+            strict: missing and unexpected weights and optimizer states are errors; False loads
+                what fits and logs a warning naming what was left out (as ``load_state_dict``).
             allow_pickle: unpickle a pickled ``user_dict`` (saved with ``allow_pickle=True``, or by
                 ort_trainer before format version 2). Unpickling runs code chosen by whoever wrote
                 the file: only for files you trust. Without it such a user dict is returned as
@@ -430,24 +396,21 @@ class _StateMixin:
         if not paths:
             raise TypeError("load_checkpoint needs at least one path")
         files = [checkpoint.open_checkpoint(p) for p in paths]
-        merged: dict[str, Any] = {"model": {"full_precision": {}}, "optimizer": {}, "accumulated_gradients": {}}
+        merged: dict[str, Any] = {"model": {"full_precision": {}}, "optimizer": {}, _ACCUMULATED: {}}
         for file in files:
             merged["model"]["full_precision"].update(file.arrays["model"].get("full_precision", {}))
             merged["optimizer"].update(file.arrays["optimizer"])
-            merged["accumulated_gradients"].update(file.arrays["accumulated_gradients"])
+            merged[_ACCUMULATED].update(file.arrays[_ACCUMULATED])
             merged.update(file.metadata)
         problems: list[str] = []
-        recorded = parse_trainer_options(merged["trainer_options"], problems)
+        left_out = IncompatibleKeys([], [])
+        recorded = self._recorded_options(merged, problems, build=True)
         if merged["optimizer"] and recorded.get("optimizer_name") not in (None, self.optim_config.name):
             problems.append(
                 f"the checkpoint's optimizer state is for {recorded['optimizer_name']}, this trainer uses "
                 f"{self.optim_config.name}; use the same optimizer config, or save the checkpoint with "
                 "include_optimizer_states=False")
-        dtypes = recorded.get("input_dtypes")
-        if self._engine is None and dtypes and all(d.name in dtypes for d in self.model_desc.inputs):
-            self._build(self._synthetic_inputs(dtypes))
-        incoming = self._parse_nested({**merged, "trainer_options": None}, strict, problems,
-                                      merged["accumulated_gradients"], recorded.get("gradient_accumulation_steps"))
+        incoming = self._parse_nested(merged, strict, problems, left_out, recorded.get("gradient_accumulation_steps"))
         incoming.info.setdefault("all_finite", True)
         for key, target in (("lr_scheduler", self.options.lr_scheduler),
                             ("loss_scaler", self.options.mixed_precision.loss_scaler)):
@@ -467,6 +430,9 @@ class _StateMixin:
                                              "changed:\n  " + "\n  ".join(problems))
         user = files[-1].user_dict(allow_pickle)
         self._apply(incoming)
+        if left_out.missing_keys or left_out.unexpected_keys:
+            logger.warning("load_checkpoint(strict=False) from %s: missing (kept as they were): %s; unexpected "
+                           "(ignored): %s", where, left_out.missing_keys, left_out.unexpected_keys)
         return user
 
     # ---- torch round trip -----------------------------------------------------------------------

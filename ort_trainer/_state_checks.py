@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from . import checkpoint
 
 INFO_KEYS = ("step", "optimization_step", "all_finite", "seed")
+SHARED_OPTIMIZER_STATE = "shared_optimizer_state"  # Lamb's step count, shared by every weight
 OPTIONS_KEYS = ("optimizer_name", "gradient_accumulation_steps", "frozen_weights", "input_dtypes")
 
 
@@ -53,6 +54,19 @@ def finite_number(value: Any) -> bool:
     """True for a finite real number (not a bool)."""
     return (not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
             and math.isfinite(value))
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict(strict=False)`` left out, as torch's ``Module.load_state_dict`` returns it.
+
+    Attributes:
+        missing_keys: weights (and ``optimizer.<weight>`` states) the trainer has and the state lacks;
+            they keep their current values.
+        unexpected_keys: entries of the state the trainer has no place for; they were ignored.
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 @dataclass
@@ -220,3 +234,122 @@ def trial_load(obj: Any, state: Any, where: str) -> list[str]:
     except Exception as exc:  # any refusal of the user's object is a problem of this state
         return [f"{where}: {type(obj).__name__}.load_state_dict refused the state: {exc}"]
     return []
+
+
+def weight_problems(given: dict[str, Any], specs: dict[str, WeightSpec], strict: bool,
+                    left_out: IncompatibleKeys) -> list[str]:
+    """Problems of the weights ``given`` against ``specs``.
+
+    Strict: missing and unexpected weights are problems. Not strict (torch's ``strict=False``): they
+    go into ``left_out`` and the unexpected ones are dropped from ``given``. Shape and dtype
+    mismatches are problems either way, as in torch.
+    """
+    unexpected = [name for name in given if name not in specs]
+    missing = [name for name, spec in specs.items() if spec.required and name not in given]
+    problems = []
+    if strict:
+        problems += [f"unexpected weight {name!r} (the model has no such weight)" for name in unexpected]
+        problems += [f"missing weight {name!r}" for name in missing]
+    else:
+        for name in unexpected:
+            del given[name]
+        left_out.unexpected_keys.extend(unexpected)
+        left_out.missing_keys.extend(missing)
+    for name, spec in specs.items():
+        if name in given:
+            problems += shape_problems(f"weight {name!r}", given[name], spec.shape, spec.kind)
+    return problems
+
+
+def optimizer_problems(optimizer: Any, specs: dict[str, WeightSpec], strict: bool, incoming: IncomingState,
+                       left_out: IncompatibleKeys, *, state_names: list[str], config_name: str, lamb: bool,
+                       trained: list[str] | None) -> list[str]:
+    """Validate a state's optimizer entries into ``incoming.moments`` / ``incoming.counts``.
+
+    Args:
+        optimizer: ``{weight: {state: value}}`` from the state (falsy: nothing to load).
+        specs: the trainer's weights.
+        strict: False leaves out (as ``optimizer.<weight>``) a state of a weight that is not
+            trained, and one a trained weight lacks, instead of reporting them.
+        incoming, left_out: filled in.
+        state_names: the optimizer's per-weight states (``Moment_1``, ...).
+        config_name: the optimizer's name, for messages.
+        lamb: the optimizer is Lamb (the only one with a shared step).
+        trained: the trained weights once the graph is built, else None.
+    """
+    if not optimizer:
+        return []
+    if not isinstance(optimizer, Mapping):
+        return [f"optimizer: expected a dict of per-weight states, got {type(optimizer).__name__}"]
+    shared = SHARED_OPTIMIZER_STATE
+    problems = []
+    for weight, entry in optimizer.items():
+        if not isinstance(entry, Mapping):
+            problems.append(f"optimizer state for {weight!r}: expected a dict, got {type(entry).__name__}")
+            continue
+        entry = {s: as_array(v) for s, v in entry.items()}
+        if weight == shared:
+            if not lamb or set(entry) != {"Step"}:
+                problems.append(f"optimizer.{shared} holds {sorted(entry)}; only Lamb has one, with 'Step'")
+            else:
+                problems += shape_problems(f"optimizer.{shared}.Step", entry["Step"], (), "int")
+                incoming.counts[f"{shared}.Step"] = entry["Step"]
+            continue
+        if weight not in specs or (trained is not None and weight not in trained):
+            if strict:
+                problems.append(f"optimizer state for {weight!r}, which is not a trained weight")
+            else:
+                left_out.unexpected_keys.append(f"optimizer.{weight}")
+            continue
+        missing = [s for s in state_names if s not in entry]
+        extra = [s for s in entry if s not in state_names and s != "Update_Count"]
+        if missing or extra:
+            problems.append(f"optimizer state for {weight!r} has {sorted(entry)}; {config_name} "
+                            f"needs {state_names + ['Update_Count']}")
+            continue
+        problems += [p for s in state_names for p in shape_problems(f"optimizer state {weight}.{s}", entry[s],
+                                                                     specs[weight].shape, "float")]
+        if "Update_Count" in entry:
+            problems += shape_problems(f"optimizer state {weight}.Update_Count", entry["Update_Count"], (), "int")
+            incoming.counts[f"{weight}.Update_Count"] = entry["Update_Count"]
+        incoming.moments[weight] = {s: entry[s] for s in state_names}
+    if trained is not None and state_names:
+        missing = [w for w in trained if w not in optimizer]
+        if strict:
+            problems += [f"missing optimizer state for {w!r}" for w in missing]
+        else:
+            left_out.missing_keys.extend(f"optimizer.{w}" for w in missing)
+    return problems
+
+
+def accumulated_problems(accumulated: Any, recorded_window: int | None, window: int,
+                         shapes: dict[str, tuple] | None, incoming: IncomingState) -> list[str]:
+    """Gradients saved inside an accumulation window must fit this trainer's accumulation buffers.
+
+    Args:
+        accumulated: ``{weight: gradient}`` from the state (falsy: none).
+        recorded_window: the state's ``gradient_accumulation_steps``.
+        window: this trainer's.
+        shapes: the trained weights' shapes once the graph is built, else None.
+        incoming: filled in.
+    """
+    if not accumulated:
+        return []
+    if not isinstance(accumulated, Mapping):
+        return [f"accumulated_gradients: expected a dict, got {type(accumulated).__name__}"]
+    if shapes is None:
+        return ["accumulated_gradients: the state was saved inside a gradient-accumulation window, but this "
+                "trainer's graph is not built (its inputs' dtypes are unknown): run one eval_step first"]
+    problems = []
+    if window == 1 or (recorded_window is not None and recorded_window != window):
+        problems.append(f"accumulated_gradients: the state was saved inside an accumulation window of "
+                        f"{recorded_window} steps; this trainer accumulates over {window}: use "
+                        f"batch.gradient_accumulation_steps={recorded_window}")
+    for name, value in accumulated.items():
+        value = as_array(value)
+        if name not in shapes:
+            problems.append(f"accumulated gradient for {name!r}, which is not a trained weight")
+            continue
+        problems += shape_problems(f"accumulated gradient {name!r}", value, shapes[name], "float")
+        incoming.accumulated[name] = value
+    return problems

@@ -156,6 +156,6 @@ class ORTTrainer:
         """The state (see ``ort_trainer.ORTTrainer.state_dict``)."""
         return self._trainer.state_dict(pytorch_format)
 
-    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Restore a state (see ``ort_trainer.ORTTrainer.load_state_dict``)."""
-        self._trainer.load_state_dict(state_dict, strict)
+        return self._trainer.load_state_dict(state_dict, strict)

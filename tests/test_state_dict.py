@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from models import MLP_DESC, MLPWithLoss, mlp_batch
+from models import MLP, MLP_DESC, MLPWithLoss, clone, mlp_batch
 from ort_trainer import ORTTrainer
 from state_helpers import assert_unchanged, snapshot, trained_mlp
 from ort_trainer.optim import AdamConfig, LambConfig, SGDConfig
@@ -152,3 +152,134 @@ def test_an_onnx_model_loads_states_before_and_after_the_first_step(tmp_path):
         built.load_state_dict(broken)
     assert f"missing weight {sorted(source.state_dict()['model']['full_precision'])[0]!r}" in str(info.value)
     assert "unexpected weight 'nope'" in str(info.value)
+
+
+# ---- strict=False follows torch.nn.Module.load_state_dict ----------------------------------------------
+def _edited(state, drop, extra):
+    state = dict(state)
+    for key in drop:
+        del state[key]
+    state.update(extra)
+    return state
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["before-the-first-step", "after"])
+def test_not_strict_loads_what_fits_and_returns_the_keys_as_torch_does(built):
+    """Flat format: the same missing and unexpected keys as torch's ``Module.load_state_dict``, the
+    missing weights keep their values, the unexpected ones are ignored, the rest is loaded."""
+    trainer = trained_mlp(config=AdamConfig(), steps=2 if built else 0)
+    kept = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
+    source = {k: v + 1.0 for k, v in kept.items()}
+    state = _edited(source, drop=["fc1.bias", "fc2.weight"], extra={"fc3.weight": torch.zeros(3), "head.bias": torch.zeros(2)})
+
+    module = MLP()
+    expected = module.load_state_dict(state, strict=False)
+    result = trainer.load_state_dict(state, strict=False)
+    assert sorted(result.missing_keys) == sorted(expected.missing_keys) == ["fc1.bias", "fc2.weight"]
+    assert sorted(result.unexpected_keys) == sorted(expected.unexpected_keys) == ["fc3.weight", "head.bias"]
+    got = trainer.state_dict(pytorch_format=True)
+    for key in ("fc1.weight", "fc2.bias"):
+        torch.testing.assert_close(got[key], source[key], rtol=0, atol=0)  # loaded
+    for key in ("fc1.bias", "fc2.weight"):
+        torch.testing.assert_close(got[key], kept[key], rtol=0, atol=0)  # missing: kept
+    assert trainer.load_state_dict(trainer.state_dict(pytorch_format=True)) == ([], [])  # strict: nothing left out
+
+
+def test_not_strict_in_the_nested_format_names_weights_and_optimizer_states():
+    trainer = trained_mlp(config=AdamConfig(), steps=2)
+    before = trainer.state_dict()
+    state = trainer.state_dict()
+    state["model"]["full_precision"] = {k: v + 1.0 for k, v in state["model"]["full_precision"].items()}
+    del state["model"]["full_precision"]["fc2.bias"], state["optimizer"]["fc1.weight"]
+    state["model"]["full_precision"]["fc3.weight"] = np.zeros(3, np.float32)
+    state["optimizer"]["fc3.weight"] = {"Moment_1": np.zeros(3, np.float32), "Moment_2": np.zeros(3, np.float32)}
+    state["extra"] = {}
+    with pytest.raises(ValueError) as info:  # strict: every one of them is an error
+        trainer.load_state_dict(state)
+    for expected in ("missing weight 'fc2.bias'", "unexpected weight 'fc3.weight'", "unexpected key 'extra'",
+                     "missing optimizer state for 'fc1.weight'", "optimizer state for 'fc3.weight', which is not"):
+        assert expected in str(info.value)
+    result = trainer.load_state_dict(state, strict=False)
+    assert sorted(result.missing_keys) == ["fc2.bias", "optimizer.fc1.weight"]
+    assert sorted(result.unexpected_keys) == ["extra", "fc3.weight", "optimizer.fc3.weight"]
+    after = trainer.state_dict()
+    weights = after["model"]["full_precision"]
+    np.testing.assert_array_equal(weights["fc1.weight"], before["model"]["full_precision"]["fc1.weight"] + 1.0)
+    np.testing.assert_array_equal(weights["fc2.bias"], before["model"]["full_precision"]["fc2.bias"])
+    np.testing.assert_array_equal(after["optimizer"]["fc1.weight"]["Moment_1"],
+                                  before["optimizer"]["fc1.weight"]["Moment_1"])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_shape_mismatch_is_an_error_even_when_not_strict_as_in_torch(strict):
+    trainer = trained_mlp(config=AdamConfig(), steps=1)
+    before = snapshot(trainer)
+    state = _edited(trainer.state_dict(pytorch_format=True), drop=[], extra={"fc1.bias": torch.zeros(7)})
+    with pytest.raises(RuntimeError, match="size mismatch for fc1.bias"):
+        MLP().load_state_dict(state, strict=strict)
+    with pytest.raises(ValueError, match=r"weight 'fc1.bias': shape \[7\] in the state, \[32\] in the model"):
+        trainer.load_state_dict(state, strict=strict)
+    assert_unchanged(trainer, before)
+
+
+# ---- a state taken inside a gradient-accumulation window resumes the window ------------------------------
+def _accumulating(model):
+    return ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE,
+                      options={"batch": {"gradient_accumulation_steps": 2}})
+
+
+def test_a_state_dict_inside_an_accumulation_window_resumes_exactly():
+    """Issue 23: state_dict after micro-step 3 of windows of 2, loaded into a fresh trainer, then 3
+    more micro-steps: bitwise the uninterrupted run (the same float32 operations in the same order),
+    and both equal eager PyTorch summing the two micro-batches' gradients before each step."""
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [mlp_batch(torch.Generator().manual_seed(i)) for i in range(6)]
+    whole = _accumulating(clone(model))
+    whole_losses = [float(whole.train_step(x, y)[0]) for x, y in batches]
+    first = _accumulating(clone(model))
+    losses = [float(first.train_step(x, y)[0]) for x, y in batches[:3]]
+    state = first.state_dict()
+    assert set(state["accumulated_gradients"]) == WEIGHTS
+    resumed = _accumulating(clone(model))
+    resumed.load_state_dict(state)  # builds the graph: the window's gradients go to its buffers
+    assert resumed._train_step_info.step == 3
+    losses += [float(resumed.train_step(x, y)[0]) for x, y in batches[3:]]
+    assert losses == whole_losses
+    for name, value in whole.state_dict()["model"]["full_precision"].items():
+        np.testing.assert_array_equal(resumed.state_dict()["model"]["full_precision"][name], value, err_msg=name)
+
+    reference = clone(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    eager = []
+    for i, (x, y) in enumerate(batches):
+        loss = CE(reference(x), y)
+        (loss / 2).backward()  # averaged over the window of 2
+        eager.append(loss.item())
+        if i % 2 == 1:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    # 3 updates of a 20-32-5 MLP in float32: dot products of length ≤ 32, summed in another order
+    # by each side; 32 × 3 × u ≈ 5.7e-6 relative, and 1e-4 keeps > 10x over it
+    np.testing.assert_allclose(losses, eager, rtol=1e-4)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(resumed.state_dict(pytorch_format=True)[name], value, rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_a_state_at_a_window_boundary_has_no_accumulated_gradients():
+    trainer = _accumulating(MLP())
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        trainer.train_step(*mlp_batch(gen))
+    assert "accumulated_gradients" not in trainer.state_dict()
+
+
+def test_a_window_state_needs_the_same_window():
+    first = _accumulating(MLP())
+    first.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    other = ORTTrainer(MLP(), MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE)
+    with pytest.raises(ValueError, match="inside an accumulation window of 2 steps; this trainer accumulates "
+                                         "over 1: use batch.gradient_accumulation_steps=2"):
+        other.load_state_dict(first.state_dict())
