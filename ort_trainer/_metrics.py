@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ._logging import logger
+from ._temporaries import atomic_write
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -72,9 +73,7 @@ class MetricsLog:
         text = "".join(json.dumps(r) + "\n" for r in kept)
         if text.encode() == self.path.read_bytes():
             return
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        temporary.write_text(text)
-        os.replace(temporary, self.path)
+        atomic_write(self.path, lambda temporary: Path(temporary).write_text(text))
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one record as one line, written whole."""

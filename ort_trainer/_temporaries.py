@@ -1,7 +1,11 @@
-"""Temporaries of interrupted checkpoint saves: named after their writer, removed once it is gone.
+"""Atomic file writes, and the temporaries interrupted writes leave: named after their writer,
+removed once it is gone.
 
-A checkpoint is written to ``.<name>.<host>-<pid>.<random>.tmp`` next to its final path and then
-linked into place; a crash or ``kill -9`` in between leaves the temporary behind.
+Every file the trainer writes (checkpoints, ``save_as_onnx``, the CLI's metrics, plot and samples,
+debug graph dumps) goes through ``atomic_write``: it is written to
+``.<name>.<host>-<pid>.<random>.tmp`` next to its final path and then moved (or, where an existing
+file must never be replaced, linked) into place. A crash, ``kill -9`` or the OOM killer in between
+leaves the temporary behind; the next write into the same directory removes it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ import os
 import re
 import socket
 import stat
+import tempfile
 import time
+from pathlib import Path
+from typing import Callable
+
+import onnx
 
 from ._logging import logger
 
@@ -31,9 +40,11 @@ def temporary_prefix(name: str) -> str:
     return f".{name}.{host_tag()}-{os.getpid()}."
 
 
-# .<name>.<host>-<pid>.<random>.tmp (this version) and .<name>.<random>.tmp (version 1)
+# .<name>.<host>-<pid>.<random>.tmp (this version) and .<name>.<random>.tmp (earlier versions:
+# checkpoints, recognised by their HDF5 signature, and save_as_onnx's .<name>.onnx.<random>.tmp)
 _TEMPORARY = re.compile(r"^\..+\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.[a-z0-9_]{8}\.tmp$")
 _LEGACY_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+_LEGACY_ONNX_TEMPORARY = re.compile(r"^\..+\.onnx\.[a-z0-9_]{8}\.tmp$")
 
 
 def pid_alive(pid: int) -> bool:
@@ -60,6 +71,8 @@ def _is_stale(entry: os.DirEntry, now: float, host: str) -> bool:
         return old or (match["host"] == host and not pid_alive(int(match["pid"])))
     if not (old and _LEGACY_TEMPORARY.match(entry.name)):
         return False
+    if _LEGACY_ONNX_TEMPORARY.match(entry.name):
+        return True
     try:  # a version-1 checkpoint temporary is an HDF5 file behind our 512-byte user block
         with open(entry.path, "rb") as handle:
             handle.seek(_USERBLOCK)
@@ -69,14 +82,14 @@ def _is_stale(entry: os.DirEntry, now: float, host: str) -> bool:
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
-    """Delete checkpoint temporaries that interrupted saves (a crash, kill -9) left in ``directory``.
+    """Delete temporaries that interrupted writes (a crash, kill -9, the OOM killer) left in ``directory``.
 
     Only this library's temporary names are touched, and only when their writer is gone: the PID
     recorded in the name is dead on this host, or the file has not changed for
     ``STALE_TEMPORARY_SECONDS``. Files being written by a live process are left alone.
 
     Args:
-        directory: the checkpoint directory.
+        directory: the directory about to be written to.
 
     Returns:
         The paths removed.
@@ -98,6 +111,47 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
         removed.append(entry.path)
         freed += size
     if removed:
-        logger.info("removed %d stale checkpoint temporaries (%.1f MB) left by interrupted saves in %s",
+        logger.info("removed %d stale temporaries (%.1f MB) left by interrupted writes in %s",
                     len(removed), freed / 1e6, directory)
     return removed
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], replace: bool = True) -> None:
+    """Write the file ``path`` whole or not at all.
+
+    Stale temporaries of earlier interrupted writes in the directory are removed first; then
+    ``write(temporary)`` writes a temporary named after this process next to ``path``, which is
+    flushed to disk and moved into place. The temporary is removed whatever happens, so a
+    failed write leaves nothing behind, and never touches a file already at ``path``.
+
+    Args:
+        path: the final file; its directory must exist.
+        write: writes the whole file to the path it is given.
+        replace: True replaces a file at ``path`` atomically; False never replaces one (the file
+            is linked into place, and ``FileExistsError`` is raised if one appeared meanwhile).
+
+    Raises:
+        FileExistsError: ``replace`` is False and ``path`` exists.
+    """
+    path = Path(path)
+    remove_stale_temporaries(path.parent)
+    descriptor, temporary = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
+    os.close(descriptor)
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as written:
+            os.fsync(written.fileno())
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)  # link, not rename: fails instead of replacing a file that appeared
+    finally:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """``onnx.save`` through ``atomic_write``: a graph file is there whole, or not changed at all."""
+    atomic_write(path, lambda temporary: onnx.save(model, temporary))

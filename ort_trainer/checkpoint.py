@@ -28,21 +28,19 @@ checksum only detects damage; safety comes from what reading does and never does
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import math
 import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ._logging import logger
-from ._temporaries import remove_stale_temporaries, temporary_prefix
+from ._temporaries import atomic_write
 from ._user_dict import NUMERIC_KINDS, SCALAR_TAG, array_references, decode_user_dict, encode_user_dict
 
 FORMAT = "ort_trainer.checkpoint"
@@ -119,31 +117,21 @@ def write(path: str | os.PathLike, content: dict[str, Any], allow_pickle: bool =
     attrs = {key: json.dumps(content.get(key)) for key in _JSON_ATTRS}
     attrs["format"] = FORMAT
     attrs["version"] = str(VERSION)
-    remove_stale_temporaries(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w", userblock_size=_USERBLOCK) as handle:
+    def write_file(temporary: str) -> None:
+        with h5py.File(temporary, "w", userblock_size=_USERBLOCK) as handle:
             for name, array in arrays.items():
                 handle.create_dataset(name, data=array)
             for key, value in attrs.items():
                 handle.attrs[key] = value
-        with open(tmp, "r+b") as written:
+        with open(temporary, "r+b") as written:
             digest = hashlib.sha256(written.read()[_DIGEST_BYTES:]).hexdigest().encode()
             written.seek(0)
             written.write(digest)
-            written.flush()
-            os.fsync(written.fileno())
-        # link (not rename): fails instead of replacing a file that appeared meanwhile
-        os.link(tmp, path)
+
+    try:
+        atomic_write(path, write_file, replace=False)
     except FileExistsError:
         raise FileExistsError(f"save_checkpoint: {str(path)!r} already exists; choose a new path") from None
-    finally:
-        try:
-            os.unlink(tmp)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
 
 
 # ---- reading ------------------------------------------------------------------------------------

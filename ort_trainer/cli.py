@@ -35,6 +35,7 @@ import numpy as np
 from ._cli_config import DEFAULTS, ConfigError, load_config
 from ._logging import logger
 from ._metrics import MetricsLog, read_metrics
+from ._temporaries import atomic_write
 
 __all__ = ["DEFAULTS", "ConfigError", "export", "load_config", "main", "make_trainer", "plot_metrics",
            "sample_onnx", "train"]
@@ -190,7 +191,7 @@ def train(config: dict, resume: bool = False) -> dict:
         if job.kind == "lm" and config["export"]["sample_tokens"]:
             text = sample_onnx(out / "model.onnx", config["export"]["prompt"], config["export"]["sample_tokens"],
                                config["model"]["block_size"], seed=config["seed"])
-            (out / "samples.txt").write_text(text)
+            atomic_write(out / "samples.txt", lambda temporary: Path(temporary).write_text(text))
             summary["files"].append("samples.txt")
             summary["sample"] = text
     return summary
@@ -216,7 +217,7 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     if train or evals:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    atomic_write(png, lambda temporary: fig.savefig(temporary, dpi=100, format="png"))
     plt.close(fig)
 
 

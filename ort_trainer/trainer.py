@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -21,6 +20,7 @@ from ._interrupt import deferred_interrupt
 from ._logging import logger
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
+from ._temporaries import save_model
 from .amp.kernels import missing_kernels_explained
 from .devices import device_class
 from .distributed import make_communicator
@@ -601,14 +601,7 @@ class ORTTrainer(_StateMixin):
             inputs = inputs[:-1]
             outputs = [n for n in outputs if n != desc.loss_name]
         model = build_inference_graph(build_eval_graph(self._job, self._symbolic_graphs()), inputs, outputs, engine.weights())
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            onnx.save(model, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        save_model(model, path)
 
 
 def _host_array(tensor: torch.Tensor) -> np.ndarray:

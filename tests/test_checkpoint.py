@@ -354,7 +354,8 @@ def test_only_stale_temporaries_of_this_library_are_removed(tmp_path):
         f".a.h5.{'0' * 8 if host != '0' * 8 else '1' * 8}-{dead}.abcdefg3.tmp": (b"x", True, True),    # ... stale
         ".b.h5.abcdefgh.tmp": (hdf5_like, True, True),                            # a version-1 temporary
         ".c.h5.abcdefgh.tmp": (hdf5_like, False, False),                          # ... still recent
-        ".model.onnx.abcdefgh.tmp": (b"onnx", True, False),                        # not a checkpoint's
+        ".model.onnx.abcdefgh.tmp": (b"onnx", True, True),                         # an earlier save_as_onnx's
+        ".model.onnx.abcdefg4.tmp": (b"onnx", False, False),                       # ... still recent
         "notes.tmp": (b"mine", True, False),
     }
     for name, (content, stale, _) in files.items():

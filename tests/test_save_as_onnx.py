@@ -1,5 +1,11 @@
 """save_as_onnx: a deployable inference model equal to eval_step and to PyTorch's eval outputs."""
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -95,3 +101,45 @@ def test_state_dict_before_first_step_returns_initial_weights():
     nested = trainer.state_dict()
     assert set(nested["model"]["full_precision"]) == set(model.state_dict())
     assert nested["train_step_info"] == {"step": 0, "optimization_step": 0, "seed": trainer._seed}
+
+
+_KILLED_EXPORT = """
+import sys, time
+import onnx, torch
+sys.path.insert(0, {tests!r})
+from models import MLP, MLP_DESC, mlp_batch
+from ort_trainer import ORTTrainer
+from ort_trainer.optim import AdamConfig
+
+trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+trainer.save_as_onnx(sys.argv[1])
+
+def killed_midway(model, path):  # half the file written, then the OOM killer's SIGKILL lands
+    with open(path, "wb") as handle:
+        handle.write(model.SerializeToString()[:1000])
+    print("writing", flush=True)
+    time.sleep(120)
+
+onnx.save = killed_midway
+trainer.save_as_onnx(sys.argv[1])
+"""
+
+
+def test_a_killed_save_as_onnx_leaves_the_old_file_and_the_next_write_removes_its_temporary(tmp_path):
+    """Issue 23: ``save_as_onnx`` killed mid-write left a ``.model.onnx.XXXX.tmp`` for good."""
+    target = tmp_path / "model.onnx"
+    script = _KILLED_EXPORT.format(tests=str(Path(__file__).parent))
+    writer = subprocess.Popen([sys.executable, "-c", script, str(target)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and left[1] == "model.onnx" and left[0].startswith(".model.onnx.") and left[0].endswith(".tmp")
+    onnx.checker.check_model(onnx.load(str(target)))  # the first save, whole: the killed one never replaced it
+    trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    trainer.eval_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    trainer.save_as_onnx(tmp_path / "other.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "other.onnx"]

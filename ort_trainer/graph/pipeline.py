@@ -19,6 +19,7 @@ import torch
 from onnx import numpy_helper
 
 from .._logging import logger
+from .._temporaries import save_model
 from ..model_desc import ModelDescription
 from ..optim.config import LambConfig, _OptimizerConfig
 from . import cache as graph_cache
@@ -199,7 +200,7 @@ def build_training_graphs(
             store.link(record, key)
         _warn_untrained(trainable, meta["trained"])
         if job.save_paths.get("model_with_gradient_graph_path"):
-            onnx.save(models["gradient"], job.save_paths["model_with_gradient_graph_path"])
+            save_model(models["gradient"], job.save_paths["model_with_gradient_graph_path"])
         logger.info("reused the cached training graph %s (%.2f s, trace included) from %s", key[:16],
                     time.perf_counter() - started, store.root)
         return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, forward=traced,
@@ -208,7 +209,7 @@ def build_training_graphs(
     built = source.build(job, traced, prepared)
     _warn_untrained(trainable, built.trained)
     if job.save_paths.get("model_with_gradient_graph_path"):
-        onnx.save(built.gradient, job.save_paths["model_with_gradient_graph_path"])
+        save_model(built.gradient, job.save_paths["model_with_gradient_graph_path"])
     meta = {
         "weights": built.weights,
         "torch_keys": built.torch_keys,
@@ -403,7 +404,7 @@ def build_optimizer(job: GraphJob, meta: dict, world_size: int = 1, rank: int = 
     segments = make_segments(layout, sizes, opt_plan.group_of, whole_tensors, begin, end)
     graph = build_optimizer_graph(job.optim_config, opt_plan.groups, segments, total, job.grad_norm_clip)
     if job.save_paths.get("model_with_training_graph_path"):
-        onnx.save(graph, job.save_paths["model_with_training_graph_path"])
+        save_model(graph, job.save_paths["model_with_training_graph_path"])
     return OptimizerSpec(graph, layout, segments, begin, end, counts)
 
 

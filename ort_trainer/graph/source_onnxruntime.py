@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from .._logging import logger
+from .._temporaries import save_model
 from ..model_desc import ModelDescription
 from . import cache as graph_cache
 from . import rewrites
@@ -53,7 +54,7 @@ class OnnxRuntimeGradientSource(GradientSource):
         if job.save_paths.get("model_after_graph_transforms_path"):
             dump = copy.deepcopy(forward)  # loadable by ONNX Runtime: gradient markers become Identity
             stop_gradients_to_identity(dump)
-            onnx.save(dump, job.save_paths["model_after_graph_transforms_path"])
+            save_model(dump, job.save_paths["model_after_graph_transforms_path"])
         weights = {i.name: value_info(i) for i in forward.graph.input if i.name in traced.torch_keys}
         inputs = {i.name: value_info(i) for i in forward.graph.input}
         expected = {"weights": weights, "torch_keys": traced.torch_keys, "outputs": returned,

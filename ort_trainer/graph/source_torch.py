@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from .._logging import logger
+from .._temporaries import save_model
 from . import joint_rewrites, op_record, torch_autograd, torch_sparse_labels
 from .export import ExportError
 from .gradient import LOSS_SCALE_INPUT, drop_outputs, specialize
@@ -106,7 +107,7 @@ class TorchGradientSource(GradientSource):
                 returned = wanted
         path = job.save_paths.get("model_after_graph_transforms_path")
         if path:  # written here so that a cache hit writes it too
-            onnx.save(_passed_eval_graph(job, traced, returned, wanted, dims), path)
+            save_model(_passed_eval_graph(job, traced, returned, wanted, dims), path)
         # the graphs return ``wanted``: outputs traced but not fetched are dropped from them (drop_outputs)
         expected = {"outputs": wanted, "inputs": {n: input_dtypes[n] for n in desc.input_names}}
         readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
