@@ -36,7 +36,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-legacy bench gpu-check gpu-wheels install install-legacy clean
+.PHONY: run test test-tolerances test-legacy bench gpu-check gpu-wheels install install-legacy clean
 
 install: $(STAMP)
 
@@ -59,6 +59,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The suite under 1 and then 2 threads (torch and ONNX Runtime; sums change order), recording how
+# close every numeric comparison comes to its bound; fails on a comparison with less than a 10x
+# margin (tests/tolerances.py says where the bounds come from). About twice `make test`.
+AUDIT := $(CURDIR)/.tolerance-audit.jsonl
+test-tolerances: $(STAMP)
+	rm -f $(AUDIT)
+	for threads in 1 2; do \
+		OMP_NUM_THREADS=$$threads ORT_TRAINER_TOLERANCE_AUDIT=$(AUDIT) $(PY) -m pytest -q tests || exit 1; done
+	$(PY) tests/_tolerance_audit.py $(AUDIT)
 
 # the tests that must pass on both runtimes, run on the 1.19.2 training build (Python <= 3.12:
 # set LEGACY_PYTHON where python3 is newer)

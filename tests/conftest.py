@@ -1,4 +1,9 @@
-"""Shared fixtures: an isolated graph cache per test session, deterministic seeds; the ``cuda`` marker."""
+"""Shared fixtures: an isolated graph cache per test session, deterministic seeds; the ``cuda`` marker.
+
+``OMP_NUM_THREADS=N`` runs torch and every ONNX Runtime session the tests make with N intra-op
+threads (sums change order with the thread count: ``make test-tolerances`` runs both 1 and 2);
+``ORT_TRAINER_TOLERANCE_AUDIT=FILE`` records how close each comparison comes to its bound.
+"""
 
 import os
 import sys
@@ -13,6 +18,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs CUDAExecutionProvider and a GPU (run by make gpu-check)")
+    if os.environ.get("ORT_TRAINER_TOLERANCE_AUDIT"):
+        import _tolerance_audit
+
+        _tolerance_audit.install()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:  # torch follows OMP_NUM_THREADS; ONNX Runtime's sessions are told to follow it too
+        import ort_trainer.distributed
+
+        ort_trainer.distributed._intra_op_threads = int(threads)
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("ORT_TRAINER_TOLERANCE_AUDIT"):
+        import _tolerance_audit
+
+        _tolerance_audit.write(os.environ["ORT_TRAINER_TOLERANCE_AUDIT"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,10 +11,20 @@ import torch
 from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch
 from ort_trainer import ORTTrainer
 from ort_trainer.optim import AdamConfig
+from tolerances import check
 
 pytestmark = pytest.mark.cuda
 
 STEPS = 20
+# ONNX Runtime's CUDA kernels against PyTorch eager on the same GPU (float32, no TF32 on either
+# side), and the CPU against the GPU after a checkpoint round trip: each step's sums (≤ 64 terms:
+# cuBLAS, reductions) may add in another order, at most 64·u per step, and torch's
+# clip_grad_norm_ and the graph's clipping sum the squares of every gradient (837 for the MLP,
+# 22386 for the encoder) in another order, at most n·u / 2 apart on the norm. Carried through the
+# steps: 20 · (64 + 837 / 2) · u = 5.7e-4 at worst for the MLP (more for the encoder); the test
+# holds the tighter 1e-4. A loss right after a checkpoint is loaded (identical state) is one forward
+# apart, 64·u = 3.8e-6 at worst, and is held to the same 1e-4. Not re-measured in this pass (no GPU
+# here); docs/gpu.md records that these pass on an H100 but no measured difference.
 RTOL = 1e-4
 CUDA = {"device": {"id": "cuda"}}
 CE = torch.nn.functional.cross_entropy
@@ -54,7 +64,7 @@ def test_fp32_matches_torch_cuda_eager(name):
     assert np.mean(ort_losses[-5:]) < np.mean(ort_losses[:5])
     state = trainer.state_dict(pytorch_format=True)
     for key, expected in reference.state_dict().items():
-        assert _relative_error(state[key], expected) < RTOL, key
+        check(_relative_error(state[key], expected), RTOL, key)
 
 
 def test_buffers_and_outputs_live_on_the_gpu():
@@ -146,6 +156,10 @@ def _assert_same_state(got: dict, expected: dict, rtol: float) -> None:
 # (float16), 1.9e-3 (bfloat16). The first 10 steps agree to 1.2e-4 (MLP float16), float16's rounding; the rest is
 # drift that grows with training at lr 1e-2. bfloat16 keeps 8 bits of mantissa (3.9e-3 per rounding) where float16
 # keeps 11 (4.9e-4). Each run records its worst as a property (make gpu-check GPU_PYTEST_ARGS=--junitxml=cuda.xml).
+# Arithmetic: at equal weights, losses of half-precision logits differ by at most 2 sides · 2 roundings · u
+# (test_mixed_precision.py's LOSS_BOUND): 2.0e-3 for float16, 1.6e-2 for bfloat16; the drift of 50 Adam steps
+# at lr 1e-2 adds to that. The measured values above are 1.8x (MLP float16) to 5.3x (encoder bfloat16) under
+# these tolerances: less than the suite's 10x margin, not yet derived (not re-measured in this pass: no GPU here).
 MIXED_TOLERANCE = {("mlp", "float16"): 3e-3, ("mlp", "bfloat16"): 1e-2,
                    ("encoder", "float16"): 1e-3, ("encoder", "bfloat16"): 1e-2}
 
@@ -186,6 +200,6 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, r
     relative = np.abs(np.array(ours) - theirs) / np.abs(theirs)
     record_property("worst_relative_loss_difference", float(relative.max()))
     record_property("first_10_steps_worst", float(relative[:10].max()))
-    assert relative.max() < MIXED_TOLERANCE[name, dtype], (relative.max(), int(relative.argmax()))
+    check(relative.max(), MIXED_TOLERANCE[name, dtype], (relative.max(), int(relative.argmax())))
     assert our_scales == their_scales
     assert all(t.dtype == torch.float32 for t in trainer._engine.weights_flat)

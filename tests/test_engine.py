@@ -8,6 +8,17 @@ from models import MLP, MLP_DESC, mlp_batch
 from ort_trainer import ORTTrainer
 from ort_trainer.optim import AdamConfig
 
+# Static-shape graphs against the symbolic graph, 5 SGD steps of the encoder: the same operations,
+# but kernels and fusions chosen for known shapes may add a sum (≤ 64 terms) in another order: at
+# most 64·u per step, carried through the weights, so the loss of step k and the weights after 5
+# steps are at most steps_bound(5) = 1.9e-5 apart. The test holds the tighter 1e-5. A weight near
+# zero (a bias or LayerNorm shift) carries the rounding of its updates, not of its value: at most
+# steps_bound(5) times their size (≤ 6e-2 in these 5 steps: 1.1e-6); the test holds 1e-7.
+# Observed at 1 and 2 threads: losses 1.2e-7 (81x under), weights 0.019 of the bound (53x under;
+# the weights differ by about an ulp).
+SHAPES_RTOL = 1e-5
+SHAPES_ATOL = 1e-7
+
 
 @pytest.mark.parametrize("implementation", ["fused", "graph"])
 def test_buffers_live_across_steps_and_outputs_are_not_overwritten(implementation):
@@ -53,7 +64,7 @@ def test_shape_specialisation_is_bounded_and_computes_the_same():
     for batch, seq in [(2, 6), (3, 9), (2, 6), (4, 5), (3, 9)]:
         ids, labels = mlm_batch(gen, batch, seq)
         expected = symbolic.train_step(ids, labels)[0].item()
-        assert specialised.train_step(ids, labels)[0].item() == pytest.approx(expected, rel=1e-5)
+        assert specialised.train_step(ids, labels)[0].item() == pytest.approx(expected, rel=SHAPES_RTOL)
     engine = specialised._engine
     assert set(engine._session_sets) == {((("batch", 2), ("seq", 6)), None), ((("batch", 3), ("seq", 9)), None), None}
     session = engine._session_sets[((("batch", 3), ("seq", 9)), None)].gradient
@@ -61,7 +72,7 @@ def test_shape_specialisation_is_bounded_and_computes_the_same():
     assert set(symbolic._engine._session_sets) == {None}
     for name, value in symbolic.state_dict()["model"]["full_precision"].items():
         np.testing.assert_allclose(specialised.state_dict()["model"]["full_precision"][name], value,
-                                   rtol=1e-5, atol=1e-7)
+                                   rtol=SHAPES_RTOL, atol=SHAPES_ATOL)
 
 
 def test_building_the_graph_leaves_the_torch_model_and_rng_untouched():

@@ -21,7 +21,7 @@ def test_digits_main_job_trains_exports_and_verifies(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1))
-    assert accuracy >= 0.95
+    assert accuracy >= 0.95  # a quality threshold on the trained model, not a rounding tolerance
     assert "predictions agree on 100.00%" in result.stdout
     session = ort.InferenceSession(str(tmp_path / "digits.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["pixels"]
@@ -54,7 +54,7 @@ def test_digits_main_job_under_mpirun(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("test accuracy") == 1  # only rank 0 reports
     assert "on 2 rank(s)" in result.stdout
-    assert float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1)) >= 0.95
+    assert float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1)) >= 0.95  # quality, not rounding
     assert (tmp_path / "digits.onnx").exists()
 
 

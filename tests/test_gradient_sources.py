@@ -12,12 +12,28 @@ import torch
 from models import ENCODER_DESC, MLP, MLP_DESC, MLPWithLoss, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import AdamConfig, LambConfig
+from tolerances import check, steps_bound
 
 pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
 CE = torch.nn.functional.cross_entropy
 TORCH = {"graph": {"gradient_source": "torch"}}
 needs_training_build = pytest.mark.skipif(not _runtime.has_training_build(),
                                           reason="the 'onnxruntime' gradient source needs onnxruntime-training")
+
+# Every comparison here is ONNX Runtime (the 'torch' source) against eager PyTorch, or against the
+# 'onnxruntime' source, after n training steps: both sides compute the same float32 forward,
+# backward and Adam update, adding each sum (≤ 64 terms) in their own order: ≤ 64·u of the sum's
+# magnitude per step (Higham's bound), carried through the weights at most once per step, so
+# losses and weights differ by at most steps_bound(n) = n·64·u relatively (tolerances.py); the
+# clipping norm (a sum of 837 squares for the MLP) and LAMB's trust ratios add longer sums still.
+# - The MLP, 5 to 10 steps: steps_bound is 1.9e-5 (5 steps) to 3.8e-5 (10); the value kept holds
+#   losses and weights to 1e-5, below that worst case. Observed at 1 and 2 threads: ≤ 1.4e-7
+#   (losses) and 7.0e-8 (weights), 72x under. The comparisons with the 'onnxruntime' source need
+#   the training build and were not observed on this machine.
+MLP_BOUND = 1e-5
+# - The transformer, 6 steps: steps_bound(6) = 2.3e-5. Observed at 1 and 2 threads: ≤ 7.2e-8
+#   (losses) and 1.2e-6 (weights), 19x under.
+ENCODER_BOUND = steps_bound(6)
 
 
 def _options(source, **extra):
@@ -47,7 +63,7 @@ def test_torch_source_trains_the_mlp_like_pytorch(window):
             loss = trainer.train_step(x[8 * part:8 * part + 8], y[8 * part:8 * part + 8])[0]
             if window == 1:
                 expected = CE(reference(x), y).item()
-                assert loss.item() == pytest.approx(expected, rel=1e-5)
+                assert loss.item() == pytest.approx(expected, rel=MLP_BOUND)
         optimizer.zero_grad()
         CE(reference(x), y).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
@@ -55,7 +71,7 @@ def test_torch_source_trains_the_mlp_like_pytorch(window):
     assert trainer._train_step_info.optimization_step == 8
     got = _torch_weights(trainer)
     for key, value in reference.state_dict().items():
-        assert _rel(got[key], value.numpy()) < 1e-5, key
+        check(_rel(got[key], value.numpy()), MLP_BOUND, key)
 
 
 def test_torch_source_trains_the_transformer_like_pytorch():
@@ -72,10 +88,10 @@ def test_torch_source_trains_the_transformer_like_pytorch():
         expected.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
-        assert loss == pytest.approx(expected.item(), rel=1e-4)
+        assert loss == pytest.approx(expected.item(), rel=ENCODER_BOUND)
     got = _torch_weights(trainer)
     for key, value in reference.state_dict().items():
-        assert _rel(got[key], value.numpy()) < 1e-4, key
+        check(_rel(got[key], value.numpy()), ENCODER_BOUND, key)
 
 
 @needs_training_build
@@ -88,9 +104,10 @@ def test_both_sources_train_to_the_same_weights(config):
     for _ in range(10):
         x, y = mlp_batch(gen)
         losses = [t.train_step(x, y)[0].item() for t in trainers.values()]
-        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        assert losses[0] == pytest.approx(losses[1], rel=MLP_BOUND)
     a, b = (_torch_weights(t) for t in trainers.values())
-    assert all(_rel(a[k], b[k]) < 1e-5 for k in a)
+    for k in a:
+        check(_rel(a[k], b[k]), MLP_BOUND, k)
 
 
 @needs_training_build
@@ -106,7 +123,7 @@ def test_a_checkpoint_of_one_source_resumes_in_the_other(tmp_path):
     second = ORTTrainer(clone(model), MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE, options=TORCH)
     second.load_checkpoint(tmp_path / "half.h5")
     got += [second.train_step(x, y)[0].item() for x, y in batches[4:]]
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=MLP_BOUND)
     assert second._train_step_info.optimization_step == 8
 
 
@@ -154,7 +171,7 @@ def test_an_onnx_model_with_its_loss_trains_through_the_torch_source(tmp_path):
         expected.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
-        assert loss == pytest.approx(expected.item(), rel=1e-5)
+        assert loss == pytest.approx(expected.item(), rel=MLP_BOUND)
     weights = trainer.state_dict()["model"]["full_precision"]
     for key, value in reference.state_dict().items():
-        assert _rel(weights[key], value.numpy()) < 1e-5, key
+        check(_rel(weights[key], value.numpy()), MLP_BOUND, key)
