@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import SGDConfig
-from tolerances import check
+from tolerances import FLOAT64, check
 
 VOCAB, HIDDEN = 40, 16
 # Gradients in float32 (one step of ONNX Runtime, with or without a pass) against float64 PyTorch:
@@ -22,8 +22,6 @@ VOCAB, HIDDEN = 40, 16
 # (‖Δ‖/‖g‖) in the worst case; the value kept is below it. Observed at 1 and 2 threads: ≤ 4.4e-7,
 # 23x under.
 GRAD_BOUND = 1e-5
-# float64's unit roundoff (tolerances.py has float32's and the 16-bit ones)
-FLOAT64 = 2.0 ** -53
 
 
 class MaskedLM(torch.nn.Module):
