@@ -51,7 +51,8 @@ CNN_BOUND = steps_bound(20, length=512)
 # One eval-mode forward on the same weights (exported model, eval_step, the updated module): eval
 # BatchNorm is an elementwise affine map of the running statistics, no sum; the longest sum left is
 # fc's 8·3·3 = 72 terms, which each side may add in another order: 72u = 4.3e-6 relative (Higham's
-# bound), of the largest logit where logits cancel.
+# bound), of the largest logit where logits cancel. Observed at 1 and 2 threads: ≤ 0.059 of the bound,
+# 17x under.
 EVAL_BOUND = steps_bound(1, length=72)
 
 

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from tolerances import FLOAT64
+
 REPO = Path(__file__).resolve().parents[1]
 
-# A chart value is a ratio of two medians in milliseconds, in float64 (unit roundoff 2^-53): each
-# median (0.25 s, 0.26 s, 0.30 s, 0.31 s) is rounded when written, scaled by 1000, and the two are
-# divided: 5 roundings on the report's side, 1 in the expected ``260 / 300``: at most 6 · 2^-53 =
-# 6.7e-16 relative apart. Observed at 1 and 2 threads: 0 (the same bits).
-RATIO_BOUND = 6 * 2.0 ** -53
+# A chart value is a ratio of two medians in milliseconds, in float64 (unit roundoff FLOAT64 =
+# 2^-53): each median (0.25 s, 0.26 s, 0.30 s, 0.31 s) is rounded when written, scaled by 1000, and
+# the two are divided: 5 roundings on the report's side, 1 in the expected ``260 / 300``: at most
+# 6 · 2^-53 = 6.7e-16 relative apart. Observed at 1 and 2 threads: 0 (the same bits).
+RATIO_BOUND = 6 * FLOAT64
 
 
 @pytest.fixture

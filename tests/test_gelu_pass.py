@@ -88,10 +88,10 @@ def _trainer(model, batch, gelu, **passes):
 # derivative (tanh, erf, exp: a few ulps each): ≈ 100u = 6e-6, amplified where the residual
 # pred − y cancels (|pred| / |pred − y| up to a few): beyond 1e-5 at worst; GPT-2's chain (sums of
 # ≤ 64 terms, the MLP) is longer. Kept at 1e-5 (observed at 1 and 2 threads: ≤ 4.3e-7, 23x under).
-FLOAT64_BOUND = 1e-5
+REFERENCE_BOUND = 1e-5
 
 
-def _assert_close(got, expected, rtol=FLOAT64_BOUND):
+def _assert_close(got, expected, rtol=REFERENCE_BOUND):
     assert set(got) == set(expected)
     for name, value in expected.items():
         error = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-12)

@@ -33,7 +33,8 @@ LR = 0.5
 # Losses of 3 SGD steps of the 20-32-5 MLP, ONNX Runtime against eager PyTorch in float32: each side
 # may add a dot product (≤ 32 terms, fc2) in another order, 32u of its magnitude per step (Higham's
 # bound), carried through the weights once per step: steps_bound(3, length=32) = 5.7e-6 relative.
-# (A sigmoid in place of the relu adds a few roundings of u per element, well inside it.)
+# (A sigmoid in place of the relu adds a few roundings of u per element, well inside it.) Observed
+# at 1 and 2 threads: ≤ 0.013 of the bound, 78x under.
 LOSS_BOUND = steps_bound(3, length=32)
 
 

@@ -23,6 +23,8 @@ from tolerances import steps_bound
 # their magnitude apart for n terms (Higham's bound). The longest sum of TinyEncoder is 64 (its ff2
 # layer): steps_bound(1) = 64u = 3.8e-6; the MLP's is 32 (fc2): 1.9e-6. Logits near 0 carry the
 # error of the sums that produced them: the absolute part is the bound times the largest logit.
+# Observed at 1 and 2 threads: ≤ 0.045 of the bound against PyTorch (22x under), 0 between the
+# exported model and eval_step; the loss ≤ 0.061 of ENCODER_BOUND (16x under).
 ENCODER_BOUND = steps_bound(1)
 MLP_BOUND = steps_bound(1, length=32)
 
