@@ -36,7 +36,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-tolerances test-legacy bench gpu-check gpu-wheels install install-legacy clean
+.PHONY: run test test-large test-tolerances test-legacy bench gpu-check gpu-wheels install install-legacy clean
 
 install: $(STAMP)
 
@@ -58,7 +58,13 @@ run: $(STAMP)
 	$(VENV)/bin/ort-trainer train configs/gpt_stdlib.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# the slow tests: a GPT-2 of 656 M weights (2.6 GB, over protobuf's 2 GB limit) trains, saves as ONNX
+# with external data and resumes from a checkpoint within its training memory (about 10 minutes and
+# 16 GB on 2 cores)
+test-large: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 # The suite under 1 and then 2 threads (torch and ONNX Runtime; sums change order), recording how
 # close every numeric comparison comes to its bound; fails on a comparison with less than a 10x
@@ -67,7 +73,7 @@ AUDIT := $(CURDIR)/.tolerance-audit.jsonl
 test-tolerances: $(STAMP)
 	rm -f $(AUDIT)
 	for threads in 1 2; do \
-		OMP_NUM_THREADS=$$threads ORT_TRAINER_TOLERANCE_AUDIT=$(AUDIT) $(PY) -m pytest -q tests || exit 1; done
+		OMP_NUM_THREADS=$$threads ORT_TRAINER_TOLERANCE_AUDIT=$(AUDIT) $(PY) -m pytest -q -m "not slow" tests || exit 1; done
 	$(PY) tests/_tolerance_audit.py $(AUDIT)
 
 # the tests that must pass on both runtimes, run on the 1.19.2 training build (Python <= 3.12:

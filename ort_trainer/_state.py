@@ -52,10 +52,10 @@ class _StateMixin:
                     out[key] = values[weight]
         return out
 
-    def _current_weights(self) -> dict[str, np.ndarray]:
+    def _current_weights(self, copy: bool = True) -> dict[str, np.ndarray]:
         """Every weight by its nested-state name (built: the graph's weights; else the model's)."""
         if self._engine is not None:
-            return self._engine.weights()
+            return self._engine.weights(copy)
         if isinstance(self.model, torch.nn.Module):
             return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
         return {i.name: numpy_helper.to_array(i).copy() for i in self.model.graph.initializer}
@@ -78,7 +78,6 @@ class _StateMixin:
             yet). Under mpirun with ZeRO stage 1 it gathers every rank's moments, so every rank
             must call it.
         """
-        info = self._train_step_info
         if pytorch_format:
             if not isinstance(self.model, torch.nn.Module):
                 return {k: torch.from_numpy(v) for k, v in self._current_weights().items()}
@@ -87,10 +86,17 @@ class _StateMixin:
                 state.update({k: torch.from_numpy(v) for k, v in self._weights_by_torch_key().items()})
                 state.update({k: torch.tensor(v, dtype=state[k].dtype) for k, v in self._counter_values().items()})
             return state
+        return self._nested_state()
+
+    def _nested_state(self, copy: bool = True) -> dict:
+        """``state_dict()``; ``copy=False`` gives views of the engine's host buffers instead of
+        copies where it can (valid until the next step: a checkpoint writes them at once)."""
+        info = self._train_step_info
         moments = {}
         if self._engine is not None:
             # under ZeRO each rank holds its range of the states: gather them
-            moments = self._gather_zero_states() if self._zero_counts is not None else self._engine.optimizer_states()
+            moments = (self._gather_zero_states() if self._zero_counts is not None
+                       else self._engine.optimizer_states(copy=copy))
         elif self._pending_optimizer:
             moments = self._pending_optimizer
         optimizer = {}
@@ -102,7 +108,7 @@ class _StateMixin:
         if getattr(self, "_seed", None) is not None:
             step_info["seed"] = int(self._seed)
         state = {
-            "model": {"full_precision": self._current_weights()},
+            "model": {"full_precision": self._current_weights(copy)},
             "optimizer": optimizer,
             "trainer_options": self._trainer_options_record(),
             "train_step_info": step_info,
@@ -251,12 +257,12 @@ class _StateMixin:
             info.optimization_step = incoming.info["optimization_step"]
         self._apply_weights(incoming.weights)
         if any(incoming.moments.values()):
-            moments = {w: {s: np.asarray(v, np.float32) for s, v in entry.items()}
-                       for w, entry in incoming.moments.items() if entry}
+            moments = {w: entry for w, entry in incoming.moments.items() if entry}
             if self._engine is not None:
-                self._engine.load_optimizer_states(moments)
+                self._engine.load_optimizer_states(moments)  # reads them one at a time
             else:
-                self._pending_optimizer = moments
+                self._pending_optimizer = {w: {s: np.asarray(v, np.float32) for s, v in entry.items()}
+                                           for w, entry in moments.items()}
         if incoming.accumulated:
             self._engine.load_accumulated(incoming.accumulated)
         if "seed" in incoming.info:
@@ -348,7 +354,7 @@ class _StateMixin:
         if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise FileNotFoundError(f"save_checkpoint: directory {os.path.dirname(os.path.abspath(path))!r} does not exist")
         checkpoint.encode_user_dict(user_dict, allow_pickle)  # on every rank, before any collective
-        state = self.state_dict()
+        state = self._nested_state(copy=False)  # written array by array: no copy of every weight and moment
         if not include_optimizer_states:
             state["optimizer"] = {}
         content = {
@@ -449,6 +455,34 @@ class _StateMixin:
         state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for key, value in self._weights_by_torch_key().items():
-                state[key].copy_(torch.from_numpy(value))
+                if state[key].data_ptr() != self._shared_pointers.get(key):  # shared: current already
+                    state[key].copy_(torch.from_numpy(value))
             for key, value in self._counter_values().items():
                 state[key].fill_(value)
+
+    def _share_module_memory(self) -> None:
+        """Make the module's parameters and buffers views of the engine's buffers where they can be.
+
+        The engine holds every weight in its own buffers; a module that kept its own tensors too
+        would hold all weights twice (472 MB for GPT-2 small). Where a weight's buffer lives from
+        step to step (``Engine.live_buffers``: not double-buffered) and matches the module's tensor
+        in device, dtype and shape, the module's tensor becomes that buffer (``tensor.data``), so
+        the module's old memory is freed and the module always holds the trained values, as with a
+        ``torch.optim`` optimizer. Other tensors keep their own memory and are written by
+        ``update_torch_model``.
+        """
+        self._shared_pointers: dict[str, int] = {}
+        if not isinstance(self.model, torch.nn.Module):
+            return
+        live = self._engine.live_buffers()
+        state = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for weight, keys in self._graphs.meta["torch_keys"].items():
+                buffer = live.get(weight)
+                for key in keys if buffer is not None else ():
+                    tensor = state.get(key)
+                    if (tensor is not None and tensor.is_floating_point() and tensor.device == buffer.device
+                            and tensor.dtype == buffer.dtype and tensor.shape == buffer.shape):
+                        tensor.data = buffer
+                        self._shared_pointers[key] = buffer.data_ptr()
+        logger.debug("the module shares %d of its %d tensors with the engine", len(self._shared_pointers), len(state))

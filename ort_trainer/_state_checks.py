@@ -91,13 +91,11 @@ class IncomingState:
     scaler: Any = None
 
     def read(self) -> None:
-        """Replace every ``StoredArray`` by its data (after its name, shape and dtype were checked)."""
-        def load(value):
-            return value.read() if isinstance(value, checkpoint.StoredArray) else value
-        self.weights = {k: load(v) for k, v in self.weights.items()}
-        self.moments = {w: {s: load(v) for s, v in entry.items()} for w, entry in self.moments.items()}
-        self.counts = {k: load(v) for k, v in self.counts.items()}
-        self.accumulated = {k: load(v) for k, v in self.accumulated.items()}
+        """Replace the update counts' ``StoredArray``s by their data (after their names, shapes and
+        dtypes were checked), for the checks that need values. Weights, moments and accumulated
+        gradients stay ``StoredArray``s: they are read one at a time as they are written into the
+        engine (``np.asarray`` reads one), never all held at once on top of it."""
+        self.counts = {k: v.read() if isinstance(v, checkpoint.StoredArray) else v for k, v in self.counts.items()}
 
 
 def shape_problems(where: str, value: Any, shape: tuple, kind: str) -> list[str]:

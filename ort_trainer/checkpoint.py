@@ -29,8 +29,8 @@ checksum only detects damage; safety comes from what reading does and never does
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import io
 import math
 import os
 import pickle
@@ -124,7 +124,7 @@ def write(path: str | os.PathLike, content: dict[str, Any], allow_pickle: bool =
             for key, value in attrs.items():
                 handle.attrs[key] = value
         with open(temporary, "r+b") as written:
-            digest = hashlib.sha256(written.read()[_DIGEST_BYTES:]).hexdigest().encode()
+            digest = _digest(written)
             written.seek(0)
             written.write(digest)
 
@@ -150,12 +150,23 @@ class StoredArray:
         self._file, self.name, self.shape, self.dtype, self._offset = file, name, shape, dtype, offset
 
     def read(self) -> np.ndarray:
-        """The data, as a new native-byte-order array (its bytes were checked to lie inside the file)."""
-        count = math.prod(self.shape)
-        if count == 0:
-            return np.zeros(self.shape, self.dtype.newbyteorder("="))
-        data = np.frombuffer(self._file._raw, dtype=self.dtype, count=count, offset=self._offset)
-        return data.reshape(self.shape).astype(self.dtype.newbyteorder("="), copy=True)
+        """The data, as a new native-byte-order array (its bytes were checked to lie inside the file).
+
+        Raises:
+            CheckpointError: the file is shorter than when it was opened.
+        """
+        data = np.empty(self.shape, self.dtype)
+        if data.size:
+            handle = self._file._handle
+            handle.seek(self._offset)
+            if handle.readinto(memoryview(data).cast("B")) != data.nbytes:
+                raise CheckpointError(f"load_checkpoint: {str(self._file.path)!r} was truncated while it was read")
+        return data.astype(self.dtype.newbyteorder("="), copy=False)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(stored)`` reads it: whoever needs the values reads them one array at a time."""
+        data = self.read()
+        return data if dtype is None else data.astype(dtype, copy=False)
 
     def __repr__(self) -> str:
         return f"StoredArray({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
@@ -173,9 +184,9 @@ class CheckpointFile:
             ``loss_scaler`` (parsed, not yet validated: the trainer validates them).
     """
 
-    def __init__(self, path: Path, raw: bytes, version: int):
+    def __init__(self, path: Path, handle: io.BufferedReader, version: int):
         self.path = path
-        self._raw = raw
+        self._handle = handle  # the file verified, open: arrays are read from it one at a time
         self.version = version
         self.arrays: dict[str, dict] = {group: {} for group in _ARRAY_GROUPS}
         self.metadata: dict[str, Any] = {}
@@ -313,6 +324,16 @@ def _string_attribute(h5py, handle, key: str) -> tuple[str | None, str | None]:
     return str(value), None
 
 
+def _digest(handle: io.BufferedIOBase) -> bytes:
+    """The hex SHA-256 of a file's bytes after the digest's own place, read in 16 MB chunks: a
+    656 M-weight model's checkpoint (7.9 GB) is never held whole."""
+    digest = hashlib.sha256()
+    handle.seek(_DIGEST_BYTES)
+    for chunk in iter(lambda: handle.read(1 << 24), b""):
+        digest.update(chunk)
+    return digest.hexdigest().encode()
+
+
 def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     """Verify a checkpoint and list its contents without reading any array data.
 
@@ -334,8 +355,18 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"load_checkpoint: {str(path)!r} does not exist")
-    raw = path.read_bytes()
-    if len(raw) <= _USERBLOCK or raw[:_DIGEST_BYTES] != hashlib.sha256(raw[_DIGEST_BYTES:]).hexdigest().encode():
+    file = open(path, "rb")  # kept open by the CheckpointFile: its arrays are read from it
+    try:
+        return _verified(path, file, h5py)
+    except BaseException:
+        file.close()
+        raise
+
+
+def _verified(path: Path, file: io.BufferedReader, h5py) -> CheckpointFile:
+    """``open_checkpoint`` of the open ``file``."""
+    size = os.fstat(file.fileno()).st_size
+    if size <= _USERBLOCK or file.read(_DIGEST_BYTES) != _digest(file):
         raise CheckpointError(
             f"load_checkpoint: {str(path)!r} is corrupted or truncated: its checksum does not match its "
             "contents (or it is not an ort_trainer checkpoint)"
@@ -344,7 +375,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     found: dict[str, tuple] = {}
     attrs: dict[str, str] = {}
     try:
-        with h5py.File(io.BytesIO(raw), "r") as handle:
+        with h5py.File(file, "r") as handle:
             for key in handle.attrs:
                 if key not in (*_JSON_ATTRS, "format", "version", _USER):
                     problems.append(f"unexpected attribute {key!r}")
@@ -356,7 +387,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
                     attrs[key] = value
             if attrs.get("format") != FORMAT:
                 raise CheckpointError(f"load_checkpoint: {str(path)!r} is not an ort_trainer checkpoint")
-            _walk(h5py, handle, _SCHEMA, "", len(raw), found, problems)
+            _walk(h5py, handle, _SCHEMA, "", size, found, problems)
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError, TypeError, UnicodeDecodeError) as exc:
@@ -371,9 +402,9 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
         raise CheckpointError(f"load_checkpoint: {str(path)!r} has format version {version}; this ort_trainer "
                               f"reads versions 1 to {VERSION}" + ("; upgrade ort_trainer" if version > VERSION else ""))
     total = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in found.values())
-    if total > len(raw):
-        problems.append(f"its datasets declare {total} bytes of data, more than the file's {len(raw)} bytes")
-    result = CheckpointFile(path, raw, version)
+    if total > size:
+        problems.append(f"its datasets declare {total} bytes of data, more than the file's {size} bytes")
+    result = CheckpointFile(path, file, version)
     for key in _JSON_ATTRS:
         if key not in attrs:
             problems.append(f"attribute {key!r} is missing")

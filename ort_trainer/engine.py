@@ -38,9 +38,10 @@ from .update import OptimizerUpdate, update_class
 GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]"]
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy copy of a buffer on any device."""
-    return tensor.detach().cpu().numpy().copy()
+def _numpy(tensor: torch.Tensor, copy: bool = True) -> np.ndarray:
+    """A NumPy copy of a buffer on any device (``copy=False``: a view of a CPU buffer)."""
+    array = tensor.detach().cpu().numpy()
+    return array.copy() if copy else array
 
 
 _RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
@@ -364,29 +365,48 @@ class Engine:
         return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(sessions.output_names, values)}
 
     # ---- state access -----------------------------------------------------------------------
-    def weights(self) -> dict[str, np.ndarray]:
-        """Copies of the current value of every weight (trained and fixed)."""
-        current = self.weights_flat[self.parity]
-        out = {n: _numpy(v) for n, v in self.fixed_tensors.items()}
-        out.update({w: _numpy(self._view(current, w)) for w in self.offsets})
-        return out
+    def weights(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """Copies of the current value of every weight (trained and fixed); ``copy=False``: views
+        of the buffers where they are in host memory, valid until the next step (a checkpoint
+        writes them one at a time instead of copying them all first)."""
+        return {n: _numpy(v, copy) for n, v in self.current_tensors().items()}
 
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """The current optimizer states as flat arrays over ``[begin, end)`` of the layout (copies)."""
-        return {s: _numpy(t) for s, t in self.states_flat[self.parity].items()}
+    def live_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers that hold each weight's current value from step to step, by weight name:
+        a view of the flat weights for a trained weight, the fixed tensor for a frozen weight or a
+        buffer. Empty when the weights are double-buffered (the current set changes every step).
 
-    def optimizer_states(self, full: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
-        """``{weight: {state: value}}`` copies, from ``full`` (whole-layout arrays) or this process's range.
+        A module whose parameters are these tensors (``ORTTrainer`` does this on the CPU) holds
+        no second copy of the weights and sees every committed update.
+        """
+        return {} if self._double_buffered else self.current_tensors()
+
+    def current_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers holding every weight's current value (trained and fixed), by name: no
+        copies, valid until the next step."""
+        return {**self.fixed_tensors, **self.buffers[self.parity]}
+
+    def state_arrays(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """The current optimizer states as flat arrays over ``[begin, end)`` of the layout (copies,
+        or views as in ``weights``)."""
+        return {s: _numpy(t, copy) for s, t in self.states_flat[self.parity].items()}
+
+    def optimizer_states(self, full: dict[str, np.ndarray] | None = None,
+                         copy: bool = True) -> dict[str, dict[str, np.ndarray]]:
+        """``{weight: {state: value}}`` copies (or views, as in ``weights``), from ``full``
+        (whole-layout arrays) or this process's range.
 
         Without ``full`` only the weights inside ``[begin, end)`` are returned (all of them without ZeRO).
         """
-        source, base = (full, 0) if full is not None else (self.state_arrays(), self.begin)
+        source, base = (full, 0) if full is not None else (self.state_arrays(copy), self.begin)
         out = {}
         for w, o in self.offsets.items():
             size = int(np.prod(self.shapes[w]))
             if full is None and not (self.begin <= o and o + size <= self.end):
                 continue
-            out[w] = {s: source[s][o - base:o - base + size].reshape(self.shapes[w]).copy() for s in self.state_names}
+            out[w] = {s: source[s][o - base:o - base + size].reshape(self.shapes[w]) for s in self.state_names}
+            if copy:
+                out[w] = {s: value.copy() for s, value in out[w].items()}
         return out
 
     def load_optimizer_states(self, states: dict[str, dict[str, np.ndarray]]) -> None:

@@ -18,9 +18,9 @@ import torch
 from . import distributed
 from ._interrupt import deferred_interrupt
 from ._logging import logger
+from ._onnx_files import data_path, save_with_weights
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
-from ._temporaries import save_model
 from .amp.kernels import missing_kernels_explained
 from .devices import device_class
 from .distributed import make_communicator
@@ -29,8 +29,8 @@ from .graph import rewrites
 from .graph.gradient import build_inference_graph
 from .graph.input_checks import check_inputs
 from .graph.optimizer import state_names
-from .graph.pipeline import (GraphJob, TrainingGraphs, build_eval_graph, build_optimizer, build_training_graphs,
-                             initial_weights)
+from .graph.pipeline import (GraphJob, TrainingGraphs, build_eval_graph, build_optimizer, build_symbolic_eval_graph,
+                             build_training_graphs, initial_weights)
 from .graph.sources import make_gradient_source
 from .model_desc import ModelDescription, parse_model_desc
 from .optim.config import _OptimizerConfig, check_learning_rate
@@ -135,6 +135,7 @@ class ORTTrainer(_StateMixin):
         self._zero_counts: list[int] | None = None
         self._graphs: TrainingGraphs | None = None  # the first graphs built: the engine's layout comes from them
         self._symbolic: TrainingGraphs | None = None  # symbolic-shape graphs, built when first needed
+        self._symbolic_eval: onnx.ModelProto | None = None  # their eval graph alone (save_as_onnx)
         self._traces: dict[tuple, Any] = {}  # the gradient source's traces by the shape they fixed
         self._engine: Engine | None = None
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
@@ -215,6 +216,7 @@ class ORTTrainer(_StateMixin):
             self._comm.broadcast(self._engine.weights_flat[self._engine.parity])
             for tensor in self._engine.fixed_tensors.values():
                 self._comm.broadcast(tensor)
+        self._share_module_memory()
         if isinstance(self.model, torch.nn.Module):
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
                                   if k.endswith("num_batches_tracked")}
@@ -579,15 +581,24 @@ class ORTTrainer(_StateMixin):
             )
         return self._engine
 
-    def save_as_onnx(self, path: str | os.PathLike) -> None:
+    def save_as_onnx(self, path: str | os.PathLike, external_data: bool | None = None) -> None:
         """Write an inference ONNX model with the current weights (no Dropout, BatchNorm in eval mode).
 
         Its inputs are the model's own (a label read only by ``loss_fn`` is dropped) and its outputs
-        the model's own, named as in the description; it loads in a stock InferenceSession.
+        the model's own, named as in the description; it loads in a stock InferenceSession. The
+        weights are written one at a time, never all copied at once.
+
+        Args:
+            path: the ``.onnx`` file.
+            external_data: True puts the weights in ``<path>.data`` next to it (ONNX's external
+                data: ``onnx.load`` and ONNX Runtime read it from the model's directory), False in
+                the model file; None (the default) does the first only for a model over protobuf's
+                2 GB limit on one file.
 
         Raises:
             FileNotFoundError: when the directory of ``path`` does not exist.
             RuntimeError: before the graph is built.
+            ValueError: ``external_data=False`` for a model over 2 GB.
         """
         path = Path(path)
         if not path.parent.is_dir():
@@ -600,14 +611,33 @@ class ORTTrainer(_StateMixin):
         if self.loss_fn is not None:
             inputs = inputs[:-1]
             outputs = [n for n in outputs if n != desc.loss_name]
-        model = build_inference_graph(build_eval_graph(self._job, self._symbolic_graphs()), inputs, outputs, engine.weights())
-        save_model(model, path)
+        tensors = engine.current_tensors()
+        model, names = build_inference_graph(self._symbolic_eval_graph(), inputs, outputs, tensors)
+        specs = {name: (tuple(tensors[name].shape), _host_dtype(tensors[name])) for name in names}
+        external = save_with_weights(model, path, specs, lambda name: _host_array(tensors[name]),
+                                     external_data=external_data)
+        logger.info("save_as_onnx: wrote %s%s", path, f" and its weights in {data_path(path)}" if external else "")
+
+    def _symbolic_eval_graph(self) -> onnx.ModelProto:
+        """The eval graph with symbolic dimensions and every output: that of the symbolic training
+        graphs where they exist, else built alone (no gradient graph) and kept."""
+        if self._symbolic is not None:
+            return build_eval_graph(self._job, self._symbolic)
+        if self._symbolic_eval is None:
+            self._symbolic_eval = build_symbolic_eval_graph(self._job, self._sample_inputs, self._graphs.meta,
+                                                            forward=self._traces.get(()))
+        return self._symbolic_eval
 
 
 def _host_array(tensor: torch.Tensor) -> np.ndarray:
     """A tensor's values in NumPy (bfloat16, which NumPy lacks, as float32)."""
     tensor = tensor.detach().cpu()
     return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def _host_dtype(tensor: torch.Tensor) -> np.dtype:
+    """The NumPy dtype ``_host_array`` gives ``tensor``."""
+    return np.dtype(np.float32) if tensor.dtype == torch.bfloat16 else torch.empty((), dtype=tensor.dtype).numpy().dtype
 
 
 def _to_numpy(value: Any, name: str) -> np.ndarray:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs CUDAExecutionProvider and a GPU (run by make gpu-check)")
+    config.addinivalue_line("markers", "slow: minutes and over 10 GB of memory (run by make test-large, not make test)")
     if os.environ.get("ORT_TRAINER_TOLERANCE_AUDIT"):
         import _tolerance_audit
 

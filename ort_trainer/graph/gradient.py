@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Collection
 
 import numpy as np
 import onnx
@@ -333,12 +334,17 @@ def build_eval_graph(forward: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def build_inference_graph(
-    eval_model: onnx.ModelProto, keep_inputs: list[str], keep_outputs: list[str], weights: dict[str, np.ndarray]
-) -> onnx.ModelProto:
-    """A deployable model: weights as initializers, Dropout removed, only the wanted inputs/outputs.
+    eval_model: onnx.ModelProto, keep_inputs: list[str], keep_outputs: list[str], weights: Collection[str]
+) -> tuple[onnx.ModelProto, list[str]]:
+    """A deployable model: Dropout removed, only the wanted inputs/outputs, weights no longer inputs.
 
     Inputs outside ``keep_inputs`` (a label read only by the loss) are dropped when nothing the
     kept outputs need reads them.
+
+    Returns:
+        The model, and the names of ``weights`` it reads: they are to become its initializers
+        (``_onnx_files.save_with_weights`` adds them one at a time as it writes the file); the
+        model holds none of their values.
     """
     model = copy.deepcopy(eval_model)
     graph = model.graph
@@ -377,11 +383,10 @@ def build_inference_graph(
     del graph.output[:]
     graph.output.extend(outputs)
     kept_inits = [i for i in graph.initializer if i.name in needed]
-    kept_inits += [numpy_helper.from_array(v, name) for name, v in weights.items() if name in needed]
     del graph.initializer[:]
     graph.initializer.extend(kept_inits)
     del graph.value_info[:]
-    return model
+    return model, [name for name in weights if name in needed]
 
 
 def _live_nodes(nodes, needed: set[str]) -> list[onnx.NodeProto]:

@@ -275,6 +275,31 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
     return model
 
 
+def build_symbolic_eval_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray], meta: dict,
+                              forward: Traced | None = None,
+                              graph_cache_store: graph_cache.GraphCache | None = None) -> onnx.ModelProto:
+    """The eval graph with the description's symbolic dimensions and every output, without the
+    gradient graph that ``build_training_graphs`` would build first (``save_as_onnx`` of a trainer
+    whose training graphs have fixed shapes: a GPT-2 small gradient graph took minutes).
+
+    Args:
+        sample_inputs: one array per description input, with the dtypes the graph reads.
+        meta: ``TrainingGraphs.meta`` of the graphs the engine runs: the eval graph must read
+            their weights.
+        forward: an earlier trace of the job, used where it is symbolic.
+
+    Raises:
+        ExportError: as ``build_eval_graph``.
+    """
+    source = job.source
+    input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
+    traced = forward if forward is not None and forward.serves(None) else source.trace(job, sample_inputs, None)
+    prepared = source.prepare(job, traced, None, None, input_dtypes)
+    graphs = TrainingGraphs(None, None, {**meta, **prepared.expected}, forward=traced,
+                            key=job.cache_key(traced, input_dtypes, None), sample_inputs=list(sample_inputs))
+    return build_eval_graph(job, graphs, graph_cache_store)
+
+
 def _eval_problems(models: dict[str, onnx.ModelProto], meta: dict, job: GraphJob) -> list[str]:
     """What makes an eval graph unusable beside the gradient graph described by ``meta``."""
     if sorted(models) != ["eval"]:
@@ -434,7 +459,12 @@ def zero_ranges(sizes: list[int], world_size: int, whole_tensors: bool) -> list[
 def initial_weights(
     model: torch.nn.Module | onnx.ModelProto, meta: dict
 ) -> dict[str, np.ndarray]:
-    """Current values of every weight input, read from the torch module or ONNX initializers."""
+    """Current values of every weight input, read from the torch module or ONNX initializers.
+
+    A module's weights on the CPU come back as NumPy views of its own memory, not copies: the
+    engine copies them into its buffers once (a copy here would hold every weight a third time
+    while the engine is made).
+    """
     if isinstance(model, onnx.ModelProto):
         values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
         return {w: np.ascontiguousarray(values[w]) for w in meta["weights"]}
@@ -442,9 +472,9 @@ def initial_weights(
     out = {}
     for weight, keys in meta["torch_keys"].items():
         if weight in meta["weights"]:
-            out[weight] = state[keys[0]].detach().cpu().numpy().copy()
+            out[weight] = state[keys[0]].detach().cpu().numpy()
     return out
 
 
-__all__ = ["GraphJob", "OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_optimizer",
+__all__ = ["GraphJob", "OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_optimizer", "build_symbolic_eval_graph",
            "build_training_graphs", "export_order", "initial_weights", "zero_ranges"]

@@ -1,0 +1,160 @@
+"""Writing an ONNX model together with its weights, one weight at a time.
+
+``onnx.save`` needs the whole ``ModelProto`` in memory with every weight inside it, and then a
+serialized copy of it: for GPT-2 small that held 2 × 475 MB on top of the trainer's buffers, and a
+model over 2 GB cannot be serialized at all (protobuf's limit on one message). ``save_with_weights``
+never holds more than one weight:
+
+- inline (a single ``.onnx`` file, the default below ``INLINE_LIMIT``): the model without the
+  weights is written first, then each weight as a message of its own that protobuf parsers merge
+  into the first, its bytes straight from the weight's memory. Protobuf's encoding defines a message field that appears twice as the merge of
+  the two (repeated fields appended), so ``model`` followed by ``ModelProto(graph=GraphProto(
+  initializer=[w]))`` for each weight parses as ``model`` with those initializers.
+- external data (ONNX's format for models over 2 GB, as ``onnx.external_data_helper`` writes it): the weights'
+  bytes go to ``<name>.data`` next to the model, each at an offset aligned to 4096 bytes (ONNX
+  Runtime can then map them instead of reading them), and the model refers to them by offset and
+  length. ``onnx.load`` and ``onnxruntime.InferenceSession`` load it from the model's path.
+
+Both files go through ``atomic_write``: the data file is moved into place only once the model file
+is complete and the model file right after it, so a failed save leaves an earlier save whole.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ._temporaries import atomic_write
+
+#: the largest model written as one file: protobuf refuses messages of 2 GiB; the margin leaves room
+#: for the graph itself
+INLINE_LIMIT = 2**31 - 2**26
+_ALIGNMENT = 4096
+
+#: ``name -> array`` of a weight, asked for when it is written (the array may be a view: it is read
+#: before the next weight is asked for)
+WeightReader = Callable[[str], np.ndarray]
+
+
+def data_path(path: str | os.PathLike) -> Path:
+    """Where ``save_with_weights`` puts the external data of the model at ``path``."""
+    path = Path(path)
+    return path.with_name(path.name + ".data")
+
+
+def save_with_weights(model: onnx.ModelProto, path: str | os.PathLike, weights: Mapping[str, tuple],
+                      read: WeightReader, external_data: bool | None = None) -> bool:
+    """Write ``model`` to ``path`` with the weights ``weights`` as initializers.
+
+    Args:
+        model: the graph, reading each weight of ``weights`` by name but holding none of them.
+        weights: ``{name: (shape, numpy dtype)}`` in the order they are written.
+        read: returns a weight's current value; called once per weight, one at a time.
+        external_data: True writes the weights to ``data_path(path)``, False into the model file;
+            None (the default) does the first only when the model would pass ``INLINE_LIMIT``.
+
+    Returns:
+        Whether the weights went to an external data file.
+
+    Raises:
+        ValueError: ``external_data`` is False and the model is over protobuf's 2 GiB limit.
+    """
+    sizes = {name: int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+             for name, (shape, dtype) in weights.items()}
+    total = sum(sizes.values()) + model.ByteSize()
+    if external_data is None:
+        external_data = total > INLINE_LIMIT
+    elif not external_data and total > INLINE_LIMIT:
+        raise ValueError(f"the model is {total / 2**30:.2f} GiB, over protobuf's 2 GiB limit for one file: save it "
+                         "with external_data=True (or None) instead")
+    if external_data:
+        _save_external(model, Path(path), weights, sizes, read)
+    else:
+        atomic_write(path, lambda temporary: _write_inline(model, temporary, weights, read))
+    return external_data
+
+
+def _write_inline(model: onnx.ModelProto, temporary: str, names: Iterable[str], read: WeightReader) -> None:
+    with open(temporary, "wb") as out:
+        out.write(model.SerializeToString())
+        for name in names:
+            _write_initializer(out, name, np.ascontiguousarray(read(name)))
+
+
+def _field_tag(message: type, field: str) -> bytes:
+    """The key of a length-delimited field (protobuf encoding: field number << 3 | wire type 2)."""
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint: 7 bits per byte, least significant first, high bit = more follow."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_GRAPH, _INITIALIZER = _field_tag(onnx.ModelProto, "graph"), _field_tag(onnx.GraphProto, "initializer")
+_RAW_DATA = _field_tag(onnx.TensorProto, "raw_data")
+
+
+def _write_initializer(out, name: str, value: np.ndarray) -> None:
+    """Append ``ModelProto(graph=GraphProto(initializer=[tensor]))`` for ``value`` to ``out``,
+    its bytes written straight from the array's memory (``numpy_helper.from_array`` and
+    ``SerializeToString`` would copy a 154 MB embedding twice over)."""
+    if sys.byteorder != "little":  # raw_data is little-endian: from_array swaps the bytes
+        tensor = numpy_helper.from_array(value, name)
+        out.write(onnx.ModelProto(graph=onnx.GraphProto(initializer=[tensor])).SerializeToString())
+        return
+    header = onnx.TensorProto(name=name, dims=value.shape, data_type=helper.np_dtype_to_tensor_dtype(value.dtype))
+    tensor_head = header.SerializeToString() + _RAW_DATA + _varint(value.nbytes)
+    tensor_size = len(tensor_head) + value.nbytes
+    graph_head = _INITIALIZER + _varint(tensor_size)
+    out.write(_GRAPH + _varint(len(graph_head) + tensor_size) + graph_head + tensor_head)
+    out.write(value.data)
+
+
+def _save_external(model: onnx.ModelProto, path: Path, weights: Mapping[str, tuple], sizes: dict[str, int],
+                   read: WeightReader) -> None:
+    data = data_path(path)
+    located = onnx.ModelProto()
+    located.CopyFrom(model)
+    offsets, end = {}, 0
+    for name, (shape, dtype) in weights.items():
+        offsets[name] = end = -(-end // _ALIGNMENT) * _ALIGNMENT
+        tensor = located.graph.initializer.add()
+        tensor.name, tensor.data_type = name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        tensor.dims.extend(shape)
+        tensor.data_location = onnx.TensorProto.EXTERNAL  # ONNX's external data fields (onnx.proto)
+        for key, value in (("location", data.name), ("offset", end), ("length", sizes[name])):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        end += sizes[name]
+
+    def write_data(temporary: str) -> None:
+        with open(temporary, "wb") as out:
+            for name in weights:
+                out.seek(offsets[name])
+                value = np.ascontiguousarray(read(name))
+                if value.nbytes != sizes[name]:
+                    raise ValueError(f"weight {name!r}: {value.nbytes} bytes, expected {sizes[name]}")
+                out.write(value.data)
+            out.truncate(end)
+
+    def write_model(temporary: str) -> None:
+        with open(temporary, "wb") as out:
+            out.write(located.SerializeToString())
+        atomic_write(data, write_data)  # the model is complete: now the data, then the model
+
+    atomic_write(path, write_model)
+
+
+__all__ = ["INLINE_LIMIT", "data_path", "save_with_weights"]

@@ -1,0 +1,74 @@
+"""On the CPU the module's parameters and buffers are the trainer's own buffers (issue 24): no
+second copy of the weights, and the module holds the trained values after every step, as with a
+``torch.optim`` optimizer. Where the weights are double-buffered (``graph.optimizer='graph'``)
+the module keeps its own memory and ``update_torch_model`` copies into it."""
+
+import copy
+
+import numpy as np
+import torch
+
+from models import MLP, MLP_DESC, TinyEncoder, ENCODER_DESC, mlm_batch, mlm_loss, mlp_batch
+from ort_trainer import ORTTrainer
+from ort_trainer.optim import AdamConfig
+from state_helpers import trained_mlp
+
+
+def _storage(tensor):
+    return tensor.untyped_storage().data_ptr()
+
+
+def test_the_module_holds_the_trained_weights_in_the_engines_memory():
+    model = TinyEncoder()
+    initial = copy.deepcopy(model.state_dict())
+    trainer = ORTTrainer(model, ENCODER_DESC, AdamConfig(lr=1e-2), loss_fn=mlm_loss)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        trainer.train_step(*mlm_batch(gen))
+    engine = trainer._engine
+    flat = _storage(engine.weights_flat[0])
+    for name, parameter in model.named_parameters():
+        assert _storage(parameter) == flat, name  # a view of the engine's flat weights: one copy in all
+    weights = trainer.state_dict()["model"]["full_precision"]
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), weights[name])  # trained, without update_torch_model
+    assert any(not torch.equal(model.state_dict()[n], initial[n]) for n in initial)
+    trainer.update_torch_model()  # a no-op copy: still shared, still equal
+    for name, parameter in model.named_parameters():
+        assert _storage(parameter) == flat, name
+        np.testing.assert_array_equal(parameter.detach().numpy(), weights[name])
+
+
+def test_tied_weights_stay_one_parameter():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    desc = {"inputs": [("ids", ["batch"]), ("labels", ["batch"])], "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
+    trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-2), loss_fn=torch.nn.functional.cross_entropy)
+    ids = torch.arange(6) % 10
+    trainer.train_step(ids, ids)
+    assert model[1].weight is model[0].weight
+    (name,) = [w for w in trainer.state_dict()["model"]["full_precision"] if w.endswith("weight")][:1]
+    np.testing.assert_array_equal(model[0].weight.detach().numpy(), trainer.state_dict()["model"]["full_precision"][name])
+
+
+def test_double_buffered_weights_leave_the_module_to_update_torch_model():
+    model = MLP()
+    initial = copy.deepcopy(model.state_dict())
+    trainer = ORTTrainer(model, MLP_DESC, AdamConfig(lr=1e-2), loss_fn=torch.nn.functional.cross_entropy,
+                         options={"graph": {"optimizer": "graph"}})
+    trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, initial[name], rtol=0, atol=0)  # its own memory, untouched
+    trainer.update_torch_model()
+    weights = trainer.state_dict()["model"]["full_precision"]
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), weights[name])
+
+
+def test_loading_a_state_reaches_the_shared_module():
+    source = trained_mlp(3)
+    model = MLP()
+    target = trained_mlp(1, model=model)
+    target.load_state_dict(source.state_dict())
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), source.state_dict()["model"]["full_precision"][name])
