@@ -36,7 +36,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-large test-tolerances test-legacy bench gpu-check gpu-wheels install install-legacy clean
+.PHONY: run test test-large test-tolerances test-legacy bench bench-real gpu-check gpu-wheels install install-legacy clean
 
 install: $(STAMP)
 
@@ -80,6 +80,11 @@ test-tolerances: $(STAMP)
 # set LEGACY_PYTHON where python3 is newer)
 test-legacy: $(LEGACY_STAMP)
 	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS)
+
+# ort_trainer vs eager PyTorch at GPT-2 small, BERT-base and a 656 M-weight GPT-2 (step, peak RSS,
+# cold and warm builds, save_as_onnx); writes docs/benchmarks_real.md (about 40 minutes and 16 GB)
+bench-real: $(STAMP)
+	$(PY) benchmarks/real_sizes.py
 
 # ort_trainer on both runtimes vs PyTorch eager vs torch.compile; writes docs/benchmarks.md and
 # docs/benchmarks.png

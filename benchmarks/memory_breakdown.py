@@ -1,8 +1,9 @@
 """Where a real-size trainer's memory goes: resident memory after each phase, and the bytes each
 component holds (the user's module, the engine's flat buffers, graph protos kept alive).
 
-Run: ``python benchmarks/memory_breakdown.py --model gpt2 --batch 4 --seq 128`` (Hugging Face
-``transformers``, random weights: GPT-2 small, 124 M weights, or ``bert``: BERT-base MLM, 110 M).
+Run: ``python benchmarks/memory_breakdown.py --model gpt2`` (the rows of ``real_sizes.py``: Hugging
+Face ``transformers``, random weights: GPT-2 small, 124 M weights, B4×S128; ``bert``: BERT-base
+MLM, 110 M; ``gpt2-656m``; ``gpt2-tiny``).
 Eager PyTorch (AdamW, clipping) runs the same steps in its own process with ``--eager``. Prints
 one JSON object: the phases' resident memory (current and peak, MB) and the components' sizes (MB).
 """
@@ -12,7 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_sizes import SIZES, workload  # noqa: E402
 
 
 def _rss_mb() -> tuple[float, float]:
@@ -21,32 +27,6 @@ def _rss_mb() -> tuple[float, float]:
         fields = dict(line.split(":", 1) for line in status if ":" in line)
     current = int(fields["VmRSS"].split()[0]) / 1024
     return current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _workload(name: str, batch: int, seq: int):
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    if name == "gpt2":
-        config = transformers.GPT2Config(n_positions=max(seq, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         loss_type="ForCausalLM", use_cache=False)
-        model = transformers.GPT2LMHeadModel(config)
-        ids = torch.randint(0, config.vocab_size, (batch, seq))
-        inputs = (ids, torch.ones_like(ids), ids)
-        desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                           ("labels", ["batch", "seq"])],
-                "outputs": [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]}
-    else:
-        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        model = transformers.BertForMaskedLM(config)
-        ids = torch.randint(0, config.vocab_size, (batch, seq))
-        labels = torch.where(torch.rand(batch, seq) < 0.15, ids, torch.full_like(ids, -100))
-        inputs = (ids, torch.ones_like(ids), labels)
-        desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                           ("labels", ["batch", "seq"])],
-                "outputs": [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]}
-    return model, desc, inputs
 
 
 def _unique_bytes(tensors) -> int:
@@ -60,9 +40,7 @@ def _unique_bytes(tensors) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--model", choices=sorted(SIZES), default="gpt2")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="eager PyTorch + AdamW instead of ort_trainer")
     args = parser.parse_args()
@@ -70,7 +48,8 @@ def main() -> None:
     import torch
 
     phases = {"imported": _rss_mb()}
-    model, desc, inputs = _workload(args.model, args.batch, args.seq)
+    model, desc, batch_of = workload(args.model)
+    inputs = batch_of()
     phases["model built"] = _rss_mb()
     mb = 2.0 ** 20
     components = {"module weights and buffers": _unique_bytes([*model.parameters(), *model.buffers()]) / mb}
@@ -112,10 +91,10 @@ def main() -> None:
             "gradient graph proto": trainer._graphs.gradient.ByteSize() / mb,
         })
     report = {"model": args.model, "implementation": "eager" if args.eager else "ort_trainer",
-              "batch": args.batch, "seq": args.seq,
+              "batch": SIZES[args.model][0], "seq": SIZES[args.model][1],
               "weights": sum(p.numel() for p in model.parameters()),
               "phases_mb": {k: {"rss": round(v[0]), "peak": round(v[1])} for k, v in phases.items()},
-              "components_mb": {k: round(v) for k, v in components.items()},
+              "components_mb": {k: round(v, 3) for k, v in components.items()},
               "step_seconds": [round(s, 3) for s in seconds]}
     print(json.dumps(report, indent=1))
 

@@ -161,3 +161,49 @@ def test_a_worker_times_at_least_the_steps_and_at_least_the_seconds(bench, monke
 
     assert bench._timed_steps(step(1.0), 5, 2.0) == [1.0] * 5  # a slow step: the steps bound
     assert bench._timed_steps(step(0.25), 3, 2.0) == [0.25] * 8  # a fast step: timed for 2 s
+
+
+def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
+    """``make bench-real``'s script, at a size that runs in a minute: every column filled, the
+    losses of both implementations equal to float32 roundoff."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    out = tmp_path / "real.md"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_sizes.py"), "--models", "gpt2-tiny",
+                           "--rounds", "2", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| gpt2-tiny")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == 11 and "—" not in cells, row
+    # 3 Adam steps of a 2-layer GPT-2 of width 32 in float32 on both sides: sums of at most 4·32
+    # terms in another order, carried through the weights once per step: steps_bound(3, 128) =
+    # 2.3e-5 relative (Higham's bound)
+    from tolerances import steps_bound
+
+    assert float(cells[2]) <= steps_bound(3, length=128)
+    assert float(cells[8]) > 0 and float(cells[9]) > 0  # a memory ratio and a save time
+
+
+def test_the_memory_breakdown_accounts_for_every_buffer_of_a_tiny_gpt2():
+    """``benchmarks/memory_breakdown.py``: the phases' memory and the engine's buffers, with the
+    module's weights shared with the engine (none held twice)."""
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_breakdown.py"), "--model", "gpt2-tiny",
+                           "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert list(report["phases_mb"]) == ["imported", "model built", "trainer constructed", "step 1", "step 2"]
+    parts = report["components_mb"]
+    weights = report["weights"] * 4 / 2**20
+    # the report rounds each figure to 3 decimals of a MB: ≤ 5e-4 MB from the exact size; 5e-3
+    # leaves a 10x margin, while a second copy of the weights or a missing moment is 0.17 MB
+    assert weights > 0.1
+    assert parts["engine weights (flat)"] == pytest.approx(weights, abs=5e-3)
+    assert parts["engine optimizer states (flat)"] == pytest.approx(2 * weights, abs=5e-3)  # Adam's two moments
+    assert parts["module storage shared with the engine"] >= weights - 5e-3  # the module holds no copy

@@ -1,0 +1,205 @@
+"""ort_trainer against eager PyTorch at the sizes users train: GPT-2 small, BERT-base, and a GPT-2
+over protobuf's 2 GB limit. Writes docs/benchmarks_real.md.
+
+Run: ``make bench-real`` (or ``python benchmarks/real_sizes.py [--models gpt2,bert,gpt2-656m]``).
+Random-init Hugging Face models, dropout 0, ``AdamConfig(lr=1e-4)`` against ``torch.optim.AdamW``
+with ``clip_grad_norm_(1.0)``, the same initial weights and batches. Every measurement is a fresh
+process, one implementation each, the order alternating from round to round:
+
+- round 1's ort_trainer process starts from an empty graph cache (its first step is the **cold**
+  build: export, gradient graph, sessions); later rounds find the graph in that cache (**warm**);
+- each process times ``--steps`` training steps after its first and reports its peak resident
+  memory (``ru_maxrss``, the whole process); the losses of both implementations are compared;
+- the last ort_trainer process then times ``save_as_onnx`` and reports its peak again.
+
+``--models`` picks rows; ``gpt2-656m`` (n_embd 1280, 30 layers: 2.6 GB of weights) needs about 16 GB
+and 15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (batch, sequence, default steps); gpt2-tiny (2 layers of width 32) is the test's
+SIZES = {"gpt2": (4, 128, 3), "bert": (4, 128, 3), "gpt2-656m": (1, 64, 2), "gpt2-tiny": (2, 16, 2)}
+_GPT2_SIZES = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
+               "gpt2-tiny": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 500,
+                             "bos_token_id": 0, "eos_token_id": 0}}
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def workload(name: str):
+    """``(model, description, batches)`` of a row: weights from seed 0, 1 + steps batches from seed 1."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    batch, seq, _ = SIZES[name]
+    if name.startswith("gpt2"):
+        config = transformers.GPT2Config(n_positions=max(seq, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         use_cache=False, **_GPT2_SIZES.get(name, {}))
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.BertForMaskedLM(config)
+    generator = torch.Generator().manual_seed(1)
+
+    def batch_of():
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+        if name == "bert":
+            labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, torch.full_like(ids, -100))
+        else:
+            labels = ids
+        return ids, torch.ones_like(ids), labels
+
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]}
+    return model, desc, batch_of
+
+
+def worker(args) -> dict:
+    """One implementation in this process: the first step, ``args.steps`` timed steps, peak RSS."""
+    import torch
+
+    model, desc, batch_of = workload(args.model)
+    batches = [batch_of() for _ in range(args.steps + 1)]
+    if args.impl == "ort":
+        from ort_trainer import ORTTrainer
+        from ort_trainer.optim import AdamConfig
+
+        trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4))
+        trainer._train_step_info.fetches = ["loss"]
+
+        def step(inputs):
+            return float(trainer.train_step(*inputs))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(inputs):
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=inputs[0], attention_mask=inputs[1], labels=inputs[2]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            return float(loss)
+
+    started = time.perf_counter()
+    losses = [step(batches[0])]
+    first = time.perf_counter() - started
+    seconds = []
+    for inputs in batches[1:]:
+        started = time.perf_counter()
+        losses.append(step(inputs))
+        seconds.append(time.perf_counter() - started)
+    report = {"first_s": first, "step_s": seconds, "losses": losses, "peak_mb": _peak_mb()}
+    if args.impl == "ort" and args.save:
+        with tempfile.TemporaryDirectory() as directory:
+            started = time.perf_counter()
+            trainer.save_as_onnx(Path(directory) / "model.onnx")
+            report.update(save_s=time.perf_counter() - started, save_peak_mb=_peak_mb())
+    return report
+
+
+def _spawn(model: str, impl: str, steps: int, cache: str, save: bool = False) -> dict:
+    command = [sys.executable, __file__, "--worker", "--model", model, "--impl", impl, "--steps", str(steps)]
+    if save:
+        command.append("--save")
+    env = {**os.environ, "ORT_TRAINER_CACHE_DIR": cache}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{model} {impl} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, rounds: int, steps: int) -> dict:
+    """Alternating rounds of fresh ort_trainer and eager processes for one row."""
+    runs = {"ort": [], "eager": []}
+    with tempfile.TemporaryDirectory() as cache:
+        for number in range(rounds):
+            order = ("ort", "eager") if number % 2 == 0 else ("eager", "ort")
+            for impl in order:
+                last = impl == "ort" and number == rounds - 1
+                runs[impl].append(_spawn(model, impl, steps, cache, save=last))
+                print(f"{model} round {number + 1} {impl}: first step {runs[impl][-1]['first_s']:.1f} s, steps "
+                      f"{[round(s, 2) for s in runs[impl][-1]['step_s']]}", file=sys.stderr, flush=True)
+    return runs
+
+
+def row(model: str, runs: dict) -> dict:
+    """The table's figures for one row."""
+    ort, eager = runs["ort"], runs["eager"]
+    ort_step = statistics.median(s for run in ort for s in run["step_s"])
+    eager_step = statistics.median(s for run in eager for s in run["step_s"])
+    loss_error = max(abs(a - b) / abs(b) for run in ort for a, b in zip(run["losses"], eager[0]["losses"]))
+    return {
+        "model": model, "size": "{}×{}".format(*SIZES[model][:2]), "loss_rel_diff": loss_error,
+        "cold_s": ort[0]["first_s"], "warm_s": statistics.median(r["first_s"] for r in ort[1:]) if len(ort) > 1 else None,
+        "ort_step_s": ort_step, "eager_step_s": eager_step, "speedup": eager_step / ort_step,
+        "ort_peak_mb": max(r["peak_mb"] for r in ort), "eager_peak_mb": max(r["peak_mb"] for r in eager),
+        "save_s": ort[-1].get("save_s"), "save_peak_mb": ort[-1].get("save_peak_mb"),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    def number(value, fmt):
+        return "—" if value is None else format(value, fmt)
+
+    lines = ["| model | B×S | losses vs eager (max rel.) | first step, cold cache s | first step, warm cache s "
+             "| step ort / eager s | speed-up | peak RSS ort / eager MB | ratio | save_as_onnx s | peak after save MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {r['cold_s']:.1f} | {number(r['warm_s'], '.1f')} "
+            f"| {r['ort_step_s']:.2f} / {r['eager_step_s']:.2f} | {r['speedup']:.2f}× "
+            f"| {r['ort_peak_mb']:.0f} / {r['eager_peak_mb']:.0f} | {r['ort_peak_mb'] / r['eager_peak_mb']:.2f} "
+            f"| {number(r['save_s'], '.1f')} | {number(r['save_peak_mb'], '.0f')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--model", default="gpt2", choices=sorted(SIZES))
+    parser.add_argument("--impl", choices=["ort", "eager"], default="ort")
+    parser.add_argument("--save", action="store_true")
+    parser.add_argument("--models", default="gpt2,bert,gpt2-656m")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation and model")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per process (0: the row's default)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_real.md")
+    args = parser.parse_args()
+    if args.worker:
+        args.steps = args.steps or SIZES[args.model][2]
+        print(json.dumps(worker(args)))
+        return
+    rows = []
+    for model in args.models.split(","):
+        rows.append(row(model, measure(model, args.rounds, args.steps or SIZES[model][2])))
+    import onnxruntime
+    import torch
+
+    text = (f"# Real-size benchmark\n\n`python benchmarks/real_sizes.py --models {args.models} --rounds {args.rounds}`"
+            f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
+            f"onnxruntime {onnxruntime.__version__}; {time.strftime('%Y-%m-%d')}.\n\n"
+            "Speed-up: eager's median step over ort_trainer's. Peak RSS: the whole process's, the most over rounds. "
+            "The warm first step is a new process finding the graph in the on-disk cache.\n\n" + table(rows) + "\n")
+    args.out.write_text(text)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
