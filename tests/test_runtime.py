@@ -6,6 +6,7 @@ whose import path is rigged: a second runtime's metadata, no runtime at all, a d
 
 import os
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -329,7 +330,10 @@ def test_make_test_installs_todays_onnxruntime_by_default_and_runs_the_whole_sui
     assert 'pip install --quiet -e ".[cpu,dev,mpi]"' in out and "touch .venv/.installed-cpu" in out
     assert '".[training' not in out
     (command,) = [line for line in out.splitlines() if "-m pytest" in line]
-    assert command.split() == [".venv/bin/python", "-m", "pytest", "-q", "tests"]
+    # the whole suite but the slow tests (a 2.6 GB model, 16 GB of memory), which make test-large runs
+    assert shlex.split(command) == [".venv/bin/python", "-m", "pytest", "-q", "-m", "not slow", "tests"]
+    (large,) = [line for line in _make_dry_run("test-large").splitlines() if "-m pytest" in line]
+    assert shlex.split(large) == [".venv/bin/python", "-m", "pytest", "-q", "-m", "slow", "tests"]
 
 
 @pytest.mark.parametrize("codes, expected", [((0, 0), 0), ((2, 0), 1), ((0, 2), 1), ((2, 2), 1)])
