@@ -453,10 +453,12 @@ class _StateMixin:
         if self._engine is None:
             return  # nothing trained yet: the module already holds the weights
         state = self.model.state_dict(keep_vars=True)
+        current = self._engine.current_tensors()
         with torch.no_grad():
-            for key, value in self._weights_by_torch_key().items():
-                if state[key].data_ptr() != self._shared_pointers.get(key):  # shared: current already
-                    state[key].copy_(torch.from_numpy(value))
+            for weight, keys in self._graphs.meta["torch_keys"].items():
+                for key in keys if weight in current else ():
+                    if state[key].data_ptr() != current[weight].data_ptr():  # else shared: current already
+                        state[key].copy_(current[weight])
             for key, value in self._counter_values().items():
                 state[key].fill_(value)
 
@@ -471,11 +473,11 @@ class _StateMixin:
         ``torch.optim`` optimizer. Other tensors keep their own memory and are written by
         ``update_torch_model``.
         """
-        self._shared_pointers: dict[str, int] = {}
         if not isinstance(self.model, torch.nn.Module):
             return
         live = self._engine.live_buffers()
         state = self.model.state_dict(keep_vars=True)
+        shared = 0
         with torch.no_grad():
             for weight, keys in self._graphs.meta["torch_keys"].items():
                 buffer = live.get(weight)
@@ -484,5 +486,5 @@ class _StateMixin:
                     if (tensor is not None and tensor.is_floating_point() and tensor.device == buffer.device
                             and tensor.dtype == buffer.dtype and tensor.shape == buffer.shape):
                         tensor.data = buffer
-                        self._shared_pointers[key] = buffer.data_ptr()
-        logger.debug("the module shares %d of its %d tensors with the engine", len(self._shared_pointers), len(state))
+                        shared += 1
+        logger.debug("the module shares %d of its %d tensors with the engine", shared, len(state))

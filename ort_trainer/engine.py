@@ -404,9 +404,8 @@ class Engine:
             size = int(np.prod(self.shapes[w]))
             if full is None and not (self.begin <= o and o + size <= self.end):
                 continue
-            out[w] = {s: source[s][o - base:o - base + size].reshape(self.shapes[w]) for s in self.state_names}
-            if copy:
-                out[w] = {s: value.copy() for s, value in out[w].items()}
+            views = {s: source[s][o - base:o - base + size].reshape(self.shapes[w]) for s in self.state_names}
+            out[w] = {s: v.copy() for s, v in views.items()} if copy else views
         return out
 
     def load_optimizer_states(self, states: dict[str, dict[str, np.ndarray]]) -> None:

@@ -135,6 +135,11 @@ class GraphJob:
         }
 
 
+def _input_dtypes(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> dict[str, str]:
+    """``{input name: numpy dtype name}`` of the sample, as the cache keys record them."""
+    return {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
+
+
 def build_training_graphs(
     job: GraphJob,
     sample_inputs: Sequence[np.ndarray],
@@ -166,7 +171,7 @@ def build_training_graphs(
     """
     store = graph_cache_store or graph_cache.GraphCache()
     source = job.source
-    input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
+    input_dtypes = _input_dtypes(job, sample_inputs)
     started = time.perf_counter()
     dims = dims or None
     accumulate = job.accumulate and source.accumulates_in_graph
@@ -254,7 +259,7 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
         logger.info("reused the cached eval graph %s", key[:16])
         return graphs.eval
     source, samples = job.source, graphs.sample_inputs
-    input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, samples)}
+    input_dtypes = _input_dtypes(job, samples)
     traced = graphs.forward
     if traced is None or not traced.serves(graphs.dims):
         traced = source.trace(job, samples, graphs.dims)
@@ -292,7 +297,7 @@ def build_symbolic_eval_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]
         ExportError: as ``build_eval_graph``.
     """
     source = job.source
-    input_dtypes = {d.name: str(np.asarray(a).dtype) for d, a in zip(job.desc.inputs, sample_inputs)}
+    input_dtypes = _input_dtypes(job, sample_inputs)
     traced = forward if forward is not None and forward.serves(None) else source.trace(job, sample_inputs, None)
     prepared = source.prepare(job, traced, None, None, input_dtypes)
     graphs = TrainingGraphs(None, None, {**meta, **prepared.expected}, forward=traced,
