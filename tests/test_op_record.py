@@ -42,9 +42,21 @@ def _batch(batch: int = 8):
     return mlp_batch(torch.Generator().manual_seed(0), batch)
 
 
+_ON_FAKE = [None]  # the mode ``_key`` records in (None: by size); the ``on_fake`` fixture sets it
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "fake"])
+def on_fake(request):
+    """Key tests run twice: the record on real tensors (small models) and on fake ones (large)."""
+    _ON_FAKE[0] = request.param
+    yield request.param
+    _ON_FAKE[0] = None
+
+
 def _key(model, loss_fn=F.cross_entropy, batch=None, desc=MLP_DESC):
     arrays = [t.numpy() if isinstance(t, torch.Tensor) else t for t in (batch or _batch())]
-    return op_record.record_key(model, loss_fn, parse_model_desc(desc), arrays, op_record.exporting_flags)
+    return op_record.record_key(model, loss_fn, parse_model_desc(desc), arrays, op_record.exporting_flags,
+                                on_fake=_ON_FAKE[0])
 
 
 def _seeded(factory, *args, **kwargs):
@@ -174,7 +186,7 @@ class _Counts(MLP):
 
 
 # ---- 1. same code: same key, also in another process ----------------------------------------------
-def test_other_weight_values_give_the_same_key():
+def test_other_weight_values_give_the_same_key(on_fake):
     first, second = _seeded(MLP), MLP()
     assert not torch.equal(first.fc1.weight, second.fc1.weight)
     key = _key(first)
@@ -263,7 +275,7 @@ CHANGES = [
 
 
 @pytest.mark.parametrize("before, after, edit", [c[1:] for c in CHANGES], ids=[c[0] for c in CHANGES])
-def test_a_change_to_what_is_computed_changes_the_key(before, after, edit, monkeypatch):
+def test_a_change_to_what_is_computed_changes_the_key(before, after, edit, monkeypatch, on_fake):
     model, loss_fn, batch = before
     old = _key(_seeded(model), loss_fn, batch())
     if edit is not None:
@@ -274,7 +286,7 @@ def test_a_change_to_what_is_computed_changes_the_key(before, after, edit, monke
     assert new != old
 
 
-def test_a_persistent_buffer_value_keeps_the_key():
+def test_a_persistent_buffer_value_keeps_the_key(on_fake):
     model = _seeded(_BatchNormed)
     key = _key(model)
     with torch.no_grad():
@@ -352,7 +364,7 @@ DECLINED = {
 
 
 @pytest.mark.parametrize("factory", DECLINED.values(), ids=DECLINED.keys())
-def test_what_a_record_cannot_see_gives_no_key(factory):
+def test_what_a_record_cannot_see_gives_no_key(factory, on_fake):
     assert _key(_seeded(MLP)) is not None
     assert _key(_seeded(factory)) is None
 
@@ -614,12 +626,12 @@ GAPS = {
 
 
 @pytest.mark.parametrize("pair", GAPS.values(), ids=GAPS.keys())
-def test_code_only_the_trace_runs_changes_the_key(pair):
+def test_code_only_the_trace_runs_changes_the_key(pair, on_fake):
     first, second = (_key(_seeded(factory)) for factory in pair)
     assert first is None or first != second
 
 
-def test_a_hook_on_an_intermediate_tensor_gives_no_key():
+def test_a_hook_on_an_intermediate_tensor_gives_no_key(on_fake):
     assert _key(_seeded(_IntermediateHook)) is None
 
 
@@ -638,7 +650,7 @@ class _SavesItsInput(MLP):
         return out
 
 
-def test_the_record_keeps_no_tensors_for_a_backward():
+def test_the_record_keeps_no_tensors_for_a_backward(on_fake):
     """The record's forward runs with grad enabled, as the trace does, but autograd saves nothing:
     it holds what an inference holds (the GPT-2-like model's peak RSS was this forward's)."""
     _KEPT.clear()
@@ -661,7 +673,47 @@ class _ScalarConstant(MLP):
         return self.fc2(torch.relu(self.fc1(x)) * self.scale)
 
 
-def test_a_zero_dimensional_constant_is_keyed_by_its_value():
+def test_a_zero_dimensional_constant_is_keyed_by_its_value(on_fake):
     two, three = _key(_seeded(_ScalarConstant, 2.0)), _key(_seeded(_ScalarConstant, 3.0))
     assert two is not None and three is not None and two != three
     assert _key(_seeded(_ScalarConstant, 2.0)) == two
+
+
+# ---- 4. the record on fake tensors is the record on real ones -------------------------------------
+_SEEN_FAKE: list[bool] = []
+
+
+class _NotesFake(MLP):
+    def forward(self, x):
+        h = self.fc1(x)
+        _SEEN_FAKE.append(isinstance(h, torch._subclasses.fake_tensor.FakeTensor))
+        return self.fc2(torch.relu(h))
+
+
+@pytest.mark.parametrize("case", [c[1] for c in CHANGES] + [c[2] for c in CHANGES],
+                         ids=[f"{c[0]} (before)" for c in CHANGES] + [f"{c[0]} (after)" for c in CHANGES])
+def test_a_fake_record_equals_the_eager_one(case):
+    """A large model is recorded on fake tensors (no arithmetic); where the cache link was made by
+    the other mode the key must still match, so both modes must give the same key."""
+    model, loss_fn, batch = case
+    arrays = [t.numpy() for t in batch()]
+    keys = [op_record.record_key(_seeded(model), loss_fn, parse_model_desc(MLP_DESC), arrays,
+                                 op_record.exporting_flags, on_fake=fake) for fake in (False, True)]
+    assert keys[0] is not None and keys[0] == keys[1]
+
+
+def test_a_fake_record_of_the_encoder_equals_the_eager_one():
+    ids, labels = mlm_batch(torch.Generator().manual_seed(0))
+    keys = [op_record.record_key(_seeded(TinyEncoder, dropout=0.1), mlm_loss, parse_model_desc(ENCODER_DESC),
+                                 [ids.numpy(), labels.numpy()], op_record.exporting_flags, on_fake=fake)
+            for fake in (False, True)]
+    assert keys[0] is not None and keys[0] == keys[1]
+
+
+def test_models_from_fake_above_weights_are_recorded_on_fake_tensors(monkeypatch):
+    weights = sum(t.numel() for t in _NotesFake().state_dict().values())
+    for threshold, fake in [(weights + 1, False), (weights, True)]:
+        monkeypatch.setattr(op_record, "FAKE_ABOVE", threshold)
+        _SEEN_FAKE.clear()
+        assert _key(_seeded(_NotesFake)) is not None
+        assert _SEEN_FAKE == [fake, fake]  # train and eval mode
