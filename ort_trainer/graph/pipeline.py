@@ -298,7 +298,7 @@ def build_symbolic_eval_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]
     """
     source = job.source
     input_dtypes = _input_dtypes(job, sample_inputs)
-    traced = forward if forward is not None and forward.serves(None) else source.trace(job, sample_inputs, None)
+    traced = forward if forward is not None and forward.serves(None) else source.trace_eval(job, sample_inputs)
     prepared = source.prepare(job, traced, None, None, input_dtypes)
     graphs = TrainingGraphs(None, None, {**meta, **prepared.expected}, forward=traced,
                             key=job.cache_key(traced, input_dtypes, None), sample_inputs=list(sample_inputs))

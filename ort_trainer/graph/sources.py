@@ -106,6 +106,11 @@ class GradientSource(ABC):
         build, or ignore them and trace symbolically.
         """
 
+    def trace_eval(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> Traced:
+        """A symbolic trace that ``build_eval`` can take, and no more (``save_as_onnx``: no
+        gradient graph is built from it); by default the whole ``trace``."""
+        return self.trace(job, sample_inputs, None)
+
     def record_key(self, job: "GraphJob", sample_inputs: Sequence[np.ndarray]) -> str | None:
         """A key of what the model computes on the sample that is much cheaper than ``trace``
         (``op_record.py``), or None when this source has none: the pipeline then finds cache

@@ -112,7 +112,7 @@ def export_joint(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDe
 
 def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescription,
           sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), dynamic: bool = True,
-          unknown_frozen: str = "raise", autocast: str | None = None) -> TracedModel:
+          unknown_frozen: str = "raise", autocast: str | None = None, eval_only: bool = False) -> TracedModel:
     """``torch.export`` of the model with its loss in training mode, and its fingerprint.
 
     The traced module returns ``(loss × __loss_scale, *description outputs)`` with the outputs
@@ -126,6 +126,9 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
             ``"ignore"`` when the caller reports it (the trainer, with the optimizer's groups).
         autocast: ``"float16"`` or ``"bfloat16"``: mixed precision, the model and loss traced under
             ``torch.autocast`` (``autocast_context``), the loss returned in float32; None: as written.
+        eval_only: trace in eval mode only (``build_eval`` can take the result, ``build`` cannot):
+            half the time, for an export of the eval graph alone. Its fingerprint is not the
+            two-mode trace's.
 
     Returns:
         The traced program; ``build`` turns it into graphs, ``fingerprint`` keys a cache.
@@ -158,16 +161,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
         for parameter in wrapper.parameters():
             if id(parameter) in frozen_ids:
                 parameter.requires_grad_(False)
-        model.train()
-        guard = ExportGuard(wrapper, loss_fn is not None, stop_gradients=False)
-        wrapper.guard = guard
-        try:
-            with guard.exporting():
-                program = _export(wrapper, args, dynamic_shapes, guard)
-        finally:
-            wrapper.guard = None
-        guard.check_program(program)
-        _refuse(guard, None)
+        program = None if eval_only else _export_train(wrapper, args, dynamic_shapes)
     seconds = time.perf_counter() - started
     weight_of = {fqn: aliases[id(t)][0] for fqn, t in tensors.items() if fqn in keys}
     trainable = [aliases[id(p)][0] for p in dict.fromkeys(model.parameters())
@@ -179,9 +173,14 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
            "count": count, "order": order, "autocast": autocast}
     eval_program = _export_eval(job)
     settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__,
-                _traced_program.fingerprint(eval_program, []), *([autocast] if autocast else [])]
+                *([autocast] if autocast else [])]
+    if eval_only:
+        fingerprint = _traced_program.fingerprint(eval_program, [*settings, "eval only"])
+    else:
+        fingerprint = _traced_program.fingerprint(program, [*settings[:5], _traced_program.fingerprint(eval_program, []),
+                                                            *settings[5:]])
     logger.debug("torch.export of the model with its loss: %.2f s", seconds)
-    return TracedModel(_traced_program.fingerprint(program, settings), torch_keys, trainable, program, seconds,
+    return TracedModel(fingerprint, torch_keys, trainable, program, seconds,
                        {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
                         "dynamic_shapes": dynamic_shapes, "weight_of": weight_of, "count": count,
                         "tensors": tensors, "order": order, "eval_program": eval_program, "autocast": autocast})
@@ -376,6 +375,22 @@ def _refuse(guard: ExportGuard, failure: BaseException | None) -> None:
         f"the model cannot be exported as written ({len(guard.problems)} problem(s); see docs/export_limits.md):"
         "\n  - " + "\n  - ".join(guard.problems) + then
     ) from failure
+
+
+def _export_train(wrapper: _Scaled, args: tuple, dynamic_shapes: Any) -> Any:
+    """The guarded ``torch.export`` of the wrapped model in training mode (the graphs' program);
+    the caller restores the model's state."""
+    wrapper.model.train()
+    guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
+    wrapper.guard = guard
+    try:
+        with guard.exporting():
+            program = _export(wrapper, args, dynamic_shapes, guard)
+    finally:
+        wrapper.guard = None
+    guard.check_program(program)
+    _refuse(guard, None)
+    return program
 
 
 def _export(wrapper: _Scaled, args: tuple, dynamic_shapes: Any, guard: ExportGuard | None = None) -> Any:
