@@ -462,8 +462,9 @@ class _StateMixin:
             for key, value in self._counter_values().items():
                 state[key].fill_(value)
 
-    def _share_module_memory(self) -> None:
-        """Make the module's parameters and buffers views of the engine's buffers where they can be.
+    def _share_module_memory(self, live: dict[str, torch.Tensor]) -> None:
+        """Make the module's parameters and buffers views of the engine's buffers ``live``
+        (``Engine.live_buffers``; the engine calls this as it is made) where they can be.
 
         The engine holds every weight in its own buffers; a module that kept its own tensors too
         would hold all weights twice (472 MB for GPT-2 small). Where a weight's buffer lives from
@@ -475,7 +476,6 @@ class _StateMixin:
         """
         if not isinstance(self.model, torch.nn.Module):
             return
-        live = self._engine.live_buffers()
         state = self.model.state_dict(keep_vars=True)
         shared = 0
         with torch.no_grad():

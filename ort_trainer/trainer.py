@@ -211,12 +211,12 @@ class ORTTrainer(_StateMixin):
             intra_op_threads=distributed.intra_op_threads(),
             buffer_updates=graphs.meta.get("buffer_updates", {}),
             unfused_skip_layer_norm=self.options.graph_optimizations.unfused_skip_layer_norm,
+            release_weights=self._share_module_memory,
         )
         if self._comm is not None:  # every rank starts from rank 0's weights
             self._comm.broadcast(self._engine.weights_flat[self._engine.parity])
             for tensor in self._engine.fixed_tensors.values():
                 self._comm.broadcast(tensor)
-        self._share_module_memory()
         if isinstance(self.model, torch.nn.Module):
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
                                   if k.endswith("num_batches_tracked")}

@@ -72,8 +72,12 @@ class TorchGradientSource(GradientSource):
         of GPT-2 small: one export of ~6 s instead of two)."""
         if isinstance(job.model, onnx.ModelProto) or job.extra_postprocess is not None:
             return self.trace(job, sample_inputs, None)
-        traced = torch_autograd.trace(job.model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
-                                      dynamic=True, unknown_frozen="ignore", autocast=job.autocast, eval_only=True)
+        try:
+            traced = torch_autograd.trace(job.model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
+                                          dynamic=True, unknown_frozen="ignore", autocast=job.autocast, eval_only=True)
+        except ExportError as exc:
+            _raise_for_recurrent_layers(job.model, exc)
+            raise
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
                       program={"traced": traced, "built": None, "renamed": None}, dims=None)
 
