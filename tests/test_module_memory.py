@@ -4,6 +4,8 @@ second copy of the weights, and the module holds the trained values after every 
 the module keeps its own memory and ``update_torch_model`` copies into it."""
 
 import copy
+import os
+import sys
 
 import numpy as np
 import torch
@@ -72,3 +74,37 @@ def test_loading_a_state_reaches_the_shared_module():
     target.load_state_dict(source.state_dict())
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(value.numpy(), source.state_dict()["model"]["full_precision"][name])
+
+
+def test_the_module_lets_go_of_its_weights_before_the_gradients_and_moments_exist(monkeypatch):
+    """The engine hands its weight buffers to the trainer before it allocates anything else, so the
+    module's own copy is freed first: at no point does the process hold the weights twice beside
+    the optimizer's state (a 656 M-weight model: 2.6 GB at its peak)."""
+    model = TinyEncoder()
+    parameters = dict(model.named_parameters())
+    old = {name: _storage(p) for name, p in parameters.items()}
+    flat_buffers = []  # the engine's zero-filled flat buffers, in order
+    zeros = torch.zeros
+
+    def counted(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("ort_trainer", "engine.py")):
+            flat_buffers.append(args)
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", counted)
+    seen = {}
+    share = ORTTrainer._share_module_memory
+
+    def watched(self, live):
+        seen["buffers allocated before"] = len(flat_buffers)
+        share(self, live)
+        seen["module's storage"] = {name: _storage(p) for name, p in parameters.items()}
+
+    monkeypatch.setattr(ORTTrainer, "_share_module_memory", watched)
+    trainer = ORTTrainer(model, ENCODER_DESC, AdamConfig(lr=1e-2), loss_fn=mlm_loss)
+    trainer.train_step(*mlm_batch(torch.Generator().manual_seed(0)))
+    assert seen["buffers allocated before"] == 1  # the flat weights alone: no moments, no gradients yet
+    assert len(flat_buffers) > 1  # they came after
+    flat = _storage(trainer._engine.weights_flat[0])
+    for name, storage in seen["module's storage"].items():
+        assert storage == flat != old[name], name  # already the engine's memory, in the call back
