@@ -172,13 +172,13 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     job = {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "dynamic_shapes": dynamic_shapes,
            "count": count, "order": order, "autocast": autocast}
     eval_program = _export_eval(job)
-    settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__,
-                *([autocast] if autocast else [])]
+    settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__]
+    mixed = [autocast] if autocast else []
     if eval_only:
-        fingerprint = _traced_program.fingerprint(eval_program, [*settings, "eval only"])
+        fingerprint = _traced_program.fingerprint(eval_program, [*settings, *mixed, "eval only"])
     else:
-        fingerprint = _traced_program.fingerprint(program, [*settings[:5], _traced_program.fingerprint(eval_program, []),
-                                                            *settings[5:]])
+        eval_fingerprint = _traced_program.fingerprint(eval_program, [])
+        fingerprint = _traced_program.fingerprint(program, [*settings, eval_fingerprint, *mixed])
     logger.debug("torch.export of the model with its loss: %.2f s", seconds)
     return TracedModel(fingerprint, torch_keys, trainable, program, seconds,
                        {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
