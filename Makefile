@@ -81,7 +81,7 @@ test-tolerances: $(STAMP)
 test-legacy: $(LEGACY_STAMP)
 	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS)
 
-# ort_trainer vs eager PyTorch at GPT-2 small, BERT-base and a 656 M-weight GPT-2 (step, peak RSS,
+# ort_trainer vs eager PyTorch at GPT-2 small, BERT-base, a 656 M-weight GPT-2 and a 1024-wide MLP (step, peak RSS,
 # cold and warm builds, save_as_onnx); writes docs/benchmarks_real.md (about 40 minutes and 16 GB)
 bench-real: $(STAMP)
 	$(PY) benchmarks/real_sizes.py

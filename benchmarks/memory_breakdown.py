@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_sizes import SIZES, workload  # noqa: E402
+from real_sizes import SIZES, eager_loss, workload  # noqa: E402
 
 
 def _rss_mb() -> tuple[float, float]:
@@ -59,7 +59,7 @@ def main() -> None:
         for step in range(args.steps):
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=inputs[0], attention_mask=inputs[1], labels=inputs[2]).loss
+            loss = eager_loss(args.model, model, inputs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

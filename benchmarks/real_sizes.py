@@ -1,9 +1,10 @@
-"""ort_trainer against eager PyTorch at the sizes users train: GPT-2 small, BERT-base, and a GPT-2
-over protobuf's 2 GB limit. Writes docs/benchmarks_real.md.
+"""ort_trainer against eager PyTorch at the sizes users train: GPT-2 small, BERT-base, a GPT-2
+over protobuf's 2 GB limit, and a compute-bound MLP. Writes docs/benchmarks_real.md.
 
-Run: ``make bench-real`` (or ``python benchmarks/real_sizes.py [--models gpt2,bert,gpt2-656m]``).
-Random-init Hugging Face models, dropout 0, ``AdamConfig(lr=1e-4)`` against ``torch.optim.AdamW``
-with ``clip_grad_norm_(1.0)``, the same initial weights and batches. Every measurement is a fresh
+Run: ``make bench-real`` (or ``python benchmarks/real_sizes.py [--models gpt2,bert,gpt2-656m,mlp-1024]``).
+Random-init Hugging Face models, dropout 0 (``mlp-1024``: 1024-1024-1024-10 with ReLUs, batch 128,
+cross-entropy: its time goes to matrix products), ``AdamConfig(lr=1e-4)`` against
+``torch.optim.AdamW`` with ``clip_grad_norm_(1.0)``, the same initial weights and batches. Every measurement is a fresh
 process, one implementation each, the order alternating from round to round:
 
 - round 1's ort_trainer process starts from an empty graph cache (its first step is the **cold**
@@ -33,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # name: (batch, sequence, default steps); gpt2-tiny (2 layers of width 32) is the test's
-SIZES = {"gpt2": (4, 128, 3), "bert": (4, 128, 3), "gpt2-656m": (1, 64, 2), "gpt2-tiny": (2, 16, 2)}
+SIZES = {"gpt2": (4, 128, 3), "bert": (4, 128, 3), "gpt2-656m": (1, 64, 2), "gpt2-tiny": (2, 16, 2),
+         "mlp-1024": (128, 1024, 200)}  # (batch, input features, steps)
 _GPT2_SIZES = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
                "gpt2-tiny": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 500,
                              "bos_token_id": 0, "eos_token_id": 0}}
@@ -43,13 +45,44 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _mlp(features: int, classes: int = 10):
+    """``mlp-1024``'s model: ``(x, labels) -> (cross-entropy, logits)``, two hidden layers of 1024."""
+    import torch
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(torch.nn.Linear(features, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                              torch.nn.ReLU(), torch.nn.Linear(1024, classes))
+
+        def forward(self, x, labels):
+            logits = self.layers(x)
+            return torch.nn.functional.cross_entropy(logits, labels), logits
+
+    return Mlp()
+
+
+def eager_loss(name: str, model, inputs):
+    """The loss of ``model`` on one batch of row ``name``, called as a PyTorch user would."""
+    if name.startswith("mlp"):
+        return model(*inputs)[0]
+    return model(input_ids=inputs[0], attention_mask=inputs[1], labels=inputs[2]).loss
+
+
 def workload(name: str):
     """``(model, description, batches)`` of a row: weights from seed 0, 1 + steps batches from seed 1."""
     import torch
-    import transformers
 
     torch.manual_seed(0)
     batch, seq, _ = SIZES[name]
+    generator = torch.Generator().manual_seed(1)
+    if name.startswith("mlp"):
+        desc = {"inputs": [("x", ["batch", seq]), ("labels", ["batch"])],
+                "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
+        return _mlp(seq), desc, lambda: (torch.randn(batch, seq, generator=generator),
+                                         torch.randint(0, 10, (batch,), generator=generator))
+    import transformers
+
     if name.startswith("gpt2"):
         config = transformers.GPT2Config(n_positions=max(seq, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          use_cache=False, **_GPT2_SIZES.get(name, {}))
@@ -57,7 +90,6 @@ def workload(name: str):
     else:
         config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = transformers.BertForMaskedLM(config)
-    generator = torch.Generator().manual_seed(1)
 
     def batch_of():
         ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
@@ -77,7 +109,9 @@ def worker(args) -> dict:
     import torch
 
     model, desc, batch_of = workload(args.model)
-    batches = [batch_of() for _ in range(args.steps + 1)]
+    # at most 11 distinct batches, taken in turn (the MLP's 200 steps would otherwise hold 105 MB of them)
+    distinct = [batch_of() for _ in range(min(args.steps, 10) + 1)]
+    batches = [distinct[0]] + [distinct[1 + i % (len(distinct) - 1)] for i in range(args.steps)]
     if args.impl == "ort":
         from ort_trainer import ORTTrainer
         from ort_trainer.optim import AdamConfig
@@ -92,7 +126,7 @@ def worker(args) -> dict:
 
         def step(inputs):
             optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=inputs[0], attention_mask=inputs[1], labels=inputs[2]).loss
+            loss = eager_loss(args.model, model, inputs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -177,7 +211,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2", choices=sorted(SIZES))
     parser.add_argument("--impl", choices=["ort", "eager"], default="ort")
     parser.add_argument("--save", action="store_true")
-    parser.add_argument("--models", default="gpt2,bert,gpt2-656m")
+    parser.add_argument("--models", default="gpt2,bert,gpt2-656m,mlp-1024")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation and model")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per process (0: the row's default)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_real.md")

@@ -31,6 +31,7 @@ import torch
 from ._logging import logger, ort_severity
 from .devices import Device, make_device
 from .dropout_masks import HostDropoutMasks
+from .graph._host_table_rows import host_table_rows
 from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from .optim.config import _OptimizerConfig
 from .update import OptimizerUpdate, update_class
@@ -71,11 +72,15 @@ class _SessionSet:
         # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
         self.output_names = [n for n in engine.output_names if n in produced]
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
+        # tied embeddings (the tied_embedding_gradient pass): {weight: (row index, rows)}, the lookup's
+        # rows that forward_backward adds into the weight's gradient after the run
+        self.table_rows = {name[:-len(GRAD_SUFFIX)]: pair for name, pair in host_table_rows(gradient).items()}
+        self.gradient_outputs = self.output_names + [name for pair in self.table_rows.values() for name in pair]
         # get_outputs() lists outputs in first-binding order: the description's outputs go first
         # ONNX Runtime's training BatchNorm kernel writes the running statistics it reads in
         # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
         self.grad_bindings = engine.per_parity(
-            lambda p: engine._bind_weights(self.gradient, p, self.output_names, engine.buffer_inputs))
+            lambda p: engine._bind_weights(self.gradient, p, self.gradient_outputs, engine.buffer_inputs))
         self.accumulates = RESET_INPUT in self.gradient_inputs
         self.draws_random_numbers = _draws_random_numbers(gradient.graph)
         self.dropout_masks = HostDropoutMasks(gradient)  # Dropouts whose masks the host draws
@@ -333,13 +338,18 @@ class Engine:
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
         if sessions.accumulates:
             extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
-        return self._run(sessions.gradient, binding, sessions, {**feeds, **extra, **masks})
+        outputs = self._run(sessions.gradient, binding, {**feeds, **extra, **masks}, sessions.gradient_inputs,
+                            sessions.gradient_outputs)
+        for weight, (index, rows) in sessions.table_rows.items():  # in place, as PyTorch's AccumulateGrad
+            gradient = self.grads[weight]
+            gradient.index_add_(0, outputs.pop(index), outputs.pop(rows).to(gradient.dtype))
+        return outputs
 
     def evaluate(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run the eval graph with the current weights. Returns the outputs by name."""
         sessions = self._require_sessions()
         session, bindings, inputs = sessions.evaluation()
-        return self._run(session, bindings[self.parity], sessions, feeds, inputs=inputs)
+        return self._run(session, bindings[self.parity], feeds, inputs, sessions.output_names)
 
     def commit_buffers(self) -> list[str]:
         """Write the last step's new buffer values (BatchNorm statistics) into the buffers.
@@ -360,19 +370,21 @@ class Engine:
             raise RuntimeError("Engine.select(signature) must be called before running a step")
         return self._current
 
-    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, sessions: _SessionSet,
-             feeds: dict[str, np.ndarray], inputs: set[str] | None = None) -> dict[str, torch.Tensor]:
-        device, accepted = self.placement, sessions.gradient_inputs if inputs is None else inputs
+    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, feeds: dict[str, np.ndarray],
+             inputs: set[str], outputs: list[str]) -> dict[str, torch.Tensor]:
+        """Run ``binding`` with the ``feeds`` that are among ``inputs``; returns ``outputs``, the
+        first ones bound, by name."""
+        device = self.placement
         for name, value in feeds.items():
-            if name in accepted:
+            if name in inputs:
                 device.bind_feed(binding, name, value)
-        for name in sessions.output_names:  # fresh buffers: returned tensors must not be overwritten
+        for name in outputs:  # fresh buffers: returned tensors must not be overwritten
             device.bind_fresh_output(binding, name)
         self.before_run(binding)
         session.run_with_iobinding(binding)
         values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
         # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
-        return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(sessions.output_names, values)}
+        return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(outputs, values)}
 
     # ---- state access -----------------------------------------------------------------------
     def weights(self, copy: bool = True) -> dict[str, np.ndarray]:

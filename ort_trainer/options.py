@@ -157,6 +157,12 @@ _SCHEMA: dict[str, _Field] = {
         _BOOL, True, "embedding (2-D Gather) gradients as one ScatterElements(add) instead of GatherGrad; with the "
         "'torch' source, identity Transposes around them dropped and tables of at most 64 rows as a one-hot product"
     ),
+    "graph_optimizations.tied_embedding_gradient": _Field(
+        _BOOL, True, "a table both looked up and multiplied by (a tied input and output embedding): the graph writes "
+        "the product's gradient into the gradient buffer and the engine adds the lookup's rows into it "
+        "(index_add_), instead of the graph scattering them into a zero table and adding the two, which holds two "
+        "temporaries the size of the table (GPT-2 small: 154 MB each) (gradient source 'torch' only)"
+    ),
     "graph_optimizations.fast_gelu_gradient": _Field(
         _BOOL, True, "tanh-GELU gradient in elementwise operators instead of the FastGeluGrad kernel"
     ),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph import _joint_passes, joint_rewrites
+from ort_trainer.graph import _host_table_rows, _joint_passes, joint_rewrites
 from ort_trainer.optim import SGDConfig
 from tolerances import FLOAT32, FLOAT64, check
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
                                 reason="the 'torch' gradient source exports with onnxscript")
 
 VOCAB, HIDDEN, HEADS, P = 40, 16, 2, 0.3
-PASSES = ("dropout_gradient", "sequences", "output_reshape", "column_sums")
+PASSES = ("dropout_gradient", "sequences", "output_reshape", "column_sums", "tied_embedding_gradient")
 ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False, "embedding_gradient": False,
            "fast_gelu_gradient": False, "integer_powers": False, "host_dropout_masks": False,
            **{name: False for name in PASSES}}
@@ -334,6 +334,48 @@ def test_small_table_gradients_are_one_hot_products():
     assert _count(on, "ScatterElements") == _count(off, "ScatterElements") - 1
 
 
+def _tied(model: TinyDecoder) -> TinyDecoder:
+    """``model`` with its output head tied to its embedding table (GPT-2's and BERT's LM heads)."""
+    model.head = model.embed.weight
+    return model
+
+
+def test_tied_embedding_gradient_adds_the_rows_on_the_host():
+    """A table both looked up and multiplied by: the graph writes the product's gradient into the
+    gradient buffer and returns the lookup's rows, which the engine adds in place; no scatter into a
+    zero table remains. The batch repeats tokens (30 positions, 40 rows), so rows add up. Gradients
+    match float64 PyTorch's; the outputs the user sees are the description's."""
+    model, batch = _tied(TinyDecoder()), _batch()
+    assert len(set(batch[0].flatten().tolist())) < batch[0].numel()  # repeated rows
+    off, _, _ = _checked_step(model, batch)
+    on, _, logits = _checked_step(model, batch, tied_embedding_gradient=True)
+    assert _count(off, "ScatterElements") - _count(on, "ScatterElements") == 1
+    assert _host_table_rows.host_table_rows(on._graphs.gradient).keys() == {"head_grad"}  # the first name of the table
+    assert logits.shape == (3, 10, VOCAB)
+    # an untied table has no product to add to: its scatter stays
+    untied, _, _ = _checked_step(TinyDecoder(), batch, tied_embedding_gradient=True)
+    assert not _host_table_rows.host_table_rows(untied._graphs.gradient)
+
+
+@pytest.mark.parametrize("tied_pass", [False, True])
+def test_tied_embedding_gradient_accumulates_on_the_host(tied_pass):
+    """With two micro-batches the engine sums the gradients on the host; the rows go into each
+    micro-batch's gradient before that sum: the accumulated gradient equals the float64 sum of both
+    halves' gradients on the masks each drew."""
+    model, batch = _tied(TinyDecoder()), _batch()
+    torch.manual_seed(0)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0),
+                         options={"graph_optimizations": {**ALL_OFF, "tied_embedding_gradient": tied_pass},
+                                  "graph": {"gradient_source": "torch"}, "batch": {"gradient_accumulation_steps": 2}})
+    expected = {}
+    for half in (tuple(b[:, :5] for b in batch), tuple(b[:, 5:] for b in batch)):
+        _, _, probs, branch = trainer.train_step(*half)
+        for name, value in _reference_grads(model, half, [probs != 0, branch != 0]).items():
+            expected[name] = expected.get(name, 0) + value
+    assert bool(_host_table_rows.host_table_rows(trainer._graphs.gradient)) == tied_pass
+    _assert_close({w: g.numpy().copy() for w, g in trainer._engine.accumulated.items()}, expected)
+
+
 def test_small_table_gradients_unit():
     """Hand-made graph: a non-zero table (the product is added to it), negative and repeated
     indices, against numpy's unbuffered add; a table of more rows than SMALL_TABLE_ROWS is left."""
@@ -488,7 +530,9 @@ def test_passes_apply_to_hugging_face_gpt2():
     # 7 dropouts (embeddings, and per layer attention, attention output, MLP output), 2 of them attention;
     # 19 sums over leading axes: per layer 4 biases and 2 LayerNorms (weight, bias), the final LayerNorm,
     # and the position embedding's sum over the batch
-    assert counts == {"dropout_gradient": 7, "sequences": 6, "output_reshape": 1, "column_sums": 19}
+    # the tied embedding of 50 rows is a small table (embedding_gradient): a one-hot product, no scatter
+    assert counts == {"dropout_gradient": 7, "sequences": 6, "output_reshape": 1, "column_sums": 19,
+                      "tied_embedding_gradient": 0}
     graph = results[True][0]._graphs.gradient.graph
     assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 5
     assert results[True][1] == results[False][1]  # same masks, same forward

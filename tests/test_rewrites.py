@@ -97,7 +97,8 @@ def _ops(trainer):
 
 
 ALL_OFF = {"shape_specialization": False, "sparse_labels": False, "cross_entropy": False,
-           "embedding_gradient": False, "fast_gelu_gradient": False, "integer_powers": False, "gelu": False}
+           "embedding_gradient": False, "fast_gelu_gradient": False, "integer_powers": False, "gelu": False,
+           "tied_embedding_gradient": False}  # (it drops identity Transposes too)
 
 
 def _one_hot_scatters(trainer):

@@ -534,20 +534,14 @@ def small_table_gradients(model: onnx.ModelProto) -> int:
     replaced: dict[int, list[onnx.NodeProto]] = {}
     initializers: dict[str, onnx.TensorProto] = {}
     for node in model.graph.node:
-        if not _is(node, "ScatterElements") or len(node.input) != 3:
+        expand = lookup_scatter(g, node)
+        if expand is None:
             continue
-        attrs = _attrs(node)
-        reduction = attrs.get("reduction", b"none")
-        if (reduction.decode() if isinstance(reduction, bytes) else reduction) != "add" or attrs.get("axis", 0) != 0:
-            continue
-        data, expanded, updates = node.input
+        data, _, updates = node.input
         shape, elem_type = g.shapes.get(data), types.get(data)
-        expand = g.producer.get(expanded)
         if (shape is None or len(shape) != 2 or not isinstance(shape[0], int) or not 0 < shape[0] <= SMALL_TABLE_ROWS
-                or elem_type != TensorProto.FLOAT or expand is None or not _is(expand, "Expand")):
+                or elem_type != TensorProto.FLOAT):
             continue  # (updates have data's rank, 2, by ScatterElements' definition)
-        if not _column_of_indices(g, expand.input[0]):
-            continue
         rows = shape[0]
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
         prefix = f"{node.name or node.output[0]}/small_table"
@@ -567,6 +561,21 @@ def small_table_gradients(model: onnx.ModelProto) -> int:
             nodes.append(helper.make_node("Add", [data, product], [node.output[0]], name=prefix + "/Add"))
         replaced[id(node)] = nodes
     return _replace_nodes(model, replaced, initializers)
+
+
+def lookup_scatter(g: _Graph, node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The ``Expand`` of ``node`` when it is an embedding lookup's gradient, ``ScatterElements(table,
+    Expand(index[N, 1]), rows[N, D], axis=0, reduction="add")``, else None."""
+    if not _is(node, "ScatterElements") or len(node.input) != 3:
+        return None
+    attrs = _attrs(node)
+    reduction = attrs.get("reduction", b"none")
+    if (reduction.decode() if isinstance(reduction, bytes) else reduction) != "add" or attrs.get("axis", 0) != 0:
+        return None
+    expand = g.producer.get(node.input[1])
+    if expand is None or not _is(expand, "Expand") or not _column_of_indices(g, expand.input[0]):
+        return None
+    return expand
 
 
 def _column_of_indices(g: _Graph, name: str) -> bool:
@@ -638,5 +647,5 @@ def host_dropout_masks(model: onnx.ModelProto) -> int:
 
 
 __all__ = ["HOST_DROPOUT_MASKS", "SMALL_TABLE_ROWS", "column_sums", "dropout_gradient", "erf_gelu_order",
-           "host_dropout_masks", "host_mask_inputs", "keep_dropouts", "output_reshapes", "sequence_reads",
-           "small_table_gradients"]
+           "host_dropout_masks", "host_mask_inputs", "keep_dropouts", "lookup_scatter", "output_reshapes",
+           "sequence_reads", "small_table_gradients"]

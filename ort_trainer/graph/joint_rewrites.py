@@ -43,8 +43,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-JOINT_PASSES = ("cross_entropy", "embedding_gradient", "integer_powers", "host_dropout_masks", "dropout_gradient",
-                "sequences", "output_reshape", "safe_softmax", "column_sums")
+JOINT_PASSES = ("cross_entropy", "embedding_gradient", "tied_embedding_gradient", "integer_powers", "host_dropout_masks",
+                "dropout_gradient", "sequences", "output_reshape", "safe_softmax", "column_sums")
 EVAL_PASSES = ("cross_entropy", "sequences", "output_reshape", "safe_softmax", "gelu")
 
 
@@ -282,13 +282,14 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
     Returns:
         ``{pass name: nodes rewritten}`` of the passes that ran.
     """
-    from . import _joint_passes, _softmax_passes  # they build on this module's helpers
+    from . import _host_table_rows, _joint_passes, _softmax_passes  # they build on this module's helpers
 
     def embedding_gradient(graph: onnx.ModelProto) -> int:
         return identity_transposes(graph) + _joint_passes.small_table_gradients(graph)
 
     return _run_passes(model, enabled, (
         ("cross_entropy", cross_entropy_backward), ("embedding_gradient", embedding_gradient),
+        ("tied_embedding_gradient", _host_table_rows.tied_embedding_gradients),
         ("integer_powers", integer_powers), ("host_dropout_masks", _joint_passes.host_dropout_masks),
         ("dropout_gradient", _joint_passes.dropout_gradient),
         ("sequences", _joint_passes.sequence_reads), ("output_reshape", _joint_passes.output_reshapes),

@@ -23,6 +23,7 @@ from .._temporaries import save_model
 from ..model_desc import ModelDescription
 from ..optim.config import LambConfig, _OptimizerConfig
 from . import cache as graph_cache
+from ._host_table_rows import host_table_rows
 from ._joint_passes import host_mask_inputs
 from .export import ExportError, export_order
 from .gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
@@ -381,10 +382,12 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
                     if i.name not in fed or (inputs.get(i.name) is not None and value_info(i) != inputs[i.name])})
     if wrong:
         problems.append(f"the cached graphs have inputs the traced program does not have ({', '.join(wrong)})")
-    outputs = [*expected["outputs"], *(w + suffix for w in trained), *updates.values()]
-    if [o.name for o in models["gradient"].graph.output] != outputs:
+    rows = host_table_rows(models["gradient"])  # the tied_embedding_gradient pass's outputs
+    outputs = [*expected["outputs"], *(w + suffix for w in trained), *updates.values(),
+               *(name for pair in rows.values() for name in pair)]
+    if [o.name for o in models["gradient"].graph.output] != outputs or not set(rows) <= {w + suffix for w in trained}:
         problems.append("gradient.onnx's outputs are not the description's outputs, the trained weights' "
-                        "gradients and the buffer updates that meta.json lists")
+                        "gradients, the buffer updates that meta.json lists and the rows of tied embeddings")
     return problems
 
 

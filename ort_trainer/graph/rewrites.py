@@ -45,8 +45,8 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
               "integer_powers", "gelu")
 # the "torch" source's passes over dropout masks (drawn on the host: host_dropout_masks), tensor sequences, output
 # copies and sums over leading axes (_joint_passes.py) and the safe-softmax guard of attention (_softmax_passes.py)
-JOINT_COPY_PASSES = ("host_dropout_masks", "dropout_gradient", "sequences", "output_reshape", "safe_softmax",
-                     "column_sums")
+JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_gradient", "sequences",
+                     "output_reshape", "safe_softmax", "column_sums")
 GRADIENT_PASSES += JOINT_COPY_PASSES
 ALL_PASSES += JOINT_COPY_PASSES
 
