@@ -41,6 +41,9 @@ _GPT2_SIZES = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
                              "bos_token_id": 0, "eos_token_id": 0}}
 
 
+LOSS_STEPS = 10  # losses compared with eager's
+
+
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -169,8 +172,10 @@ def measure(model: str, rounds: int, steps: int) -> dict:
             for impl in order:
                 last = impl == "ort" and number == rounds - 1
                 runs[impl].append(_spawn(model, impl, steps, cache, save=last))
+                steps_s = runs[impl][-1]["step_s"]
                 print(f"{model} round {number + 1} {impl}: first step {runs[impl][-1]['first_s']:.1f} s, steps "
-                      f"{[round(s, 2) for s in runs[impl][-1]['step_s']]}", file=sys.stderr, flush=True)
+                      f"{[round(s, 3) for s in steps_s[:5]]}{'...' if len(steps_s) > 5 else ''} (median "
+                      f"{statistics.median(steps_s):.3g} s)", file=sys.stderr, flush=True)
     return runs
 
 
@@ -179,7 +184,10 @@ def row(model: str, runs: dict) -> dict:
     ort, eager = runs["ort"], runs["eager"]
     ort_step = statistics.median(s for run in ort for s in run["step_s"])
     eager_step = statistics.median(s for run in eager for s in run["step_s"])
-    loss_error = max(abs(a - b) / abs(b) for run in ort for a, b in zip(run["losses"], eager[0]["losses"]))
+    # the first LOSS_STEPS losses: further on, Adam's m / sqrt(v) turns float32 rounding in gradient elements near
+    # zero into updates of either sign, and the two runs drift apart (the MLP's 200th loss: 1e-3)
+    loss_error = max(abs(a - b) / abs(b) for run in ort
+                     for a, b in zip(run["losses"][:LOSS_STEPS], eager[0]["losses"][:LOSS_STEPS]))
     return {
         "model": model, "size": "{}×{}".format(*SIZES[model][:2]), "loss_rel_diff": loss_error,
         "cold_s": ort[0]["first_s"], "warm_s": statistics.median(r["first_s"] for r in ort[1:]) if len(ort) > 1 else None,
@@ -193,13 +201,13 @@ def table(rows: list[dict]) -> str:
     def number(value, fmt):
         return "—" if value is None else format(value, fmt)
 
-    lines = ["| model | B×S | losses vs eager (max rel.) | first step, cold cache s | first step, warm cache s "
+    lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s | first step, warm cache s "
              "| step ort / eager s | speed-up | peak RSS ort / eager MB | ratio | save_as_onnx s | peak after save MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {r['cold_s']:.1f} | {number(r['warm_s'], '.1f')} "
-            f"| {r['ort_step_s']:.2f} / {r['eager_step_s']:.2f} | {r['speedup']:.2f}× "
+            f"| {r['ort_step_s']:.3g} / {r['eager_step_s']:.3g} | {r['speedup']:.2f}× "
             f"| {r['ort_peak_mb']:.0f} / {r['eager_peak_mb']:.0f} | {r['ort_peak_mb'] / r['eager_peak_mb']:.2f} "
             f"| {number(r['save_s'], '.1f')} | {number(r['save_peak_mb'], '.0f')} |")
     return "\n".join(lines)

@@ -357,6 +357,21 @@ def test_tied_embedding_gradient_adds_the_rows_on_the_host():
     assert not _host_table_rows.host_table_rows(untied._graphs.gradient)
 
 
+def test_tied_embedding_gradient_comes_from_the_cache(caplog):
+    """A second trainer reuses the cached graph with its row outputs (the cache's check of a graph's
+    outputs knows them: a first version rejected it as damaged and rebuilt it every run) and its
+    gradients are the first one's, bit for bit."""
+    model, batch = _tied(TinyDecoder()), _batch()
+    first, grads, _ = _train_step(model, batch, tied_embedding_gradient=True)
+    with caplog.at_level("WARNING", logger="ort_trainer"):
+        second, again, _ = _train_step(model, batch, tied_embedding_gradient=True)
+    assert "damaged" not in caplog.text and second._graphs.from_cache
+    assert _host_table_rows.host_table_rows(second._graphs.gradient) == _host_table_rows.host_table_rows(
+        first._graphs.gradient) != {}
+    for name, value in grads.items():
+        np.testing.assert_array_equal(again[name], value)
+
+
 @pytest.mark.parametrize("tied_pass", [False, True])
 def test_tied_embedding_gradient_accumulates_on_the_host(tied_pass):
     """With two micro-batches the engine sums the gradients on the host; the rows go into each
