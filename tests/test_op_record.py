@@ -487,6 +487,39 @@ def test_a_second_trainer_reuses_the_graph_without_exporting(cache, monkeypatch)
     np.testing.assert_allclose(second, expected, rtol=LOSS_BOUND)
 
 
+def _eval_loss(trainer) -> float:
+    return float(trainer.eval_step(*mlp_batch(torch.Generator().manual_seed(1)))[0])
+
+
+def test_the_first_step_exports_training_mode_only_and_the_eval_graph_is_found_by_record(cache, monkeypatch):
+    """A cold build exports the training-mode program alone (the eval-mode trace waits for the first
+    evaluation); a second trainer then finds both graphs by the operator record, with no export."""
+    exports = _ExportCalls(monkeypatch)
+    losses, trainer = _train(_seeded(MLP), steps=1)
+    assert exports.calls == 1 and trainer._graphs.from_cache is False
+    evaluated = _eval_loss(trainer)
+    assert exports.calls == 2  # the eval-mode trace, on the first evaluation
+    exports.refuse = True
+    again, second = _train(_seeded(MLP), steps=1)
+    assert second._graphs.from_cache and again == losses
+    assert _eval_loss(second) == evaluated
+
+
+def test_an_eval_graph_never_built_is_built_after_a_hit_by_record(cache, monkeypatch):
+    """The first process never evaluated: the second one, whose training graph came by record, traces
+    the training program (to check the model is unchanged) and the eval program, and then links the
+    eval graph to the record for a third."""
+    _train(_seeded(MLP), steps=1)
+    exports = _ExportCalls(monkeypatch)
+    _, second = _train(_seeded(MLP), steps=1)
+    assert second._graphs.from_cache and exports.calls == 0
+    evaluated = _eval_loss(second)
+    assert exports.calls == 2
+    exports.refuse = True
+    _, third = _train(_seeded(MLP), steps=1)
+    assert _eval_loss(third) == evaluated
+
+
 def test_edited_model_code_is_traced_again(cache, monkeypatch):
     exports = _ExportCalls(monkeypatch)
     first, _ = _train(_seeded(_Swappable))

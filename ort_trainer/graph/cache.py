@@ -45,7 +45,8 @@ from .._temporaries import pid_alive
 # 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes; 5: column_sums;
 # 6: mixed-type LayerNormalization casts (a graph of format 5 with one is refused by ONNX Runtime);
 # 7: operator records key grad mode, inference mode and requires_grad (links of 6 could name a stale graph)
-# 8: tied_embedding_gradient (its graphs have outputs an engine of format 7 would not add up)
+# 8: tied_embedding_gradient (its graphs have outputs an engine of format 7 would not add up); the training
+# graph's key leaves eval mode out, the eval graph's covers its own trace
 _VERSION = "8"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer

@@ -55,6 +55,8 @@ class TrainingGraphs:
             the graphs return.
         key: the cache key of the gradient graph (the eval graph's entry is keyed on it).
         sample_inputs: the arrays the graphs were built for (a later eval build traces them).
+        record: the operator record key (``GraphJob.record_cache_key``) the graphs were found by or
+            linked to, or None; it covers eval mode too, so the eval graph is linked to it as well.
 
     The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
     """
@@ -68,6 +70,7 @@ class TrainingGraphs:
     outputs: tuple | None = None
     key: str = ""
     sample_inputs: list = field(default_factory=list, repr=False)
+    record: str | None = None
 
 
 @dataclass
@@ -192,7 +195,7 @@ def build_training_graphs(
             logger.info("reused the cached training graph %s (%.2f s, found by its operator record: no export) "
                         "from %s", key[:16], time.perf_counter() - started, store.root)
             return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, dims=dims,
-                                  outputs=outputs, key=key, sample_inputs=list(sample_inputs))
+                                  outputs=outputs, key=key, sample_inputs=list(sample_inputs), record=record)
     if traced is None:
         traced = source.trace(job, sample_inputs, dims)
     key = job.cache_key(traced, input_dtypes, dims, outputs)
@@ -210,7 +213,7 @@ def build_training_graphs(
         logger.info("reused the cached training graph %s (%.2f s, trace included) from %s", key[:16],
                     time.perf_counter() - started, store.root)
         return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, forward=traced,
-                              dims=dims, outputs=outputs, key=key, sample_inputs=list(sample_inputs))
+                              dims=dims, outputs=outputs, key=key, sample_inputs=list(sample_inputs), record=record)
 
     built = source.build(job, traced, prepared)
     _warn_untrained(trainable, built.trained)
@@ -232,7 +235,7 @@ def build_training_graphs(
     logger.info("built the training graph %s with the %s gradient source in %.2f s%s", key[:16], source.name,
                 time.perf_counter() - started, f"; cached in {entry}" if entry else "")
     return TrainingGraphs(built.gradient, built.eval, meta, forward=traced, dims=dims, outputs=outputs, key=key,
-                          sample_inputs=list(sample_inputs))
+                          sample_inputs=list(sample_inputs), record=record if entry is not None else None)
 
 
 def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
@@ -240,8 +243,9 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
     """The eval graph of ``graphs`` (built there already, or from its own cache entry, or now).
 
     A source that builds the eval graph only on demand (``Built.eval`` None) is asked here, on the
-    first ``eval_step`` or ``save_as_onnx`` that needs it; the graph is cached under a key derived
-    from the gradient graph's (whose trace covers eval mode too) and kept in ``graphs.eval``.
+    first ``eval_step`` or ``save_as_onnx`` that needs it; cached under a key of the gradient graph's
+    and the source's ``eval_fingerprint`` (its eval-mode trace), linked to the graphs' operator
+    record (which covers eval mode: a later process finds it with no trace), kept in ``graphs.eval``.
 
     Raises:
         ExportError: when the eval graph reads a weight the gradient graph does not (the engine
@@ -253,31 +257,39 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
         return graphs.eval
     store = graph_cache_store or graph_cache.GraphCache()
     started = time.perf_counter()
-    key = graph_cache.make_key({"eval_of": graphs.key})
-    cached = store.load(key, validate=lambda models, meta: _eval_problems(models, graphs.meta, job))
+    validate = lambda models, meta: _eval_problems(models, graphs.meta, job)  # noqa: E731
+    record = None if graphs.record is None else graph_cache.make_key({"eval_of_record": graphs.record})
+    key = None if record is None else store.linked(record)
+    cached = None if key is None else store.load(key, validate=validate)
+    traced = None
+    if cached is None:  # no eval graph linked to the record: trace
+        input_dtypes = _input_dtypes(job, graphs.sample_inputs)
+        traced = graphs.forward
+        if traced is None or not traced.serves(graphs.dims):
+            traced = job.source.trace(job, graphs.sample_inputs, graphs.dims)
+        if job.cache_key(traced, input_dtypes, graphs.dims, graphs.outputs) != graphs.key:
+            raise RuntimeError("the model no longer traces to the program its training graph was built from (its "
+                               "code, its weights' shapes or requires_grad flags changed after the first step); "
+                               "create a new ORTTrainer for the changed model")
+        key = graph_cache.make_key({"eval_of": graphs.key, "eval": job.source.eval_fingerprint(traced)})
+        cached = store.load(key, validate=validate)
     if cached is not None:
-        graphs.eval = cached[0]["eval"]
-        logger.info("reused the cached eval graph %s", key[:16])
-        return graphs.eval
-    source, samples = job.source, graphs.sample_inputs
-    input_dtypes = _input_dtypes(job, samples)
-    traced = graphs.forward
-    if traced is None or not traced.serves(graphs.dims):
-        traced = source.trace(job, samples, graphs.dims)
-    if job.cache_key(traced, input_dtypes, graphs.dims, graphs.outputs) != graphs.key:
-        raise RuntimeError("the model no longer traces to the program its training graph was built from (its "
-                           "code, its weights' shapes or requires_grad flags changed after the first step); "
-                           "create a new ORTTrainer for the changed model")
-    prepared = source.prepare(job, traced, graphs.dims, graphs.outputs, input_dtypes)
-    model = source.build_eval(job, traced, prepared)
-    problems = _eval_problems({"eval": model}, graphs.meta, job)
-    if problems:
-        raise ExportError(f"the eval graph cannot run on the training graph's weights: {'; '.join(problems)}. "
-                          "A weight that only eval mode reads is not supported: use it in training mode too, or "
-                          "make it a constant (a non-persistent buffer)")
-    store.store(key, {"eval": model}, {"eval_of": graphs.key})
+        model = cached[0]["eval"]
+        logger.info("reused the cached eval graph %s%s", key[:16], "" if traced else " (found by its operator record)")
+    else:
+        prepared = job.source.prepare(job, traced, graphs.dims, graphs.outputs, input_dtypes)
+        model = job.source.build_eval(job, traced, prepared)
+        problems = _eval_problems({"eval": model}, graphs.meta, job)
+        if problems:
+            raise ExportError(f"the eval graph cannot run on the training graph's weights: {'; '.join(problems)}. "
+                              "A weight that only eval mode reads is not supported: use it in training mode too, "
+                              "or make it a constant (a non-persistent buffer)")
+        if store.store(key, {"eval": model}, {"eval_of": graphs.key}) is None:
+            record = None  # nothing to link to
+        logger.info("built the eval graph in %.2f s", time.perf_counter() - started)
+    if record is not None:
+        store.link(record, key)
     graphs.eval = model
-    logger.info("built the eval graph in %.2f s", time.perf_counter() - started)
     return model
 
 

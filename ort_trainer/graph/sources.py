@@ -132,6 +132,13 @@ class GradientSource(ABC):
         default the whole build again)."""
         return self.build(job, traced, prepared).eval
 
+    def eval_fingerprint(self, traced: Traced) -> str:
+        """What keys the eval graph beyond ``traced``'s own fingerprint (the training graph's key):
+        a source that traces eval mode apart, and only when an evaluation first needs it, returns
+        the fingerprint of that trace, so that an edit of code only eval mode runs rebuilds the
+        eval graph and not the training graph. By default nothing (``trace`` covers both modes)."""
+        return ""
+
 
 def value_info(info: onnx.ValueInfoProto) -> list:
     """``[shape, numpy dtype name]`` of a graph input or output (symbolic dims by name)."""

@@ -167,18 +167,18 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     trainable = [aliases[id(p)][0] for p in dict.fromkeys(model.parameters())
                  if id(p) not in frozen_ids and p.requires_grad]
     torch_keys = {aliases[id(t)][0]: aliases[id(t)] for fqn, t in tensors.items() if fqn in keys}
-    # The eval graph comes from its own trace, in eval mode: code that only eval mode runs (an
-    # ``if self.training`` branch) must key the cache too, or an edit there would reuse a stale graph.
+    # The eval graph comes from a trace of its own, in eval mode, taken by the first evaluation
+    # (``eval_fingerprint``, which keys the eval graph: code that only eval mode runs, an ``if
+    # self.training`` branch, keys it) or here for an eval-only trace.
     job = {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "dynamic_shapes": dynamic_shapes,
            "count": count, "order": order, "autocast": autocast}
-    eval_program = _export_eval(job)
+    eval_program = _export_eval(job) if eval_only else None
     settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__]
     mixed = [autocast] if autocast else []
     if eval_only:
         fingerprint = _traced_program.fingerprint(eval_program, [*settings, *mixed, "eval only"])
     else:
-        eval_fingerprint = _traced_program.fingerprint(eval_program, [])
-        fingerprint = _traced_program.fingerprint(program, [*settings, eval_fingerprint, *mixed])
+        fingerprint = _traced_program.fingerprint(program, [*settings, *mixed])
     logger.debug("torch.export of the model with its loss: %.2f s", seconds)
     return TracedModel(fingerprint, torch_keys, trainable, program, seconds,
                        {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
@@ -501,6 +501,15 @@ def _placeholders(program: Any, job: dict, kinds: Any) -> tuple[dict[str, str], 
     data = {p: n for p, n in inputs.items() if n != LOSS_SCALE_INPUT}
     scale = {p: n for p, n in inputs.items() if n == LOSS_SCALE_INPUT}
     return {**data, **dict(ordered), **scale}, constants
+
+
+def eval_fingerprint(traced: TracedModel) -> str:
+    """SHA-256 of ``traced``'s eval-mode program, which is exported now (once) unless the trace was
+    eval-only: the eval graph's cache key, beside the training graph's."""
+    job = traced._job
+    if job.get("eval_program") is None:
+        job["eval_program"] = _export_eval(job)
+    return _traced_program.fingerprint(job["eval_program"], [])
 
 
 def _export_eval(job: dict) -> Any:
