@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._joint_passes import _elem_types, _is, lookup_scatter
+from ._joint_passes import _elem_types, _is, _keep, lookup_scatter
 from .gradient import GRAD_SUFFIX
 from .joint_rewrites import _Graph, identity_transposes
 
@@ -89,9 +89,8 @@ def tied_embedding_gradients(model: onnx.ModelProto) -> int:
         node.output[:] = [renamed.get(name, name) for name in node.output]
         if id(node) not in dead:
             node.input[:] = [renamed.get(name, name) for name in node.input]
-    kept = [node for node in graph.node if id(node) not in dead]
-    del graph.node[:]
-    graph.node.extend(kept + new_nodes)
+    _keep(model, dead)
+    graph.node.extend(new_nodes)
     kept_info = [info for info in graph.value_info if info.name not in renamed]
     del graph.value_info[:]
     graph.value_info.extend(kept_info)
