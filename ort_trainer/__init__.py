@@ -7,7 +7,7 @@ The public surface (api.md section 1)::
     from ort_trainer.amp import LossScaler, DynamicLossScaler
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from . import _runtime
 

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from . import checkpoint
 from ._logging import logger
-from ._state_checks import (SHARED_OPTIMIZER_STATE, IncomingState, IncompatibleKeys, WeightSpec, accumulated_problems,
+from ._state_checks import (IncomingState, IncompatibleKeys, SHARED_OPTIMIZER_STATE, WeightSpec, accumulated_problems,
                             as_array, as_count, dtype_family, loss_scaler_problems, lr_scheduler_problems,
                             optimizer_problems, parse_train_step_info, parse_trainer_options, trial_load,
                             weight_problems)
@@ -189,7 +189,7 @@ class _StateMixin:
         recorded = parse_trainer_options(state.get("trainer_options"), problems)
         dtypes = recorded.get("input_dtypes")
         if build and self._engine is None and dtypes and all(d.name in dtypes for d in self.model_desc.inputs):
-            self._build(self._synthetic_inputs(dtypes))
+            self._build(self._shapes.synthetic_inputs(dtypes))
         return recorded
 
     def _check_values(self, incoming: IncomingState) -> list[str]:

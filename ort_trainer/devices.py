@@ -340,5 +340,16 @@ class CUDADevice(Device):
         torch.cuda.current_stream(self.torch_device).synchronize()
 
 
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values in NumPy on the host (bfloat16, which NumPy lacks, as float32)."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def host_dtype(tensor: torch.Tensor) -> np.dtype:
+    """The NumPy dtype ``host_array`` gives ``tensor``."""
+    return np.dtype(np.float32) if tensor.dtype == torch.bfloat16 else torch.empty((), dtype=tensor.dtype).numpy().dtype
+
 __all__ = ["CPUDevice", "CUDADevice", "Device", "cuda_missing", "default_device_id", "device_class", "device_problem",
-           "make_device", "parse_device_id"]
+           "host_array", "host_dtype", "make_device", "parse_device_id"]

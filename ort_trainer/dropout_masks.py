@@ -1,6 +1,6 @@
 """Dropout masks drawn on the host for graphs whose Dropouts read them as inputs.
 
-The ``host_dropout_masks`` graph pass (``graph/_joint_passes.py``) turns each static-shape
+The ``host_dropout_masks`` graph pass (``graph/passes/``) turns each static-shape
 Dropout ``y = Dropout(x)`` of a CPU training graph into ``y = x · m``; ``HostDropoutMasks`` fills
 every ``m`` before each run with a scaled keep mask: ``1 / keep`` where kept, 0 where dropped.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .graph._joint_passes import host_mask_inputs
+from .graph.passes.dropout import host_mask_inputs
 
 __all__ = ["HostDropoutMasks", "keep_threshold"]
 

@@ -28,12 +28,13 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from ._logging import logger, ort_severity
+from ._logging import ort_severity
 from .devices import Device, make_device
 from .dropout_masks import HostDropoutMasks
-from .graph._host_table_rows import host_table_rows
-from .graph.gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
+from .graph.names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
+from .graph.passes.tied_embedding import host_table_rows
 from .optim.config import _OptimizerConfig
+from .sessions import Sessions
 from .update import OptimizerUpdate, update_class
 
 GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]"]
@@ -67,7 +68,7 @@ class _SessionSet:
     def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: Callable[[], onnx.ModelProto]):
         self._engine, self._eval_model = engine, eval_model
         self._eval: tuple | None = None
-        self.gradient = engine.make_session(gradient)
+        self.gradient = engine.sessions.make_session(gradient)
         produced = {o.name for o in self.gradient.get_outputs()}
         # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
         self.output_names = [n for n in engine.output_names if n in produced]
@@ -88,7 +89,7 @@ class _SessionSet:
         for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
                 if self.accumulates:  # the graph adds into the buffer in place
-                    engine.bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
+                    engine.sessions.bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
                     device.bind_fresh_output(binding, w + ACCUMULATED_FLAG_SUFFIX)
                 else:  # the graph writes the gradient straight into the buffer
                     device.bind_output(binding, w + GRAD_SUFFIX, buffer)
@@ -101,7 +102,7 @@ class _SessionSet:
         """The eval session, its per-parity bindings and its input names, made on first use (the
         eval graph itself may be built only then)."""
         if self._eval is None:
-            session = self._engine.make_session(self._eval_model())
+            session = self._engine.sessions.make_session(self._eval_model())
             bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, self.output_names))
             self._eval = session, bindings, {i.name for i in session.get_inputs()}
         return self._eval
@@ -183,7 +184,8 @@ class Engine:
                 self._session_options.intra_op_num_threads = intra_op_threads
         if deterministic:
             self._session_options.use_deterministic_compute = True
-        self._disabled_optimizers = self.placement.disabled_optimizers(unfused_skip_layer_norm)
+        self.sessions = Sessions(self.placement, self._session_options, self._providers,
+                                 self.placement.disabled_optimizers(unfused_skip_layer_norm))
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)
@@ -230,8 +232,6 @@ class Engine:
             self.accumulated = self._weight_views(self.accumulated_flat)
         else:
             self.accumulated_flat, self.accumulated = self.grads_flat, self.grads
-        self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see bind_buffer
-        self._rebinds: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by id(binding)
         self._graph_provider = graph_provider
         self._session_sets: dict[Hashable, _SessionSet] = {}
         self._current: _SessionSet | None = None
@@ -242,11 +242,6 @@ class Engine:
         """``[make(0), make(1)]`` with double buffering, else ``[x, x]`` with ``x = make(0)``: one object."""
         first = make(0)
         return [first, make(1) if self._double_buffered else first]
-
-    def make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
-        """A session of ``model`` with the engine's session options and execution providers."""
-        return ort.InferenceSession(model.SerializeToString(), self._session_options, providers=self._providers,
-                                    disabled_optimizers=self._disabled_optimizers)
 
     def _tensor(self, value: np.ndarray) -> torch.Tensor:
         """A contiguous tensor on the engine's device holding a copy of ``value``."""
@@ -276,29 +271,8 @@ class Engine:
         names = {i.name for i in session.get_inputs()}
         for name, tensor in [*{**self.fixed_tensors, **(replaced or {})}.items(), *self.buffers[parity].items()]:
             if name in names:
-                self.bind_buffer(session, binding, name, tensor)
+                self.sessions.bind_buffer(session, binding, name, tensor)
         return binding
-
-    def bind_buffer(self, session: ort.InferenceSession, binding: ort.IOBinding, name: str,
-                    tensor: torch.Tensor) -> None:
-        """Bind a buffer that ``session`` reads in place. One that ONNX Runtime copies when it is
-        bound instead (its consumers run on another device) is bound again before every run, or
-        the session would keep reading the value it had at binding time."""
-        copied = self._copied_inputs.get(id(session))
-        if copied is None:
-            copied = self._copied_inputs[id(session)] = self.placement.inputs_copied_at_binding(session)
-            if copied:
-                logger.warning("ONNX Runtime reads %s from another device than %s (their consumers have no kernel "
-                               "there); they are copied before every run", ", ".join(sorted(copied)), self.device)
-        self.placement.bind_input(binding, name, tensor)
-        if name in copied:
-            self._rebinds.setdefault(id(binding), []).append((name, tensor))
-
-    def before_run(self, binding: ort.IOBinding) -> None:
-        """Order a run of ``binding`` after torch's work and rebind what ONNX Runtime copies at binding."""
-        self.placement.synchronize()  # first: the copies below read buffers torch may still be writing
-        for name, tensor in self._rebinds.get(id(binding), ()):
-            self.placement.bind_input(binding, name, tensor)
 
     # ---- steps ------------------------------------------------------------------------------
     def select(self, signature: Hashable) -> None:
@@ -380,7 +354,7 @@ class Engine:
                 device.bind_feed(binding, name, value)
         for name in outputs:  # fresh buffers: returned tensors must not be overwritten
             device.bind_fresh_output(binding, name)
-        self.before_run(binding)
+        self.sessions.before_run(binding)
         session.run_with_iobinding(binding)
         values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
         # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)

@@ -16,22 +16,24 @@ import onnx
 import torch
 
 from . import distributed
+from ._export_check import check_model_export
 from ._interrupt import deferred_interrupt
 from ._logging import logger
 from ._onnx_files import data_path, save_with_weights
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
 from .amp.kernels import missing_kernels_explained
-from .devices import device_class
+from .devices import device_class, host_array, host_dtype
 from .distributed import make_communicator
 from .engine import Engine
-from .graph import rewrites
-from .graph.gradient import build_inference_graph
-from .graph.input_checks import check_inputs
+from .graph.export.input_checks import check_inputs
+from .graph.gradient import make_gradient_source
+from .graph.job import GraphJob
+from .graph.onnx_graph import build_inference_graph
 from .graph.optimizer import state_names
-from .graph.pipeline import (GraphJob, TrainingGraphs, build_eval_graph, build_optimizer, build_symbolic_eval_graph,
-                             build_training_graphs, initial_weights)
-from .graph.sources import make_gradient_source
+from .graph.passes.forward import FORWARD_PASSES, GRADIENT_PASSES
+from .graph.pipeline import TrainingGraphs, build_optimizer, initial_weights
+from .graph.shapes import ShapeGraphs
 from .model_desc import ModelDescription, parse_model_desc
 from .optim.config import _OptimizerConfig, check_learning_rate
 from .options import ORTTrainerOptions
@@ -118,7 +120,7 @@ class ORTTrainer(_StateMixin):
             save_paths=dict(opts.debug.graph_save_paths),
             accumulate=window > 1 and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
-            passes={**{name: opts.graph_optimizations[name] for name in rewrites.FORWARD_PASSES + rewrites.GRADIENT_PASSES},
+            passes={**{name: opts.graph_optimizations[name] for name in FORWARD_PASSES + GRADIENT_PASSES},
                     "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
                     and device_class(opts.device.id).host_dropout_masks},
             source=source,
@@ -133,67 +135,37 @@ class ORTTrainer(_StateMixin):
         self._allreduce_micro_batches = self._comm is not None and window > 1 and not dist.allreduce_post_accumulation
         self._host_accumulation = window > 1 and (self._allreduce_micro_batches or not source.accumulates_in_graph)
         self._zero_counts: list[int] | None = None
-        self._graphs: TrainingGraphs | None = None  # the first graphs built: the engine's layout comes from them
-        self._symbolic: TrainingGraphs | None = None  # symbolic-shape graphs, built when first needed
-        self._symbolic_eval: onnx.ModelProto | None = None  # their eval graph alone (save_as_onnx)
-        self._traces: dict[tuple, Any] = {}  # the gradient source's traces by the shape they fixed
+        self._shapes = ShapeGraphs(self._job, opts.graph_optimizations.shape_specialization,
+                                   opts.graph_optimizations.max_shape_graphs)
         self._engine: Engine | None = None
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
-        self._specialised: set[tuple] = set()  # shape signatures that have static-shape graphs
-        self._fallback_logged = False
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
         # resumed run (the seed is checkpointed) draws the masks an uninterrupted run would.
         self._seed = int(torch.initial_seed()) % 2**63
         if all(d.dtype is not None for d in self.model_desc.inputs):
-            self._build(self._synthetic_inputs())
+            self._build(self._shapes.synthetic_inputs())
+
+    @property
+    def _graphs(self) -> TrainingGraphs | None:
+        """The first graphs built (the engine's layout comes from them), or None before."""
+        return self._shapes.first
 
     # ---- building -----------------------------------------------------------------------------
-    def _synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None,
-                          sizes: dict[str, int] | None = None) -> list[np.ndarray]:
-        """Trace inputs from the description: symbols get ``sizes`` or else distinct sizes > 1,
-        ints are zeros."""
-        sizes = dict(sizes or {})
-        arrays = []
-        for d in self.model_desc.inputs:
-            shape = [dim if isinstance(dim, int) else sizes.setdefault(dim, 2 + len(sizes)) for dim in d.shape]
-            dtype = (dtypes or {}).get(d.name, d.numpy_dtype)
-            if np.issubdtype(dtype, np.floating):
-                arrays.append(np.random.default_rng(0).standard_normal(shape).astype(dtype))
-            else:
-                arrays.append(np.zeros(shape, dtype=dtype))
-        return arrays
-
     def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
-        """Build the first graphs and the engine around them.
-
-        With ``graph_optimizations.shape_specialization`` the first graphs are those of the
-        sample's shapes (static graphs build several times faster than symbolic ones on the torch
-        source); the symbolic graphs are built only when something needs them.
-        """
-        feeds = dict(zip(self.model_desc.input_names, sample_inputs))
-        shape = self._symbol_sizes(feeds) if self.options.graph_optimizations.shape_specialization else ()
-        outputs = self._outputs_key()
+        """Build the first graphs (``ShapeGraphs.build_first``) and the engine around them."""
         if self._comm is not None and self._comm.rank != 0:
             self._comm.barrier()  # rank 0 builds and caches the graph; the others then load it
-        graphs = build_training_graphs(self._job, sample_inputs, dims=dict(shape) or None, outputs=outputs)
+        graphs = self._shapes.build_first(sample_inputs, self._outputs_key())
         if self._comm is not None and self._comm.rank == 0:
             self._comm.barrier()
-        self._graphs = graphs
-        self._base_signature = (shape, outputs)
-        self._sample_inputs = list(sample_inputs)
-        self._traces[shape] = graphs.forward
-        if shape:
-            self._specialised.add(shape)
-        elif outputs is None:
-            self._symbolic = graphs
         trained = graphs.meta["trained"]
         dist = self.options.distributed
         spec = build_optimizer(self._job, graphs.meta, dist.world_size, dist.world_rank,
                                zero=dist.deepspeed_zero_optimization.stage == 1)
         self._zero_counts = spec.counts
         self._engine = Engine(
-            graph_provider=self._graphs_for,
+            graph_provider=self._shapes.graphs_for,
             weights=initial_weights(self.model, graphs.meta),
             trained=trained,
             state_names=state_names(self.optim_config),
@@ -224,125 +196,8 @@ class ORTTrainer(_StateMixin):
             self._engine.load_optimizer_states(self._pending_optimizer)
             self._pending_optimizer = {}
         if self.options.debug.check_model_export and isinstance(self.model, torch.nn.Module):
-            self._check_model_export(sample_inputs)
-
-    def _check_model_export(self, sample_inputs: Sequence[np.ndarray]) -> None:
-        """Compare the torch model's eval-mode outputs with the ONNX eval graph's on two inputs.
-
-        The first batch, then a second input made from it with other values (reversed along the
-        first axis, floating-point values negated): a branch or value the export froze at the
-        traced batch's value shows up on the second one.
-
-        Raises:
-            ExportMismatchError: naming the first output that differs (beyond rtol 1e-3, atol 1e-5;
-                with mixed precision, against the model under the same autocast: rtol 1e-2, atol 1e-3)
-                and the input it differs on.
-        """
-        from .graph.export import ExportMismatchError, _ModelWithLoss, export_order
-        from .graph.torch_autograd import autocast_context
-
-        desc = self.model_desc
-        count = len(desc.inputs) - (1 if self.loss_fn is not None else 0)
-        wrapper = _ModelWithLoss(self.model, self.loss_fn, desc.input_names[:count])
-
-        def other_values(array: np.ndarray) -> np.ndarray:
-            array = np.asarray(array)
-            flipped = np.flip(array, axis=0) if array.ndim else array
-            return np.ascontiguousarray(-flipped if np.issubdtype(array.dtype, np.floating) else flipped)
-
-        checks = [("the first batch", [np.asarray(a) for a in sample_inputs]),
-                  ("a second input (the first batch reversed along its first axis, floating-point values "
-                   "negated): the export froze a value or branch at the batch it traced",
-                   [other_values(a) for a in sample_inputs])]
-        self._engine.select(self._full_signature(dict(zip(desc.input_names, sample_inputs))))
-        for which, inputs in checks:
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                with torch.no_grad(), autocast_context(self._job.autocast):
-                    expected = dict(zip(export_order(desc, self.loss_fn is not None),
-                                        wrapper(*(torch.from_numpy(a) for a in inputs))))
-            finally:
-                self.model.train(was_training)
-            got = self._engine.evaluate(dict(zip(desc.input_names, inputs)))
-            for name in desc.output_names:
-                a, b = (_host_array(t) for t in (expected[name], got[name]))
-                rtol, atol = (1e-2, 1e-3) if self._job.autocast else (1e-3, 1e-5)
-                if a.shape != b.shape or not np.allclose(b, a, rtol=rtol, atol=atol, equal_nan=True):
-                    detail = (f"shapes {list(a.shape)} vs {list(b.shape)}" if a.shape != b.shape
-                              else f"max abs difference {float(np.nanmax(np.abs(a - b))):.3g}")
-                    raise ExportMismatchError(
-                        f"debug.check_model_export: output {name!r} of the exported model differs from PyTorch "
-                        f"({detail}) on {which}; the export does not reproduce the model "
-                        "(see docs/export_limits.md)")
-        logger.info("debug.check_model_export: %d outputs match PyTorch on two inputs", len(desc.output_names))
-
-    def _graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]:
-        """Gradient graph and eval-graph maker for a signature (None: the symbolic graphs with every
-        output); the eval graph is built on the first evaluation that needs it.
-
-        A signature is ``(shape, outputs)``: ``shape`` a sorted tuple of ``(symbol, size)`` pairs
-        whose graphs have those dimensions fixed (ONNX Runtime then plans memory and picks kernels
-        for static shapes), or None; ``outputs`` the fetched outputs, or None for all of them.
-        """
-        shape, outputs = signature or (None, None)
-        if (shape or (), outputs) == self._base_signature:
-            graphs = self._graphs
-        elif shape is None and outputs is None:
-            graphs = self._symbolic_graphs()
-        else:
-            graphs = self._build_for(shape or (), outputs)
-        return graphs.gradient, lambda: build_eval_graph(self._job, graphs)
-
-    def _build_for(self, shape: tuple, outputs: tuple | None) -> TrainingGraphs:
-        """Graphs with the symbol sizes ``shape`` fixed (``()``: symbolic) returning ``outputs``,
-        from a trace that serves them when there is one."""
-        forward = self._traces.get(shape) or self._traces.get(())
-        if forward is None and self._graphs.forward is not None and self._graphs.forward.serves(dict(shape) or None):
-            forward = self._graphs.forward
-        dtypes = {name: array.dtype for name, array in zip(self.model_desc.input_names, self._sample_inputs)}
-        samples = self._synthetic_inputs(dtypes, dict(shape)) if shape else self._sample_inputs
-        graphs = build_training_graphs(self._job, samples, dims=dict(shape) or None, forward=forward, outputs=outputs)
-        if graphs.forward is not None:  # None: found in the cache without a trace
-            self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
-        if graphs.meta["trained"] != self._graphs.meta["trained"]:
-            raise RuntimeError("graphs of another input shape train different weights than the first graphs")
-        return graphs
-
-    def _symbolic_graphs(self) -> TrainingGraphs:
-        """The graphs with the description's symbolic dimensions kept symbolic, every output returned."""
-        if self._symbolic is None:
-            self._symbolic = self._build_for((), None)
-        return self._symbolic
-
-    def _full_signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
-        """The signature of graphs returning every output for these inputs' shapes."""
-        shape = self._symbol_sizes(feeds) if self.options.graph_optimizations.shape_specialization else ()
-        return (shape, None) if shape in self._specialised else None
-
-    def _signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
-        """The shape signature whose graphs run these inputs (None: the symbolic graph).
-
-        With ``graph_optimizations.shape_specialization`` the first ``max_shape_graphs`` distinct
-        signatures each get static-shape graphs (ONNX Runtime plans memory and picks kernels for
-        the exact shapes); any later new signature runs on the symbolic graph, so a job with many
-        sequence lengths builds a bounded number of graphs.
-        """
-        opts = self.options.graph_optimizations
-        outputs = self._outputs_key()
-        shape = self._symbol_sizes(feeds) if opts.shape_specialization else ()
-        if shape and shape not in self._specialised:
-            if len(self._specialised) < opts.max_shape_graphs:
-                self._specialised.add(shape)
-            else:
-                if not self._fallback_logged:
-                    logger.info("more than %d input-shape signatures: new ones run on the symbolic graph",
-                                opts.max_shape_graphs)
-                    self._fallback_logged = True
-                shape = ()
-        if not shape and outputs is None:
-            return None
-        return (shape or None, outputs)
+            check_model_export(self.model, self.loss_fn, self.model_desc, self._job.autocast, self._engine,
+                               self._shapes.full_signature, sample_inputs)
 
     def _outputs_key(self) -> tuple | None:
         """The outputs part of a signature: the fetched outputs besides the loss, None for all."""
@@ -355,22 +210,13 @@ class ORTTrainer(_StateMixin):
         with self._kernels_explained():  # sessions are made here, before the step changes anything
             if self._engine is None:
                 self._build([feeds[name] for name in self.model_desc.input_names])
-            self._engine.select(self._signature(feeds))
+            self._engine.select(self._shapes.signature(feeds, self._outputs_key()))
         return self._engine
 
     def _kernels_explained(self):
         """Mixed precision: a half-precision kernel ONNX Runtime lacks is a ``MissingKernelError``."""
         mixed = self.options.mixed_precision
         return missing_kernels_explained(mixed.dtype if mixed.enabled else None, self.options.device.id)
-
-    def _symbol_sizes(self, feeds: dict[str, np.ndarray]) -> tuple:
-        """``((symbol, size), ...)`` of the symbolic dimensions in these inputs, sorted."""
-        sizes = {}
-        for d in self.model_desc.inputs:
-            for dim, size in zip(d.shape, feeds[d.name].shape):
-                if isinstance(dim, str):
-                    sizes[dim] = int(size)
-        return tuple(sorted(sizes.items()))
 
     # ---- inputs -------------------------------------------------------------------------------
     def _prepare_inputs(self, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
@@ -504,7 +350,7 @@ class ORTTrainer(_StateMixin):
         constraints = self._graphs.meta.get("input_constraints") if self._graphs is not None else None
         if not constraints:
             return
-        problems = check_inputs(constraints, feeds, dict(self._symbol_sizes(feeds)), training)
+        problems = check_inputs(constraints, feeds, dict(self._shapes.symbol_sizes(feeds)), training)
         if problems:
             raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
 
@@ -612,32 +458,11 @@ class ORTTrainer(_StateMixin):
             inputs = inputs[:-1]
             outputs = [n for n in outputs if n != desc.loss_name]
         tensors = engine.current_tensors()
-        model, names = build_inference_graph(self._symbolic_eval_graph(), inputs, outputs, tensors)
-        specs = {name: (tuple(tensors[name].shape), _host_dtype(tensors[name])) for name in names}
-        external = save_with_weights(model, path, specs, lambda name: _host_array(tensors[name]),
+        model, names = build_inference_graph(self._shapes.symbolic_eval_graph(), inputs, outputs, tensors)
+        specs = {name: (tuple(tensors[name].shape), host_dtype(tensors[name])) for name in names}
+        external = save_with_weights(model, path, specs, lambda name: host_array(tensors[name]),
                                      external_data=external_data)
         logger.info("save_as_onnx: wrote %s%s", path, f" and its weights in {data_path(path)}" if external else "")
-
-    def _symbolic_eval_graph(self) -> onnx.ModelProto:
-        """The eval graph with symbolic dimensions and every output: that of the symbolic training
-        graphs where they exist, else built alone (no gradient graph) and kept."""
-        if self._symbolic is not None:
-            return build_eval_graph(self._job, self._symbolic)
-        if self._symbolic_eval is None:
-            self._symbolic_eval = build_symbolic_eval_graph(self._job, self._sample_inputs, self._graphs.meta,
-                                                            forward=self._traces.get(()))
-        return self._symbolic_eval
-
-
-def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor's values in NumPy (bfloat16, which NumPy lacks, as float32)."""
-    tensor = tensor.detach().cpu()
-    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-
-
-def _host_dtype(tensor: torch.Tensor) -> np.dtype:
-    """The NumPy dtype ``_host_array`` gives ``tensor``."""
-    return np.dtype(np.float32) if tensor.dtype == torch.bfloat16 else torch.empty((), dtype=tensor.dtype).numpy().dtype
 
 
 def _to_numpy(value: Any, name: str) -> np.ndarray:

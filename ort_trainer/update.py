@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import onnx
 import torch
 
 from ._logging import logger
-from .graph.gradient import GRAD_SUFFIX
-from .graph.optimizer import (ALL_FINITE, CLIP_EPS, GRAD_NORM, GRAD_SCALE_INPUT, GRADIENTS_INPUT, OUT_SUFFIX,
+from .devices import Device
+from .graph.names import GRAD_SUFFIX
+from .graph.optimizer import (ALL_FINITE, CLIP_EPS, GRADIENTS_INPUT, GRAD_NORM, GRAD_SCALE_INPUT, OUT_SUFFIX,
                               STEP_INPUT, WEIGHTS_FINITE, lr_input, resolved_groups)
 from .optim.config import DecayMode, LambConfig, SGDConfig, _OptimizerConfig
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .sessions import Sessions
 
 IMPLEMENTATIONS = ("fused", "graph")
 
@@ -46,6 +45,22 @@ IMPLEMENTATIONS = ("fused", "graph")
 # the rounding of the kernel and of the sum.
 _SAFE_MAGNITUDE = float(np.finfo(np.float32).max) / 4
 _SLACK = 1 + 1e-5  # relative rounding of float32 arithmetic, generously
+
+
+class EngineBuffers(Protocol):
+    """What an update reads of the engine (``engine.Engine``): its flat buffers, their layout and
+    its ``Sessions``. The update runs on them in place; it never makes or owns buffers."""
+
+    placement: Device
+    device: torch.device
+    sessions: Sessions
+    weights_flat: list[torch.Tensor]  # per parity
+    states_flat: list[dict[str, torch.Tensor]]  # per parity: {state name: flat tensor}
+    accumulated_flat: torch.Tensor
+    segments: list
+    state_names: list[str]
+    begin: int
+    parity: int
 
 
 @dataclass
@@ -146,9 +161,9 @@ class GraphUpdate(OptimizerUpdate):
     name = "graph"
     double_buffered = True
 
-    def __init__(self, engine: "Engine", graph: onnx.ModelProto, config: _OptimizerConfig, clip: bool):
+    def __init__(self, engine: EngineBuffers, graph: onnx.ModelProto, config: _OptimizerConfig, clip: bool):
         self._engine = engine
-        self._session = engine.make_session(graph)
+        self._session = engine.sessions.make_session(graph)
         self._bindings = [self._binding(p) for p in (0, 1)]
         self._committable = False
 
@@ -163,16 +178,16 @@ class GraphUpdate(OptimizerUpdate):
         binding.bind_output(ALL_FINITE, "cpu")  # first: get_outputs() keeps first-binding order
         binding.bind_output(GRAD_NORM, "cpu")
         binding.bind_output(WEIGHTS_FINITE, "cpu")
-        engine.bind_buffer(session, binding, GRADIENTS_INPUT, engine.accumulated_flat)
+        engine.sessions.bind_buffer(session, binding, GRADIENTS_INPUT, engine.accumulated_flat)
         read, write = engine.weights_flat[parity], engine.weights_flat[1 - parity]
         for seg in engine.segments:
             a, b = seg.start, seg.stop
-            engine.bind_buffer(session, binding, seg.name, read[a:b])
-            engine.bind_buffer(session, binding, seg.name + GRAD_SUFFIX, engine.accumulated_flat[a:b])
+            engine.sessions.bind_buffer(session, binding, seg.name, read[a:b])
+            engine.sessions.bind_buffer(session, binding, seg.name + GRAD_SUFFIX, engine.accumulated_flat[a:b])
             device.bind_output(binding, seg.name + OUT_SUFFIX, write[a:b])
             for state in engine.state_names:
                 lo, hi = a - engine.begin, b - engine.begin
-                engine.bind_buffer(session, binding, f"{seg.name}.{state}", engine.states_flat[parity][state][lo:hi])
+                engine.sessions.bind_buffer(session, binding, f"{seg.name}.{state}", engine.states_flat[parity][state][lo:hi])
                 device.bind_output(binding, f"{seg.name}.{state}{OUT_SUFFIX}",
                                    engine.states_flat[1 - parity][state][lo:hi])
         return binding
@@ -189,7 +204,7 @@ class GraphUpdate(OptimizerUpdate):
         binding.bind_output(ALL_FINITE, "cpu")
         binding.bind_output(GRAD_NORM, "cpu")
         binding.bind_output(WEIGHTS_FINITE, "cpu")
-        engine.before_run(binding)
+        engine.sessions.before_run(binding)
         self._session.run_with_iobinding(binding)
         produced = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
         result = StepResult(bool(produced[0].numpy()), float(produced[1].numpy()), bool(produced[2].numpy()))
@@ -243,7 +258,7 @@ class FusedUpdate(OptimizerUpdate):
     name = "fused"
     double_buffered = False
 
-    def __init__(self, engine: "Engine", graph: onnx.ModelProto, config: _OptimizerConfig, clip: bool):
+    def __init__(self, engine: EngineBuffers, graph: onnx.ModelProto, config: _OptimizerConfig, clip: bool):
         self._engine = engine
         self._sgd = isinstance(config, SGDConfig)
         self._groups = resolved_groups(config)

@@ -56,7 +56,7 @@ def test_a_loss_scaler_lists_every_bad_argument_and_refuses_a_bad_state():
 
 
 def test_the_collective_timeout_comes_from_the_environment(monkeypatch):
-    from ort_trainer.distributed import collective_timeout
+    from ort_trainer.comm.base import collective_timeout
 
     monkeypatch.delenv("ORT_TRAINER_COLLECTIVE_TIMEOUT", raising=False)
     assert collective_timeout() == 600.0

@@ -10,8 +10,8 @@ import torch
 
 from models import MLP, MLP_DESC, mlp_batch
 from ort_trainer import IODescription, ModelDescription, ORTTrainer, _runtime
-from ort_trainer.graph.export import ExportError
-from ort_trainer.graph.gradient import GradientBuildError
+from ort_trainer.graph.export.torchscript import ExportError
+from ort_trainer.graph.gradient.ort_builder import GradientBuildError
 from ort_trainer.optim import AdamConfig, SGDConfig
 from tolerances import FLOAT32
 
@@ -241,7 +241,7 @@ def test_unknown_weight_names_in_groups_and_frozen_weights(batch):
 
 
 def test_check_model_export_names_the_diverging_output(source, monkeypatch, tmp_path):
-    from ort_trainer.graph.export import ExportMismatchError
+    from ort_trainer.graph.export.torchscript import ExportMismatchError
 
     def corrupt(model):  # a broken graph transform: the logits pick up a constant (the loss, being
         # shift-invariant, still matches: the check must name logits)
@@ -256,7 +256,7 @@ def test_check_model_export_names_the_diverging_output(source, monkeypatch, tmp_
 
     options = {"debug": {"check_model_export": True}, **_on(source)}
     if source == "torch":  # no forward graph to post-process: corrupt the eval graph the source built
-        from ort_trainer.graph.source_torch import TorchGradientSource
+        from ort_trainer.graph.gradient.torch import TorchGradientSource
 
         built = TorchGradientSource.build_eval
 

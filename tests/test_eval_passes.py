@@ -1,4 +1,4 @@
-"""The passes on the "torch" source's eval graph (``joint_rewrites.apply_eval_passes``) and the CPU
+"""The passes on the "torch" source's eval graph (``passes.apply_eval_passes``) and the CPU
 sessions' ``unfused_skip_layer_norm``: each against float64 PyTorch in eval mode, with its effect on
 the graph ONNX Runtime runs."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.devices import CPUDevice
-from ort_trainer.graph import joint_rewrites
+from ort_trainer.graph import passes
 from ort_trainer.optim import SGDConfig
 
 from models import tiny_gpt2
@@ -22,7 +22,7 @@ from tolerances import FLOAT32
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
                                 reason="the 'torch' gradient source exports with onnxscript")
 
-PASSES = joint_rewrites.EVAL_PASSES
+PASSES = passes.EVAL_PASSES
 
 # Every comparison here: ONNX Runtime's float32 eval forward against float64 PyTorch in eval mode,
 # each sum within n·u of its terms' magnitude (Higham's bound), adding up along the chain; the
@@ -65,7 +65,7 @@ def _reference(model, batch, names=None):
 
 
 def _eval_graph(trainer) -> onnx.ModelProto:
-    return trainer._symbolic_graphs().eval
+    return trainer._shapes.symbolic_graphs().eval
 
 
 def _op_types(model: onnx.ModelProto) -> set[str]:
@@ -82,7 +82,7 @@ def test_gpt2_eval_graph_loses_the_loss_function_the_sequences_and_the_nan_guard
     off, on = _eval_graph(results[False][0]), _eval_graph(results[True][0])
     assert {"SoftmaxCrossEntropyLoss", "SequenceAt", "IsNaN"} <= _op_types(off)
     assert not {"SoftmaxCrossEntropyLoss", "SequenceAt", "SequenceConstruct", "IsNaN"} & _op_types(on)
-    counts = joint_rewrites.apply_eval_passes(copy.deepcopy(off), {name: True for name in PASSES})
+    counts = passes.apply_eval_passes(copy.deepcopy(off), {name: True for name in PASSES})
     # one loss; q, k and v of 2 layers; 2 attention softmaxes; GPT-2's GELU is the tanh one
     assert counts == {"cross_entropy": 1, "sequences": 6, "output_reshape": 0, "safe_softmax": 2, "gelu": 0}
     expected = _reference(model, batch, ("input_ids", "attention_mask", "labels"))
@@ -120,7 +120,7 @@ def test_erf_gelu_is_reordered_so_that_onnxruntime_fuses_it(tmp_path):
     generator = torch.Generator().manual_seed(2)
     batch = (torch.randn(6, 8, generator=generator) * 3, torch.randint(0, 5, (6,), generator=generator))
     results = {on: _evaluated(model, _CLASSIFIER_DESC, batch, on) for on in (False, True)}
-    counts = joint_rewrites.apply_eval_passes(copy.deepcopy(_eval_graph(results[False][0])),
+    counts = passes.apply_eval_passes(copy.deepcopy(_eval_graph(results[False][0])),
                                               {name: True for name in PASSES})
     assert counts["gelu"] == 1 and counts["cross_entropy"] == 1
     for on in (False, True):  # what ONNX Runtime makes of each graph

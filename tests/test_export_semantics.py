@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph.export import ExportError, ExportMismatchError
+from ort_trainer.graph.export.torchscript import ExportError, ExportMismatchError
 from ort_trainer.optim import SGDConfig
 from tolerances import check
 

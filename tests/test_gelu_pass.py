@@ -16,7 +16,8 @@ import torch.nn.functional as F
 pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
 
 from ort_trainer import ORTTrainer  # noqa: E402
-from ort_trainer.graph import rewrites, torch_autograd, torch_gelu  # noqa: E402
+from ort_trainer.graph.passes import forward as rewrites  # noqa: E402
+from ort_trainer.graph.gradient import autograd, gelu as torch_gelu  # noqa: E402
 from ort_trainer.model_desc import parse_model_desc  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
 
@@ -191,7 +192,7 @@ def test_pass_off_is_autograds_graph():
     model, batch = Block(new_gelu), _batch()
     trainer, _ = _trainer(model, batch, gelu=False)
     sample = [t.numpy() for t in batch]
-    plain = torch_autograd.export_joint(copy.deepcopy(model), None, parse_model_desc(DESC), sample, dynamic=True,
+    plain = autograd.export_joint(copy.deepcopy(model), None, parse_model_desc(DESC), sample, dynamic=True,
                                         outputs=["loss"])
     ops = [n.op_type for n in trainer._graphs.gradient.graph.node]
     assert ops == [n.op_type for n in plain.gradient.graph.node]
@@ -199,7 +200,7 @@ def test_pass_off_is_autograds_graph():
 
 
 def _traced(model, batch):
-    return torch_autograd.trace(model, None, parse_model_desc(DESC), [t.numpy() for t in batch], dynamic=False)
+    return autograd.trace(model, None, parse_model_desc(DESC), [t.numpy() for t in batch], dynamic=False)
 
 
 def _targets(program) -> collections.Counter:

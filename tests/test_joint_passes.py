@@ -1,4 +1,4 @@
-"""The "torch" source's passes of ``graph/_joint_passes.py`` (dropout_gradient, sequences, output_reshape)
+"""The "torch" source's passes of ``graph/_graph.py`` (dropout_gradient, sequences, output_reshape)
 and the Dropout keeper: each against float64 PyTorch gradients, with its effect on the graph."""
 
 import copy
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph import _host_table_rows, _joint_passes, joint_rewrites
+from ort_trainer.graph.passes import copies, dropout, embedding, tied_embedding
+from ort_trainer.graph import passes
 from ort_trainer.optim import SGDConfig
 from tolerances import FLOAT32, FLOAT64, check
 
@@ -247,7 +248,7 @@ def test_dropout_gradient_keeps_nan_and_inf_where_the_decomposition_has_them(aft
     original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.checker.check_model(original, full_check=True)
     rewritten = copy.deepcopy(original)
-    assert _joint_passes.dropout_gradient(rewritten) == 1
+    assert dropout.dropout_gradient(rewritten) == 1
     onnx.checker.check_model(rewritten, full_check=True)
     expected = ["Dropout", "Reshape", "Mul"] if after == "x" else ["Dropout", "Cast", "DequantizeLinear", "Mul", "Mul"]
     assert [n.op_type for n in rewritten.graph.node] == expected
@@ -326,7 +327,7 @@ def test_sequences_read_split_outputs_directly():
 def test_small_table_gradients_are_one_hot_products():
     """The embedding table (40 rows, at most SMALL_TABLE_ROWS) gets its gradient from OneHot and one
     Gemm instead of ScatterElements(add) into zeros; gradients match float64 PyTorch."""
-    assert VOCAB <= _joint_passes.SMALL_TABLE_ROWS
+    assert VOCAB <= embedding.SMALL_TABLE_ROWS
     model, batch = TinyDecoder(), _batch()
     off, _, _ = _checked_step(model, batch)
     on, _, _ = _checked_step(model, batch, embedding_gradient=True)
@@ -350,11 +351,11 @@ def test_tied_embedding_gradient_adds_the_rows_on_the_host():
     off, _, _ = _checked_step(model, batch)
     on, _, logits = _checked_step(model, batch, tied_embedding_gradient=True)
     assert _count(off, "ScatterElements") - _count(on, "ScatterElements") == 1
-    assert _host_table_rows.host_table_rows(on._graphs.gradient).keys() == {"head_grad"}  # the first name of the table
+    assert tied_embedding.host_table_rows(on._graphs.gradient).keys() == {"head_grad"}  # the first name of the table
     assert logits.shape == (3, 10, VOCAB)
     # an untied table has no product to add to: its scatter stays
     untied, _, _ = _checked_step(TinyDecoder(), batch, tied_embedding_gradient=True)
-    assert not _host_table_rows.host_table_rows(untied._graphs.gradient)
+    assert not tied_embedding.host_table_rows(untied._graphs.gradient)
 
 
 def test_tied_embedding_gradient_comes_from_the_cache(caplog):
@@ -366,7 +367,7 @@ def test_tied_embedding_gradient_comes_from_the_cache(caplog):
     with caplog.at_level("WARNING", logger="ort_trainer"):
         second, again, _ = _train_step(model, batch, tied_embedding_gradient=True)
     assert "damaged" not in caplog.text and second._graphs.from_cache
-    assert _host_table_rows.host_table_rows(second._graphs.gradient) == _host_table_rows.host_table_rows(
+    assert tied_embedding.host_table_rows(second._graphs.gradient) == tied_embedding.host_table_rows(
         first._graphs.gradient) != {}
     for name, value in grads.items():
         np.testing.assert_array_equal(again[name], value)
@@ -387,7 +388,7 @@ def test_tied_embedding_gradient_accumulates_on_the_host(tied_pass):
         _, _, probs, branch = trainer.train_step(*half)
         for name, value in _reference_grads(model, half, [probs != 0, branch != 0]).items():
             expected[name] = expected.get(name, 0) + value
-    assert bool(_host_table_rows.host_table_rows(trainer._graphs.gradient)) == tied_pass
+    assert bool(tied_embedding.host_table_rows(trainer._graphs.gradient)) == tied_pass
     _assert_close({w: g.numpy().copy() for w, g in trainer._engine.accumulated.items()}, expected)
 
 
@@ -395,7 +396,7 @@ def test_small_table_gradients_unit():
     """Hand-made graph: a non-zero table (the product is added to it), negative and repeated
     indices, against numpy's unbuffered add; a table of more rows than SMALL_TABLE_ROWS is left."""
     rng = np.random.default_rng(0)
-    rows = _joint_passes.SMALL_TABLE_ROWS
+    rows = embedding.SMALL_TABLE_ROWS
     index = np.array([[0], [2], [-1], [0], [2]], np.int64)
     updates = rng.standard_normal((5, 4)).astype(np.float32)
     nodes, outputs, inits = [], [], []
@@ -418,7 +419,7 @@ def test_small_table_gradients_unit():
         table = numpy_helper.to_array(init).copy()
         np.add.at(table, index[:, 0], updates)
         expected[init.name.split("_")[0]] = table
-    assert _joint_passes.small_table_gradients(model) == 1
+    assert embedding.small_table_gradients(model) == 1
     assert [n.op_type for n in model.graph.node].count("ScatterElements") == 1
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     small, large = session.run(None, {"index": index, "updates": updates})
@@ -463,7 +464,7 @@ def test_column_sums_unit():
                               outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
-    assert _joint_passes.column_sums(model) == 4
+    assert copies.column_sums(model) == 4
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     # float64 sums of ≤ 60 terms (3·4·5) added in other orders by ONNX Runtime (its ReduceSum or the
     # pass's MatMul by ones) and numpy (pairwise): each within 60·u64 of the terms' magnitude Σ|x|
@@ -511,7 +512,7 @@ def test_output_reshape_unit(producer):
                     helper.make_tensor_value_info("product", TensorProto.FLOAT, [6, 5])])
     original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     rewritten = copy.deepcopy(original)
-    assert _joint_passes.output_reshapes(rewritten) == 1
+    assert copies.output_reshapes(rewritten) == 1
     onnx.checker.check_model(rewritten, full_check=True)
     producers = {out: n.op_type for n in rewritten.graph.node for out in n.output}
     assert producers["out"] == "MatMul" and producers["product"] == "Reshape"
@@ -540,7 +541,7 @@ def test_passes_apply_to_hugging_face_gpt2():
                                       "graph": {"gradient_source": "torch"}})
         loss, _ = trainer.train_step(ids, torch.ones_like(ids), ids)
         results[on] = (trainer, loss.item(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
-    counts = joint_rewrites.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient),
+    counts = passes.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient),
                                                {name: True for name in PASSES})
     # 7 dropouts (embeddings, and per layer attention, attention output, MLP output), 2 of them attention;
     # 19 sums over leading axes: per layer 4 biases and 2 LayerNorms (weight, bias), the final LayerNorm,

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from ort_trainer.optim.lr_scheduler import (ConstantWarmupLRScheduler, CosineWarmupLRScheduler,
-                                            LinearWarmupLRScheduler, PolyWarmupLRScheduler)
+from ort_trainer.optim.lr_scheduler import (ConstantWarmupLRScheduler, CosineWarmupLRScheduler, LinearWarmupLRScheduler,
+                                            PolyWarmupLRScheduler)
 from tolerances import FLOAT64
 
 LR, T, WARMUP = 0.5, 100, 0.2

@@ -62,7 +62,7 @@ CE = torch.nn.functional.cross_entropy
 class GeluNormHead(torch.nn.Module):
     """The BERT masked-LM head's transform: a LayerNorm straight after a float16 GELU, so under
     autocast the LayerNorm gets a float16 input and float32 weights (ONNX allows one type for both:
-    ``_joint_onnx._layer_norms_in_the_weights_type`` casts)."""
+    ``joint_onnx._layer_norms_in_the_weights_type`` casts)."""
 
     def __init__(self):
         super().__init__()

@@ -106,8 +106,8 @@ def test_a_failed_save_leaves_the_earlier_one_whole(trained, tmp_path, monkeypat
             raise OSError(28, "No space left on device")
         return real(tensor)
 
-    real = trainer_module._host_array  # what reads each weight as the file is written
-    monkeypatch.setattr(trainer_module, "_host_array", failing)
+    real = trainer_module.host_array  # what reads each weight as the file is written
+    monkeypatch.setattr(trainer_module, "host_array", failing)
     with pytest.raises(OSError, match="No space left"):
         trainer.save_as_onnx(path, external_data=external)
     monkeypatch.undo()

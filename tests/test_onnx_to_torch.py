@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from models import ENCODER_DESC, MLP_DESC, MLPWithLoss, TinyEncoder, mlm_batch, mlm_loss, mlp_batch
-from ort_trainer.graph import onnx_to_torch
-from ort_trainer.graph.onnx_to_torch import UnsupportedOnnxOperatorError, onnx_to_module
+from ort_trainer.graph.gradient import onnx_to_torch
+from ort_trainer.graph.gradient.onnx_to_torch import UnsupportedOnnxOperatorError, onnx_to_module
 from tolerances import FLOAT32, REDUCTION
 
 # The converted module (PyTorch's float32 kernels) against ONNX Runtime on the graph it came from,

@@ -1,4 +1,4 @@
-"""The operator-record cache key (``graph/op_record.py``): equal exactly when the code computes the same.
+"""The operator-record cache key (``graph/export/op_record.py``): equal exactly when the code computes the same.
 
 A hit by record skips ``torch.export``, so everything the exported graph depends on must change
 the record, and what a record cannot see must make it decline (None), leaving the build to the
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from models import (ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch,
                     torch_step)
 from ort_trainer import ORTTrainer
-from ort_trainer.graph import op_record
-from ort_trainer.graph.export import ExportError
+from ort_trainer.graph.export import op_record
+from ort_trainer.graph.export.torchscript import ExportError
 from ort_trainer.model_desc import parse_model_desc
 from ort_trainer.optim import SGDConfig
 from tolerances import steps_bound
@@ -203,7 +203,7 @@ KEYS_SCRIPT = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, mlm_batch, mlm_loss, mlp_batch
-    from ort_trainer.graph import op_record
+    from ort_trainer.graph.export import op_record
     from ort_trainer.model_desc import parse_model_desc
     torch.manual_seed(1)  # other weights than the test process's
     x, y = mlp_batch(torch.Generator().manual_seed(0))

@@ -199,7 +199,7 @@ def test_recurrent_layers_train_at_a_new_length_and_export_per_source(tmp_path):
     _assert_weights_close(trainer, reference, RECURRENT_BOUND)
     path = tmp_path / "recurrent.onnx"
     if trainer._job.source.name == "torch":
-        from ort_trainer.graph.export import ExportError
+        from ort_trainer.graph.export.torchscript import ExportError
 
         with pytest.raises(ExportError, match=r"lstm \(LSTM\), gru \(GRU\) cannot be traced with a symbolic "
                                               r"sequence length.*gradient_source='onnxruntime'"):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from models import MLP, MLP_DESC, clone, mlp_batch, torch_step
 from ort_trainer import ORTTrainer
-from ort_trainer.graph import op_record
+from ort_trainer.graph.export import op_record
 from ort_trainer.model_desc import parse_model_desc
 from ort_trainer.optim import SGDConfig
 from tolerances import steps_bound

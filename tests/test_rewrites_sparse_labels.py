@@ -108,7 +108,7 @@ def _assert_matches(loss, grads, expected_loss, expected):
 def _fetch_graph(trainer) -> onnx.ModelProto:
     """The gradient graph the loss-only steps run."""
     (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
-    return trainer._graphs_for(key)[0]
+    return trainer._shapes.graphs_for(key)[0]
 
 
 def _projection_reads_gathered_rows(graph: onnx.GraphProto) -> bool:
@@ -158,7 +158,7 @@ def test_sparse_labels_only_when_logits_are_not_fetched(source):
     # added in another order at most, on each side: ≤ 2·(17 + 40 + 15)·u = 8.6e-6 apart at worst;
     # the value kept is below it. Observed at 1 and 2 threads: 0.
     assert tuple(logits.shape) == (4, 12, VOCAB) and loss.item() == pytest.approx(loss_only, rel=1e-6)
-    assert not _projection_reads_gathered_rows(trainer._graphs_for(None)[0].graph)
+    assert not _projection_reads_gathered_rows(trainer._shapes.graphs_for(None)[0].graph)
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -188,8 +188,8 @@ def test_no_row_labelled_gives_pytorchs_nan_loss(source):
 
 def test_torch_pass_leaves_smoothed_losses_and_fetched_logits_alone():
     pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
-    from ort_trainer.graph import torch_sparse_labels
-    from ort_trainer.graph.torch_autograd import trace
+    from ort_trainer.graph.gradient import sparse_labels as torch_sparse_labels
+    from ort_trainer.graph.gradient.autograd import trace
     from ort_trainer.model_desc import parse_model_desc
 
     batch = [t.numpy() for t in _batch(0)]
@@ -213,15 +213,15 @@ def test_eval_step_gets_the_pass_too_and_matches_float64_pytorch(source):
         loss = loss if isinstance(loss, torch.Tensor) else loss[0]
         assert float(loss) == pytest.approx(expected, rel=LOSS_BOUND)
         (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
-        assert _projection_reads_gathered_rows(trainer._graphs_for(key)[1]().graph) == flag
+        assert _projection_reads_gathered_rows(trainer._shapes.graphs_for(key)[1]().graph) == flag
 
 
 def test_torch_pass_leaves_a_plain_classifier_alone():
     """Labels per sample (a [batch, hidden] projection), not per position: every label counts, and
     selecting rows would only add work (the MLP step was 20% slower with it)."""
     pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
-    from ort_trainer.graph import torch_sparse_labels
-    from ort_trainer.graph.torch_autograd import trace
+    from ort_trainer.graph.gradient import sparse_labels as torch_sparse_labels
+    from ort_trainer.graph.gradient.autograd import trace
     from ort_trainer.model_desc import parse_model_desc
 
     desc = parse_model_desc({"inputs": [("x", ["batch", 8]), ("label", ["batch"])],

@@ -1,4 +1,4 @@
-"""The "torch" source's ``safe_softmax`` pass (``graph/_softmax_passes.py``): the fully-masked-row guard
+"""The "torch" source's ``safe_softmax`` pass (``graph/softmax.py``): the fully-masked-row guard
 of ``scaled_dot_product_attention``'s softmax, checked against float64 PyTorch gradients and torch's
 own outputs for masked, NaN and inf rows."""
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph import _softmax_passes, joint_rewrites
+from ort_trainer.graph.passes import softmax
+from ort_trainer.graph import passes
 from ort_trainer.optim import SGDConfig
 
 from models import tiny_gpt2
@@ -184,9 +185,9 @@ def test_pass_off_keeps_the_decomposition():
     assert _ops(off) == ["Equal", "Not", "Cast", "ReduceMax", "Cast", "Not", "Where", *_ops(off)[7:]]
     assert not any("safe_softmax" in n.name for n in off._graphs.gradient.graph.node)
     rewritten = copy.deepcopy(off._graphs.gradient)
-    assert joint_rewrites.apply_joint_passes(rewritten, {"safe_softmax": True}) == {"safe_softmax": 1}
+    assert passes.apply_joint_passes(rewritten, {"safe_softmax": True}) == {"safe_softmax": 1}
     assert [n.op_type for n in rewritten.graph.node] == [n.op_type for n in on._graphs.gradient.graph.node]
-    assert _softmax_passes.safe_softmax(rewritten) == 0  # nothing left to match
+    assert softmax.safe_softmax(rewritten) == 0  # nothing left to match
 
 
 def test_plain_softmax_is_left_alone():
@@ -215,7 +216,7 @@ def test_safe_softmax_applies_to_hugging_face_gpt2():
                                       "graph": {"gradient_source": "torch"}})
         loss, logits = trainer.train_step(ids, attention_mask, ids)
         results[on] = (trainer, logits.numpy().copy(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
-    counts = joint_rewrites.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient), {"safe_softmax": True})
+    counts = passes.apply_joint_passes(copy.deepcopy(results[False][0]._graphs.gradient), {"safe_softmax": True})
     if counts["safe_softmax"] == 0:
         import transformers  # present: tiny_gpt2 skips without it
 

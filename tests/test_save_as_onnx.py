@@ -14,7 +14,7 @@ import torch
 
 from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, mlm_batch, mlm_loss, mlp_batch
 from ort_trainer import ORTTrainer
-from ort_trainer.graph import torch_autograd
+from ort_trainer.graph.gradient import torch_export
 from ort_trainer.optim import AdamConfig
 from tolerances import steps_bound
 
@@ -42,8 +42,8 @@ def test_encoder_with_dropout_exports_an_inference_model(tmp_path, monkeypatch):
     _train(trainer, [mlm_batch(gen) for _ in range(5)])
     path = tmp_path / "encoder.onnx"
     exports = []
-    export = torch_autograd._export
-    monkeypatch.setattr(torch_autograd, "_export", lambda wrapper, *args: exports.append(wrapper.model.training)
+    export = torch_export.export_program
+    monkeypatch.setattr(torch_export, "export_program", lambda wrapper, *args: exports.append(wrapper.model.training)
                         or export(wrapper, *args))
     trainer.save_as_onnx(path)
     assert exports == [False]  # one symbolic trace, in eval mode: no training-mode trace for an export

@@ -57,10 +57,10 @@ def test_first_graphs_are_static_and_the_symbolic_ones_come_when_needed(source, 
         if step == 0:
             assert trainer._graphs.dims == {"batch": 4, "seq": 12}
             assert _dims(trainer._graphs.gradient, "ids") == [4, 12]
-            assert trainer._symbolic is None
-    assert trainer._specialised == {(("batch", 4), ("seq", 12)), (("batch", 2), ("seq", 7))}
-    assert trainer._symbolic is not None  # (3, 5) needed it
-    assert _dims(trainer._symbolic.gradient, "ids") == ["batch", "seq"]
+            assert trainer._shapes.symbolic is None
+    assert trainer._shapes.specialised == {(("batch", 4), ("seq", 12)), (("batch", 2), ("seq", 7))}
+    assert trainer._shapes.symbolic is not None  # (3, 5) needed it
+    assert _dims(trainer._shapes.symbolic.gradient, "ids") == ["batch", "seq"]
 
     trainer.save_as_onnx(tmp_path / "model.onnx")
     exported = onnx.load(tmp_path / "model.onnx")
@@ -79,11 +79,11 @@ def test_save_as_onnx_before_any_other_shape_builds_the_symbolic_graph_once(tmp_
                          options={"graph": {"gradient_source": "torch"}})
     gen = torch.Generator().manual_seed(1)
     trainer.train_step(*mlm_batch(gen, 4, 12))
-    assert trainer._symbolic is None
+    assert trainer._shapes.symbolic is None
     trainer.save_as_onnx(tmp_path / "a.onnx")
-    symbolic = trainer._symbolic
+    symbolic = trainer._shapes.symbolic
     trainer.save_as_onnx(tmp_path / "b.onnx")
-    assert trainer._symbolic is symbolic
+    assert trainer._shapes.symbolic is symbolic
     assert _dims(onnx.load(tmp_path / "b.onnx"), "ids") == ["batch", "seq"]
 
 
@@ -93,5 +93,5 @@ def test_without_shape_specialization_the_first_graphs_are_symbolic():
                          options={"graph_optimizations": {"shape_specialization": False}})
     trainer.train_step(*mlm_batch(torch.Generator().manual_seed(2), 4, 12))
     assert trainer._graphs.dims is None
-    assert trainer._symbolic is trainer._graphs
+    assert trainer._shapes.symbolic is trainer._graphs
     assert _dims(trainer._graphs.gradient, "ids") == ["batch", "seq"]

@@ -279,13 +279,13 @@ def test_ctrl_c_inside_train_step_applies_the_step_whole(where):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_the_torch_source_reads_the_checks_off_the_traced_program(dynamic):
     pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
-    from ort_trainer.graph import torch_autograd
-    from ort_trainer.graph.input_checks import find_program_constraints
+    from ort_trainer.graph.gradient import autograd
+    from ort_trainer.graph.export.input_checks import find_program_constraints
     from ort_trainer.model_desc import parse_model_desc
 
     def constraints(model, desc, loss, batch, dims):
         desc = parse_model_desc(desc)
-        traced = torch_autograd.trace(model, loss, desc, [np.asarray(b) for b in batch], dynamic=dynamic)
+        traced = autograd.trace(model, loss, desc, [np.asarray(b) for b in batch], dynamic=dynamic)
         return find_program_constraints(traced.program, desc.input_names, traced._job["weight_of"],
                                         {io.name: list(io.shape) for io in desc.inputs}, None if dynamic else dims)
 

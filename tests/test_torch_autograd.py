@@ -20,9 +20,9 @@ pytest.importorskip("onnxscript", reason="torch's ONNX exporter needs onnxscript
 
 from models import ENCODER_DESC, MLP, MLP_DESC, VOCAB, MLPWithLoss, TinyEncoder, mlm_batch, mlm_loss  # noqa: E402
 
-from ort_trainer.graph import _joint_onnx  # noqa: E402
-from ort_trainer.graph.export import ExportError  # noqa: E402
-from ort_trainer.graph.torch_autograd import export_joint, trace  # noqa: E402
+from ort_trainer.graph.gradient import joint_onnx  # noqa: E402
+from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
+from ort_trainer.graph.gradient.autograd import export_joint, trace  # noqa: E402
 from ort_trainer.model_desc import parse_model_desc  # noqa: E402
 from tolerances import FLOAT32, check, steps_bound
 
@@ -371,7 +371,7 @@ def test_scatter_nd_add_with_index_tuples_is_rewritten_exactly():
          onnx.helper.make_tensor_value_info("updates", onnx.TensorProto.FLOAT, [6, 3])],
         [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [4, 5, 3])])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
-    assert _joint_onnx.scatter_nd_add_to_scatter_elements(model) == 1
+    assert joint_onnx.scatter_nd_add_to_scatter_elements(model) == 1
     assert "ScatterND" not in {n.op_type for n in model.graph.node}
     expected, magnitude = data.copy(), np.abs(data)
     for index, update in zip(indices, updates):

@@ -41,6 +41,7 @@ import torch
 
 from .._logging import logger
 from .._temporaries import pid_alive
+from .._version import __version__
 
 # 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes; 5: column_sums;
 # 6: mixed-type LayerNormalization casts (a graph of format 5 with one is refused by ONNX Runtime);
@@ -82,8 +83,6 @@ def make_key(parts: dict) -> str:
 
     The versions of the cache format, ort_trainer, torch, onnx and onnxruntime are added.
     """
-    from .. import __version__
-
     payload = dict(parts, _versions=[_VERSION, __version__, torch.__version__, onnx.__version__, ort.__version__])
     text = json.dumps(payload, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..optim.config import AdamConfig, DecayMode, LambConfig, SGDConfig, _OptimizerConfig
-from .gradient import GRAD_SUFFIX
+from .names import GRAD_SUFFIX
 
 OUT_SUFFIX = ".out"
 STEP_INPUT = "step"

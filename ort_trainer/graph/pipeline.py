@@ -1,7 +1,7 @@
 """The graph pipeline: model -> traced program -> gradient + eval graphs (cached) -> optimizer graph.
 
 ``build_training_graphs`` keys the graph cache on a hash of what the job's gradient source
-(``sources.py``) traced, so a hit can never be a graph of other code. Where the source has a
+(``job.py``) traced, so a hit can never be a graph of other code. Where the source has a
 cheaper record of what the model computes (``op_record.py``: the operators one eager forward
 runs), a hit is first looked up by that record, linked to the entry by an earlier trace that saw
 the same record, and skips the trace as well as the building.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -20,16 +20,15 @@ from onnx import numpy_helper
 
 from .._logging import logger
 from .._temporaries import save_model
-from ..model_desc import ModelDescription
-from ..optim.config import LambConfig, _OptimizerConfig
+from ..optim.config import LambConfig
 from . import cache as graph_cache
-from ._host_table_rows import host_table_rows
-from ._joint_passes import host_mask_inputs
-from .export import ExportError, export_order
-from .gradient import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
+from .export.torchscript import ExportError, export_order
+from .job import GraphJob, Prepared, Traced
+from .names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
+from .onnx_graph import io_signature, value_info
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
-from .source_onnxruntime import OnnxRuntimeGradientSource
-from .sources import GradientSource, Prepared, Traced, io_signature, value_info
+from .passes.dropout import host_mask_inputs
+from .passes.tied_embedding import host_table_rows
 
 
 @dataclass
@@ -71,72 +70,6 @@ class TrainingGraphs:
     key: str = ""
     sample_inputs: list = field(default_factory=list, repr=False)
     record: str | None = None
-
-
-@dataclass
-class GraphJob:
-    """The inputs of the pipeline."""
-
-    model: torch.nn.Module | onnx.ModelProto
-    loss_fn: Callable | None
-    desc: ModelDescription
-    optim_config: _OptimizerConfig
-    frozen_weights: list[str]
-    grad_norm_clip: bool
-    opset: int
-    extra_postprocess: Callable | None
-    save_paths: dict[str, str]
-    accumulate: bool = False
-    passes: dict = None  # graph_optimizations flags: {pass name: enabled}
-    source: GradientSource = field(default_factory=OnnxRuntimeGradientSource)
-    #: mixed precision: "float16" or "bfloat16" traces the forward under torch.autocast (None: fp32)
-    autocast: str | None = None
-
-    def cache_key(self, traced: Traced, input_dtypes: dict[str, str], dims: dict[str, int] | None,
-                  outputs: tuple | None = None) -> str:
-        """Hash of the traced program and of everything that shapes the graphs built from it.
-
-        Args:
-            traced: what the gradient source traced (for the ONNX Runtime source, the forward graph
-                after the trainability pass and the user's hook); weights enter it by name, shape
-                and dtype only, never by value.
-            input_dtypes: ``{input name: numpy dtype name}`` of the data inputs.
-            dims, outputs: as in ``build_training_graphs``.
-
-        Returns:
-            The hex SHA-256 key.
-        """
-        return graph_cache.make_key(
-            {
-                "forward": traced.fingerprint,
-                "torch_keys": traced.torch_keys,
-                "trainable": list(traced.trainable),
-                "padding": sorted(traced.padding.items()),
-                **self._shaping(input_dtypes, dims, outputs),
-            }
-        )
-
-    def record_cache_key(self, record: str, input_dtypes: dict[str, str], dims: dict[str, int] | None,
-                         outputs: tuple | None = None) -> str:
-        """The key a record (``GradientSource.record_key``) links to an entry by: the record and
-        the same options as ``cache_key``."""
-        return graph_cache.make_key({"record": record, **self._shaping(input_dtypes, dims, outputs)})
-
-    def _shaping(self, input_dtypes: dict[str, str], dims: dict[str, int] | None, outputs: tuple | None) -> dict:
-        """What shapes the graphs besides the traced program."""
-        return {
-            "source": self.source.name,
-            "desc": self.desc.fingerprint(),
-            "input_dtypes": input_dtypes,
-            "frozen": sorted(self.frozen_weights),
-            "opset": self.opset,
-            "dims": sorted((dims or {}).items()),
-            "outputs": list(outputs) if outputs is not None else None,
-            "accumulate": self.accumulate,
-            "passes": sorted((self.passes or {}).items()),
-            # only when set, so that fp32 keys stay those of earlier versions
-            **({"autocast": self.autocast} if self.autocast else {}),
-        }
 
 
 def _input_dtypes(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> dict[str, str]:
@@ -496,5 +429,5 @@ def initial_weights(
     return out
 
 
-__all__ = ["GraphJob", "OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_optimizer", "build_symbolic_eval_graph",
+__all__ = ["OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_optimizer", "build_symbolic_eval_graph",
            "build_training_graphs", "export_order", "initial_weights", "zero_ranges"]

@@ -1,0 +1,196 @@
+"""Collectives through ``torch.distributed``: gloo on host buffers, NCCL on CUDA buffers.
+
+The process group comes from the ranks ``mpirun`` started: rank and world size from MPI, and a
+``TCPStore`` that rank 0 serves on a port the operating system picks (no free-port race) and
+whose address it sends to the other ranks over MPI. ``MASTER_ADDR``/``MASTER_PORT``, when set,
+are used instead (a firewall that opens one port, a node whose hostname others cannot resolve).
+Each collective still starts with ``Communicator``'s header exchange over MPI, so a rank that
+left, skipped a step or hangs is reported by name and ends the job, as with the MPI backend.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+
+from .._logging import logger
+from .base import CollectiveError, Communicator
+
+# One process group per backend and process: a second trainer in the same job reuses it.
+_groups: dict[str, object] = {}
+_LOOPBACK = "127.0.0.1"
+
+
+def _dist():
+    return torch.distributed
+
+
+def _cuda_device(device: str) -> torch.device:
+    parsed = torch.device(device)
+    return parsed if parsed.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+class TorchDistributedCommunicator(Communicator):
+    """Moves flat buffers with ``torch.distributed``, in place and without copies to the host.
+
+    ``all_reduce(SUM)`` and ``broadcast`` run on the buffer itself. The ZeRO stage 1 all-gather
+    uses ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), which needs the
+    same size from every rank: with equal ranges it runs in place on the flat buffer (each rank's
+    range is the input, the whole buffer the output); with unequal ranges (Lamb keeps whole tensors
+    on one rank) each rank's range is padded to the largest one in a scratch buffer and copied back.
+    Padding, rather than ``all_gather`` of a list of unequal views: gloo refuses unequal sizes, and
+    NCCL runs unequal ones as one broadcast per rank, where padding keeps NCCL's single ring
+    all-gather at the cost of one device-local copy of the buffer.
+
+    Gradients are all-reduced whole (also under ZeRO stage 1) rather than reduce-scattered: the
+    optimizer graph needs the whole gradient for the global norm, clipping and the all-finite check.
+
+    Args:
+        world_size, world_rank: as ``options.distributed`` declares them (checked against MPI).
+        backend: ``"gloo"`` (host buffers) or ``"nccl"`` (CUDA buffers).
+        device: the engine's device: ``"cpu"``, or ``"cuda[:N]"`` for NCCL.
+
+    Raises:
+        ValueError: MPI disagrees with ``world_size``/``world_rank``, or torch.distributed was
+            already initialised by the script for another world.
+        CollectiveError: the process group could not be set up on some rank.
+    """
+
+    def __init__(self, world_size: int, world_rank: int, backend: str, device: str):
+        super().__init__(world_size, world_rank)
+        self.backend = backend
+        self.device = _cuda_device(device) if backend == "nccl" else torch.device("cpu")
+        _process_group(self)
+        self._padded: torch.Tensor | None = None
+        self._gather = getattr(_dist(), "all_gather_single", None) or _dist().all_gather_into_tensor
+
+    @property
+    def _group(self):
+        # Looked up, not held: the group must be freed when the process group is destroyed at exit
+        # (gloo's threads are then joined; a group freed later, at interpreter teardown, was seen
+        # to end the process with std::terminate in 1 run of 4).
+        return _groups[self.backend]
+
+    def _check(self, buffer: torch.Tensor) -> None:
+        super()._check(buffer)
+        if buffer.device != self.device:
+            fix = ("use distributed.backend='gloo' or 'mpi' for host buffers" if self.backend == "nccl"
+                   else "use distributed.backend='nccl' (or 'auto') for CUDA buffers")
+            raise RuntimeError(f"the {self.backend} communicator moves buffers on {self.device}, and this buffer is on "
+                               f"{buffer.device}: {fix}")
+
+    def _done(self, buffer: torch.Tensor) -> None:
+        # NCCL runs on its own stream, which torch's current stream waits on; ONNX Runtime's stream
+        # waits on neither, so the result must be complete before the next session run reads it.
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+
+    def _allreduce_sum(self, buffer: torch.Tensor) -> None:
+        _dist().all_reduce(buffer, op=_dist().ReduceOp.SUM, group=self._group)
+        self._done(buffer)
+
+    def _broadcast(self, buffer: torch.Tensor, root: int) -> None:
+        _dist().broadcast(buffer, src=root, group=self._group)
+        self._done(buffer)
+
+    def _allgather(self, buffer: torch.Tensor, counts: list[int]) -> None:
+        rank = self.rank
+        if len(set(counts)) == 1:
+            width = counts[0]
+            self._gather(buffer, buffer[rank * width:(rank + 1) * width], group=self._group)
+            self._done(buffer)
+            return
+        width = max(counts)
+        size = width * self.size
+        padded = self._padded
+        if padded is None or padded.numel() != size or padded.dtype != buffer.dtype:
+            padded = self._padded = torch.zeros(size, dtype=buffer.dtype, device=buffer.device)
+        offsets = [sum(counts[:r]) for r in range(self.size)]
+        mine = padded[rank * width:(rank + 1) * width]
+        mine[:counts[rank]].copy_(buffer[offsets[rank]:offsets[rank] + counts[rank]])
+        self._gather(padded, mine, group=self._group)
+        for r, (offset, count) in enumerate(zip(offsets, counts)):
+            if r != rank:
+                buffer[offset:offset + count].copy_(padded[r * width:r * width + count])
+        self._done(buffer)
+
+
+def _process_group(comm: TorchDistributedCommunicator):
+    """This process's group for ``comm.backend``, set up on first use (collective over all ranks)."""
+    group = _groups.get(comm.backend)
+    if group is not None:
+        return group
+    dist = _dist()
+    comm._headers.exchange("init_process_group", None, 0, comm.timeout)
+    timeout = timedelta(seconds=comm.timeout)
+    if comm.backend == "nccl":
+        torch.cuda.set_device(comm.device)
+    if dist.is_initialized():  # the script set torch.distributed up itself: it must be this job's world
+        if (dist.get_world_size(), dist.get_rank()) != (comm.size, comm.rank):
+            raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()}, but MPI says rank {comm.rank} of {comm.size}: initialise it "
+                             "from the same mpirun job, or leave it to ort_trainer")
+        group = dist.group.WORLD if dist.get_backend() == comm.backend else dist.new_group(
+            backend=comm.backend, timeout=timeout)
+        atexit.register(_groups.clear)  # the script destroys what it set up
+    else:
+        store = _rendezvous(comm, timeout)
+        extra = {"device_id": comm.device} if comm.backend == "nccl" else {}
+        hook = sys.excepthook
+        dist.init_process_group(comm.backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout,
+                                **extra)
+        # init_process_group wraps the excepthook to buffer the traceback until the hook returns;
+        # ours ends the job with MPI_Abort inside it, so the traceback was lost
+        sys.excepthook = hook
+        group = dist.group.WORLD
+        atexit.register(_destroy)
+    logger.info("rank %d of %d: torch.distributed %s process group ready on %s", comm.rank, comm.size, comm.backend,
+                comm.device)
+    _groups[comm.backend] = group
+    return group
+
+
+def _rendezvous(comm: TorchDistributedCommunicator, timeout: timedelta):
+    """A ``TCPStore`` served by rank 0, its address sent to the other ranks over MPI.
+
+    Raises:
+        CollectiveError: on every rank, when rank 0 could not serve the store.
+        ValueError: ``MASTER_PORT`` is not a port number.
+    """
+    dist = _dist()
+    given_host = os.environ.get("MASTER_ADDR", "").strip()
+    text = os.environ.get("MASTER_PORT", "").strip() or "0"
+    if not text.isdigit() or int(text) > 65535:
+        raise ValueError(f"MASTER_PORT={text!r}: expected a TCP port number (0-65535); unset it to let rank 0 pick "
+                         "a free port")
+    store, message = None, None
+    if comm.rank == 0:
+        try:
+            # The server listens on every interface; host is where rank 0's own client connects.
+            store = dist.TCPStore(given_host or _LOOPBACK, int(text), comm.size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            message = (given_host or socket.gethostname(), store.port, None)
+        except Exception as exc:  # every rank must hear of it, or the others would wait in bcast
+            message = (None, None, f"{type(exc).__name__}: {exc}")
+    host, port, failure = comm.comm.bcast(message, root=0)
+    if failure is not None:
+        where = f" on port {text} (MASTER_PORT)" if text != "0" else ""
+        raise CollectiveError(f"rank 0 could not serve the torch.distributed store{where}: {failure}. Unset "
+                              "MASTER_PORT (rank 0 then picks a free port) or choose a free one")
+    if comm.rank != 0:
+        if not given_host and host == socket.gethostname():
+            host = _LOOPBACK  # rank 0 is on this node
+        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=timeout)
+    return store
+
+
+def _destroy() -> None:
+    _groups.clear()
+    dist = _dist()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,468 @@
+"""What the export trace would silently get wrong: honoured where it can be, refused where not.
+
+One guard, two routes. The ``onnxruntime`` gradient source exports with the TorchScript tracer
+(``torchscript.py``, ``stop_gradients=True``); the ``torch`` source traces with ``torch.export``
+(``gradient/autograd.py``, ``stop_gradients=False``), whose program autograd differentiates, so
+gradient stops need no marker there and ``.data`` becomes ``detach()`` (``torch.export`` cannot
+trace ``.data``). The refusals below are the same on both routes unless said otherwise.
+
+The TorchScript tracer records the tensor operations one forward pass makes. These PyTorch
+semantics live outside that record:
+
+- **Gradient stops.** ``Tensor.detach()``, ``.data`` and operations under ``torch.no_grad()``
+  trace as ordinary operations, so a gradient builder differentiating the graph would train the
+  weights behind them. During the export, ``detach``/``.data`` and every tensor that requires grad
+  entering an operation while grad mode is off go through :class:`StopGradient`, which exports as a
+  ``ort_trainer::StopGradient`` marker node; ``gradient/ort_builder.py`` cuts the gradient at the markers and
+  turns them into ``Identity``.
+- **Backward-only code**: a custom ``torch.autograd.Function``'s backward (the trace keeps its
+  forward), tensor and module backward hooks, reentrant checkpointing, ``torch.autograd.grad``
+  inside the forward. Refused when PyTorch would run it (grad on, an input that requires grad).
+- **Data read into Python** (``if x.mean() > 0``, ``.item()``, ``float(x)``, ``.tolist()``...).
+  The value of the traced batch becomes a constant. Values derived from model inputs, weights or
+  buffers are refused (a taint carried through every torch call); values derived from shapes only
+  (``x.size(0) > 1``) are recorded by the tracer and allowed. ``torch.export`` cannot freeze such
+  a value (it stops at the first one); the guard names it before that.
+- **State changed by the forward** (a buffer updated in place, a weight clamped through
+  ``.data``): the graph would never store it. Refused, BatchNorm statistics excepted (trained by
+  ``passes/buffers.py``). On the ``torch`` route the real tensors are not touched while tracing: the
+  program's mutation outputs say what changed (``check_program``).
+- **In-place change under ``torch.no_grad()`` of a tensor that requires grad**: refused on the
+  TorchScript route only; autograd over the ``torch.export`` program keeps PyTorch's gradient.
+
+Every problem found in the one traced forward is collected, with the module (as in
+``model.named_modules()``) and the source line, and reported together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..._logging import logger
+
+GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
+STOP_GRADIENT_DOMAIN = "ort_trainer"
+STOP_GRADIENT_OP = "StopGradient"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+# onnxruntime-training wraps torch.utils.checkpoint.checkpoint when its ortmodule is imported
+_LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__file__)))
+# Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
+_DISPATCH_FILES = (
+    GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"),
+    *(os.path.join(_TORCH_DIR, *p) for p in [("overrides.py",), ("_tensor.py",), ("autograd", "function.py"),
+                                           ("utils", "_contextlib.py"), ("autograd", "grad_mode.py")]),
+)
+
+# Queries about a tensor's metadata, not its values: their results depend on shapes only.
+_METADATA = {
+    "size", "shape", "dim", "ndim", "ndimension", "numel", "nelement", "__len__", "stride", "dtype",
+    "device", "layout", "element_size", "itemsize", "nbytes", "names", "requires_grad", "is_leaf",
+    "grad_fn", "data_ptr", "storage_offset", "get_device", "__hash__", "__format__", "__repr__", "__str__",
+    "__dir__", "__reduce_ex__", "__deepcopy__", "type",
+    "__eq__", "__ne__",  # a Python bool from these means the other side was not a tensor or number
+}
+_CONVERSIONS = {
+    "__bool__": "a tensor's value used as a Python bool (if/while/and/or/not on a tensor, bool(tensor))",
+    "item": "Tensor.item()",
+    "__float__": "float(tensor)",
+    "__int__": "int(tensor)",
+    "__index__": "a tensor used as a Python int (range(tensor), slicing or an int argument)",
+    "__complex__": "complex(tensor)",
+    "tolist": "Tensor.tolist()",
+    "numpy": "Tensor.numpy()",
+    "__array__": "numpy.asarray(tensor)",
+    "__contains__": "`value in tensor`",
+}
+# Stand-ins for a data-dependent Python value on the torch.export route (see ``handle``).
+_PLACEHOLDERS = {
+    "__bool__": lambda t: True,
+    "item": lambda t: True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1,
+    "__float__": lambda t: 1.0,
+    "__int__": lambda t: 1,
+    "__index__": lambda t: 1,
+    "__complex__": lambda t: 1 + 0j,
+}
+_AUTOGRAD_CALLS = {torch.autograd.grad: "torch.autograd.grad()", torch.autograd.backward: "torch.autograd.backward()",
+                   torch.Tensor.backward: "Tensor.backward()"}
+_CONVERSION_FIX = ("compute it with tensor operations instead (torch.where, masks, clamp, arithmetic), so it "
+                   "is recomputed for every batch")
+
+
+class StopGradient(torch.autograd.Function):
+    """Identity whose output carries no gradient; exports as the ``ort_trainer::StopGradient`` marker."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = x.detach()  # an alias, as detach and .data are: an in-place change reaches the original
+        ctx.mark_non_differentiable(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:
+        return None
+
+    @staticmethod
+    def symbolic(g, x):
+        out = g.op(f"{STOP_GRADIENT_DOMAIN}::{STOP_GRADIENT_OP}", x)
+        out.setType(x.type())
+        return out
+
+
+def _user_saved_tensors_hooks() -> bool:
+    """Whether pack/unpack hooks of the user's (not torch's own) are active."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and not getattr(hooks[0], "__module__", "").startswith("torch.")
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property of Tensor (shape, data, T...): name the property
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _is_in_place(name: str) -> bool:
+    if name.startswith("__"):
+        return name == "__setitem__" or (name.startswith("__i") and name not in ("__init__", "__index__", "__int__",
+                                                                               "__invert__", "__iter__"))
+    return name.endswith("_")
+
+
+def _is_metadata(name: str) -> bool:
+    return name in _METADATA or (name.startswith(("is_", "_is")) and name != "is_nonzero")
+
+
+def _is_python_value(value: Any) -> bool:
+    leaves = tree_flatten(value)[0]
+    return bool(leaves) and all(isinstance(v, (bool, int, float, complex, np.ndarray, np.generic)) for v in leaves)
+
+
+class ExportGuard:
+    """Watches one export trace; ``problems`` lists what it cannot honour.
+
+    Args:
+        wrapper: the module being exported (the user's model under ``model``, plus the loss).
+        has_loss_fn: whether code outside the model is the user's loss function.
+        stop_gradients: True for the TorchScript route (gradient stops become ``StopGradient``
+            markers); False for ``torch.export``, whose autograd honours them itself.
+    """
+
+    def __init__(self, wrapper: torch.nn.Module, has_loss_fn: bool, stop_gradients: bool = True):
+        self._wrapper = wrapper
+        self._stop_gradients = stop_gradients
+        self._builder = ("ONNX Runtime builds the backward graph" if stop_gradients else
+                         "the backward graph comes from autograd's formulas for the traced operations")
+        self._outside_model = "the loss function" if has_loss_fn else "<top-level forward>"
+        self._labels: dict[int, str] = {}
+        for name, module in wrapper.named_modules():
+            if name == "model":
+                self._labels.setdefault(id(module), f"<top-level forward> ({type(module).__name__})")
+            elif name.startswith("model."):
+                self._labels.setdefault(id(module), f"{name[len('model.'):]} ({type(module).__name__})")
+        self._stack: list[str] = []
+        self._tainted: dict[int, weakref.ref] = {}
+        self._problems: dict[tuple, tuple[str, list[str]]] = {}
+        self._watching = False
+        self.functions: list[str] = []  # custom autograd Functions the forward applied, as "Class in module M"
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per problem: the construct, where, the module(s) and the fix."""
+        lines = []
+        for (_, where), (text, modules) in self._problems.items():
+            lines.append(text.format(where=where, modules=", ".join(modules)))
+        return lines
+
+    @contextlib.contextmanager
+    def exporting(self) -> Iterator[None]:
+        """Active around the whole ``torch.onnx.export`` call: sees custom autograd Functions."""
+        original_apply = torch.autograd.Function.__dict__["apply"]
+        guard, thread = self, threading.get_ident()
+
+        def apply(cls, *args, **kwargs):
+            if guard._watching and cls is not StopGradient and threading.get_ident() == thread:
+                guard._check_function(cls, args, kwargs)
+            return original_apply.__func__(cls, *args, **kwargs)
+
+        # Function.apply is no torch function, so no mode sees it. The tracer records ``cls.apply``
+        # and the exporter later looks for the Function's ``symbolic`` by comparing it with
+        # ``cls.apply`` again: the swap must cover conversion too, not only the traced forward.
+        torch.autograd.Function.apply = classmethod(apply)
+        before = self._state_versions()
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = original_apply
+        self._check_state(before)
+
+    @contextlib.contextmanager
+    def watching(self, inputs: tuple) -> Iterator[None]:
+        """Active around the wrapper's forward during the trace."""
+        for tensor in [*inputs, *self._wrapper.parameters(), *self._wrapper.buffers()]:
+            self._taint(tensor)
+        handles = []
+        for module in self._wrapper.modules():
+            label = self._labels.get(id(module))
+            if label is None:
+                continue
+            handles.append(module.register_forward_pre_hook(lambda *_, label=label: self._stack.append(label),
+                                                            prepend=True))
+            handles.append(module.register_forward_hook(self._leave, always_call=True))
+        # torch.export traces with fake copies of the weights and buffers, swapped in for the trace:
+        # their version counters show what the forward changed
+        before = None if self._stop_gradients else self._state_versions()
+        self._watching = True
+        try:
+            with _GuardMode(self):
+                yield
+        finally:
+            if before is not None:
+                self._check_state(before)
+            self._watching = False
+            for handle in handles:
+                handle.remove()
+            self._stack.clear()
+            self._tainted.clear()
+
+    def _state_versions(self) -> dict[tuple[str, str], tuple[int, int, bool]]:
+        """``{(module path, tensor name): (id, version, is BatchNorm statistic)}`` of every weight and buffer."""
+        state = {}
+        for path, module in self._wrapper.named_modules():
+            batch_norm = isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None:
+                    state[(path, name)] = (id(tensor), tensor._version, batch_norm)
+        return state
+
+    def check_program(self, program: Any) -> None:
+        """Report the weights and buffers a ``torch.export`` program changes (its mutation outputs),
+        BatchNorm statistics excepted: tracing changes fake copies, so ``exporting`` cannot see it.
+
+        Args:
+            program: the ``torch.export`` program traced from the wrapper.
+        """
+        from torch.export.graph_signature import OutputKind
+
+        modules = dict(self._wrapper.named_modules())
+        for spec in program.graph_signature.output_specs:
+            if spec.kind not in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION) or not spec.target:
+                continue
+            path, _, name = spec.target.rpartition(".")
+            module = modules.get(path)
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                continue
+            self._report_state_change(path, name, module, spec.kind == OutputKind.PARAMETER_MUTATION)
+
+    def _report_state_change(self, path: str, name: str, module: torch.nn.Module | None, weight: bool) -> None:
+        key = f"{path[len('model.'):]}.{name}" if path.startswith("model.") else name
+        self._problems.setdefault(("state", key), (
+            f"the forward changes {'weight' if weight else 'buffer'} {key!r} (in place or by assigning a new tensor), "
+            "in module {modules}: the exported graph reads its value from before the step and never stores a new "
+            "one, so each step would start from the same value where PyTorch keeps the change; move that update "
+            "out of the forward (ort_trainer trains only the weights and BatchNorm statistics)",
+            [self._labels.get(id(module), path) if module is not None else path]))
+
+    def _check_state(self, before: dict[tuple[str, str], tuple[int, int, bool]]) -> None:
+        """Report weights and buffers the traced forward changed (BatchNorm statistics are trained)."""
+        modules = dict(self._wrapper.named_modules())
+        for (path, name), (identity, version, batch_norm) in before.items():
+            module = modules.get(path)
+            tensor = None if module is None else {**module._parameters, **module._buffers}.get(name)
+            if batch_norm or (tensor is not None and id(tensor) == identity and tensor._version == version):
+                continue
+            self._report_state_change(path, name, module, module is not None and name in module._parameters)
+
+    def _leave(self, *_: Any) -> None:
+        self._stack.pop()
+
+    # ---- called by the mode -----------------------------------------------------------------
+    def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        name = _func_name(func)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tainted = any(self._is_tainted(t) for t in tensors)
+        if func in _AUTOGRAD_CALLS:
+            self._report(("autograd", name), f"{_AUTOGRAD_CALLS[func]} inside the forward, in module {{modules}} at "
+                         "{where}: the exported graph has no autograd, so the gradients it computes would be "
+                         "frozen; compute that term without autograd, or train this model with PyTorch")
+        elif _user_saved_tensors_hooks():
+            self._report(("saved_tensors_hooks", ""), "torch.autograd.graph.saved_tensors_hooks around code of module "
+                         f"{{modules}} at {{where}}: {self._builder}, so the pack/unpack hooks would never run and "
+                         "the backward would use the values PyTorch's hooks replace; remove the hooks (torch's own, "
+                         "torch.utils.checkpoint and save_on_cpu, are fine)")
+        elif name in ("register_hook", "register_post_accumulate_grad_hook") and args[0].requires_grad:
+            self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: {self._builder}, so "
+                         "a gradient hook would never run; remove the hook, or express its effect in the forward or "
+                         "the loss")
+        if name == "detach_":
+            self._report(("detach_",), "Tensor.detach_() in module {modules} at {where}: the export cannot "
+                         "detach a tensor in place; write x = x.detach()")
+            out = func(*args, **kwargs)
+        elif not self._stop_gradients:
+            if tainted and name in _PLACEHOLDERS:
+                # torch.export cannot produce the value (it stops tracing there): the export is refused
+                # anyway, so a stand-in lets the trace go on and find every other problem
+                self._report_conversion(name)
+                return _PLACEHOLDERS[name](args[0])
+            out = args[0].detach() if name == "data" else func(*args, **kwargs)
+        elif name in ("detach", "data"):
+            out = StopGradient.apply(args[0])
+        elif not torch.is_grad_enabled() and not _is_metadata(name) and any(t.requires_grad for t in tensors):
+            out = self._call_without_gradient(func, name, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if name == "__iter__":  # the rows come from one call the mode does not see: taint them here
+            out = list(out)
+            if tainted:
+                for row in out:
+                    self._taint(row)
+            return iter(out)
+        if not tainted and name in _CONVERSIONS and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s of a value computed from shapes only, in module %s at %s: the tracer records it",
+                         _CONVERSIONS[name], self._stack[-1] if self._stack else self._outside_model,
+                         _user_source_line())
+        if tainted and not _is_metadata(name):
+            if _is_python_value(out):
+                self._report_conversion(name)
+            else:
+                for value in tree_flatten(out)[0]:
+                    if isinstance(value, torch.Tensor):
+                        self._taint(value)
+                if _is_in_place(name) and args and isinstance(args[0], torch.Tensor):
+                    self._taint(args[0])
+        return out
+
+    def _report_conversion(self, name: str) -> None:
+        construct = _CONVERSIONS.get(name, f"{name}() returning a Python value")
+        self._report(("convert", name), f"{construct} in module {{modules}} at {{where}}: the value comes from the "
+                     "batch, the weights or the buffers, and the export would freeze it at its value for the traced "
+                     f"batch; {_CONVERSION_FIX}")
+
+    def _call_without_gradient(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        """An operation under ``torch.no_grad()``: its inputs that require grad pass a StopGradient."""
+        mutated = args[0] if _is_in_place(name) and args and isinstance(args[0], torch.Tensor) else None
+        if mutated is not None and mutated.requires_grad:
+            self._report(("in-place", name), f"in-place Tensor.{name} under torch.no_grad() on a tensor that requires "
+                         "grad, in module {modules} at {where}: PyTorch's gradient passes through that tensor as if "
+                         "it were unchanged (and a weight changed in place keeps the change), which the exported "
+                         "graph cannot express; apply it outside torch.no_grad(), or to a copy "
+                         f"(y = x.{name.rstrip('_')}(...))")
+
+        def stop(value):
+            if isinstance(value, torch.Tensor) and value.requires_grad and value is not mutated:
+                stopped = StopGradient.apply(value)
+                if self._is_tainted(value):
+                    self._taint(stopped)
+                return stopped
+            return value
+
+        return func(*tree_map(stop, args), **tree_map(stop, kwargs))
+
+    def _check_function(self, cls: type, args: tuple, kwargs: dict) -> None:
+        module = self._stack[-1] if self._stack else self._outside_model
+        if f"{cls.__qualname__} in module {module}" not in self.functions:
+            self.functions.append(f"{cls.__qualname__} in module {module}")
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not any(t.requires_grad for t in tensors):
+            return
+        if cls.__module__ == "torch.nn.modules._functions" and cls.__name__ == "BackwardHookFunction":
+            # applied around the module's forward, partly after its forward hooks: name the module itself
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_name != "_call_impl":
+                frame = frame.f_back
+            owner = frame.f_locals.get("self") if frame is not None else None
+            self._report(("function", cls.__qualname__), "a module backward hook (register_full_backward_hook or "
+                         f"register_full_backward_pre_hook) on module {{modules}}: {self._builder}, so the hook would "
+                         "never run; remove the hook, or express its effect in the forward or the loss",
+                         module=self._labels.get(id(owner)))
+        elif cls.__module__ == "torch.utils.checkpoint":
+            self._report(("function", cls.__qualname__), "gradient checkpointing (torch.utils.checkpoint, "
+                         "use_reentrant=True) in module {modules} at {where}: its forward runs without gradient "
+                         "and the exported graph cannot replay it in the backward pass; turn checkpointing off "
+                         "(Hugging Face: model.gradient_checkpointing_disable()): the export builds the whole "
+                         "backward graph itself")
+        else:
+            self._report(("function", cls.__qualname__), f"custom torch.autograd.Function {cls.__qualname__} called "
+                         f"in module {{modules}} at {{where}}: the exported graph keeps its forward only and "
+                         f"{self._builder}, which differentiate the forward and never run the Function's backward; "
+                         "write it with differentiable torch operations, or freeze the weights that feed it "
+                         "(utils.frozen_weights)")
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _taint(self, tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor):
+            self._tainted[id(tensor)] = weakref.ref(tensor)
+
+    def _is_tainted(self, tensor: torch.Tensor) -> bool:
+        ref = self._tainted.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _report(self, kind: Any, text: str, module: str | None = None) -> None:
+        where = _user_source_line(outside_torch=kind[0] in ("function", "autograd", "hook"))
+        module = module or (self._stack[-1] if self._stack else self._outside_model)
+        entry = self._problems.setdefault((kind, where), (text, []))
+        if module not in entry[1]:
+            entry[1].append(module)
+
+
+class _GuardMode(TorchFunctionMode):
+    def __init__(self, guard: ExportGuard):
+        super().__init__()
+        self._guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._guard.handle(func, args, kwargs or {})
+
+
+def _user_source_line(outside_torch: bool = False) -> str:
+    """``file:line (code)`` of the innermost caller outside torch's dispatch and this package's export code.
+
+    With ``outside_torch``, the innermost caller outside torch altogether (for what torch's own
+    helpers apply on the user's behalf: checkpointing, autograd calls, hooks).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename in _DISPATCH_FILES or (
+            outside_torch and frame.f_code.co_filename.startswith(_LIBRARY_DIRS))):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown line>"
+    filename, lineno = frame.f_code.co_filename, frame.f_lineno
+    code = linecache.getline(filename, lineno).strip()
+    return f"{filename}:{lineno} ({code})" if code else f"{filename}:{lineno}"
+
+
+@contextlib.contextmanager
+def _model_left_untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Restore requires_grad flags, each module's training mode, buffers and torch's RNG state."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            for parameter, flag in flags:
+                parameter.requires_grad_(flag)
+            for module, mode in modes:
+                module.training = mode
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+__all__ = ["ExportGuard", "GUARD_FILE", "STOP_GRADIENT_DOMAIN", "STOP_GRADIENT_OP", "StopGradient"]

@@ -1,0 +1,292 @@
+"""A cheap key for the graph cache: a record of the operators one eager forward runs.
+
+``torch.export`` is what the graphs are built from and what the cache key hashes
+(``pipeline.GraphJob.cache_key``), but tracing costs ~0.6 s per mode on the BERT-like model, plus
+~1 s importing ``torch._dynamo`` in a fresh process. A cache hit does not need the program, only
+proof that the program would be the same. ``record_key`` gets that from an eager run: the model
+and loss run forward once in training mode and once in eval mode, on the sample batch (on fake
+tensors for a large model: the operators and tensor metadata, no arithmetic), with the
+flags the tracer sets, under a ``TorchDispatchMode`` that hashes every ATen operator that runs,
+with its non-tensor arguments, the shapes, strides and dtypes of its tensors and where each tensor
+came from (a data input, a weight by name, an earlier operator's output, or a constant, hashed by
+value), and the grad and inference mode each operator ran under and whether each of its tensors
+requires grad (a ``torch.no_grad()`` or ``set_grad_enabled(False)`` region, a ``detach()``: autograd
+sits above the record, so these leave the operators themselves unchanged but not the backward).
+Autocast regions show as the casts they insert. That is what was computed, not the source text: a module-level helper, a callable
+attribute, a monkeypatched ``forward``, a ``functools.partial``'s keywords, an ``if
+self.training`` branch, a device or autocast branch all change the operators that run.
+
+The pipeline maps a record key to the export key it was seen with (``GraphCache.link``) only
+after a full trace in the same process produced both, so a record never names a graph that was
+not traced from code producing that record.
+
+What one eager forward cannot show makes the record decline (None), and the build then takes
+the export path, whose guard handles it: module, parameter or tensor hooks (they run in the
+backward), custom ``autograd.Function``s and custom operators (their backward is Python code),
+a value read into Python (``.item()``: control flow may depend on the batch), and Python
+attributes the forward changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..._logging import logger
+from ...model_desc import ModelDescription
+from .guard import _model_left_untouched
+from .torchscript import _ModelWithLoss, export_order
+
+# From this many weights on, the record's forwards run on fake tensors: an eager forward of
+# GPT-2 small (124 M weights, batch 4 x 128) takes ~2.5 s here, a fake one ~0.4 s, but the
+# first fake tensor of a process imports torch._dynamo (~1.3 s), more than a small model's
+# whole eager forward.
+FAKE_ABOVE = 1 << 24
+_DATA_DEPENDENT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
+
+
+class _Declined(Exception):
+    """The forward did something a record cannot key (the reason is the message)."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Hashes each ATen operator call: name, arguments, and the provenance of its tensors."""
+
+    def __init__(self, labels: dict[int, str]):
+        super().__init__()
+        self._labels = dict(labels)
+        self._alive: list[torch.Tensor] = []  # constants: their ids stay unique while the record runs
+        self._watched: dict[int, weakref.ref] = {}  # outputs: a label leaves with its tensor
+        self._count = 0
+        self.digest = hashlib.sha256()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # never under torch.compile; the default wraps __torch_dispatch__ in a dynamo disable,
+        # which imports torch._dynamo (~1 s in a fresh process) on the first operator
+        return False
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        if self._watched.get(key) is ref:
+            del self._watched[key], self._labels[key]
+
+    def _tensor(self, tensor: torch.Tensor) -> str:
+        label = self._labels.get(id(tensor))
+        if label is None:  # made outside the forward and not a weight: a constant of the graph
+            label = f"const:{_value_hash(tensor)}"
+            self._labels[id(tensor)] = label
+            self._alive.append(tensor)
+        # requires_grad: a ``detach()`` or a ``no_grad`` region upstream cuts the backward there
+        return f"{label}{tuple(tensor.shape)}{tuple(tensor.stride())}{tensor.dtype}{'g' if tensor.requires_grad else ''}"
+
+    def _encode(self, value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
+        if isinstance(value, (list, tuple)):
+            return "(" + ",".join(self._encode(v) for v in value) + ")"
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}:{self._encode(v)}" for k, v in sorted(value.items())) + "}"
+        return repr(value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "prim":  # a fake tensor's metadata query (``prim.device``): computes nothing
+            return func(*args, **kwargs)
+        name = str(func)
+        if name in _DATA_DEPENDENT:
+            raise _Declined(f"the forward reads a tensor's value into Python ({name})")
+        if func.namespace not in ("aten", "prims"):
+            raise _Declined(f"the forward calls the custom operator {name}")
+        # Grad and inference mode live above this mode (autograd), so the operator itself is the
+        # same inside ``torch.no_grad()``; what the trace makes of it is not: no backward through it.
+        modes = f"{'G' if torch.is_grad_enabled() else ''}{'I' if torch.is_inference_mode_enabled() else ''}"
+        line = f"{name}|{modes}|{self._encode(args)}|{self._encode(kwargs)}"
+        result = func(*args, **kwargs)
+        outputs = result if isinstance(result, (list, tuple)) else [result]
+        for output in outputs:
+            if isinstance(output, torch.Tensor):
+                # not kept alive: an intermediate is freed when the forward drops it, as in an
+                # inference, and its id's label goes with it (a new tensor may take the id)
+                key = id(output)
+                self._labels[key] = f"v{self._count}"
+                self._watched[key] = weakref.ref(output, functools.partial(self._forget, key))
+                self._count += 1
+        self.digest.update(f"{line}->{self._encode(result)}\n".encode())
+        return result
+
+
+def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
+               sample_inputs: Sequence[np.ndarray], tracing: Callable[[], Any] = contextlib.nullcontext,
+               on_fake: bool | None = None) -> str | None:
+    """The record key of ``model`` with ``loss_fn`` on inputs of the sample's shapes and dtypes.
+
+    Args:
+        model: the user's module (anything else, e.g. an ONNX model, has no record: None).
+        loss_fn: ``loss_fn(prediction, *labels)`` or None.
+        desc: the model description (input order, outputs).
+        sample_inputs: one array per description input.
+        tracing: a context manager that sets the flags the gradient source's tracer sets (code
+            may branch on ``torch.compiler.is_exporting()``): the record then runs the branches
+            the trace runs.
+        on_fake: run the forwards on fake tensors (shapes, strides and dtypes, no arithmetic);
+            None: when the model has at least ``FAKE_ABOVE`` weights. The record is the same
+            either way (the operators and their tensors' metadata, never intermediate values).
+
+    Returns:
+        A hex SHA-256, or None when the forward does something a record cannot key (logged at
+        DEBUG). The model is left as it was: modes, buffers, requires_grad flags, torch's RNG.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    count = len(desc.inputs) - (1 if loss_fn is not None else 0)
+    wrapper = _ModelWithLoss(model, loss_fn, desc.input_names[:count])
+    try:
+        _refuse_hooks(wrapper)
+        labels = _weight_labels(wrapper)
+        inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in sample_inputs]
+        labels.update({id(t): f"input:{n}" for n, t in zip(desc.input_names, inputs)})
+        digest = hashlib.sha256(repr([sorted(set(labels.values())), export_order(desc, loss_fn is not None),
+                                      desc.fingerprint(), torch.__version__,
+                                      str(torch.get_default_dtype())]).encode())
+        state = _python_state(wrapper)
+        if on_fake is None:
+            on_fake = sum(t.numel() for t in wrapper.state_dict(keep_vars=True).values()) >= FAKE_ABOVE
+        fake = (lambda: FakeTensorMode(allow_non_fake_inputs=True)) if on_fake else contextlib.nullcontext
+        with _model_left_untouched(wrapper):
+            for training in (True, False):
+                wrapper.train(training)
+                recorder = _Recorder(labels)
+                # grad enabled in both modes, as the traces are; the fake mode is entered before the
+                # recorder, so the recorder sees the real weights and inputs (their labels' ids)
+                try:
+                    with torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(), fake(), recorder:
+                        outputs = wrapper(*inputs)
+                except _Declined:
+                    raise
+                except Exception as exc:  # the trace reports what is wrong, in its own words
+                    raise _Declined(f"the forward failed ({type(exc).__name__})") from exc
+                if training:
+                    _refuse_custom_functions(outputs)
+                digest.update(recorder.digest.digest())
+                del outputs, recorder
+        if _python_state(wrapper) != state:
+            raise _Declined("the forward changes the model's Python attributes")
+    except _Declined as exc:
+        logger.debug("no record key (%s); the graph cache is looked up by the export's key", exc)
+        return None
+    return digest.hexdigest()
+
+
+def _drop(tensor: torch.Tensor) -> None:
+    """The pack hook of ``_nothing_saved``: keeps nothing."""
+    return None
+
+
+def _nothing_saved() -> contextlib.AbstractContextManager:
+    """Autograd keeps none of the tensors it would save for a backward the record never runs: the
+    forward holds what an inference holds. (Saving them kept the GPT-2-like model's activations,
+    ~300 MB, resident until the record ended: the process's peak RSS.)"""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, lambda packed: packed)
+
+
+@contextlib.contextmanager
+def exporting_flags() -> Iterator[None]:
+    """The flags non-strict ``torch.export`` sets while it traces: ``torch.compiler.is_compiling()``
+    and ``is_exporting()`` (torch/_export/utils.py ``_compiling_state_context``) and
+    ``torch.fx._symbolic_trace.is_fx_tracing()`` (set by the make_fx tracer)."""
+    from torch.fx import _symbolic_trace
+
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag, _symbolic_trace._is_fx_tracing_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    _symbolic_trace._is_fx_tracing_flag = True
+    try:
+        yield
+    finally:
+        (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag,
+         _symbolic_trace._is_fx_tracing_flag) = old
+
+
+def _weight_labels(wrapper: torch.nn.Module) -> dict[int, str]:
+    """``{id(tensor): label}`` of every parameter and buffer: its first name and requires_grad,
+    plus the values of non-persistent buffers (constants of the graph)."""
+    labels = {}
+    persistent = set(wrapper.state_dict(keep_vars=True))
+    for name, tensor in [*wrapper.named_parameters(remove_duplicate=False),
+                         *wrapper.named_buffers(remove_duplicate=False)]:
+        if tensor is None or id(tensor) in labels:
+            continue
+        label = f"weight:{name}:{tensor.requires_grad}"
+        if name not in persistent:
+            label += ":" + _value_hash(tensor)
+        labels[id(tensor)] = label
+    return labels
+
+
+class _HookWatch(TorchFunctionMode):
+    """Declines when the forward registers a hook on a tensor or runs under saved-tensor hooks of
+    its own (they would run in the backward)."""
+
+    _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._HOOKS:
+            raise _Declined("the forward registers a tensor hook")
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is not None and hooks[0] is not _drop:  # the record's own (``_nothing_saved``) aside
+            raise _Declined("the forward runs under saved-tensor hooks")
+        return func(*args, **(kwargs or {}))
+
+
+def _value_hash(tensor: torch.Tensor) -> str:
+    if not tensor.numel():
+        return "empty"
+    data = tensor.detach().contiguous().cpu().reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+
+
+def _refuse_hooks(wrapper: torch.nn.Module) -> None:
+    from torch.nn.modules import module as module_mod
+
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if any(getattr(module_mod, f"_global{h}", None) for h in hooks):
+        raise _Declined("global module hooks are registered")
+    for name, module in wrapper.named_modules():
+        if any(getattr(module, h, None) for h in hooks):
+            raise _Declined(f"module {name or '<top>'} has hooks")
+    for name, parameter in wrapper.named_parameters():
+        if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
+            raise _Declined(f"parameter {name} has hooks")
+
+
+def _refuse_custom_functions(outputs: Any) -> None:
+    """Walk the autograd graph of the forward's outputs; a custom Function's backward is Python."""
+    roots = [t.grad_fn for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            raise _Declined(f"the forward applies a custom autograd.Function ({type(node).__name__})")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _python_state(wrapper: torch.nn.Module) -> list:
+    """The modules' plain Python attributes (what a forward that changes state would change)."""
+    plain = (bool, int, float, str, type(None))
+    return [(name, sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, plain)))
+            for name, module in wrapper.named_modules()]
+
+
+__all__ = ["exporting_flags", "record_key"]

@@ -1,0 +1,128 @@
+"""ATen decompositions of the backward operators that torch's ONNX exporter cannot translate.
+
+Autograd emits ``convolution_backward``, ``avg_pool2d_backward`` and
+``_adaptive_avg_pool2d_backward`` as single operators, which the exporter's operator library
+(torchlib) has no translation for and torch has no decomposition of. They are linear maps, so
+each is written here with ``aten.convolution`` (transposed where it is the adjoint), sums and
+reshapes, which translate to standard ONNX. Used during the joint trace
+(``joint_onnx.joint_program``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+_UNSUPPORTED = ("use the gradient source of the onnxruntime-training 1.19.2 build for this model "
+                "(pip install -e '.[training]')")
+
+
+def _per_dim(values, dims: int) -> list:
+    values = list(values)
+    return values * dims if len(values) == 1 else values
+
+
+def _transposed(grad: torch.Tensor, weight: torch.Tensor, stride: list, padding: list, dilation: list, groups: int,
+                size: list) -> torch.Tensor:
+    """The adjoint convolution of ``grad``, as large as ``size`` (input elements past the last
+    window get zero): the missing rows are the transposed convolution's ``output_padding`` when
+    the sizes are static; symbolic ones are padded on (``constant_pad_nd`` fixes the batch size
+    while traced, so it is not used when avoidable)."""
+    dims = weight.dim() - 2
+    missing = [size[2 + i] - ((grad.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
+                              + dilation[i] * (weight.shape[2 + i] - 1) + 1) for i in range(dims)]
+    if all(isinstance(m, int) for m in missing):
+        return aten.convolution(grad, weight, None, stride, padding, dilation, True, missing, groups)
+    result = aten.convolution(grad, weight, None, stride, padding, dilation, True, [0] * dims, groups)
+    pads = []
+    for axis in reversed(range(dims)):
+        pads += [0, missing[axis]]
+    return aten.constant_pad_nd(result, pads, 0.0)
+
+
+def _weight_gradient(x: torch.Tensor, grad: torch.Tensor, kernel: list, stride: list, padding: list,
+                     dilation: list, groups: int) -> torch.Tensor:
+    """Gradient of a convolution's weight ``[C_out, C_in / groups, *kernel]``: a convolution of the
+    input with the output gradient, the batch taking the place of the channels."""
+    dims = len(kernel)
+    n, c_in, c_out = x.shape[0], x.shape[1], grad.shape[1]
+    space = list(range(3, 3 + dims))
+    xs = x.reshape(n, groups, c_in // groups, *x.shape[2:]).permute(2, 1, 0, *space)
+    xs = xs.reshape(c_in // groups, groups * n, *x.shape[2:])
+    gs = grad.reshape(n, groups, c_out // groups, *grad.shape[2:]).permute(1, 2, 0, *space)
+    gs = gs.reshape(c_out, n, *grad.shape[2:])
+    result = aten.convolution(xs, gs, None, dilation, padding, stride, False, [0] * dims, groups)
+    for axis, size in enumerate(kernel):
+        result = aten.slice(result, 2 + axis, 0, size)
+    return result.transpose(0, 1)
+
+
+def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    """``aten.convolution_backward`` with ``aten.convolution``: the input gradient is the adjoint
+    convolution, the weight gradient a convolution of input and output gradient."""
+    dims = weight.dim() - 2
+    stride, padding, dilation = (_per_dim(v, dims) for v in (stride, padding, dilation))
+    kernel = list(weight.shape[2:])
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if transposed:
+            grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, False, [0] * dims,
+                                          groups)
+        else:
+            grad_input = _transposed(grad_output, weight, stride, padding, dilation, groups, list(input.shape))
+    if output_mask[1]:
+        if transposed:  # the weight of y = conv_transpose(x, w) is that of the convolution x = conv(y, w)
+            grad_weight = _weight_gradient(grad_output, input, kernel, stride, padding, dilation, groups)
+        else:
+            grad_weight = _weight_gradient(input, grad_output, kernel, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = grad_output.sum(dim=[0, *range(2, grad_output.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def avg_pool2d_backward(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override):
+    """``aten.avg_pool2d_backward``: each output's gradient, divided by its window's divisor, spread
+    over the window by a transposed depthwise convolution of ones."""
+    if ceil_mode:
+        raise NotImplementedError(f"avg_pool2d with ceil_mode=True has no ONNX gradient here; use ceil_mode=False "
+                                  f"or {_UNSUPPORTED}")
+    kernel = _per_dim(kernel_size, 2)
+    stride = _per_dim(stride or kernel_size, 2)
+    padding = _per_dim(padding, 2)
+    channels = input.shape[1]
+    ones = grad_output.new_ones([channels, 1, *kernel])
+    if divisor_override:
+        scaled = grad_output / divisor_override
+    elif count_include_pad or padding == [0, 0]:
+        scaled = grad_output / (kernel[0] * kernel[1])
+    else:  # count only the input elements inside each window
+        plane = input.new_ones([1, 1, *input.shape[2:]])
+        counts = aten.convolution(plane, input.new_ones([1, 1, *kernel]), None, stride, padding, [1, 1], False,
+                                  [0, 0], 1)
+        scaled = grad_output / counts
+    return _transposed(scaled, ones, stride, padding, [1, 1], channels, list(input.shape))
+
+
+def adaptive_avg_pool2d_backward(grad_output, input):
+    """``aten._adaptive_avg_pool2d_backward``: global pooling, or windows that tile the input."""
+    out_h, out_w = grad_output.shape[-2:]
+    height, width = input.shape[-2:]
+    if out_h == 1 and out_w == 1:
+        return (grad_output / (height * width)).expand(input.shape)
+    if isinstance(height, int) and isinstance(width, int) and height % out_h == 0 and width % out_w == 0:
+        kh, kw = height // out_h, width // out_w
+        lead = list(grad_output.shape[:-2])
+        tiled = grad_output.reshape(*lead, out_h, 1, out_w, 1).expand(*lead, out_h, kh, out_w, kw)
+        return tiled.reshape(input.shape) / (kh * kw)
+    raise NotImplementedError(f"adaptive_avg_pool2d from {height}x{width} to {out_h}x{out_w} (windows of unequal "
+                              f"sizes) has no ONNX gradient here; pool to a size that divides the input, or "
+                              f"{_UNSUPPORTED}")
+
+
+DECOMPOSITIONS = {
+    aten.convolution_backward.default: convolution_backward,
+    aten.avg_pool2d_backward.default: avg_pool2d_backward,
+    aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+}

@@ -1,0 +1,215 @@
+"""The ``sparse_labels`` pass of the torch-autograd gradient source, on the ``torch.export`` program.
+
+When the logits are not fetched and the loss ignores labelled-out positions (``ignore_index``,
+e.g. a masked-LM head with 15% of the positions labelled), the output projection feeding the
+cross-entropy runs only on the rows whose label counts:
+
+    linear(h, W, b) -> view/reshape [-1, C] -> cross_entropy_loss(scores, labels, ignore_index=i)
+
+(``h`` of rank 3 or more: labels per position, as in a language-model head)
+
+becomes
+
+    rows = [*nonzero(labels != i), 0]; linear(index_select(h.reshape(-1, H), rows), W, b)
+        -> cross_entropy_loss(scores, [*labels[rows[:-1]], i], ignore_index=i)
+
+The rewrite runs before autograd, so the backward is autograd's of the rewritten program: ignored
+rows contribute exactly zero to the loss and to every gradient, and the mean divides by the same
+count of labelled rows, so loss and gradients are unchanged (PyTorch's by construction). The row
+count is data-dependent: the graph carries it as a runtime size (ONNX ``NonZero``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..._logging import logger
+
+_aten = torch.ops.aten
+# reshapes that only flatten leading dimensions (checked on their shapes)
+_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+_PASS_THROUGH = {_aten.contiguous.default, _aten.clone.default}
+_MEAN, _SUM = 1, 2  # torch.nn._reduction values
+
+
+def unreturned(program: Any, output_names: Sequence[str], returned: Sequence[str], first: int = 1) -> list[int]:
+    """Positions, among all outputs of a ``autograd.trace`` program (buffer mutations come
+    first, then the scaled loss, then the description outputs ``output_names``), of the
+    description outputs not in ``returned``. ``first``: user outputs before the description's (1,
+    the scaled loss, in a training trace; 0 in the eval-mode trace)."""
+    from torch.export.graph_signature import OutputKind
+
+    users = [i for i, spec in enumerate(program.graph_signature.output_specs)
+             if spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)]
+    return [users[first + i] for i, name in enumerate(output_names) if name not in returned]
+
+
+def drop_outputs(program: Any, positions: Sequence[int]) -> None:
+    """Stop returning the user outputs at ``positions`` (indices into the program's outputs), in place.
+
+    Each becomes an empty float tensor, so output positions (and the description's output order)
+    stay as traced while whatever only those outputs read becomes dead code.
+    """
+    graph = program.graph
+    output = graph.output_node()
+    values = list(output.args[0])
+    specs = program.graph_signature.output_specs
+    for position in positions:
+        old = values[position]
+        with graph.inserting_before(output):
+            empty = graph.call_function(_aten.zeros.default, ([0],), {"dtype": torch.float32})
+        empty.meta["val"] = torch.empty(0)
+        values[position] = empty
+        specs[position].arg.name = empty.name
+        output.args = (tuple(values),)
+        _erase_dead(graph, old)
+
+
+def applies(program: Any, dropped: Sequence[int]) -> bool:
+    """Whether ``sparse_labels`` would rewrite ``program`` once the user outputs at positions
+    ``dropped`` are gone (``drop_outputs``); reads the program without changing it."""
+    output = program.graph.output_node()
+    kept = [v for i, v in enumerate(output.args[0]) if i not in set(dropped) and isinstance(v, torch.fx.Node)]
+    live, stack = set(kept), list(kept)
+    while stack:
+        for source in stack.pop().all_input_nodes:
+            if source not in live:
+                live.add(source)
+                stack.append(source)
+    losses = [n for n in program.graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]
+    outputs = set(kept)
+
+    def uses(node: torch.fx.Node) -> int:
+        return sum(1 for u in node.users if u in live) + (node in outputs)
+
+    return any(_match(loss, uses) is not None for loss in losses)
+
+
+def sparse_labels(program: Any) -> int:
+    """Rewrite every matching projection + cross-entropy of ``program`` in place (see the module
+    docstring); returns how many were rewritten.
+
+    A projection is ``linear(h, W[, b])`` or ``matmul(h, B)`` with ``B`` 2-D, optionally followed
+    by adds of a bias of at most one dimension. A pattern is left alone when any intermediate value
+    has another user (a fetched output, a second loss), the cross-entropy has class weights, label
+    smoothing or ``reduction="none"``, or the view does more than flatten the projection's leading
+    dimensions.
+    """
+    graph = program.graph
+    count = 0
+    for loss in [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]:
+        match = _match(loss, lambda node: len(node.users))
+        if match is None:
+            continue
+        hidden, projection, views, ignore_index = match
+        labels = loss.args[1]
+        width = hidden.meta["val"].shape[-1]
+        with graph.inserting_before(loss):
+            kept = graph.call_function(_aten.ne.Scalar, (labels, ignore_index))
+            rows = graph.call_function(_aten.view.default,
+                                       (graph.call_function(_aten.nonzero.default, (kept,)), [-1]))
+            # one extra row (row 0, labelled ignore_index: it adds exactly zero to the loss, its count
+            # and every gradient) so no product has zero rows: ONNX Runtime 1.19.2's Gemm refuses K = 0
+            padded = graph.call_function(_aten.cat.default, (
+                [rows, graph.call_function(_aten.new_zeros.default, (rows, [1]))], 0))
+            flat = graph.call_function(_aten.reshape.default, (hidden, [-1, width]))
+            env = {hidden: graph.call_function(_aten.index_select.default, (flat, 0, padded))}
+            for node in projection:  # matmul first, then the bias adds
+                env[node] = graph.call_function(node.target, *torch.fx.node.map_arg(
+                    (node.args, node.kwargs), lambda value: env.get(value, value)))
+            picked_labels = graph.call_function(_aten.cat.default, ([
+                graph.call_function(_aten.index_select.default, (labels, 0, rows)),
+                graph.call_function(_aten.new_full.default, (labels, [1], ignore_index))], 0))
+        loss.args = (env[projection[-1]], picked_labels, *loss.args[2:])
+        for node in [*views, *reversed(projection)]:  # consumers first: each is dead once its reader is gone
+            if not node.users:
+                graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        program.graph_module.recompile()
+        logger.debug("sparse_labels: %d projection(s) before a cross-entropy now run on the labelled rows only",
+                     count)
+    return count
+
+
+def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int]
+           ) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node], int] | None:
+    """``(hidden, projection nodes in execution order, views from the loss back, ignore_index)``
+    or None; ``uses(node)`` counts the node's readers."""
+    args = list(loss.args) + [None] * (6 - len(loss.args))
+    kwargs = loss.kwargs
+    weight = kwargs.get("weight", args[2])
+    reduction = kwargs.get("reduction", args[3] if args[3] is not None else _MEAN)
+    ignore_index = kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    if weight is not None or reduction not in (_MEAN, _SUM) or smoothing != 0.0:
+        return None
+    scores, labels = loss.args[0], loss.args[1]
+    if not isinstance(scores, torch.fx.Node) or not isinstance(labels, torch.fx.Node):
+        return None
+    score_value, label_value = _value(scores), _value(labels)
+    if score_value is None or label_value is None or score_value.dim() != 2 or label_value.dim() != 1:
+        return None
+    views, node = [], scores
+    while _is_call(node) and (node.target in _VIEWS or node.target in _PASS_THROUGH):
+        views.append(node)
+        node = node.args[0]
+    projection = []
+    while _is_call(node) and node.target == _aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
+        onward = [a for a in node.args if isinstance(a, torch.fx.Node) and _value(a) is not None
+                  and _value(a).dim() >= 2]
+        other = [a for a in node.args if a not in onward]
+        if len(onward) != 1 or len(other) != 1 or (isinstance(other[0], torch.fx.Node)
+                                                    and (_value(other[0]) is None or _value(other[0]).dim() > 1)):
+            return None
+        projection.append(node)
+        node = onward[0]
+    if not _is_call(node):
+        return None
+    if node.target == _aten.linear.default:
+        pass
+    elif node.target in (_aten.matmul.default, _aten.mm.default) and isinstance(node.args[1], torch.fx.Node) \
+            and _value(node.args[1]) is not None and _value(node.args[1]).dim() == 2:
+        pass
+    else:
+        return None
+    projection.append(node)
+    if any(uses(n) != 1 for n in [*views, *projection]):
+        return None
+    hidden, out = node.args[0], _value(views[-1].args[0] if views else scores)
+    # Per-position labels only (a [batch, seq, hidden] projection flattened for the loss, as in a
+    # language-model head, where ignore_index marks unlabelled positions): a plain classifier's
+    # labels all count, and selecting its rows would only add work.
+    if not isinstance(hidden, torch.fx.Node) or _value(hidden) is None or _value(hidden).dim() < 3 \
+            or out is None or out.shape[-1] != score_value.shape[-1]:
+        return None  # the view must keep the class dimension last and flatten the rest
+    return hidden, projection[::-1], views, int(ignore_index)
+
+
+def _is_call(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function"
+
+
+def _value(node: torch.fx.Node) -> Any:
+    value = node.meta.get("val")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _erase_dead(graph: torch.fx.Graph, node: Any) -> None:
+    """Erase ``node`` and then whatever only it read, while they have no users (pure ops only)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, torch.fx.Node) or current.users or current.op != "call_function":
+            continue
+        if current.target not in (_aten.detach.default, *_VIEWS, *_PASS_THROUGH, _aten.linear.default):
+            continue
+        inputs = current.all_input_nodes
+        graph.erase_node(current)
+        stack.extend(inputs)
+
+
+__all__ = ["applies", "drop_outputs", "sparse_labels", "unreturned"]

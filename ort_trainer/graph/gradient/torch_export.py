@@ -1,0 +1,148 @@
+"""``torch.export`` of the model with its loss: the wrapper it traces (``Scaled``: the loss times
+the loss scale, the description's outputs, under autocast where asked) and the export itself,
+with the guard that refuses what a graph cannot hold (``export/guard.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ..export.guard import ExportGuard, _CONVERSION_FIX
+from ..export.torchscript import ExportError, _ModelWithLoss
+
+
+def autocast_context(dtype: str | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for mixed precision in ``dtype`` (``"float16"``/``"bfloat16"``; None: a no-op).
+
+    Always the CPU autocast, whatever device the graphs will run on: the trace runs on CPU (fake)
+    tensors, and autocast only rewrites operators on tensors of its own device type, so the CPU
+    autocast op lists (matmul, linear, convolutions... in ``dtype``; losses and reductions such as
+    ``cross_entropy``, ``mse_loss``, ``nll_loss`` in float32; everything else in its inputs' dtype)
+    decide what the graph computes in half precision on every device.
+    """
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=getattr(torch, dtype))
+
+
+class Scaled(_ModelWithLoss):
+    """``forward(*inputs, loss_scale)`` -> ``(loss × loss_scale, *description outputs detached)``.
+
+    With ``autocast`` the model and loss run under ``autocast_context`` and the loss is cast to
+    float32 (autograd then differentiates the casts: weights stay float32 inputs, their
+    gradients float32 outputs).
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, input_names: list[str],
+                 desc_positions: list[int], loss_position: int, scaled: bool = True, autocast: str | None = None):
+        super().__init__(model, loss_fn, input_names)
+        self.desc_positions, self.loss_position, self.scaled = desc_positions, loss_position, scaled
+        self.autocast = autocast
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        """The scaled loss then the description outputs (training), or the outputs alone (eval)."""
+        data = inputs[:-1] if self.scaled else inputs
+        with self.guard.watching(data) if self.guard is not None else contextlib.nullcontext():
+            with autocast_context(self.autocast):
+                outputs = self._forward(*data)
+        if self.autocast and len(outputs) > self.loss_position \
+                and outputs[self.loss_position].dtype in (torch.float16, torch.bfloat16):
+            outputs = (*outputs[:self.loss_position], outputs[self.loss_position].float(),
+                       *outputs[self.loss_position + 1:])
+        if len(outputs) != len(self.desc_positions):
+            what = "loss_fn's loss plus the model's outputs" if self.loss_fn is not None else "the model's outputs"
+            raise ExportError(f"{what} are {len(outputs)} tensor(s) but model_desc.outputs declares "
+                              f"{len(self.desc_positions)}; make them agree")
+        ordered = [outputs[i] for i in self.desc_positions]
+        if not self.scaled:
+            return tuple(ordered)
+        return (outputs[self.loss_position] * inputs[-1], *(o.detach() for o in ordered))
+
+
+def tensors_by_name(wrapper: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every parameter and buffer by fully qualified name; the names that are state (not
+    non-persistent buffers, which the graphs hold as constants)."""
+    tensors, state = {}, set()
+    for fqn, tensor in [*wrapper.named_parameters(remove_duplicate=False),
+                        *wrapper.named_buffers(remove_duplicate=False)]:
+        if tensor is not None:
+            tensors[fqn] = tensor
+    for fqn in wrapper.state_dict(keep_vars=True):
+        if fqn in tensors:
+            state.add(fqn)
+    return tensors, state
+
+
+def _refuse(guard: ExportGuard, failure: BaseException | None) -> None:
+    """Raise the guard's problems, if any, as one ``ExportError`` (with the export's own failure)."""
+    if not guard.problems:
+        return
+    then = f"\nThe export then failed: {_first_line(failure)}" if failure is not None else ""
+    raise ExportError(
+        f"the model cannot be exported as written ({len(guard.problems)} problem(s); see docs/export_limits.md):"
+        "\n  - " + "\n  - ".join(guard.problems) + then
+    ) from failure
+
+
+def export_train(wrapper: Scaled, args: tuple, dynamic_shapes: Any) -> Any:
+    """The guarded ``torch.export`` of the wrapped model in training mode (the graphs' program);
+    the caller restores the model's state."""
+    wrapper.model.train()
+    guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
+    wrapper.guard = guard
+    try:
+        with guard.exporting():
+            program = export_program(wrapper, args, dynamic_shapes, guard)
+    finally:
+        wrapper.guard = None
+    guard.check_program(program)
+    _refuse(guard, None)
+    return program
+
+
+def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: ExportGuard | None = None) -> Any:
+    """``torch.export.export`` with the outputs checked against the description; the guard's
+    problems, when it found any, are the error when the trace fails."""
+    if dynamic_shapes is not None:  # forward(*inputs): one argument, a tuple
+        dynamic_shapes = (tuple(dynamic_shapes),)
+    unwatched = wrapper.guard is None
+    if unwatched:  # a trace after the watched one (eval mode): the guard only turns .data into detach()
+        wrapper.guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as exc:  # torch raises many types; the message is what helps
+        if guard is not None:
+            _refuse(guard, exc)
+        cause: BaseException | None = exc
+        while cause is not None:  # the wrapper's own error, wrapped by torch
+            if isinstance(cause, ExportError):
+                raise cause from exc
+            cause = cause.__cause__ or cause.__context__
+        hint = ""
+        data_dependent = re.search(r"Caused by: \(([^)]*)\)", str(exc))
+        if "data-dependent" in str(exc):
+            where = f" at {data_dependent.group(1)}" if data_dependent else ""
+            hint = (f" The model reads a tensor's value into Python{where} (a branch on it, a Python number or "
+                    f"list made from it), which a graph cannot recompute for each batch; {_CONVERSION_FIX}.")
+        elif "specialized" in str(exc) or "specialize" in str(exc):
+            hint = (" The model's code fixes a dimension that model_desc declares symbolic: declare it as an int "
+                    "in model_desc.")
+        raise ExportError(f"torch.export could not trace the model: {_first_line(exc)}.{hint} (see "
+                          "docs/export_limits.md)") from exc
+    finally:
+        if unwatched:
+            wrapper.guard = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+__all__ = ["Scaled", "autocast_context", "export_program", "export_train", "tensors_by_name"]

@@ -1,0 +1,153 @@
+"""Helpers on ONNX graphs that more than one stage needs: signatures, fixed sizes, pruning."""
+
+from __future__ import annotations
+
+import copy
+from typing import Collection
+
+import onnx
+from onnx import helper
+
+
+def specialize(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose symbolic input/output dims named in ``dims`` are fixed."""
+    result = copy.deepcopy(model)
+    for value_info in [*result.graph.input, *result.graph.output]:
+        for dim in value_info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param in dims:
+                dim.dim_value = dims[dim.dim_param]
+    return result
+
+
+def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
+    """Remove the graph outputs named in ``unwanted``, in place, and what only they needed.
+
+    A value that is a graph output gets a buffer of its own from ONNX Runtime's allocation planner
+    (it cannot share one with the run's intermediates, and a Reshape into it copies): a 32 MB
+    logits tensor returned and dropped every step when the loop fetches only the loss.
+
+    Returns:
+        The number of nodes removed.
+    """
+    graph = model.graph
+    kept = [o for o in graph.output if o.name not in unwanted]
+    if len(kept) == len(graph.output):
+        return 0
+    del graph.output[:]
+    graph.output.extend(kept)
+    needed = {o.name for o in kept}
+    live = _live_nodes(graph.node, needed)
+    removed = len(graph.node) - len(live)
+    del graph.node[:]
+    graph.node.extend(live)
+    initializers = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    value_info = [v for v in graph.value_info if v.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(value_info)
+    return removed
+
+
+def module_of(node_name: str) -> str:
+    """The torch module path of an exported node name (``/model/enc/layers.0/Gemm`` -> ``enc.layers.0``)."""
+    parts = [p for p in node_name.split("/") if p][:-1]
+    if parts and parts[0] == "model":
+        parts = parts[1:]
+    return ".".join(parts) or "<top-level forward>"
+
+
+def build_inference_graph(
+    eval_model: onnx.ModelProto, keep_inputs: list[str], keep_outputs: list[str], weights: Collection[str]
+) -> tuple[onnx.ModelProto, list[str]]:
+    """A deployable model: Dropout removed, only the wanted inputs/outputs, weights no longer inputs.
+
+    Inputs outside ``keep_inputs`` (a label read only by the loss) are dropped when nothing the
+    kept outputs need reads them.
+
+    Returns:
+        The model, and the names of ``weights`` it reads: they are to become its initializers
+        (``_onnx_files.save_with_weights`` adds them one at a time as it writes the file); the
+        model holds none of their values.
+    """
+    model = copy.deepcopy(eval_model)
+    graph = model.graph
+    rename: dict[str, str] = {}
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Dropout":
+            rename[node.output[0]] = node.input[0]
+        else:
+            nodes.append(node)
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            while name in rename:
+                name = rename[name]
+            node.input[i] = name
+    outputs = [o for o in graph.output if o.name in keep_outputs]
+    for out in outputs:
+        source = out.name
+        while source in rename:
+            source = rename[source]
+        if source != out.name:
+            nodes.append(helper.make_node("Identity", [source], [out.name], name=f"{out.name}_identity"))
+    needed = set(o.name for o in outputs)
+    live = _live_nodes(nodes, needed)
+    for node in live:  # trim optional outputs (LayerNorm stats, Dropout masks) nobody reads
+        while len(node.output) > 1 and node.output[-1] not in needed and node.op_type in (
+            "LayerNormalization", "BatchNormalization"
+        ):
+            node.output.pop()
+    del graph.node[:]
+    graph.node.extend(live)
+    # the wanted inputs, and any other data input the kept outputs still read; weights become initializers
+    new_inputs = [i for i in graph.input if i.name in keep_inputs or (i.name in needed and i.name not in weights)]
+    del graph.input[:]
+    graph.input.extend(new_inputs)
+    del graph.output[:]
+    graph.output.extend(outputs)
+    kept_inits = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(kept_inits)
+    del graph.value_info[:]
+    return model, [name for name in weights if name in needed]
+
+
+def _live_nodes(nodes, needed: set[str]) -> list[onnx.NodeProto]:
+    """The nodes (in order) that compute a name in ``needed``, directly or through each other;
+    ``needed`` grows by every name they read."""
+    live = []
+    for node in reversed(list(nodes)):
+        if any(o in needed for o in node.output if o):
+            live.append(node)
+            needed.update(i for i in node.input if i)
+            for attr in node.attribute:  # subgraphs (If/Loop) read outer names too
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    needed |= _outer_names(attr.g)
+    live.reverse()
+    return live
+
+
+def _outer_names(graph: onnx.GraphProto) -> set[str]:
+    names = set()
+    for node in graph.node:
+        names.update(i for i in node.input if i)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                names |= _outer_names(attr.g)
+    return names
+
+
+def value_info(info: onnx.ValueInfoProto) -> list:
+    """``[shape, numpy dtype name]`` of a graph input or output (symbolic dims by name)."""
+    tensor_type = info.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
+    return [shape, str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
+
+
+def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
+    """A graph's inputs and outputs as ``[[name, shape, dtype], ...]`` lists."""
+    return ([[i.name, *value_info(i)] for i in graph.input], [[o.name, *value_info(o)] for o in graph.output])
+
+
+__all__ = ["build_inference_graph", "drop_outputs", "io_signature", "module_of", "specialize", "value_info"]

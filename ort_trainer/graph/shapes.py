@@ -1,0 +1,162 @@
+"""Which graphs serve which inputs: one job's graphs by shape signature.
+
+A signature is ``(shape, outputs)``: ``shape`` a sorted tuple of ``(symbol, size)`` pairs whose
+graphs have those dimensions fixed (ONNX Runtime then plans memory and picks kernels for static
+shapes), or None; ``outputs`` the fetched outputs besides the loss, or None for all of them. The
+signature None stands for the symbolic graphs with every output.
+
+With ``graph_optimizations.shape_specialization`` the first ``max_shape_graphs`` distinct shapes
+each get static-shape graphs; any later new shape runs on the symbolic graphs, so a job with many
+sequence lengths builds a bounded number of graphs. Graphs are built through the pipeline
+(``pipeline.py``) from a trace that serves them where one exists.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+
+from .._logging import logger
+from ..model_desc import ModelDescription
+from .job import GraphJob, Traced
+from .pipeline import TrainingGraphs, build_eval_graph, build_symbolic_eval_graph, build_training_graphs
+
+
+class ShapeGraphs:
+    """The graphs of ``job`` for each shape signature the trainer meets.
+
+    Args:
+        job: what to build.
+        specialize: ``graph_optimizations.shape_specialization``.
+        max_graphs: ``graph_optimizations.max_shape_graphs``.
+
+    Attributes:
+        first: the first graphs built (the engine's layout comes from them), or None.
+        symbolic: the symbolic-shape graphs with every output, once built.
+        specialised: the shapes that have static-shape graphs.
+    """
+
+    def __init__(self, job: GraphJob, specialize: bool, max_graphs: int):
+        self.job = job
+        self.desc: ModelDescription = job.desc
+        self.specialize = specialize
+        self.max_graphs = max_graphs
+        self.first: TrainingGraphs | None = None
+        self.symbolic: TrainingGraphs | None = None
+        self.specialised: set[tuple] = set()
+        self._symbolic_eval: onnx.ModelProto | None = None  # the symbolic eval graph alone (save_as_onnx)
+        self._traces: dict[tuple, Traced | None] = {}  # the gradient source's traces by the shape they fixed
+        self._first_signature: tuple | None = None
+        self._sample_inputs: list[np.ndarray] = []
+        self._fallback_logged = False
+
+    def synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None,
+                         sizes: dict[str, int] | None = None) -> list[np.ndarray]:
+        """Trace inputs from the description: symbols get ``sizes`` or else distinct sizes > 1,
+        ints are zeros."""
+        sizes = dict(sizes or {})
+        arrays = []
+        for d in self.desc.inputs:
+            shape = [dim if isinstance(dim, int) else sizes.setdefault(dim, 2 + len(sizes)) for dim in d.shape]
+            dtype = (dtypes or {}).get(d.name, d.numpy_dtype)
+            if np.issubdtype(dtype, np.floating):
+                arrays.append(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+            else:
+                arrays.append(np.zeros(shape, dtype=dtype))
+        return arrays
+
+    def symbol_sizes(self, feeds: dict[str, np.ndarray]) -> tuple:
+        """``((symbol, size), ...)`` of the symbolic dimensions in these inputs, sorted."""
+        sizes = {}
+        for d in self.desc.inputs:
+            for dim, size in zip(d.shape, feeds[d.name].shape):
+                if isinstance(dim, str):
+                    sizes[dim] = int(size)
+        return tuple(sorted(sizes.items()))
+
+    def build_first(self, sample_inputs: Sequence[np.ndarray], outputs: tuple | None) -> TrainingGraphs:
+        """Build (or load) the first graphs: those of the sample's shapes with ``specialize`` (static
+        graphs build several times faster than symbolic ones on the torch source), else symbolic;
+        the symbolic graphs are built only when something needs them."""
+        feeds = dict(zip(self.desc.input_names, sample_inputs))
+        shape = self.symbol_sizes(feeds) if self.specialize else ()
+        graphs = build_training_graphs(self.job, sample_inputs, dims=dict(shape) or None, outputs=outputs)
+        self.first = graphs
+        self._first_signature = (shape, outputs)
+        self._sample_inputs = list(sample_inputs)
+        self._traces[shape] = graphs.forward
+        if shape:
+            self.specialised.add(shape)
+        elif outputs is None:
+            self.symbolic = graphs
+        return graphs
+
+    def graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]:
+        """Gradient graph and eval-graph maker for a signature; the eval graph is built on the
+        first evaluation that needs it."""
+        shape, outputs = signature or (None, None)
+        if (shape or (), outputs) == self._first_signature:
+            graphs = self.first
+        elif shape is None and outputs is None:
+            graphs = self.symbolic_graphs()
+        else:
+            graphs = self._build_for(shape or (), outputs)
+        return graphs.gradient, lambda: build_eval_graph(self.job, graphs)
+
+    def symbolic_graphs(self) -> TrainingGraphs:
+        """The graphs with the description's symbolic dimensions kept symbolic, every output returned."""
+        if self.symbolic is None:
+            self.symbolic = self._build_for((), None)
+        return self.symbolic
+
+    def _build_for(self, shape: tuple, outputs: tuple | None) -> TrainingGraphs:
+        """Graphs with the symbol sizes ``shape`` fixed (``()``: symbolic) returning ``outputs``,
+        from a trace that serves them when there is one."""
+        forward = self._traces.get(shape) or self._traces.get(())
+        if forward is None and self.first.forward is not None and self.first.forward.serves(dict(shape) or None):
+            forward = self.first.forward
+        dtypes = {name: array.dtype for name, array in zip(self.desc.input_names, self._sample_inputs)}
+        samples = self.synthetic_inputs(dtypes, dict(shape)) if shape else self._sample_inputs
+        graphs = build_training_graphs(self.job, samples, dims=dict(shape) or None, forward=forward, outputs=outputs)
+        if graphs.forward is not None:  # None: found in the cache without a trace
+            self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
+        if graphs.meta["trained"] != self.first.meta["trained"]:
+            raise RuntimeError("graphs of another input shape train different weights than the first graphs")
+        return graphs
+
+    def full_signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
+        """The signature of graphs returning every output for these inputs' shapes."""
+        shape = self.symbol_sizes(feeds) if self.specialize else ()
+        return (shape, None) if shape in self.specialised else None
+
+    def signature(self, feeds: dict[str, np.ndarray], outputs: tuple | None) -> tuple | None:
+        """The shape signature whose graphs run these inputs returning ``outputs`` (None: the
+        symbolic graph). A new shape gets static graphs while fewer than ``max_graphs`` have them."""
+        shape = self.symbol_sizes(feeds) if self.specialize else ()
+        if shape and shape not in self.specialised:
+            if len(self.specialised) < self.max_graphs:
+                self.specialised.add(shape)
+            else:
+                if not self._fallback_logged:
+                    logger.info("more than %d input-shape signatures: new ones run on the symbolic graph",
+                                self.max_graphs)
+                    self._fallback_logged = True
+                shape = ()
+        if not shape and outputs is None:
+            return None
+        return (shape or None, outputs)
+
+    def symbolic_eval_graph(self) -> onnx.ModelProto:
+        """The eval graph with symbolic dimensions and every output: that of the symbolic training
+        graphs where they exist, else built alone (no gradient graph) and kept."""
+        if self.symbolic is not None:
+            return build_eval_graph(self.job, self.symbolic)
+        if self._symbolic_eval is None:
+            self._symbolic_eval = build_symbolic_eval_graph(self.job, self._sample_inputs, self.first.meta,
+                                                            forward=self._traces.get(()))
+        return self._symbolic_eval
+
+
+__all__ = ["ShapeGraphs"]
