@@ -50,7 +50,8 @@ class Sessions:
             copied = self._copied_inputs[id(session)] = self.placement.inputs_copied_at_binding(session)
             if copied:
                 logger.warning("ONNX Runtime reads %s from another device than %s (their consumers have no kernel "
-                               "there); they are copied before every run", ", ".join(sorted(copied)), self.placement.torch_device)
+                               "there); they are copied before every run", ", ".join(sorted(copied)),
+                               self.placement.torch_device)
         self.placement.bind_input(binding, name, tensor)
         if name in copied:
             self._rebinds.setdefault(id(binding), []).append((name, tensor))
