@@ -4,8 +4,9 @@
 seeds, splits the CPU threads between the ranks of a node, and makes an uncaught exception on
 any rank end the whole job. The trainer uses a ``Communicator`` for the collectives: one call per
 step on one flat buffer (gradients all-reduced, weights broadcast and, with ZeRO stage 1,
-all-gathered), moved by MPI (host buffers) or by ``torch.distributed`` (gloo for host buffers,
-NCCL for CUDA buffers), as ``distributed.backend`` says. No collective waits forever: each starts
+all-gathered), moved by MPI (host buffers) or by ``torch.distributed`` (NCCL for CUDA buffers; gloo
+for host buffers, and for CUDA buffers through pinned host copies, as when ranks share a GPU), as
+``distributed.backend`` says. No collective waits forever: each starts
 with a header exchange over MPI that checks every rank is in the same collective at the same
 step and gives up after ``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds (default 600).
 """
@@ -125,17 +126,21 @@ def resolve_backend(backend: str, device: str) -> str:
 def backend_problem(backend: str, device: str, world_size: int) -> str | None:
     """What is wrong with ``distributed.backend`` for ``device`` (None when it fits).
 
-    A backend named explicitly must be available in this torch build; ``"auto"`` only when there
-    are several ranks (a single process makes no collectives).
+    ``"nccl"`` moves CUDA buffers only and ``"mpi"`` host buffers only; ``"gloo"`` moves either
+    (CUDA buffers through pinned host copies that gloo makes itself: the way for several ranks that
+    share one GPU, where NCCL refuses two ranks on one device). A backend named explicitly must be
+    available in this torch build; ``"auto"`` only when there are several ranks (a single process
+    makes no collectives).
     """
     chosen = resolve_backend(backend, device)
     on_cuda = device.startswith("cuda")
     if chosen == "nccl" and not on_cuda:
         return (f"'nccl' moves CUDA buffers, but device.id is {device!r}; on the CPU use 'gloo' or 'mpi' "
                 "(or 'auto', which picks 'mpi')")
-    if chosen in ("mpi", "gloo") and on_cuda:
-        return (f"{chosen!r} moves host buffers, but device.id is {device!r} and the engine's buffers live in "
-                "device memory; use 'nccl' (or 'auto', which picks it on CUDA)")
+    if chosen == "mpi" and on_cuda:
+        return (f"'mpi' moves host buffers, but device.id is {device!r} and the engine's buffers live in device "
+                "memory; use 'nccl' (or 'auto', which picks it on CUDA), or 'gloo', which copies them through "
+                "host memory (ranks that share a GPU)")
     if chosen in ("gloo", "nccl") and (backend != "auto" or world_size > 1):
         if not torch.distributed.is_available():
             return (f"{chosen!r} runs through torch.distributed, which this torch build ({torch.__version__}) does "
@@ -143,7 +148,8 @@ def backend_problem(backend: str, device: str, world_size: int) -> str | None:
         if not torch.distributed.is_backend_available(chosen):
             build = "a CUDA build of torch on Linux" if chosen == "nccl" else "a torch build with gloo"
             return (f"torch.distributed in this torch build ({torch.__version__}) has no {chosen!r} backend; "
-                    f"install {build}" + (", or use 'mpi' on the CPU" if chosen == "gloo" else ""))
+                    f"install {build}" + ("" if chosen == "nccl" else ", or use 'nccl'" if on_cuda
+                                            else ", or use 'mpi' on the CPU"))
     return None
 
 

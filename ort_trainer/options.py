@@ -102,8 +102,8 @@ _SCHEMA: dict[str, _Field] = {
     ),
     "distributed.backend": _Field(
         _STR, "auto", "what moves the gradients between ranks: 'mpi' (mpi4py, host buffers), 'gloo' "
-        "(torch.distributed, host buffers), 'nccl' (torch.distributed, CUDA buffers), 'auto' ('nccl' on CUDA, "
-        "else 'mpi')", _one_of(*BACKENDS)
+        "(torch.distributed, host buffers, or CUDA buffers through host copies: ranks sharing a GPU), 'nccl' "
+        "(torch.distributed, CUDA buffers), 'auto' ('nccl' on CUDA, else 'mpi')", _one_of(*BACKENDS)
     ),
     "lr_scheduler": _Field(
         _ANY, None, "a learning-rate scheduler from ort_trainer.optim.lr_scheduler, or None", _check_scheduler

@@ -1,8 +1,10 @@
 """The communicators on their own, under ``mpiexec -n 2``: every collective on known values.
 
-``python collectives_job.py --out DIR --backend mpi|gloo|nccl`` writes ``DIR/collectives_rank<r>.json``
-with what each collective left in the buffers and the errors the refusals raised. With NCCL the
-buffers are on the GPU ``setup_onnxruntime_with_mpi`` gave the rank; otherwise on the CPU.
+``python collectives_job.py --out DIR --backend mpi|gloo|nccl [--device auto|cpu|cuda:N]`` writes
+``DIR/collectives_rank<r>.json`` with what each collective left in the buffers and the errors the
+refusals raised. The buffers are on the device ``setup_onnxruntime_with_mpi`` gave the rank with
+``--device auto`` (NCCL's default: a GPU where there is one), on the CPU with ``--device cpu`` (the
+default of the others), or on the device named (``--device cuda:0``: gloo with every rank on one GPU).
 """
 
 import argparse
@@ -18,11 +20,15 @@ from ort_trainer.distributed import make_communicator, setup_onnxruntime_with_mp
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--backend", choices=["mpi", "gloo", "nccl"], required=True)
+parser.add_argument("--device", default=None,
+                    help="where the buffers are: 'auto' (the device setup_onnxruntime_with_mpi picked), 'cpu' or a "
+                         "device id such as 'cuda:0' (default: 'auto' for nccl, 'cpu' otherwise)")
 args = parser.parse_args()
 
 ctx = setup_onnxruntime_with_mpi()
 rank = ctx.world_rank
-device = ctx.device if args.backend == "nccl" else "cpu"
+device = args.device or ("auto" if args.backend == "nccl" else "cpu")
+device = ctx.device if device == "auto" else device
 torch.set_default_device(device)
 comm = make_communicator(args.backend, device, ctx.world_size, rank)
 report = {"class": type(comm).__name__, "backend": comm.backend, "device": device}

@@ -7,6 +7,7 @@ to ``<out>/weights_rank<r>.npz`` and a few facts to ``<out>/facts_rank<r>.json``
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -35,6 +36,8 @@ parser.add_argument("--bad-batch-at-step", type=int, default=-1,
 parser.add_argument("--leave-at-step", type=int, default=-1, help="rank 1 leaves its loop at this step")
 parser.add_argument("--stall-at-step", type=int, default=-1, help="rank 1 stops responding at this step")
 parser.add_argument("--vanish-at-step", type=int, default=-1, help="rank 1's process ends at once at this step")
+parser.add_argument("--kill-at-step", type=int, default=-1,
+                    help="rank 1 is killed (SIGKILL) at this step, after writing the time to <out>/killed_at.txt")
 parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
 parser.add_argument("--backend", choices=["auto", "mpi", "gloo", "nccl"], default="auto", help="distributed.backend")
 parser.add_argument("--device", default="cpu", help="device.id; 'auto': the one setup_onnxruntime_with_mpi picked")
@@ -67,6 +70,9 @@ for step in range(start, start + args.steps * args.accumulation):
         time.sleep(3600)
     if step == args.vanish_at_step and ctx.world_rank == 1:
         os._exit(0)  # no clean-up, no goodbye: as if the process had been killed quietly
+    if step == args.kill_at_step and ctx.world_rank == 1:
+        (args.out / "killed_at.txt").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer or `kill -9` does: no handler runs
     x, y = mlp_batch(torch.Generator().manual_seed(1000 + step), batch=micro)
     mine = slice(ctx.world_rank * share, (ctx.world_rank + 1) * share)
     if step == args.bad_batch_at_step and ctx.world_rank == 1:
@@ -87,6 +93,6 @@ local_states = sum(a.size for a in trainer._engine.state_arrays().values())
     "rank": ctx.world_rank, "size": ctx.world_size, "local_rank": ctx.local_rank, "threads": ctx.threads,
     "optimization_step": trainer._train_step_info.optimization_step, "local_optimizer_state_elements": int(local_states),
     "gathered_optimizer_weights": len(state["optimizer"]), "first_loss": losses[0],
-    "backend": trainer._comm.backend if trainer._comm is not None else None,
+    "backend": trainer._comm.backend if trainer._comm is not None else None, "device": options["device"]["id"],
     "median_step_seconds": statistics.median(seconds[3:] or seconds),
 }))

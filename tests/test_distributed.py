@@ -1,6 +1,8 @@
 """Data-parallel training with real ``mpiexec -n 2`` jobs (api.md section 8), with each backend that
-runs on the CPU: MPI and torch.distributed's gloo."""
+runs on the CPU: MPI and torch.distributed's gloo; and, marked ``cuda`` (``make gpu-check``), NCCL on
+two GPUs and gloo with two ranks on CUDA buffers of one GPU."""
 
+import functools
 import json
 import os
 import re
@@ -38,11 +40,44 @@ DATA_PARALLEL_BOUND = 1e-5
 # ranks' gradients in its own order: 20 steps · (64 + 837 / 2) · u = 5.8e-4 at worst with ZeRO's
 # norm; the test holds 1e-4, 10x the CPU bound. Not measured.
 NCCL_BOUND = 1e-4
+# Two ranks sharing one GPU through gloo against one rank with twice the batch, 10 steps: the same
+# arithmetic as with NCCL (the two ranks' gradients added once, a + b, exact up to one rounding
+# either way; gloo's copies through pinned host memory are exact), so the same per-step bound as
+# NCCL's: 10 · (64 + 837 / 2) · u = 2.9e-4 at worst; the test holds NCCL's 1e-4. Not measured.
+GLOO_ON_ONE_GPU_BOUND = NCCL_BOUND
 
 
 def _needs_mpi():
     if MPIEXEC is None or mpi4py is None:
         pytest.skip("needs mpi4py and mpiexec: pip install -e '.[mpi]'")
+
+
+@functools.cache
+def _two_rank_problem() -> str | None:
+    """Why ``mpiexec -n 2`` cannot start a 2-rank mpi4py job here (None: it can).
+
+    The cuda tests check it first: on a GPU machine the MPI is put together by hand, and an mpi4py
+    that cannot load an MPI library, or one built against another MPI than this mpiexec's (each
+    process then a world of 1), is a missing MPI, to be skipped with its reason like a missing mpiexec.
+    """
+    if MPIEXEC is None or mpi4py is None:
+        return "needs mpi4py and mpiexec: pip install -e '.[mpi]'"
+    command = [MPIEXEC, "-n", "2", sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"]
+    try:
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"needs a working mpiexec and mpi4py: {MPIEXEC} -n 2 python failed: {exc}"
+    if probe.returncode != 0 or probe.stdout.split() != ["2", "2"]:
+        return (f"needs a working mpiexec and mpi4py: `{MPIEXEC} -n 2` gave exit {probe.returncode} and world sizes "
+                f"{probe.stdout.split()} (expected [2, 2]: is mpi4py built against this mpiexec's MPI?) "
+                f"{probe.stderr.strip()[-400:]}")
+    return None
+
+
+def _needs_two_ranks():
+    problem = _two_rank_problem()
+    if problem is not None:
+        pytest.skip(problem)
 
 
 def _run(out: Path, ranks: int, *args: str, check: bool = True, timeout: float = 300, job: Path = JOB):
@@ -128,6 +163,40 @@ def test_zero_stage_1_with_lamb_keeps_whole_tensors(tmp_path):
     _check(tmp_path / "zero", _weights(single, 0), _facts(tmp_path / "zero"))
 
 
+def _two_ranks_on_one_device(out: Path, device: str, bound: float):
+    """1 rank x batch 16 on ``device`` against 2 ranks x batch 8, both on ``device``, with gloo:
+    after 10 steps, with ZeRO stage 0 and 1, both ranks' weights are bitwise equal and within
+    ``bound`` of the one rank's."""
+    _run(out / "single", 1, "--device", device, "--steps", "10")
+    expected = _weights(out / "single", 0)
+    single = json.loads((out / "single" / "facts_rank0.json").read_text())
+    assert (single["device"], single["optimization_step"]) == (device, 10)
+    total = sum(v.size for v in expected.values()) * 2  # two Adam moments per weight
+    for zero in ("0", "1"):
+        run = out / f"gloo_zero{zero}"
+        _run(run, 2, "--device", device, "--backend", "gloo", "--zero", zero, "--steps", "10")
+        facts = _facts(run)
+        assert [(f["rank"], f["backend"], f["device"], f["optimization_step"]) for f in facts] == [
+            (0, "gloo", device, 10), (1, "gloo", device, 10)]
+        local = [f["local_optimizer_state_elements"] for f in facts]
+        if zero == "0":
+            assert local == [total, total], local
+        else:  # ranges of 419 and 418 weights: the padded all-gather
+            assert sum(local) == total and max(local) <= 0.6 * total, local
+        rank0, rank1 = _weights(run, 0), _weights(run, 1)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(rank0[name], rank1[name])  # bitwise identical on both ranks
+            error = np.linalg.norm(rank0[name] - value) / np.linalg.norm(value)
+            check(error, bound, f"ZeRO {zero}, {name}: relative error {error:.2e}")
+
+
+def test_two_ranks_on_one_device_with_gloo_on_the_cpu(tmp_path):
+    """The cuda test's jobs and checks (test_two_ranks_on_one_gpu_with_gloo_equal_one_rank_with_twice_the_batch)
+    with the buffers on the CPU: only the device differs (the probe of mpiexec they start with too)."""
+    _needs_two_ranks()
+    _two_ranks_on_one_device(tmp_path, "cpu", DATA_PARALLEL_BOUND)
+
+
 @pytest.mark.parametrize("saved, resumed", [("mpi", "mpi"), ("gloo", "gloo"), ("gloo", "mpi")],
                          ids=["mpi", "gloo", "gloo-then-mpi"])
 def test_zero_checkpoint_resume_under_mpirun(tmp_path, reference, saved, resumed):
@@ -186,6 +255,24 @@ def test_a_rank_that_leaves_its_loop_early_ends_the_job(tmp_path, backend):
                      r"its script ended after train_step 6", result.stderr), result.stderr
 
 
+def _a_killed_rank_ends_the_job(out: Path, *args: str):
+    """Rank 1 is killed with SIGKILL at step 3 (no handler runs, no goodbye over MPI): the launcher
+    must end rank 0, which waits for it in its next collective, at once rather than after the
+    collective timeout; and the job must fail."""
+    result, _ = _timed(out, "--kill-at-step", "3", *args, limit=240)
+    finished = time.time()
+    assert (out / "killed_at.txt").exists(), result.stdout + result.stderr  # rank 1 reached step 3
+    since_kill = finished - float((out / "killed_at.txt").read_text())
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert since_kill < 30, f"the job ended {since_kill:.1f} s after rank 1 was killed:\n{result.stderr}"
+    assert not (out / "facts_rank0.json").exists()  # rank 0 never finished its 20 steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_killed_rank_ends_the_job(tmp_path, backend):
+    _a_killed_rank_ends_the_job(tmp_path, "--backend", backend)
+
+
 def test_a_stuck_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     result, elapsed = _timed(tmp_path, "--stall-at-step", "5", timeout_variable="4")
     assert result.returncode != 0
@@ -227,31 +314,36 @@ def _expected_collectives(ranks: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_each_collective_on_known_values(tmp_path, backend):
-    """The communicator alone: in-place all-reduce (of a slice too), broadcast of every buffer dtype
-    the engine holds (float32, int64, bool, 0-d), all-gather of equal ranges (in place) and of unequal
-    ranges both ways round, twice (gloo pads them), and the refusals, which leave the ranks in step."""
-    _run(tmp_path, 2, "--backend", backend, job=COLLECTIVES_JOB, timeout=120)
+def _check_collectives(out: Path, backend: str, device: str = "cpu"):
+    """What collectives_job.py's 2 ranks wrote, against the known values."""
     expected = _expected_collectives(2)
     for rank in (0, 1):
-        got = json.loads((tmp_path / f"collectives_rank{rank}.json").read_text())
-        assert (got["class"], got["backend"]) == (
-            {"mpi": "MPICommunicator", "gloo": "TorchDistributedCommunicator"}[backend], backend)
+        got = json.loads((out / f"collectives_rank{rank}.json").read_text())
+        assert (got["class"], got["backend"], got["device"]) == (
+            {"mpi": "MPICommunicator"}.get(backend, "TorchDistributedCommunicator"), backend, device)
         assert got["allreduce_sum"] == expected["allreduce_sum"]
         assert got["allreduce_slice"] == expected["allreduce_slice"](rank)
         assert got["broadcast"] == expected["broadcast"]
         assert got["broadcast_from_last_rank"] == [1.0] * 4
         assert got["allgather"] == expected["allgather"]
         assert got["allgather_object"] == expected["allgather_object"]
-        _check_refusals(got["errors"], backend, ranks=2)
+        _check_refusals(got["errors"], backend, ranks=2, device=device)
 
 
-def _check_refusals(errors: dict, backend: str, ranks: int):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_collective_on_known_values(tmp_path, backend):
+    """The communicator alone: in-place all-reduce (of a slice too), broadcast of every buffer dtype
+    the engine holds (float32, int64, bool, 0-d), all-gather of equal ranges (in place) and of unequal
+    ranges both ways round, twice (gloo pads them), and the refusals, which leave the ranks in step."""
+    _run(tmp_path, 2, "--backend", backend, job=COLLECTIVES_JOB, timeout=120)
+    _check_collectives(tmp_path, backend)
+
+
+def _check_refusals(errors: dict, backend: str, ranks: int, device: str = "cpu"):
     device_fix = {"mpi": "the MPI backend moves host buffers, and this buffer is on meta: use "
                          "distributed.backend='nccl'",
-                  "gloo": "the gloo communicator moves buffers on cpu, and this buffer is on meta: use "
-                          "distributed.backend='nccl'",
+                  "gloo": f"the gloo communicator moves buffers on {device}, and this buffer is on meta: make it for "
+                          "the device the engine's buffers are on",
                   "nccl": "the nccl communicator moves buffers on cuda:"}[backend]
     assert errors["device"].startswith("RuntimeError: " + device_fix), errors["device"]
     assert "the buffer must be contiguous" in errors["strided"]
@@ -259,9 +351,11 @@ def _check_refusals(errors: dict, backend: str, ranks: int):
 
 
 def test_a_single_process_job_runs_the_communicator_too(tmp_path):
-    """Rank 0 of 1 (no mpiexec): the gloo process group forms from a store on a free port."""
-    _run(tmp_path, 1, "--backend", "gloo", job=COLLECTIVES_JOB, timeout=120)
+    """Rank 0 of 1 (no mpiexec): the gloo process group forms from a store on a free port. With
+    ``--device auto``, the device setup_onnxruntime_with_mpi picked: the CPU here (a GPU in the cuda test)."""
+    _run(tmp_path, 1, "--backend", "gloo", "--device", "auto", job=COLLECTIVES_JOB, timeout=120)
     got = json.loads((tmp_path / "collectives_rank0.json").read_text())
+    assert got["device"] == "cpu"
     expected = _expected_collectives(1)
     assert got["allreduce_sum"] == expected["allreduce_sum"] and got["allgather"] == expected["allgather"]
 
@@ -293,9 +387,9 @@ def test_backend_problems_name_the_fix():
 
     from ort_trainer.distributed import backend_problem, make_communicator
 
-    for backend in ("mpi", "gloo"):
-        problem = backend_problem(backend, "cuda:1", 2)
-        assert problem.startswith(f"{backend!r} moves host buffers, but device.id is 'cuda:1'") and "use 'nccl'" in problem
+    problem = backend_problem("mpi", "cuda:1", 2)
+    assert problem.startswith("'mpi' moves host buffers, but device.id is 'cuda:1'") and "use 'nccl'" in problem
+    assert "or 'gloo', which copies them through host memory" in problem
     assert backend_problem("auto", "cpu", 2) is None and backend_problem("gloo", "cpu", 2) is None
     assert backend_problem("auto", "cuda", 1) is None  # one process makes no collectives
     if not torch.distributed.is_nccl_available():  # this CPU build of torch
@@ -303,6 +397,34 @@ def test_backend_problems_name_the_fix():
         assert "has no 'nccl' backend" in backend_problem("auto", "cuda:0", 2)
     with pytest.raises(ValueError, match="distributed.backend: 'nccl' moves CUDA buffers"):
         make_communicator("nccl", "cpu", 2, 0)  # refused before MPI is touched
+
+
+def test_gloo_moves_cuda_buffers_too():
+    """Ranks that share a GPU (NCCL refuses two ranks on one device) take gloo on its CUDA buffers."""
+    import torch
+
+    from ort_trainer.comm.torch import _buffer_device
+    from ort_trainer.distributed import backend_problem, resolve_backend
+
+    assert torch.distributed.is_gloo_available()  # this torch build; the cuda tests use the GPU machine's
+    for device in ("cuda", "cuda:0", "cuda:3"):
+        assert backend_problem("gloo", device, 2) is None and backend_problem("gloo", device, 1) is None
+        assert resolve_backend("gloo", device) == "gloo" and resolve_backend("auto", device) == "nccl"
+    assert _buffer_device("gloo", "cuda:0") == torch.device("cuda", 0)  # the engine's GPU: no host buffer
+    assert _buffer_device("gloo", "cpu") == torch.device("cpu")
+    assert _buffer_device("nccl", "cuda:1") == torch.device("cuda", 1)
+
+
+def test_a_torch_build_without_gloo_is_named_with_the_fix_for_the_device(monkeypatch):
+    import torch.distributed
+
+    from ort_trainer.distributed import backend_problem
+
+    monkeypatch.setattr(torch.distributed, "is_backend_available", lambda name: False)
+    on_cpu, on_gpu = backend_problem("gloo", "cpu", 2), backend_problem("gloo", "cuda:0", 2)
+    assert "has no 'gloo' backend; install a torch build with gloo, or use 'mpi' on the CPU" in on_cpu
+    assert "has no 'gloo' backend; install a torch build with gloo, or use 'nccl'" in on_gpu
+    assert "has no 'nccl' backend; install a CUDA build of torch on Linux" in backend_problem("nccl", "cuda:0", 2)
 
 
 # ---- NCCL on GPUs (make gpu-check; skipped without CUDAExecutionProvider, a CUDA torch and a GPU) --------
@@ -335,6 +457,7 @@ def test_two_gpus_with_nccl_equal_one_gpu_with_twice_the_batch(tmp_path):
     and with ZeRO stage 1."""
     if _gpus() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
+    _needs_two_ranks()
     _run(tmp_path / "single", 1, "--device", "auto")
     expected = _weights(tmp_path / "single", 0)
     for zero in ("0", "1"):
@@ -347,3 +470,29 @@ def test_two_gpus_with_nccl_equal_one_gpu_with_twice_the_batch(tmp_path):
             np.testing.assert_array_equal(rank0[name], rank1[name])
             error = np.linalg.norm(rank0[name] - value) / np.linalg.norm(value)
             check(error, NCCL_BOUND, f"ZeRO {zero}, {name}: relative error {error:.2e}")
+
+
+# ---- gloo with two ranks on one GPU (make gpu-check): what NCCL refuses, on the same torch.distributed path --
+@pytest.mark.cuda
+def test_two_ranks_on_one_gpu_with_gloo_equal_one_rank_with_twice_the_batch(tmp_path):
+    """2 ranks x batch 8, both on cuda:0, gradients all-reduced (and with ZeRO stage 1 the weights
+    all-gathered) by gloo on the CUDA buffers == 1 rank x batch 16 on cuda:0, after 10 steps."""
+    _needs_two_ranks()
+    _two_ranks_on_one_device(tmp_path, "cuda:0", GLOO_ON_ONE_GPU_BOUND)
+
+
+@pytest.mark.cuda
+def test_gloo_collectives_on_cuda_buffers_of_one_gpu(tmp_path):
+    """The gloo communicator on CUDA buffers, 2 ranks on cuda:0: every collective of
+    test_each_collective_on_known_values (float32, int64, bool and 0-d broadcasts; in-place and
+    padded all-gathers) on known values, and the refusals."""
+    _needs_two_ranks()
+    _run(tmp_path, 2, "--backend", "gloo", "--device", "cuda:0", job=COLLECTIVES_JOB, timeout=300)
+    _check_collectives(tmp_path, "gloo", device="cuda:0")
+
+
+@pytest.mark.cuda
+def test_a_killed_rank_on_the_gpu_ends_the_job(tmp_path):
+    """2 ranks on cuda:0 with gloo; rank 1 is killed (SIGKILL) at step 3: the job fails at once."""
+    _needs_two_ranks()
+    _a_killed_rank_ends_the_job(tmp_path, "--device", "cuda:0", "--backend", "gloo")

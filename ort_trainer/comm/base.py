@@ -256,8 +256,8 @@ class Communicator:
     """Collectives between the ranks of an ``mpirun`` job, in place on flat buffers (torch tensors).
 
     One interface; the subclasses move the data: ``MPICommunicator`` (mpi4py, host buffers) and
-    ``TorchDistributedCommunicator`` (``torch.distributed``: gloo for host buffers, NCCL for CUDA
-    buffers). ``make_communicator`` picks one for ``distributed.backend``. Small Python objects
+    ``TorchDistributedCommunicator`` (``torch.distributed``: NCCL for CUDA buffers, gloo for host
+    or CUDA buffers). ``make_communicator`` picks one for ``distributed.backend``. Small Python objects
     (``allgather_object``) and ``barrier`` go over MPI with every backend.
 
     Every collective first exchanges a small header over MPI with every other rank: which

@@ -1,4 +1,4 @@
-"""Collectives through ``torch.distributed``: gloo on host buffers, NCCL on CUDA buffers.
+"""Collectives through ``torch.distributed``: NCCL on CUDA buffers, gloo on host or CUDA buffers.
 
 The process group comes from the ranks ``mpirun`` started: rank and world size from MPI, and a
 ``TCPStore`` that rank 0 serves on a port the operating system picks (no free-port race) and
@@ -35,14 +35,30 @@ def _cuda_device(device: str) -> torch.device:
     return parsed if parsed.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-class TorchDistributedCommunicator(Communicator):
-    """Moves flat buffers with ``torch.distributed``, in place and without copies to the host.
+def _buffer_device(backend: str, device: str) -> torch.device:
+    """Where the buffers ``backend`` moves for an engine on ``device`` are: NCCL's always on a GPU,
+    gloo's on the engine's device (a GPU, or the host)."""
+    on_cuda = backend == "nccl" or torch.device(device).type == "cuda"
+    return _cuda_device(device) if on_cuda else torch.device("cpu")
 
-    ``all_reduce(SUM)`` and ``broadcast`` run on the buffer itself. The ZeRO stage 1 all-gather
-    uses ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), which needs the
-    same size from every rank: with equal ranges it runs in place on the flat buffer (each rank's
-    range is the input, the whole buffer the output); with unequal ranges (Lamb keeps whole tensors
-    on one rank) each rank's range is padded to the largest one in a scratch buffer and copied back.
+
+class TorchDistributedCommunicator(Communicator):
+    """Moves flat buffers with ``torch.distributed``, in place.
+
+    ``all_reduce(SUM)`` and ``broadcast`` run on the buffer itself. NCCL moves CUDA buffers in
+    device memory. Gloo moves host buffers, and CUDA buffers too: for every collective used here
+    (``allreduce``, ``broadcast``, and ``allgather``, which ``_allgather_base`` calls) its CUDA
+    work copies the tensor to pinned host memory on a stream of its own, runs the host algorithm
+    and copies the result back (``ProcessGroupGloo.cpp``/``ProcessGroupGlooCuda.cpp``:
+    ``AsyncAllreduceCUDAHostWork``, ``AsyncBroadcastCUDAWork``, ``AsyncAllgatherCUDAWork``), so no
+    collective needs a host copy of its own here. That is how two ranks share one GPU, which NCCL
+    refuses.
+
+    The ZeRO stage 1 all-gather uses ``all_gather_single`` (``all_gather_into_tensor`` before torch
+    2.13; both reach gloo's ``_allgather_base``), which needs the same size from every rank: with
+    equal ranges it runs in place on the flat buffer (each rank's range is the input, the whole
+    buffer the output); with unequal ranges (Lamb keeps whole tensors on one rank) each rank's
+    range is padded to the largest one in a scratch buffer and copied back.
     Padding, rather than ``all_gather`` of a list of unequal views: gloo refuses unequal sizes, and
     NCCL runs unequal ones as one broadcast per rank, where padding keeps NCCL's single ring
     all-gather at the cost of one device-local copy of the buffer.
@@ -52,8 +68,9 @@ class TorchDistributedCommunicator(Communicator):
 
     Args:
         world_size, world_rank: as ``options.distributed`` declares them (checked against MPI).
-        backend: ``"gloo"`` (host buffers) or ``"nccl"`` (CUDA buffers).
-        device: the engine's device: ``"cpu"``, or ``"cuda[:N]"`` for NCCL.
+        backend: ``"gloo"`` (host or CUDA buffers) or ``"nccl"`` (CUDA buffers).
+        device: the engine's device, where every buffer must be: ``"cpu"`` (gloo), or
+            ``"cuda[:N]"`` (NCCL or gloo).
 
     Raises:
         ValueError: MPI disagrees with ``world_size``/``world_rank``, or torch.distributed was
@@ -64,7 +81,7 @@ class TorchDistributedCommunicator(Communicator):
     def __init__(self, world_size: int, world_rank: int, backend: str, device: str):
         super().__init__(world_size, world_rank)
         self.backend = backend
-        self.device = _cuda_device(device) if backend == "nccl" else torch.device("cpu")
+        self.device = _buffer_device(backend, device)
         _process_group(self)
         self._padded: torch.Tensor | None = None
         self._gather = getattr(_dist(), "all_gather_single", None) or _dist().all_gather_into_tensor
@@ -80,15 +97,23 @@ class TorchDistributedCommunicator(Communicator):
         super()._check(buffer)
         if buffer.device != self.device:
             fix = ("use distributed.backend='gloo' or 'mpi' for host buffers" if self.backend == "nccl"
-                   else "use distributed.backend='nccl' (or 'auto') for CUDA buffers")
+                   else "make it for the device the engine's buffers are on (device.id); on CUDA, "
+                        "distributed.backend='nccl' moves them without host copies")
             raise RuntimeError(f"the {self.backend} communicator moves buffers on {self.device}, and this buffer is on "
                                f"{buffer.device}: {fix}")
 
     def _done(self, buffer: torch.Tensor) -> None:
         # NCCL runs on its own stream, which torch's current stream waits on; ONNX Runtime's stream
         # waits on neither, so the result must be complete before the next session run reads it.
+        # Gloo copies the result back to a CUDA buffer on a stream from torch's pool and makes a
+        # stream wait on that copy (the caller's, or the default stream of its worker thread,
+        # depending on the collective and the torch version): waiting for the whole device covers
+        # every case.
         if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
+            if self.backend == "nccl":
+                torch.cuda.current_stream(buffer.device).synchronize()
+            else:
+                torch.cuda.synchronize(buffer.device)
 
     def _allreduce_sum(self, buffer: torch.Tensor) -> None:
         _dist().all_reduce(buffer, op=_dist().ReduceOp.SUM, group=self._group)
@@ -128,7 +153,7 @@ def _process_group(comm: TorchDistributedCommunicator):
     dist = _dist()
     comm._headers.exchange("init_process_group", None, 0, comm.timeout)
     timeout = timedelta(seconds=comm.timeout)
-    if comm.backend == "nccl":
+    if comm.device.type == "cuda":  # NCCL's device; gloo's pinned copies and events on CUDA buffers
         torch.cuda.set_device(comm.device)
     if dist.is_initialized():  # the script set torch.distributed up itself: it must be this job's world
         if (dist.get_world_size(), dist.get_rank()) != (comm.size, comm.rank):

@@ -1,0 +1,206 @@
+"""One measured process of ``benchmarks/gpu.py``: one model, one precision, one implementation.
+
+Implementations, all with AdamW (lr 1e-4, weight decay 0.01) and the gradient norm clipped at 1.0,
+each step's batch taken from host memory (as from a data loader) and its loss read back to the host:
+
+- ``ort``: ``ORTTrainer`` (``mixed_precision`` float16 with its dynamic loss scaler, or bfloat16);
+- ``eager``: PyTorch eager, under ``torch.autocast`` (+ ``GradScaler`` for float16) for fp16/bf16;
+- ``compile``: the same as ``eager`` with the model wrapped in ``torch.compile``.
+
+Models (random-init Hugging Face configurations, dropout 0, the same initial weights and batches in
+every process): ``bert-base`` (BertForMaskedLM, 15 % of the tokens masked), ``gpt2`` (GPT-2 small),
+and ``bert-tiny`` / ``gpt2-tiny`` for the CPU run of ``make test``.
+
+The process prints one JSON line: the seconds of every step (the first one builds), the losses, and
+the peak memory of the whole process: on a GPU the device memory in use (``cudaMemGetInfo``, sampled
+every 10 ms and after every step, so ONNX Runtime's arena and the CUDA context count as PyTorch's
+caching allocator does); on the CPU the peak resident set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import threading
+import time
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+IMPLS = ("ort", "eager", "compile")
+
+# name: (batch, sequence, Hugging Face class, config overrides)
+MODELS = {
+    "bert-base": (32, 128, "BertForMaskedLM", {}),
+    "gpt2": (8, 512, "GPT2LMHeadModel", {}),
+    "bert-tiny": (4, 16, "BertForMaskedLM", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                            "intermediate_size": 64, "vocab_size": 500}),
+    "gpt2-tiny": (4, 16, "GPT2LMHeadModel", {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 500,
+                                            "bos_token_id": 0, "eos_token_id": 0}),
+}
+DISTINCT_BATCHES = 4  # taken in turn
+
+
+def build(name: str, batch: int | None = None):
+    """``(model, description, batches, tokens per batch)`` of ``name``: weights from seed 0, batches from seed 1."""
+    import torch
+    import transformers
+
+    default_batch, seq, cls, overrides = MODELS[name]
+    batch = batch or default_batch
+    torch.manual_seed(0)
+    if cls == "GPT2LMHeadModel":
+        config = transformers.GPT2Config(n_positions=max(seq, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         use_cache=False, **overrides)
+    else:
+        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides)
+    model = getattr(transformers, cls)(config)
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(DISTINCT_BATCHES):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+        if cls == "BertForMaskedLM":
+            labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, torch.full_like(ids, -100))
+        else:
+            labels = ids
+        batches.append((ids, torch.ones_like(ids), labels))
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                       ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]}
+    return model, desc, batches, batch * seq
+
+
+class PeakMemory:
+    """Peak device memory in use while this object is open (``cudaMemGetInfo``, the whole GPU: run alone)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.peak = 0
+        self._stop = threading.Event()
+        if self.cuda:
+            self._torch = torch
+            self.sample()
+            self.at_start = self.peak
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+
+    def sample(self) -> None:
+        """Read the memory in use now."""
+        if self.cuda:
+            free, total = self._torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.01):
+            self.sample()
+
+    def close(self) -> dict:
+        """Stop sampling; the figures in MB."""
+        if not self.cuda:
+            return {"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "memory": "peak RSS"}
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return {"peak_mb": self.peak / 2**20, "context_mb": self.at_start / 2**20, "memory": "device in use",
+                "torch_allocated_peak_mb": self._torch.cuda.max_memory_allocated() / 2**20}
+
+
+def _ort_step(model, desc, device: str, precision: str):
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import AdamConfig
+
+    options = {"device": {"id": device},
+               "mixed_precision": {"enabled": precision != "fp32",
+                                   "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float16")}}
+    trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4, lambda_coef=0.01), options=options)
+    trainer._train_step_info.fetches = ["loss"]  # the loss alone, as the PyTorch loop reads it
+
+    def step(inputs) -> float:
+        return float(trainer.train_step(*inputs))
+
+    return step
+
+
+def _torch_step(model, device: str, precision: str, compiled: bool, backend: str):
+    import torch
+
+    target = torch.device(device)
+    model.to(target).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    scaler = torch.amp.GradScaler(target.type, enabled=precision == "fp16")
+    forward = torch.compile(model, backend=backend) if compiled else model
+
+    def step(inputs) -> float:
+        ids, mask, labels = (t.to(target, non_blocking=False) for t in inputs)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(target.type, dtype=dtype, enabled=dtype is not None):
+            loss = forward(input_ids=ids, attention_mask=mask, labels=labels).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        return float(loss)
+
+    return step
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(mark in text for mark in ("out of memory", "outofmemory", "failed to allocate", "cudaerrormemoryallocation",
+                                         "bfcarena"))
+
+
+def run(args) -> dict:
+    """Build one implementation and take ``args.steps`` steps; the JSON-able result."""
+    import torch
+
+    if args.device.startswith("cuda"):
+        torch.cuda.init()
+    memory = PeakMemory(args.device)
+    model, desc, batches, tokens = build(args.model, args.batch)
+    n_params = sum(p.numel() for p in model.parameters())
+    started = time.perf_counter()
+    import onnxruntime
+
+    result = {"model": args.model, "impl": args.impl, "precision": args.precision, "device": args.device,
+              "versions": f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}",
+              "batch": len(batches[0][0]), "tokens": tokens, "params": n_params}
+    try:
+        if args.impl == "ort":
+            step = _ort_step(model, desc, args.device, args.precision)
+        else:
+            step = _torch_step(model, args.device, args.precision, args.impl == "compile", args.compile_backend)
+        seconds, losses = [], []
+        for index in range(args.steps):
+            begin = time.perf_counter()
+            losses.append(step(batches[index % len(batches)]))  # reads the loss back: the step is done on the device
+            seconds.append(time.perf_counter() - begin)
+            memory.sample()
+    except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)
+        result.update(memory.close(), error=f"{type(error).__name__}: {str(error)[:600]}",
+                      out_of_memory=_is_out_of_memory(error))
+        return result
+    result.update(memory.close(), step_s=seconds, losses=losses, build_s=time.perf_counter() - started - sum(seconds[1:]),
+                  device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
+    return result
+
+
+def main() -> None:
+    """Command line (``benchmarks/gpu.py`` starts it)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--impl", choices=IMPLS, required=True)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=None, help="override the model's batch (the largest-batch probe)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (aot_eager on the CPU test)")
+    args = parser.parse_args()
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
