@@ -170,6 +170,9 @@ def summarize(results: list[dict], warmup: int) -> dict:
             cell["mfu"] = flops / (cell["ms"] / 1000) / (peak * 1e12) if peak and cell["ms"] else None
             cell["peak_mb"] = max(r["peak_mb"] for r in runs)
             cell["rounds"] = [round(_median_ms([r], warmup), 1) for r in runs]
+            cell["first_s"] = statistics.median(r["build_s"] for r in runs)
+            allocated = [r["torch_allocated_peak_mb"] for r in runs if "torch_allocated_peak_mb" in r]
+            cell["torch_mb"] = max(allocated) if allocated else None
         ort = cells.get("ort", {})
         for other in ("eager", "compile"):
             if ort.get("ms") and cells.get(other, {}).get("ms"):
@@ -194,11 +197,12 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
              f"{args.warmup} not timed. Step time: median of the timed steps, in ms. Ratio: the other's time / "
              "ort_trainer's (> 1: ort_trainer is faster). MFU: 6 × parameters × tokens / step time / dense peak "
              "(fp32 without TF32, the default of both; fp16/bf16 tensor cores). Peak memory: device memory in use by "
-             "the process (CUDA context, caching allocator and ONNX Runtime's arena; on the CPU the peak resident set), MB. Loss error: the largest "
+             "the process (CUDA context, caching allocator and ONNX Runtime's arena; on the CPU the peak resident set), MB; in brackets the peak of torch's caching allocator alone (for ort_trainer: its weights, gradients and optimizer state; the rest is ONNX Runtime's arena and the context). First step: from the model built to the first step done (graph build or compilation from the warm caches, first step). Loss error: the largest "
              f"relative difference of ort_trainer's losses over all {args.steps} steps from the other's "
              "(fp16/bf16: from autocast's).", "",
-             "| model | batch × seq | precision | implementation | step ms | samples/s | MFU | peak MB | ratio | goal "
-             "| loss error (tolerance) | per-round ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch × seq | precision | implementation | step ms | samples/s | MFU | peak MB (torch's allocator) "
+             "| ratio | goal | loss error (tolerance) | first step s | per-round ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     missed = []
     for (model, precision), cells in table.items():
         size = next((f"{r['batch']} × {r['tokens'] // r['batch']}" for c in cells.values() for r in c["runs"]), "—")
@@ -221,8 +225,9 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
                     "compile": "`torch.compile` of the same"}[impl]
             lines.append(f"| {model} | {size} | {precision} | {name} | {_fmt(cell.get('ms'))} | "
                          f"{_fmt(cell.get('samples_s'), '{:.0f}')} | {_fmt(cell.get('mfu'), '{:.1%}')} | "
-                         f"{_fmt(cell.get('peak_mb'), '{:.0f}')} | {_fmt(cell.get('speedup'), '{:.2f}×')} | {verdict} | "
-                         f"{loss} | {cell.get('rounds', '')} |")
+                         f"{_fmt(cell.get('peak_mb'), '{:.0f}')}{_fmt(cell.get('torch_mb'), ' ({:.0f})', '')} | "
+                         f"{_fmt(cell.get('speedup'), '{:.2f}×')} | {verdict} | {loss} | {_fmt(cell.get('first_s'))} | "
+                         f"{cell.get('rounds', '')} |")
         ort_peak, eager_peak = cells.get("ort", {}).get("peak_mb"), cells.get("eager", {}).get("peak_mb")
         if ort_peak and eager_peak and ort_peak > eager_peak:
             missed.append(f"{model} {precision}: peak memory {ort_peak:.0f} MB > eager's {eager_peak:.0f} MB")

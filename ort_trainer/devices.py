@@ -189,8 +189,28 @@ class Device:
         fused AdamW update took 9-17 ms right after a spinning run and 5.2 ms with spinning
         stopped (4.1-4.3 ms alone), while turning spinning off altogether slows the runs
         themselves (docs/benchmarks.md).
+
+        No memory pattern, on every device. With ``enable_mem_pattern`` (ONNX Runtime's default)
+        the first run allocates each intermediate from the arena, and the second allocates one
+        block sized for the whole planned run on top, while the arena keeps the first run's
+        chunks: the activations are held twice. Measured on the CPU (peak RSS after 4 steps,
+        fresh processes): GPT-2-like 1080 -> 866 MB, BERT-like 822 -> 694 MB, against 813 and
+        764 MB for eager PyTorch; step times within the machine's noise. On an H200 with the
+        pattern on (docs/gpu.md, 2026-11-26) the process grew by 1.68 GB per GPT-2 small sample
+        at sequence 512 against eager's 0.90 GB, and the second step took 1.6-2x the later ones
+        (the block's ``cudaMalloc``): the same doubling, not yet re-measured without it on a GPU.
+
+        And nodes run in the graph's own order where their inputs allow (``PRIORITY_BASED``: the
+        ready node of lowest index first). ONNX Runtime's default order is a depth-first walk from
+        the graph outputs, which ran the GPT-2-like loss's ``GatherElements`` (its only reader
+        being the ``loss`` output) after the whole backward: the [1024, 8000] log-probabilities
+        stayed alive throughout, and the backward's ``Exp`` could not reuse their buffer. With the
+        graph's order, the resident memory after each step went 810 -> 754-768 MB (GPT-2-like) with
+        step times unchanged (248 and 252 ms median, alternating in one process).
         """
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        options.enable_mem_pattern = False
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 
     def disabled_optimizers(self, unfused_skip_layer_norm: bool) -> list[str]:
         """ONNX Runtime graph optimizers that every session turns off (``disabled_optimizers``).
@@ -243,27 +263,10 @@ class CPUDevice(Device):
         return [("CPUExecutionProvider", dict(provider_options or {}))]
 
     def configure_session(self, options: ort.SessionOptions) -> None:
-        """The shared arena (``_use_shared_arena``), and no memory pattern.
-
-        With ``enable_mem_pattern`` (ONNX Runtime's default) the first run allocates each
-        intermediate from the arena, and the second allocates one block sized for the whole
-        planned run on top, while the arena keeps the first run's chunks: the activations are
-        held twice. Measured (peak RSS after 4 steps, fresh processes): GPT-2-like 1080 -> 866 MB,
-        BERT-like 822 -> 694 MB, against 813 and 764 MB for eager PyTorch; step times within
-        the machine's noise (MLP fastest steps 1.3-1.4 ms either way).
-
-        And nodes run in the graph's own order where their inputs allow (``PRIORITY_BASED``: the
-        ready node of lowest index first). ONNX Runtime's default order is a depth-first walk from
-        the graph outputs, which ran the GPT-2-like loss's ``GatherElements`` (its only reader
-        being the ``loss`` output) after the whole backward: the [1024, 8000] log-probabilities
-        stayed alive throughout, and the backward's ``Exp`` could not reuse their buffer. With the
-        graph's order, the resident memory after each step went 810 -> 754-768 MB (GPT-2-like) with
-        step times unchanged (248 and 252 ms median, alternating in one process).
-        """
+        """Every device's settings (``Device.configure_session``) and the shared arena
+        (``_use_shared_arena``)."""
         super().configure_session(options)
         _use_shared_arena(options)
-        options.enable_mem_pattern = False
-        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 
     def disabled_optimizers(self, unfused_skip_layer_norm: bool) -> list[str]:
         """``SkipLayerNormFusion`` with ``unfused_skip_layer_norm``: the CPU ``SkipLayerNormalization``

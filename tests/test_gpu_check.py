@@ -41,7 +41,7 @@ def test_make_gpu_check_runs_the_preflight_the_cuda_tests_and_the_benchmark():
 
 def _result(impl: str, precision: str, ms: float, peak_mb: float, losses: list[float], **extra) -> dict:
     return {"phase": "time", "round": 0, "model": "gpt2", "impl": impl, "precision": precision, "batch": 8,
-            "tokens": 8 * 512, "params": 124_000_000, "step_s": [1.0] + [ms / 1000] * 4, "losses": losses,
+            "tokens": 8 * 512, "params": 124_000_000, "step_s": [1.0] + [ms / 1000] * 4, "losses": losses, "build_s": 2.0,
             "peak_mb": peak_mb, "device_name": "NVIDIA H100 80GB HBM3", "versions": "torch 2.11.0+cu130, onnxruntime 1.31.1",
             **extra}
 
@@ -49,14 +49,14 @@ def _result(impl: str, precision: str, ms: float, peak_mb: float, losses: list[f
 def test_the_report_gives_ratios_mfu_memory_and_loss_errors_and_says_which_goal_is_missed(tmp_path):
     losses = [10.0, 9.0, 8.0]
     results = [
-        _result("ort", "bf16", 100.0, 20_000, losses),
+        _result("ort", "bf16", 100.0, 20_000, losses, torch_allocated_peak_mb=2000.0),
         _result("eager", "bf16", 150.0, 30_000, [10.0, 9.0, 8.08]),  # 1 % off (relative to 8.08): within bf16's 2e-2
         _result("compile", "bf16", 90.0, 25_000, losses),
         _result("ort", "fp32", 400.0, 40_000, losses),
         _result("eager", "fp32", 380.0, 30_000, [10.0, 9.0, 8.01]),  # 1.25e-3 off: over fp32's 1e-4
         {"phase": "time", "model": "gpt2", "impl": "compile", "precision": "fp32", "error": "exit 1: boom"},
         {"phase": "probe", "model": "gpt2", "impl": "ort", "precision": "fp32", "batch": 16, "peak_mb": 50_000,
-         "step_s": [1.0, 0.5], "losses": [1.0, 1.0]},
+         "step_s": [1.0, 0.5], "losses": [1.0, 1.0], "build_s": 1.0},
         {"phase": "probe", "model": "gpt2", "impl": "ort", "precision": "fp32", "batch": 32,
          "error": "RuntimeError: CUDA out of memory", "out_of_memory": True},
     ]
@@ -64,12 +64,12 @@ def test_the_report_gives_ratios_mfu_memory_and_loss_errors_and_says_which_goal_
     args.versions = "torch 2.11.0+cu130, onnxruntime 1.31.1"
     text, missed = gpu.report(results, args)
     # MFU: 6 x 124 M x 4096 tokens / 0.1 s / 989.4 TFLOP/s = 3.08 %; samples/s: 8 / 0.1 s
-    assert "| gpt2 | 8 × 512 | bf16 | **ort_trainer** | 100.0 | 80 | 3.1% | 20000 |" in text
+    assert "| gpt2 | 8 × 512 | bf16 | **ort_trainer** | 100.0 | 80 | 3.1% | 20000 (2000) | — |  |  | 2.0 | [100.0] |" in text
     assert "| bf16 | `torch.autocast` bf16 | 150.0 | 53 | 2.1% | 30000 | 1.50× | ≥ 1.2×: met | 9.9e-03 (2e-02: ok) |" in text
     assert "| bf16 | `torch.compile` of the same | 90.0 | 89 | 3.4% | 25000 | 0.90× | ≥ 1.0×: MISSED |" in text
     # fp32 peak: 66.9 TFLOP/s; 6 x 124 M x 4096 / 0.4 s = 7.6 TFLOP/s
     assert "| fp32 | **ort_trainer** | 400.0 | 20 | 11.4% | 40000 |" in text
-    assert "| 0.95× | ≥ 1.0×: MISSED | 1.2e-03 (1e-04: OVER) |" in text
+    assert "| 30000 | 0.95× | ≥ 1.0×: MISSED | 1.2e-03 (1e-04: OVER) | 2.0 | [380.0] |" in text
     assert "- time gpt2 fp32 compile: exit 1: boom" in text
     assert "| gpt2 | fp32 | ort | [16] | 32 (out of memory) | 16 | 50000 |" in text
     assert missed == ["gpt2 bf16 vs compile: 0.90×", "gpt2 fp32 vs eager: 0.95×", "gpt2 fp32 vs compile: not measured",
@@ -82,12 +82,13 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     results, out = tmp_path / "results.jsonl", tmp_path / "benchmarks_gpu.md"
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "gpt2-tiny",
-                           "--precisions", "fp32", "--steps", "4", "--warmup", "1", "--warm-parallel", "2",
-                           "--probe", "gpt2-tiny", "--probe-start", "4", "--probe-max", "8", "--compile-backend",
+                           "--precisions", "fp32", "--steps", "4", "--warmup", "1", "--warm-parallel", "2", "--warm-impls",
+                           "compile", "--probe", "gpt2-tiny", "--probe-start", "4", "--probe-max", "4", "--compile-backend",
                            "aot_eager", "--results", str(results), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     lines = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["phase"] for r in lines] == ["warm"] * 2 + ["time"] * 6 + ["probe"] * 4, done.stdout + done.stderr
+    # the probe runs between the rounds
+    assert [r["phase"] for r in lines] == ["warm"] + ["time"] * 3 + ["probe"] * 2 + ["time"] * 3, done.stdout + done.stderr
     assert not [r for r in lines if "error" in r], lines
     # one round ort, eager, compile; the next reversed
     assert [r["impl"] for r in lines if r["phase"] == "time"] == ["ort", "eager", "compile", "compile", "eager", "ort"]
@@ -97,5 +98,5 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     assert all(table[i]["ms"] > 0 and table[i]["peak_mb"] > 100 for i in ("ort", "eager", "compile"))
     text = out.read_text()
     assert "| gpt2-tiny | 4 × 16 | fp32 | **ort_trainer** |" in text
-    assert "| gpt2-tiny | fp32 | eager | [4, 8] | none (probe cap) | 8 |" in text
+    assert "| gpt2-tiny | fp32 | eager | [4] | none (probe cap) | 4 |" in text
     assert done.returncode in (0, 1), done.stderr  # 1: a goal missed (toy sizes on 2 cores say nothing)
