@@ -100,22 +100,17 @@ bench: $(STAMP) $(LEGACY_STAMP)
 GPU_PYTHON ?= python3
 # e.g. GPU_PYTEST_ARGS=--junitxml=cuda.xml: the measured differences the cuda tests record as properties
 GPU_PYTEST_ARGS ?=
+# e.g. GPU_BENCH_ARGS="--deadline 420": start no benchmark process after 7 minutes (a short lease)
+GPU_BENCH_ARGS ?=
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu.py --preflight
 	$(GPU_PYTHON) -m pytest -q -m cuda -rs tests $(GPU_PYTEST_ARGS)
-	$(GPU_PYTHON) benchmarks/gpu.py
+	$(GPU_PYTHON) benchmarks/gpu.py $(GPU_BENCH_ARGS)
 
-# The wheels a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ with every
-# file over 60 MiB split into 60 MiB parts (docs/gpu.md: carrying them to such a machine).
-GPU_WHEEL_PYTHON_VERSION ?= 3.12
+# What a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ as parts of at most
+# 60 MiB with an install.sh (docs/gpu.md: carrying them to such a machine).
 gpu-wheels:
-	mkdir -p .gpu-wheels
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON_VERSION) \
-		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 -d .gpu-wheels "onnxruntime-gpu==1.31.1" "onnx2fx==0.0.1"
-	cd .gpu-wheels && for f in *.whl; do \
-		if [ $$(stat -c %s "$$f") -gt 62914560 ]; then split -b 60M -d "$$f" "$$f.part-" && rm "$$f"; fi; done
-	ls -l .gpu-wheels
+	PYTHON=$(PYTHON) benchmarks/gpu_wheels.sh .gpu-wheels
 
 clean:
 	rm -rf $(VENV) $(LEGACY_VENV) build *.egg-info

@@ -100,3 +100,19 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     assert "| gpt2-tiny | 4 × 16 | fp32 | **ort_trainer** |" in text
     assert "| gpt2-tiny | fp32 | eager | [4] | none (probe cap) | 4 |" in text
     assert done.returncode in (0, 1), done.stderr  # 1: a goal missed (toy sizes on 2 cores say nothing)
+
+
+def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(tmp_path):
+    """``make gpu-wheels`` runs ``benchmarks/gpu_wheels.sh``; the install script it ships refuses
+    parts that do not match their checksums before it installs or removes anything."""
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-wheels", "PYTHON=py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "PYTHON=py benchmarks/gpu_wheels.sh .gpu-wheels" in dry.stdout
+    (tmp_path / "onnxruntime-gpu.tar.xz.part-00").write_bytes(b"one part")
+    subprocess.run("md5sum onnxruntime-gpu.tar.xz.part-00 > parts.md5", shell=True, cwd=tmp_path, check=True)
+    (tmp_path / "onnxruntime-gpu.tar.xz.part-00").write_bytes(b"one part, damaged in transit")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_install.sh"), str(tmp_path), str(tmp_path / "prefix")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": "false"})
+    assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr
+    assert not (tmp_path / "prefix").exists()
