@@ -11,6 +11,8 @@ writes ``docs/benchmarks_gpu.md``. BERT-base MLM at batch 32 × 128 and GPT-2 sm
 2. **Rounds**: every (model, precision, implementation) once per round, one process at a time, the
    order of the implementations reversed every other round. Each takes ``--steps`` steps; the first
    ``--warmup`` are not timed, and the losses of all of them are compared between implementations.
+   Round 1's processes then profile ``--profile-steps`` more steps (``torch.profiler``: on a GPU every
+   kernel of the process, ONNX Runtime's included), summed by kind of kernel: where a step goes.
 3. **Largest batch** (``--probe MODEL``): at the model's sequence length, the batch doubles from
    ``--probe-start`` until a step runs out of GPU memory (ort_trainer and eager, fp32 unless
    ``--probe-precisions`` says otherwise).
@@ -54,9 +56,10 @@ GOALS = {"eager": {"fp32": 1.0, "fp16": 1.2, "bf16": 1.2}, "compile": {"fp32": 1
 REFERENCE = {"fp32": "PyTorch eager fp32", "fp16": "`torch.autocast` fp16 + `GradScaler`", "bf16": "`torch.autocast` bf16"}
 
 
-def _spawn(args, model: str, impl: str, precision: str, steps: int, batch: int | None = None) -> dict:
+def _spawn(args, model: str, impl: str, precision: str, steps: int, batch: int | None = None, profile: int = 0) -> dict:
     command = [sys.executable, str(WORKER), "--model", model, "--impl", impl, "--precision", precision,
-               "--device", args.device, "--steps", str(steps), "--compile-backend", args.compile_backend]
+               "--device", args.device, "--steps", str(steps), "--compile-backend", args.compile_backend,
+               "--profile-steps", str(profile)]
     if batch:
         command += ["--batch", str(batch)]
     try:
@@ -109,7 +112,9 @@ class Run:
             for impl in impls if (number + index) % 2 == 0 else reversed(impls):
                 if self.late():
                     return
-                self.record("time", _spawn(self.args, model, impl, precision, self.args.steps), round=number)
+                profile = self.args.profile_steps if number == 0 else 0  # after the timed steps: timings untouched
+                self.record("time", _spawn(self.args, model, impl, precision, self.args.steps, profile=profile),
+                            round=number)
 
     def probe(self) -> None:
         for precision in self.args.probe_precisions.split(","):
@@ -169,7 +174,7 @@ def summarize(results: list[dict], warmup: int) -> dict:
             flops = 6 * first["params"] * first["tokens"]
             cell["mfu"] = flops / (cell["ms"] / 1000) / (peak * 1e12) if peak and cell["ms"] else None
             cell["peak_mb"] = max(r["peak_mb"] for r in runs)
-            cell["rounds"] = [round(_median_ms([r], warmup), 1) for r in runs]
+            cell["rounds"] = [round(ms, 1) for ms in (_median_ms([r], warmup) for r in runs) if ms is not None]
             cell["first_s"] = statistics.median(r["build_s"] for r in runs)
             allocated = [r["torch_allocated_peak_mb"] for r in runs if "torch_allocated_peak_mb" in r]
             cell["torch_mb"] = max(allocated) if allocated else None
@@ -231,7 +236,7 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
         ort_peak, eager_peak = cells.get("ort", {}).get("peak_mb"), cells.get("eager", {}).get("peak_mb")
         if ort_peak and eager_peak and ort_peak > eager_peak:
             missed.append(f"{model} {precision}: peak memory {ort_peak:.0f} MB > eager's {eager_peak:.0f} MB")
-    lines += _probe_lines(results) + _failure_lines(results)
+    lines += _probe_lines(results) + _profile_lines(results) + _failure_lines(results)
     lines += ["", "Goals (issue 26): fp16 and bf16 ≥ 1.2× autocast eager and ≥ 1.0× `torch.compile`; fp32 ≥ 1.0× both; "
               "peak memory ≤ eager's. Missed: " + ("; ".join(missed) if missed else "none") + ".", ""]
     return "\n".join(lines), missed
@@ -254,6 +259,26 @@ def _probe_lines(results: list[dict]) -> list[str]:
         largest = max(good, key=lambda r: r["batch"]) if good else None
         lines.append(f"| {model} | {precision} | {impl} | {[r['batch'] for r in good]} | {first_bad} | "
                      f"{largest['batch'] if largest else '—'} | {_fmt(largest['peak_mb'] if largest else None, '{:.0f}')} |")
+    return lines
+
+
+def _profile_lines(results: list[dict]) -> list[str]:
+    profiled = [r for r in results if r.get("phase") == "time" and r.get("profile")]
+    if not profiled:
+        return []
+    what = profiled[0]["profile"]["what"]
+    lines = ["", "## Where a step goes", "",
+             f"Round 1's processes profile {what} over a few more steps after their timed ones (`torch.profiler`; on a GPU "
+             "through CUPTI, which records every kernel of the process, ONNX Runtime's too), in ms per step, by kind "
+             "(`gpu_worker.CATEGORIES`). Busy: the kernels' total; the rest of the step the GPU waited for the host.", "",
+             "| model | precision | implementation | step ms | busy ms | by kind (ms) | longest kernels (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in profiled:
+        prof = r["profile"]
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in prof["categories"].items() if v >= 0.05)
+        top = "; ".join(f"`{name[:60]}` {ms:.2f}" for name, ms in prof["top"][:4])
+        lines.append(f"| {r['model']} | {r['precision']} | {r['impl']} | {prof['step_ms']:.1f} | "
+                     f"{_fmt(prof.get('busy_ms'))} | {kinds} | {top} |")
     return lines
 
 
@@ -310,6 +335,7 @@ def parse(argv=None):
     parser.add_argument("--probe-precisions", default="fp32")
     parser.add_argument("--probe-start", type=int, default=32)
     parser.add_argument("--probe-max", type=int, default=1024)
+    parser.add_argument("--profile-steps", type=int, default=3, help="round 1 profiles this many more steps (0: none)")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--deadline", type=float, default=None, help="start no process after this many seconds")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one process may take")

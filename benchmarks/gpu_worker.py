@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import resource
+import tempfile
 import threading
 import time
 
@@ -147,6 +150,57 @@ def _torch_step(model, device: str, precision: str, compiled: bool, backend: str
     return step
 
 
+# Kernel name -> what it does, first match wins (cuBLAS/CUTLASS, ONNX Runtime's, aten's and inductor's names).
+CATEGORIES = (
+    ("attention (fused)", r"flash|fmha|efficient_attention|attention"),
+    ("matrix products", r"gemm|matmul|addmm|::mm\b|bmm|cutlass|xmma|wgmma|cublas|_mma|s[0-9]+_tensorop|sm[0-9]+_"),
+    ("softmax", r"softmax"),
+    ("layer norm", r"layer_?norm|layernorm|triton_per_fused.*native_layer_norm"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("copies and casts", r"memcpy|memset|copy|cast|convert|transpose|concat|slice|gather|scatter|expand"),
+    ("reductions", r"reduce|triton_red|triton_per"),
+    ("element-wise", r"elementwise|vectorized|unrolled|binary|unary|pointwise|triton_poi|gelu|where|fill|_kernel"),
+)
+
+
+def _category(name: str) -> str:
+    lowered = name.lower()
+    return next((label for label, pattern in CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+def profile(step, batches, steps: int, device: str) -> dict:
+    """Where ``steps`` more steps go: on a GPU every kernel of the process (``torch.profiler`` over
+    CUPTI, which records ONNX Runtime's kernels as it does torch's), summed by ``CATEGORIES``, in ms
+    per step; on the CPU the profiler sees only torch's operators (ONNX Runtime's run is opaque)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    on_gpu = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    started = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        for index in range(steps):
+            step(batches[index % len(batches)])
+    wall = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as trace:
+            events = json.load(trace).get("traceEvents", [])
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset") if on_gpu else ("cpu_op",)
+    by_name: dict[str, float] = {}
+    for event in events:
+        if event.get("cat") in kinds and "dur" in event:
+            by_name[event["name"]] = by_name.get(event["name"], 0.0) + event["dur"] / 1000 / steps
+    by_category: dict[str, float] = {}
+    for name, ms in by_name.items():
+        by_category[_category(name)] = by_category.get(_category(name), 0.0) + ms
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:8]
+    return {"step_ms": 1000 * wall / steps, "busy_ms": sum(by_name.values()) if on_gpu else None,
+            "categories": {k: round(v, 3) for k, v in sorted(by_category.items(), key=lambda item: -item[1])},
+            "top": [[name[:90], round(ms, 3)] for name, ms in top], "what": "GPU kernels" if on_gpu else "torch CPU ops"}
+
+
 def _is_out_of_memory(error: BaseException) -> bool:
     text = f"{type(error).__name__}: {error}".lower()
     return any(mark in text for mark in ("out of memory", "outofmemory", "failed to allocate", "cudaerrormemoryallocation",
@@ -179,6 +233,8 @@ def run(args) -> dict:
             losses.append(step(batches[index % len(batches)]))  # reads the loss back: the step is done on the device
             seconds.append(time.perf_counter() - begin)
             memory.sample()
+        if args.profile_steps:
+            result["profile"] = profile(step, batches, args.profile_steps, args.device)
     except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)
         result.update(memory.close(), error=f"{type(error).__name__}: {str(error)[:600]}",
                       out_of_memory=_is_out_of_memory(error))
@@ -197,6 +253,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=None, help="override the model's batch (the largest-batch probe)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (0: none)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (aot_eager on the CPU test)")
     args = parser.parse_args()
     print(json.dumps(run(args)), flush=True)

@@ -83,7 +83,7 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "gpt2-tiny",
                            "--precisions", "fp32", "--steps", "4", "--warmup", "1", "--warm-parallel", "2", "--warm-impls",
-                           "compile", "--probe", "gpt2-tiny", "--probe-start", "4", "--probe-max", "4", "--compile-backend",
+                           "compile", "--probe", "gpt2-tiny", "--probe-start", "4", "--probe-max", "4", "--profile-steps", "1", "--compile-backend",
                            "aot_eager", "--results", str(results), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     lines = [json.loads(line) for line in results.read_text().splitlines()]
@@ -99,6 +99,11 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     text = out.read_text()
     assert "| gpt2-tiny | 4 × 16 | fp32 | **ort_trainer** |" in text
     assert "| gpt2-tiny | fp32 | eager | [4] | none (probe cap) | 4 |" in text
+    # round 1 profiled one more step of each implementation (on the CPU: torch's operators only)
+    profiled = [r for r in lines if r.get("profile")]
+    assert [(r["round"], r["impl"]) for r in profiled] == [(0, "ort"), (0, "eager"), (0, "compile")]
+    assert "## Where a step goes" in text and "| gpt2-tiny | fp32 | eager |" in text
+    assert any("matrix products" in r["profile"]["categories"] for r in profiled if r["impl"] == "eager")
     assert done.returncode in (0, 1), done.stderr  # 1: a goal missed (toy sizes on 2 cores say nothing)
 
 
