@@ -264,8 +264,10 @@ def _probe_lines(results: list[dict]) -> list[str]:
 
 def _profile_lines(results: list[dict]) -> list[str]:
     profiled = [r for r in results if r.get("phase") == "time" and r.get("profile")]
+    failed = [r for r in results if r.get("phase") == "time" and r.get("profile_error")]
     if not profiled:
-        return []
+        return ["", "Profiles failed: " + "; ".join(f"{r['model']} {r['precision']} {r['impl']}: {r['profile_error']}"
+                                                   for r in failed)] if failed else []
     what = profiled[0]["profile"]["what"]
     lines = ["", "## Where a step goes", "",
              f"Round 1's processes profile {what} over a few more steps after their timed ones (`torch.profiler`; on a GPU "
@@ -279,7 +281,8 @@ def _profile_lines(results: list[dict]) -> list[str]:
         top = "; ".join(f"`{name[:60]}` {ms:.2f}" for name, ms in prof["top"][:4])
         lines.append(f"| {r['model']} | {r['precision']} | {r['impl']} | {prof['step_ms']:.1f} | "
                      f"{_fmt(prof.get('busy_ms'))} | {kinds} | {top} |")
-    return lines
+    return lines + [f"| {r['model']} | {r['precision']} | {r['impl']} | profile failed: {r['profile_error'][:200]} |||||"
+                    for r in failed]
 
 
 def _failure_lines(results: list[dict]) -> list[str]:

@@ -233,14 +233,17 @@ def run(args) -> dict:
             losses.append(step(batches[index % len(batches)]))  # reads the loss back: the step is done on the device
             seconds.append(time.perf_counter() - begin)
             memory.sample()
-        if args.profile_steps:
-            result["profile"] = profile(step, batches, args.profile_steps, args.device)
     except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)
         result.update(memory.close(), error=f"{type(error).__name__}: {str(error)[:600]}",
                       out_of_memory=_is_out_of_memory(error))
         return result
     result.update(memory.close(), step_s=seconds, losses=losses, build_s=time.perf_counter() - started - sum(seconds[1:]),
                   device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
+    if args.profile_steps:  # after the timed steps and the memory peak: a profiler that fails costs only itself
+        try:
+            result["profile"] = profile(step, batches, args.profile_steps, args.device)
+        except Exception as error:  # noqa: BLE001
+            result["profile_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     return result
 
 
