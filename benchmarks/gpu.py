@@ -236,6 +236,11 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
         ort_peak, eager_peak = cells.get("ort", {}).get("peak_mb"), cells.get("eager", {}).get("peak_mb")
         if ort_peak and eager_peak and ort_peak > eager_peak:
             missed.append(f"{model} {precision}: peak memory {ort_peak:.0f} MB > eager's {eager_peak:.0f} MB")
+    growth = [f"{r['model']} {r['precision']} {r['impl']} {r['after_first_step_mb']:.0f} → {r['peak_mb']:.0f}"
+              for r in results if r.get("phase") == "time" and r.get("round") == 0 and r.get("after_first_step_mb")]
+    if growth:
+        lines += ["", "Device memory in use after the first step → the process's peak (MB; a second copy of the "
+                  "activations after the first step shows here): " + "; ".join(growth) + "."]
     lines += _probe_lines(results) + _profile_lines(results) + _failure_lines(results)
     lines += ["", "Goals (issue 26): fp16 and bf16 ≥ 1.2× autocast eager and ≥ 1.0× `torch.compile`; fp32 ≥ 1.0× both; "
               "peak memory ≤ eager's. Missed: " + ("; ".join(missed) if missed else "none") + ".", ""]

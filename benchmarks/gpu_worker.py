@@ -88,11 +88,13 @@ class PeakMemory:
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
 
-    def sample(self) -> None:
-        """Read the memory in use now."""
-        if self.cuda:
-            free, total = self._torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
+    def sample(self) -> float | None:
+        """Read the memory in use now (MB; None on the CPU)."""
+        if not self.cuda:
+            return None
+        free, total = self._torch.cuda.mem_get_info()
+        self.peak = max(self.peak, total - free)
+        return (total - free) / 2**20
 
     def _poll(self) -> None:
         while not self._stop.wait(0.01):
@@ -232,7 +234,9 @@ def run(args) -> dict:
             begin = time.perf_counter()
             losses.append(step(batches[index % len(batches)]))  # reads the loss back: the step is done on the device
             seconds.append(time.perf_counter() - begin)
-            memory.sample()
+            now = memory.sample()
+            if index == 0:  # what the steps after the first add shows a second copy of the activations
+                result["after_first_step_mb"] = now
     except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)
         result.update(memory.close(), error=f"{type(error).__name__}: {str(error)[:600]}",
                       out_of_memory=_is_out_of_memory(error))

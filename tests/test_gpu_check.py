@@ -49,7 +49,7 @@ def _result(impl: str, precision: str, ms: float, peak_mb: float, losses: list[f
 def test_the_report_gives_ratios_mfu_memory_and_loss_errors_and_says_which_goal_is_missed(tmp_path):
     losses = [10.0, 9.0, 8.0]
     results = [
-        _result("ort", "bf16", 100.0, 20_000, losses, torch_allocated_peak_mb=2000.0),
+        _result("ort", "bf16", 100.0, 20_000, losses, torch_allocated_peak_mb=2000.0, after_first_step_mb=19_000.0),
         _result("eager", "bf16", 150.0, 30_000, [10.0, 9.0, 8.08]),  # 1 % off (relative to 8.08): within bf16's 2e-2
         _result("compile", "bf16", 90.0, 25_000, losses),
         _result("ort", "fp32", 400.0, 40_000, losses),
@@ -71,6 +71,8 @@ def test_the_report_gives_ratios_mfu_memory_and_loss_errors_and_says_which_goal_
     assert "| fp32 | **ort_trainer** | 400.0 | 20 | 11.4% | 40000 |" in text
     assert "| 30000 | 0.95× | ≥ 1.0×: MISSED | 1.2e-03 (1e-04: OVER) | 2.0 | [380.0] |" in text
     assert "- time gpt2 fp32 compile: exit 1: boom" in text
+    assert "after the first step → the process's peak (MB; a second copy of the activations after the first step shows " \
+           "here): gpt2 bf16 ort 19000 → 20000." in text
     assert "| gpt2 | fp32 | ort | [16] | 32 (out of memory) | 16 | 50000 |" in text
     assert missed == ["gpt2 bf16 vs compile: 0.90×", "gpt2 fp32 vs eager: 0.95×", "gpt2 fp32 vs compile: not measured",
                       "gpt2 fp32: peak memory 40000 MB > eager's 30000 MB"]
