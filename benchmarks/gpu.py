@@ -85,9 +85,11 @@ class Run:
         args.results.parent.mkdir(parents=True, exist_ok=True)
 
     def late(self) -> bool:
+        """Whether ``--deadline`` has passed (no process starts after it)."""
         return self.args.deadline is not None and time.monotonic() - self.started > self.args.deadline
 
     def record(self, phase: str, result: dict, **extra) -> dict:
+        """Append ``result`` (tagged with its phase) to the results file and print a line of it."""
         result = {"phase": phase, **extra, **result}
         with open(self.args.results, "a", encoding="utf-8") as out:
             out.write(json.dumps(result) + "\n")
@@ -97,9 +99,11 @@ class Run:
         return result
 
     def configs(self):
+        """Every (model, precision) pair asked for."""
         return [(m, p) for m in self.args.models.split(",") for p in self.args.precisions.split(",")]
 
     def warm(self) -> None:
+        """Two steps of every ``--warm-impls`` configuration, ``--warm-parallel`` processes at a time."""
         warm = self.args.warm_impls.split(",")
         jobs = [(m, i, p) for m, p in self.configs() for i in self.args.impls.split(",") if i in warm]
         with ThreadPoolExecutor(max(1, self.args.warm_parallel)) as pool:
@@ -107,6 +111,7 @@ class Run:
                 self.record("warm", result)
 
     def round(self, number: int) -> None:
+        """Every configuration's implementations, one process at a time, the order alternating."""
         impls = self.args.impls.split(",")
         for index, (model, precision) in enumerate(self.configs()):
             for impl in impls if (number + index) % 2 == 0 else reversed(impls):
@@ -117,6 +122,7 @@ class Run:
                             round=number)
 
     def probe(self) -> None:
+        """The largest batch: double it from ``--probe-start`` until a step fails (ort_trainer, eager)."""
         for precision in self.args.probe_precisions.split(","):
             for impl in ("ort", "eager"):
                 batch = self.args.probe_start
@@ -127,6 +133,7 @@ class Run:
                     batch *= 2
 
     def all(self) -> None:
+        """Warm-up, round 1, the probe, the other rounds."""
         if self.args.warm_parallel:
             self.warm()
         for number in range(self.args.rounds):
