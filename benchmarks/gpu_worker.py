@@ -28,48 +28,23 @@ import tempfile
 import threading
 import time
 
+from real_sizes import workload  # benchmarks/ is on sys.path: this script's folder, or gpu.py puts it there
+
 PRECISIONS = ("fp32", "fp16", "bf16")
 IMPLS = ("ort", "eager", "compile")
 
-# name: (batch, sequence, Hugging Face class, config overrides)
-MODELS = {
-    "bert-base": (32, 128, "BertForMaskedLM", {}),
-    "gpt2": (8, 512, "GPT2LMHeadModel", {}),
-    "bert-tiny": (4, 16, "BertForMaskedLM", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                            "intermediate_size": 64, "vocab_size": 500}),
-    "gpt2-tiny": (4, 16, "GPT2LMHeadModel", {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 500,
-                                            "bos_token_id": 0, "eos_token_id": 0}),
-}
+# name: (batch, sequence) at which this benchmark trains it; the models are benchmarks/real_sizes.py's
+MODELS = {"bert-base": (32, 128), "gpt2": (8, 512), "bert-tiny": (4, 16), "gpt2-tiny": (4, 16)}
 DISTINCT_BATCHES = 4  # taken in turn
 
 
 def build(name: str, batch: int | None = None):
-    """``(model, description, batches, tokens per batch)`` of ``name``: weights from seed 0, batches from seed 1."""
-    import torch
-    import transformers
-
-    default_batch, seq, cls, overrides = MODELS[name]
-    batch = batch or default_batch
-    torch.manual_seed(0)
-    if cls == "GPT2LMHeadModel":
-        config = transformers.GPT2Config(n_positions=max(seq, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         use_cache=False, **overrides)
-    else:
-        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides)
-    model = getattr(transformers, cls)(config)
-    generator = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(DISTINCT_BATCHES):
-        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
-        if cls == "BertForMaskedLM":
-            labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, torch.full_like(ids, -100))
-        else:
-            labels = ids
-        batches.append((ids, torch.ones_like(ids), labels))
-    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                       ("labels", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]}
-    return model, desc, batches, batch * seq
+    """``(model, description, batches, tokens per batch)`` of ``name`` (``real_sizes.workload``'s model and
+    batches at this benchmark's batch and sequence: weights from seed 0, batches from seed 1)."""
+    batch = batch or MODELS[name][0]
+    seq = MODELS[name][1]
+    model, desc, batch_of = workload({"bert-base": "bert"}.get(name, name), batch=batch, seq=seq)
+    return model, desc, [batch_of() for _ in range(DISTINCT_BATCHES)], batch * seq
 
 
 class PeakMemory:

@@ -36,9 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # name: (batch, sequence, default steps); gpt2-tiny (2 layers of width 32) is the test's
 SIZES = {"gpt2": (4, 128, 3), "bert": (4, 128, 3), "gpt2-656m": (1, 64, 2), "gpt2-tiny": (2, 16, 2),
          "mlp-1024": (128, 1024, 200)}  # (batch, input features, steps)
-_GPT2_SIZES = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
-               "gpt2-tiny": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 500,
-                             "bos_token_id": 0, "eos_token_id": 0}}
+# Hugging Face config overrides of the rows (and of benchmarks/gpu_worker.py's models) that are not the defaults
+_CONFIGS = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
+            "gpt2-tiny": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 500, "bos_token_id": 0, "eos_token_id": 0},
+            "bert-tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                          "vocab_size": 500}}
 
 
 LOSS_STEPS = 10  # losses compared with eager's
@@ -72,12 +74,13 @@ def eager_loss(name: str, model, inputs):
     return model(input_ids=inputs[0], attention_mask=inputs[1], labels=inputs[2]).loss
 
 
-def workload(name: str):
-    """``(model, description, batches)`` of a row: weights from seed 0, 1 + steps batches from seed 1."""
+def workload(name: str, batch: int | None = None, seq: int | None = None):
+    """``(model, description, batch_of)`` of a row: weights from seed 0, each ``batch_of()`` the next batch
+    from seed 1. ``batch`` and ``seq`` replace the row's (``bert*`` names a BERT MLM, ``gpt2*`` a GPT-2)."""
     import torch
 
     torch.manual_seed(0)
-    batch, seq, _ = SIZES[name]
+    batch, seq = batch or SIZES[name][0], seq or SIZES[name][1]
     generator = torch.Generator().manual_seed(1)
     if name.startswith("mlp"):
         desc = {"inputs": [("x", ["batch", seq]), ("labels", ["batch"])],
@@ -88,15 +91,16 @@ def workload(name: str):
 
     if name.startswith("gpt2"):
         config = transformers.GPT2Config(n_positions=max(seq, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         use_cache=False, **_GPT2_SIZES.get(name, {}))
+                                         use_cache=False, **_CONFIGS.get(name, {}))
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                         **_CONFIGS.get(name, {}))
         model = transformers.BertForMaskedLM(config)
 
     def batch_of():
         ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
-        if name == "bert":
+        if name.startswith("bert"):
             labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, torch.full_like(ids, -100))
         else:
             labels = ids
