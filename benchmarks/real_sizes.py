@@ -11,7 +11,12 @@ process, one implementation each, the order alternating from round to round:
   build: export, gradient graph, sessions); later rounds find the graph in that cache (**warm**);
 - each process times ``--steps`` training steps after its first and reports its peak resident
   memory (``ru_maxrss``, the whole process); the losses of both implementations are compared;
-- the last ort_trainer process then times ``save_as_onnx`` and reports its peak again.
+- the last ort_trainer process then times ``save_as_onnx`` and reports its peak again;
+- one more process per row measures the arithmetic ceiling: the step's matrix-product FLOPs
+  (``torch.utils.flop_counter`` over one eager forward and backward) and the best float32 GEMM rate
+  torch and ONNX Runtime reach on this machine at the row's layer shapes. FLOPs / step time is each
+  implementation's rate; the GEMM rate over eager's is the most any implementation could gain over
+  eager (a step that only multiplied matrices at the machine's best rate).
 
 ``--models`` picks rows; ``gpt2-656m`` (n_embd 1280, 30 layers: 2.6 GB of weights) needs about 16 GB
 and 15 minutes on 2 cores.
@@ -111,10 +116,65 @@ def workload(name: str, batch: int | None = None, seq: int | None = None):
     return model, desc, batch_of
 
 
+def _best_seconds(run, repeats: int = 5) -> float:
+    run()  # warm-up: thread pools, packed weights
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def gemm_shapes(name: str) -> list[tuple[int, int, int]]:
+    """``(M, K, N)`` of the row's weight products: tokens × width × 4·width and back (the MLP's layers)."""
+    if name.startswith("mlp"):
+        batch, features = SIZES[name][:2]
+        return [(batch, features, 1024), (batch, 1024, 1024)]
+    batch, seq = SIZES[name][:2]
+    width = {**{"n_embd": 768, "hidden_size": 768}, **_CONFIGS.get(name, {})}
+    width = width["n_embd"] if name.startswith("gpt2") else width["hidden_size"]
+    return [(batch * seq, width, 4 * width), (batch * seq, 4 * width, width)]
+
+
+def ceiling(name: str) -> dict:
+    """The row's matrix-product FLOPs per training step, and the machine's best float32 GEMM rate."""
+    import onnx
+    import onnxruntime
+    import torch
+    from onnx import TensorProto, helper
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, _, batch_of = workload(name)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        eager_loss(name, model, batch_of()).backward()
+    flops = counter.get_total_flops()
+    del model
+    rates = {"torch": 0.0, "onnxruntime": 0.0}
+    for m, k, n in gemm_shapes(name):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        rates["torch"] = max(rates["torch"], 2 * m * k * n / _best_seconds(lambda: torch.mm(a, b)) / 1e9)
+        graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
+                                  [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k])],
+                                  [helper.make_tensor_value_info("c", TensorProto.FLOAT, [m, n])],
+                                  [onnx.numpy_helper.from_array(b.numpy(), "b")])
+        model_proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+        session = onnxruntime.InferenceSession(model_proto.SerializeToString(),
+                                               providers=["CPUExecutionProvider"])
+        feeds = {"a": a.numpy()}
+        seconds = _best_seconds(lambda: session.run(None, feeds))
+        rates["onnxruntime"] = max(rates["onnxruntime"], 2 * m * k * n / seconds / 1e9)
+    return {"flops": flops, "gemm_gflops": rates, "shapes": gemm_shapes(name)}
+
+
 def worker(args) -> dict:
-    """One implementation in this process: the first step, ``args.steps`` timed steps, peak RSS."""
+    """One implementation in this process: the first step, ``args.steps`` timed steps, peak RSS
+    (``--impl ceiling``: ``ceiling``)."""
     import torch
 
+    if args.impl == "ceiling":
+        return ceiling(args.model)
     model, desc, batch_of = workload(args.model)
     # at most 11 distinct batches, taken in turn (the MLP's 200 steps would otherwise hold 105 MB of them)
     distinct = [batch_of() for _ in range(min(args.steps, 10) + 1)]
@@ -171,6 +231,7 @@ def measure(model: str, rounds: int, steps: int) -> dict:
     """Alternating rounds of fresh ort_trainer and eager processes for one row."""
     runs = {"ort": [], "eager": []}
     with tempfile.TemporaryDirectory() as cache:
+        runs["ceiling"] = _spawn(model, "ceiling", 0, cache)
         for number in range(rounds):
             order = ("ort", "eager") if number % 2 == 0 else ("eager", "ort")
             for impl in order:
@@ -198,6 +259,7 @@ def row(model: str, runs: dict) -> dict:
         "ort_step_s": ort_step, "eager_step_s": eager_step, "speedup": eager_step / ort_step,
         "ort_peak_mb": max(r["peak_mb"] for r in ort), "eager_peak_mb": max(r["peak_mb"] for r in eager),
         "save_s": ort[-1].get("save_s"), "save_peak_mb": ort[-1].get("save_peak_mb"),
+        "gflop": runs["ceiling"]["flops"] / 1e9, "gemm_gflops": max(runs["ceiling"]["gemm_gflops"].values()),
     }
 
 
@@ -206,12 +268,15 @@ def table(rows: list[dict]) -> str:
         return "—" if value is None else format(value, fmt)
 
     lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s | first step, warm cache s "
-             "| step ort / eager s | speed-up | peak RSS ort / eager MB | ratio | save_as_onnx s | peak after save MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| step ort / eager s | speed-up | GFLOP/s ort / eager / GEMM peak | speed-up ceiling "
+             "| peak RSS ort / eager MB | ratio | save_as_onnx s | peak after save MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {r['cold_s']:.1f} | {number(r['warm_s'], '.1f')} "
             f"| {r['ort_step_s']:.3g} / {r['eager_step_s']:.3g} | {r['speedup']:.2f}× "
+            f"| {r['gflop'] / r['ort_step_s']:.3g} / {r['gflop'] / r['eager_step_s']:.3g} / {r['gemm_gflops']:.3g} "
+            f"| {r['gemm_gflops'] * r['eager_step_s'] / r['gflop']:.2f}× "
             f"| {r['ort_peak_mb']:.0f} / {r['eager_peak_mb']:.0f} | {r['ort_peak_mb'] / r['eager_peak_mb']:.2f} "
             f"| {number(r['save_s'], '.1f')} | {number(r['save_peak_mb'], '.0f')} |")
     return "\n".join(lines)
@@ -221,7 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", default="gpt2", choices=sorted(SIZES))
-    parser.add_argument("--impl", choices=["ort", "eager"], default="ort")
+    parser.add_argument("--impl", choices=["ort", "eager", "ceiling"], default="ort")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--models", default="gpt2,bert,gpt2-656m,mlp-1024")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation and model")
@@ -242,7 +307,11 @@ def main() -> None:
             f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
             f"onnxruntime {onnxruntime.__version__}; {time.strftime('%Y-%m-%d')}.\n\n"
             "Speed-up: eager's median step over ort_trainer's. Peak RSS: the whole process's, the most over rounds. "
-            "The warm first step is a new process finding the graph in the on-disk cache.\n\n" + table(rows) + "\n")
+            "The warm first step is a new process finding the graph in the on-disk cache. GFLOP/s: the step's "
+            "matrix-product FLOPs (torch's flop counter, forward and backward) per second of step; GEMM peak: the best "
+            "float32 matrix-product rate torch or ONNX Runtime reached on this machine at the row's layer shapes; "
+            "speed-up ceiling: that peak over eager's rate, the most a step of nothing but matrix products at the "
+            "peak could gain over eager.\n\n" + table(rows) + "\n")
     args.out.write_text(text)
     print(table(rows))
 

@@ -520,6 +520,32 @@ def test_an_eval_graph_never_built_is_built_after_a_hit_by_record(cache, monkeyp
     assert _eval_loss(third) == evaluated
 
 
+def _saved_outputs(trainer, path: Path, batch: int) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    trainer.save_as_onnx(path)
+    x, label = mlp_batch(torch.Generator().manual_seed(2), batch=batch)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"x": x.numpy(), "label": label.numpy()}
+    return session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+
+
+def test_save_as_onnx_after_a_hit_by_record_loads_the_symbolic_eval_graph_with_no_export(cache, monkeypatch, tmp_path):
+    """The symbolic eval graph ``save_as_onnx`` builds is linked to the training graph's operator
+    record: a later trainer whose training graph came by record saves with no export either, and its
+    file equals the first one's, at another batch size than the training batch's."""
+    exports = _ExportCalls(monkeypatch)
+    _, first = _train(_seeded(MLP), steps=1)
+    expected = _saved_outputs(first, tmp_path / "first.onnx", batch=3)
+    assert exports.calls == 2  # the training-mode trace, then the symbolic eval-mode trace of the save
+    exports.refuse = True
+    _, second = _train(_seeded(MLP), steps=1)
+    assert second._graphs.from_cache
+    got = _saved_outputs(second, tmp_path / "second.onnx", batch=3)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)  # the same graph and weights: the same arithmetic, bit for bit
+
+
 def test_edited_model_code_is_traced_again(cache, monkeypatch):
     exports = _ExportCalls(monkeypatch)
     first, _ = _train(_seeded(_Swappable))

@@ -155,7 +155,7 @@ class ShapeGraphs:
             return build_eval_graph(self.job, self.symbolic)
         if self._symbolic_eval is None:
             self._symbolic_eval = build_symbolic_eval_graph(self.job, self._sample_inputs, self.first.meta,
-                                                            forward=self._traces.get(()))
+                                                            forward=self._traces.get(()), record=self.first.record)
         return self._symbolic_eval
 
 
