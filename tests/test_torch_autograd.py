@@ -222,6 +222,32 @@ def test_encoder_gradients_equal_float64_pytorch(encoder_build):
     assert "ScatterND" not in ops and "ScatterElements" in ops
 
 
+def test_one_signature_per_schema_translates_byte_for_byte_as_the_exporter_alone(encoder_build, monkeypatch):
+    """``joint_onnx._one_signature_per_schema`` shares one ``onnx_ir`` signature among the nodes of
+    an operator (the translation's time): the graphs must be exactly those the exporter makes with
+    a signature per node."""
+    import contextlib
+
+    torch.manual_seed(2)
+    model = TinyEncoder(layers=1, dropout=0.0)
+    ids, labels = mlm_batch(torch.Generator().manual_seed(3))
+    monkeypatch.setattr(joint_onnx, "_one_signature_per_schema", contextlib.nullcontext)
+    alone = export_joint(model, mlm_loss, desc(ENCODER_DESC), [ids.numpy(), labels.numpy()])
+    shared = encoder_build[1]
+    for a, b in ((alone.gradient, shared.gradient), (alone.eval, shared.eval)):
+        assert _without_metadata(a) == _without_metadata(b)
+
+
+def _without_metadata(model: onnx.ModelProto) -> bytes:
+    """The serialized graph less the exporter's metadata: each node's stack trace names the FX
+    module it came from by a per-process counter (``<eval_with_key>.7``), which differs per build."""
+    model = copy.deepcopy(model)
+    for node in model.graph.node:
+        del node.metadata_props[:]
+    del model.metadata_props[:]
+    return model.SerializeToString()
+
+
 def test_loss_scale_scales_the_gradients_and_not_the_loss(mlp_build):
     model, graphs = mlp_build
     x, label = torch.randn(8, 20), torch.randint(0, 5, (8,))
