@@ -183,6 +183,8 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     from tolerances import steps_bound
 
     assert float(cells[2]) <= steps_bound(3, length=128)
+    warm, ready = cells[4].rstrip(")").split(" (")
+    assert 0 <= float(ready) <= float(warm) + 0.05  # found in the cache within the warm first step (rounded to 0.1 s)
     ort_rate, eager_rate, peak = (float(x) for x in cells[7].split(" / "))
     assert 0 < ort_rate and 0 < eager_rate and 0 < peak  # the arithmetic ceiling: FLOP rates and the GEMM peak
     assert float(cells[8].rstrip("×")) > 0
