@@ -12,6 +12,7 @@ exist.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -24,6 +25,7 @@ from . import _runtime
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 _CUDA_PROVIDER = "CUDAExecutionProvider"
+_CUDA_INDEX_LIMIT = 2**31 - 1  # the largest element count ONNX Runtime's CUDA kernels index (int32)
 
 # IOBinding.bind_input/bind_output with a pointer take a numpy type, or an ONNX type for bfloat16
 _ELEMENT_TYPES = {
@@ -179,6 +181,10 @@ class Device:
         """The execution providers of every session, each with its options (the user's on top)."""
         raise NotImplementedError
 
+    def check_graph(self, model: onnx.ModelProto) -> None:
+        """Raise ``ValueError`` before a session of ``model`` is made when this device's kernels cannot
+        run it (every device but CUDA runs any graph)."""
+
     def configure_session(self, options: ort.SessionOptions) -> None:
         """Settings for session options the engine made itself (the user's own are used as given).
 
@@ -323,6 +329,23 @@ class CUDADevice(Device):
                 f"the trainer's buffers live; choose the GPU with device.id='cuda:{user['device_id']}' instead")
         return [(_CUDA_PROVIDER, {**options, **user}), ("CPUExecutionProvider", {})]
 
+    def check_graph(self, model: onnx.ModelProto) -> None:
+        """No tensor of more than 2³¹ - 1 elements. ONNX Runtime's CUDA kernels index elements with
+        32-bit integers (``CUDA_LONG`` is ``int32_t``, ``cu_inc/common.cuh``): past that, runs fail
+        (GPT-2 small at batch 128 × 512 tokens on an H200: ``cudaErrorInvalidValue`` in an
+        ``Expand`` of the 3.3·10⁹-element logits, docs/gpu.md) or, for some kernels, write wrong
+        values without an error (the warp softmax: microsoft/onnxruntime#32299). Graphs whose
+        shapes are symbolic are checked only where a size is known."""
+        problems = [f"{name} {shape} ({count:.3g} elements)" for name, shape, count in
+                    largest_tensors(model.graph) if count > _CUDA_INDEX_LIMIT]
+        if problems:
+            raise ValueError(
+                f"{len(problems)} tensor(s) of this graph hold more than 2^31 - 1 elements, past what ONNX "
+                "Runtime's CUDA kernels index (they fail, or some write wrong values): "
+                + "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+                + ". Train with a smaller batch (gradient accumulation keeps the effective batch: "
+                "batch.gradient_accumulation_steps) or shorter sequences")
+
     def bind_input(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
         binding.bind_input(name, self.kind, self.index, _element_type(tensor), tuple(tensor.shape), tensor.data_ptr())
 
@@ -342,6 +365,20 @@ class CUDADevice(Device):
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.torch_device).synchronize()
 
+
+
+def largest_tensors(graph: onnx.GraphProto) -> list[tuple[str, list[int], int]]:
+    """``(name, shape, elements)`` of every value of ``graph`` whose shape is fully known (inputs,
+    annotated intermediates, outputs, initializers), the largest first."""
+    found = {}
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        tensor_type = info.type.tensor_type
+        dims = tensor_type.shape.dim
+        if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            found[info.name] = [d.dim_value for d in dims]
+    for init in graph.initializer:
+        found[init.name] = list(init.dims)
+    return sorted(((name, shape, math.prod(shape)) for name, shape in found.items()), key=lambda t: -t[2])
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:

@@ -36,7 +36,9 @@ class Sessions:
         self._rebinds: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by id(binding)
 
     def make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
-        """A session of ``model`` with these session options and execution providers."""
+        """A session of ``model`` with these session options and execution providers, once the
+        device has found nothing in the graph it cannot run (``Device.check_graph``)."""
+        self.placement.check_graph(model)
         return ort.InferenceSession(model.SerializeToString(), self.options, providers=self._providers,
                                     disabled_optimizers=self._disabled_optimizers)
 

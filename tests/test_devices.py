@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch
 from ort_trainer import ORTTrainer, ORTTrainerOptions, devices, engine as engine_module
 from ort_trainer.optim import AdamConfig
+from ort_trainer.sessions import Sessions
 
 CE = torch.nn.functional.cross_entropy
 
@@ -338,3 +339,45 @@ def test_the_step_seed_is_drawn_only_for_graphs_that_draw_random_numbers(monkeyp
         for _ in range(2):
             trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
         assert asked == [1, 1] and seeds == reseeded
+
+
+def _graph_with(shape: list[int]) -> onnx.ModelProto:
+    """x -> Expand(x, shape) -> y, every size known: y is as large as ``shape`` says (no memory is made)."""
+    graph = helper.make_graph(
+        [helper.make_node("Expand", ["x", "shape"], ["y"]), helper.make_node("Relu", ["y"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, shape)],
+        [helper.make_tensor("shape", TensorProto.INT64, [len(shape)], shape)],
+        value_info=[helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_largest_tensors_lists_every_value_of_known_size_the_largest_first():
+    graph = _graph_with([4, 5]).graph
+    graph.value_info.append(helper.make_tensor_value_info("unknown", TensorProto.FLOAT, ["batch", 3]))
+    assert devices.largest_tensors(graph) == [("y", [4, 5], 20), ("z", [4, 5], 20), ("shape", [2], 2),
+                                              ("x", [1], 1)]
+
+
+def test_a_graph_past_the_cuda_kernels_32_bit_indexing_is_refused_before_its_session(monkeypatch):
+    """ONNX Runtime's CUDA kernels index with int32: GPT-2 small at batch 128 × 512 tokens failed in
+    an Expand of its 3.3e9-element logits on an H200, and some kernels write wrong values instead.
+    The CUDA device names every such tensor and the fix before a session exists; 2^31 - 1 elements
+    pass; the CPU device runs anything."""
+    logits = [128 * 512, 50257]
+    with pytest.raises(ValueError, match=r"2 tensor\(s\) .* more than 2\^31 - 1 elements.*y \[65536, 50257\] "
+                                         r"\(3\.29e\+09 elements\); z .*smaller batch.*gradient_accumulation_steps"):
+        devices.CUDADevice(0).check_graph(_graph_with(logits))
+    devices.CUDADevice(0).check_graph(_graph_with([2**31 - 1]))
+    devices.CPUDevice(0).check_graph(_graph_with(logits))
+
+    class Refusing(devices.CPUDevice):
+        def check_graph(self, model):
+            raise ValueError("refused")
+
+    made = []
+    monkeypatch.setattr(ort, "InferenceSession", lambda *args, **kwargs: made.append(args))
+    sessions = Sessions(Refusing(0), ort.SessionOptions(), [("CPUExecutionProvider", {})], [])
+    with pytest.raises(ValueError, match="refused"):
+        sessions.make_session(_graph_with([2, 2]))
+    assert made == []  # the engine's sessions ask the device first: none was made
