@@ -366,7 +366,6 @@ class CUDADevice(Device):
         torch.cuda.current_stream(self.torch_device).synchronize()
 
 
-
 def largest_tensors(graph: onnx.GraphProto) -> list[tuple[str, list[int], int]]:
     """``(name, shape, elements)`` of every value of ``graph`` whose shape is fully known (inputs,
     annotated intermediates, outputs, initializers), the largest first."""
