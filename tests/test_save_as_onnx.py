@@ -36,6 +36,9 @@ def _train(trainer, batches):
 
 
 def test_encoder_with_dropout_exports_an_inference_model(tmp_path, monkeypatch):
+    # a cache of its own: where another test saved this model, the symbolic eval graph would be found
+    # by the training graph's operator record, with no trace at all
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path / "cache"))
     gen = torch.Generator().manual_seed(7)
     model = TinyEncoder(dropout=0.1)
     trainer = ORTTrainer(model, ENCODER_DESC, AdamConfig(lr=1e-3), loss_fn=mlm_loss)
