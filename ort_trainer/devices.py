@@ -12,7 +12,6 @@ exist.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 
@@ -22,6 +21,7 @@ import onnxruntime as ort
 import torch
 
 from . import _runtime
+from .graph.onnx_graph import largest_tensors
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 _CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -364,20 +364,6 @@ class CUDADevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.torch_device).synchronize()
-
-
-def largest_tensors(graph: onnx.GraphProto) -> list[tuple[str, list[int], int]]:
-    """``(name, shape, elements)`` of every value of ``graph`` whose shape is fully known (inputs,
-    annotated intermediates, outputs, initializers), the largest first."""
-    found = {}
-    for info in [*graph.input, *graph.value_info, *graph.output]:
-        tensor_type = info.type.tensor_type
-        dims = tensor_type.shape.dim
-        if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            found[info.name] = [d.dim_value for d in dims]
-    for init in graph.initializer:
-        found[init.name] = list(init.dims)
-    return sorted(((name, shape, math.prod(shape)) for name, shape in found.items()), key=lambda t: -t[2])
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper
 
 from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch
 from ort_trainer import ORTTrainer, ORTTrainerOptions, devices, engine as engine_module
+from ort_trainer.graph.onnx_graph import largest_tensors
 from ort_trainer.optim import AdamConfig
 from ort_trainer.sessions import Sessions
 
@@ -355,7 +356,7 @@ def _graph_with(shape: list[int]) -> onnx.ModelProto:
 def test_largest_tensors_lists_every_value_of_known_size_the_largest_first():
     graph = _graph_with([4, 5]).graph
     graph.value_info.append(helper.make_tensor_value_info("unknown", TensorProto.FLOAT, ["batch", 3]))
-    assert devices.largest_tensors(graph) == [("y", [4, 5], 20), ("z", [4, 5], 20), ("shape", [2], 2),
+    assert largest_tensors(graph) == [("y", [4, 5], 20), ("z", [4, 5], 20), ("shape", [2], 2),
                                               ("x", [1], 1)]
 
 

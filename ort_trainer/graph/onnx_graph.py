@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Collection
 
 import onnx
@@ -138,11 +139,24 @@ def _outer_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def _shape(tensor_type) -> list:
+    return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
+
+
 def value_info(info: onnx.ValueInfoProto) -> list:
     """``[shape, numpy dtype name]`` of a graph input or output (symbolic dims by name)."""
     tensor_type = info.type.tensor_type
-    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
-    return [shape, str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
+    return [_shape(tensor_type), str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))]
+
+
+def largest_tensors(graph: onnx.GraphProto) -> list[tuple[str, list[int], int]]:
+    """``(name, shape, elements)`` of every value of ``graph`` whose shape is fully known (inputs,
+    annotated intermediates, outputs, initializers), the largest first."""
+    shapes = {info.name: _shape(info.type.tensor_type) for info in [*graph.input, *graph.value_info, *graph.output]
+              if info.type.tensor_type.HasField("shape")}
+    shapes.update({init.name: list(init.dims) for init in graph.initializer})
+    known = [(name, shape, math.prod(shape)) for name, shape in shapes.items() if all(isinstance(d, int) for d in shape)]
+    return sorted(known, key=lambda t: -t[2])
 
 
 def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
@@ -150,4 +164,5 @@ def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
     return ([[i.name, *value_info(i)] for i in graph.input], [[o.name, *value_info(o)] for o in graph.output])
 
 
-__all__ = ["build_inference_graph", "drop_outputs", "io_signature", "module_of", "specialize", "value_info"]
+__all__ = ["build_inference_graph", "drop_outputs", "io_signature", "largest_tensors", "module_of", "specialize",
+           "value_info"]

@@ -191,9 +191,7 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
     store = graph_cache_store or graph_cache.GraphCache()
     started = time.perf_counter()
     validate = lambda models, meta: _eval_problems(models, graphs.meta, job)  # noqa: E731
-    record = None if graphs.record is None else graph_cache.make_key({"eval_of_record": graphs.record})
-    key = None if record is None else store.linked(record)
-    cached = None if key is None else store.load(key, validate=validate)
+    record, key, cached = _linked_eval(store, graphs.record, validate)
     traced = None
     if cached is None:  # no eval graph linked to the record: trace
         input_dtypes = _input_dtypes(job, graphs.sample_inputs)
@@ -250,13 +248,11 @@ def build_symbolic_eval_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]
     store = graph_cache_store or graph_cache.GraphCache()
     source = job.source
     link = None if record is None else graph_cache.make_key({"symbolic_eval_of_record": record})
-    key = None if link is None else store.linked(graph_cache.make_key({"eval_of_record": link}))
-    if key is not None:
-        expected = {**meta, "outputs": list(job.desc.output_names)}
-        cached = store.load(key, validate=lambda models, _: _eval_problems(models, expected, job))
-        if cached is not None:
-            logger.info("reused the cached symbolic eval graph %s (found by its operator record: no export)", key[:16])
-            return cached[0]["eval"]
+    expected = {**meta, "outputs": list(job.desc.output_names)}
+    _, key, cached = _linked_eval(store, link, lambda models, _: _eval_problems(models, expected, job))
+    if cached is not None:
+        logger.info("reused the cached symbolic eval graph %s (found by its operator record: no export)", key[:16])
+        return cached[0]["eval"]
     input_dtypes = _input_dtypes(job, sample_inputs)
     traced = forward if forward is not None and forward.serves(None) else source.trace_eval(job, sample_inputs)
     prepared = source.prepare(job, traced, None, None, input_dtypes)
@@ -264,6 +260,16 @@ def build_symbolic_eval_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]
                             key=job.cache_key(traced, input_dtypes, None), sample_inputs=list(sample_inputs),
                             record=link)
     return build_eval_graph(job, graphs, store)
+
+
+def _linked_eval(store: graph_cache.GraphCache, record: str | None,
+                 validate: graph_cache.Validator) -> tuple[str | None, str | None, tuple | None]:
+    """``(link, key, cached)``: the link of the eval graph of the graphs found by or linked to
+    ``record`` (``TrainingGraphs.record``), the entry it names and that entry loaded and validated;
+    None where there is no record, no link, or no sound entry."""
+    link = None if record is None else graph_cache.make_key({"eval_of_record": record})
+    key = None if link is None else store.linked(link)
+    return link, key, None if key is None else store.load(key, validate=validate)
 
 
 def _eval_problems(models: dict[str, onnx.ModelProto], meta: dict, job: GraphJob) -> list[str]:
