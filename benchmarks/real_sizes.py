@@ -126,15 +126,16 @@ def _best_seconds(run, repeats: int = 5) -> float:
     return best
 
 
-def gemm_shapes(name: str) -> list[tuple[int, int, int]]:
-    """``(M, K, N)`` of the row's weight products: tokens × width × 4·width and back (the MLP's layers)."""
+def gemm_shapes(name: str, model) -> list[tuple[int, int, int]]:
+    """``(M, K, N)`` of the row's weight products, from its model: the MLP's layers at its batch; a
+    transformer's tokens × width × 4·width and back."""
+    batch, size = SIZES[name][:2]
     if name.startswith("mlp"):
-        batch, features = SIZES[name][:2]
-        return [(batch, features, 1024), (batch, 1024, 1024)]
-    batch, seq = SIZES[name][:2]
-    width = {**{"n_embd": 768, "hidden_size": 768}, **_CONFIGS.get(name, {})}
-    width = width["n_embd"] if name.startswith("gpt2") else width["hidden_size"]
-    return [(batch * seq, width, 4 * width), (batch * seq, 4 * width, width)]
+        import torch
+
+        return sorted({(batch, m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    width = model.config.hidden_size
+    return [(batch * size, width, 4 * width), (batch * size, 4 * width, width)]
 
 
 def ceiling(name: str) -> dict:
@@ -150,9 +151,10 @@ def ceiling(name: str) -> dict:
     with counter:
         eager_loss(name, model, batch_of()).backward()
     flops = counter.get_total_flops()
+    shapes = gemm_shapes(name, model)
     del model
     rates = {"torch": 0.0, "onnxruntime": 0.0}
-    for m, k, n in gemm_shapes(name):
+    for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
         rates["torch"] = max(rates["torch"], 2 * m * k * n / _best_seconds(lambda: torch.mm(a, b)) / 1e9)
         graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
@@ -165,7 +167,7 @@ def ceiling(name: str) -> dict:
         feeds = {"a": a.numpy()}
         seconds = _best_seconds(lambda: session.run(None, feeds))
         rates["onnxruntime"] = max(rates["onnxruntime"], 2 * m * k * n / seconds / 1e9)
-    return {"flops": flops, "gemm_gflops": rates, "shapes": gemm_shapes(name)}
+    return {"flops": flops, "gemm_gflops": rates, "shapes": shapes}
 
 
 def worker(args) -> dict:
