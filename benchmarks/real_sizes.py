@@ -11,6 +11,10 @@ process, one implementation each, the order alternating from round to round:
   build: export, gradient graph, sessions); later rounds find the graph in that cache (**warm**);
 - each process times ``--steps`` training steps after its first and reports its peak resident
   memory (``ru_maxrss``, the whole process); the losses of both implementations are compared;
+- each process then evaluates 4 batches (ort_trainer's ``eval_step`` with the training loop's
+  ``fetches = ["loss"]``; eager's model in eval mode under ``torch.no_grad()``, which computes the
+  logits too): ort_trainer's first call is its eval graph's first use after the training graph was
+  built cold (round 1) or found in the cache, the other 3 are timed;
 - the last ort_trainer process then times ``save_as_onnx`` and reports its peak again;
 - one more process per row measures the arithmetic ceiling: the step's matrix-product FLOPs
   (``torch.utils.flop_counter`` over one eager forward and backward) and the best float32 GEMM rate
@@ -49,6 +53,7 @@ _CONFIGS = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
 
 
 LOSS_STEPS = 10  # losses compared with eager's
+EVAL_CALLS = 4  # evaluations per process after training: the first (ort_trainer: its graph's first use) and 3 timed
 
 
 def _peak_mb() -> float:
@@ -222,6 +227,18 @@ def worker(args) -> dict:
     report = {"first_s": first, "step_s": seconds, "losses": losses, "peak_mb": _peak_mb()}
     if args.impl == "ort":
         report["graph_s"] = graph_s[0]
+        evaluate = trainer.eval_step  # with the training loop's fetches: the loss
+    else:
+        model.eval()
+
+        def evaluate(*inputs):
+            with torch.no_grad():
+                return eager_loss(args.model, model, inputs)
+    report["eval_s"] = []
+    for inputs in batches[:EVAL_CALLS]:
+        started = time.perf_counter()
+        evaluate(*inputs)
+        report["eval_s"].append(time.perf_counter() - started)
     if args.impl == "ort" and args.save:
         with tempfile.TemporaryDirectory() as directory:
             started = time.perf_counter()
@@ -275,6 +292,11 @@ def row(model: str, runs: dict) -> dict:
         "ort_peak_mb": max(r["peak_mb"] for r in ort), "eager_peak_mb": max(r["peak_mb"] for r in eager),
         "save_s": ort[-1].get("save_s"), "save_peak_mb": ort[-1].get("save_peak_mb"),
         "gflop": runs["ceiling"]["flops"] / 1e9, "gemm_gflops": max(runs["ceiling"]["gemm_gflops"].values()),
+        # the first evaluation after a cold build (round 1) and after a warm one; then the later calls' median
+        "first_eval_cold_s": ort[0]["eval_s"][0],
+        "first_eval_warm_s": statistics.median(r["eval_s"][0] for r in ort[1:]) if len(ort) > 1 else None,
+        "ort_eval_s": statistics.median(s for run in ort for s in run["eval_s"][1:]),
+        "eager_eval_s": statistics.median(s for run in eager for s in run["eval_s"][1:]),
     }
 
 
@@ -285,8 +307,9 @@ def table(rows: list[dict]) -> str:
     lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s "
              "| first step, warm cache s (graph ready) "
              "| step ort / eager s | speed-up | GFLOP/s ort / eager / GEMM peak | speed-up ceiling "
-             "| peak RSS ort / eager MB | ratio | save_as_onnx s | peak after save MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak RSS ort / eager MB | ratio | save_as_onnx s | peak after save MB "
+             "| first eval_step after a cold / warm build s | eval_step ort / eager no_grad s (speed-up) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {r['cold_s']:.1f} "
@@ -295,7 +318,9 @@ def table(rows: list[dict]) -> str:
             f"| {r['gflop'] / r['ort_step_s']:.3g} / {r['gflop'] / r['eager_step_s']:.3g} / {r['gemm_gflops']:.3g} "
             f"| {r['gemm_gflops'] * r['eager_step_s'] / r['gflop']:.2f}× "
             f"| {r['ort_peak_mb']:.0f} / {r['eager_peak_mb']:.0f} | {r['ort_peak_mb'] / r['eager_peak_mb']:.2f} "
-            f"| {number(r['save_s'], '.1f')} | {number(r['save_peak_mb'], '.0f')} |")
+            f"| {number(r['save_s'], '.1f')} | {number(r['save_peak_mb'], '.0f')} "
+            f"| {r['first_eval_cold_s']:.2f} / {number(r['first_eval_warm_s'], '.2f')} "
+            f"| {r['ort_eval_s']:.3g} / {r['eager_eval_s']:.3g} ({r['eager_eval_s'] / r['ort_eval_s']:.2f}×) |")
     return "\n".join(lines)
 
 
@@ -330,7 +355,9 @@ def main() -> None:
             "matrix-product FLOPs (torch's flop counter, forward and backward) per second of step; GEMM peak: the best "
             "float32 matrix-product rate torch or ONNX Runtime reached on this machine at the row's layer shapes; "
             "speed-up ceiling: that peak over eager's rate, the most a step of nothing but matrix products at the "
-            "peak could gain over eager.\n\n" + table(rows) + "\n")
+            "peak could gain over eager. Evaluation: ort_trainer's eval_step with the loop's fetches (the loss), eager's "
+            "forward under no_grad in eval mode; the first eval_step is the eval graph's first use in a process whose "
+            "training graph was built (cold) or found in the cache (warm).\n\n" + table(rows) + "\n")
     args.out.write_text(text)
     print(table(rows))
 

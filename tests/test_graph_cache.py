@@ -364,21 +364,24 @@ def _with_checksums_updated(tamper):
                                     _with_checksums_updated(_drop_a_node), _with_checksums_updated(_rename_an_input)],
                          ids=lambda tamper: tamper.__name__)
 def test_a_damaged_entry_that_still_parses_is_rebuilt_with_a_warning(tamper, tmp_path, monkeypatch):
+    # a model whose eval mode computes otherwise, so that its eval graph is traced and cached in an
+    # entry of its own (one that computes the same in both modes takes the training graph's forward)
+    model = _seeded(_EvalBranchMLP)
     monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
-    _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+    _train(model(), torch.nn.functional.cross_entropy)
     entries = [p for p in sorted(tmp_path.iterdir()) if not p.name.startswith(".") and tamper(p)]
     assert entries
     records = _Records()
     logger.addHandler(records)
     try:
-        losses, from_cache = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+        losses, from_cache = _train(model(), torch.nn.functional.cross_entropy)
     finally:
         logger.removeHandler(records)
     assert from_cache is not any((entry / "gradient.onnx").exists() for entry in entries)  # rebuilt if tampered
-    assert losses == _fresh(_seeded(MLP), torch.nn.functional.cross_entropy, monkeypatch, tmp_path)
+    assert losses == _fresh(model, torch.nn.functional.cross_entropy, monkeypatch, tmp_path)
     for entry in entries:
         assert any(str(entry) in m and "rebuilding" in m for m in records.messages), records.messages
-    again, from_cache = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
+    again, from_cache = _train(model(), torch.nn.functional.cross_entropy)
     assert from_cache is True and again == losses  # the entry was overwritten with a good one
 
 

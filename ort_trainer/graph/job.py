@@ -66,7 +66,7 @@ class GraphJob:
 
     def record_cache_key(self, record: str, input_dtypes: dict[str, str], dims: dict[str, int] | None,
                          outputs: tuple | None = None) -> str:
-        """The key a record (``GradientSource.record_key``) links to an entry by: the record and
+        """The key a record (``GradientSource.record``'s ``key``) links to an entry by: the record and
         the same options as ``cache_key``."""
         return graph_cache.make_key({"record": record, **self._shaping(input_dtypes, dims, outputs)})
 
@@ -111,6 +111,23 @@ class Traced:
     def serves(self, dims: dict[str, int] | None) -> bool:
         """Whether graphs for symbol sizes ``dims`` (None: symbolic) can be built from this trace."""
         return self.dims is None or self.dims == (dims or None)
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """What a source's cheap record of the model on a sample says (``GradientSource.record``).
+
+    Attributes:
+        key: a hash of the operators the forward runs in training and in eval mode, with their
+            arguments and where their tensors come from: the graph cache links it to the entry a
+            trace built (``GraphJob.record_cache_key``).
+        eval_is_training: eval mode runs the very operators training mode runs (no Dropout that
+            draws, no BatchNorm, no branch on ``self.training`` that changes what is computed),
+            so the eval graph is the training graph's forward part.
+    """
+
+    key: str
+    eval_is_training: bool = False
 
 
 @dataclass
@@ -171,8 +188,8 @@ class GradientSource(ABC):
         gradient graph is built from it); by default the whole ``trace``."""
         return self.trace(job, sample_inputs, None)
 
-    def record_key(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> str | None:
-        """A key of what the model computes on the sample that is much cheaper than ``trace``
+    def record(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> OpRecord | None:
+        """A record of what the model computes on the sample that is much cheaper than ``trace``
         (``op_record.py``), or None when this source has none: the pipeline then finds cache
         entries by tracing. The pipeline links a record key to an entry only after a trace."""
         return None
@@ -200,4 +217,4 @@ class GradientSource(ABC):
         return ""
 
 
-__all__ = ["Built", "GradientSource", "GraphJob", "Prepared", "Traced"]
+__all__ = ["Built", "GradientSource", "GraphJob", "OpRecord", "Prepared", "Traced"]

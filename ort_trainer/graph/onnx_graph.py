@@ -50,6 +50,24 @@ def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
     return removed
 
 
+def forward_part(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
+    """A new model computing only the graph outputs ``outputs`` of ``model``: the nodes, inputs,
+    initializers and value infos they need (a training graph's forward part, without its gradients
+    and the activations it keeps for them). ``model`` is left as it is."""
+    graph = model.graph
+    by_name = {o.name: o for o in graph.output}
+    needed = set(outputs)
+    live = _live_nodes(graph.node, needed)
+    part = helper.make_graph(  # copies what it is given: ``model`` is not shared
+        live, graph.name, [i for i in graph.input if i.name in needed], [by_name[name] for name in outputs],
+        [i for i in graph.initializer if i.name in needed],
+        value_info=[v for v in graph.value_info if v.name in needed])
+    result = helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
+                               producer_name=model.producer_name, producer_version=model.producer_version)
+    result.functions.extend(model.functions)
+    return result
+
+
 def module_of(node_name: str) -> str:
     """The torch module path of an exported node name (``/model/enc/layers.0/Gemm`` -> ``enc.layers.0``)."""
     parts = [p for p in node_name.split("/") if p][:-1]
@@ -164,5 +182,5 @@ def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
     return ([[i.name, *value_info(i)] for i in graph.input], [[o.name, *value_info(o)] for o in graph.output])
 
 
-__all__ = ["build_inference_graph", "drop_outputs", "io_signature", "largest_tensors", "module_of", "specialize",
-           "value_info"]
+__all__ = ["build_inference_graph", "drop_outputs", "forward_part", "io_signature", "largest_tensors", "module_of",
+           "specialize", "value_info"]

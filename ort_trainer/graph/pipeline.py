@@ -25,7 +25,7 @@ from . import cache as graph_cache
 from .export.torchscript import ExportError, export_order
 from .job import GraphJob, Prepared, Traced
 from .names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
-from .onnx_graph import io_signature, value_info
+from .onnx_graph import forward_part, io_signature, value_info
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
 from .passes.dropout import host_mask_inputs
 from .passes.tied_embedding import host_table_rows
@@ -56,6 +56,9 @@ class TrainingGraphs:
         sample_inputs: the arrays the graphs were built for (a later eval build traces them).
         record: the operator record key (``GraphJob.record_cache_key``) the graphs were found by or
             linked to, or None; it covers eval mode too, so the eval graph is linked to it as well.
+        eval_is_training: the operator record found that eval mode runs the operators training mode
+            runs (``OpRecord.eval_is_training``): the eval graph is then the gradient graph's
+            forward part, with no eval-mode trace.
 
     The optimizer graph is not part of it: ``build_optimizer`` makes it in milliseconds.
     """
@@ -70,6 +73,7 @@ class TrainingGraphs:
     key: str = ""
     sample_inputs: list = field(default_factory=list, repr=False)
     record: str | None = None
+    eval_is_training: bool = False
 
 
 def _input_dtypes(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> dict[str, str]:
@@ -113,14 +117,15 @@ def build_training_graphs(
     dims = dims or None
     accumulate = job.accumulate and source.accumulates_in_graph
     traced = forward if forward is not None and forward.serves(dims) else None
-    record = None
+    op_record = None
     symbolic = dims is None and any(isinstance(d, str) for io in job.desc.inputs for d in io.shape)
     if traced is None and store.root is not None and not symbolic and not any(job.save_paths.values()):
         # a record runs the sample's sizes only: symbolic graphs, and debug dumps (they come from
         # the trace), trace on a hit too
-        record = source.record_key(job, sample_inputs)
+        op_record = source.record(job, sample_inputs)
+    record = None if op_record is None else job.record_cache_key(op_record.key, input_dtypes, dims, outputs)
+    eval_is_training = op_record is not None and op_record.eval_is_training
     if record is not None:
-        record = job.record_cache_key(record, input_dtypes, dims, outputs)
         linked = _load_linked(store, record, job, input_dtypes, accumulate)
         if linked is not None:
             key, models, meta = linked
@@ -128,7 +133,8 @@ def build_training_graphs(
             logger.info("reused the cached training graph %s (%.2f s, found by its operator record: no export) "
                         "from %s", key[:16], time.perf_counter() - started, store.root)
             return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, dims=dims,
-                                  outputs=outputs, key=key, sample_inputs=list(sample_inputs), record=record)
+                                  outputs=outputs, key=key, sample_inputs=list(sample_inputs), record=record,
+                                  eval_is_training=eval_is_training)
     if traced is None:
         traced = source.trace(job, sample_inputs, dims)
     key = job.cache_key(traced, input_dtypes, dims, outputs)
@@ -146,7 +152,8 @@ def build_training_graphs(
         logger.info("reused the cached training graph %s (%.2f s, trace included) from %s", key[:16],
                     time.perf_counter() - started, store.root)
         return TrainingGraphs(models["gradient"], models.get("eval"), meta, from_cache=True, forward=traced,
-                              dims=dims, outputs=outputs, key=key, sample_inputs=list(sample_inputs), record=record)
+                              dims=dims, outputs=outputs, key=key, sample_inputs=list(sample_inputs), record=record,
+                              eval_is_training=eval_is_training)
 
     built = source.build(job, traced, prepared)
     _warn_untrained(trainable, built.trained)
@@ -168,15 +175,19 @@ def build_training_graphs(
     logger.info("built the training graph %s with the %s gradient source in %.2f s%s", key[:16], source.name,
                 time.perf_counter() - started, f"; cached in {entry}" if entry else "")
     return TrainingGraphs(built.gradient, built.eval, meta, forward=traced, dims=dims, outputs=outputs, key=key,
-                          sample_inputs=list(sample_inputs), record=record if entry is not None else None)
+                          sample_inputs=list(sample_inputs), record=record if entry is not None else None,
+                          eval_is_training=eval_is_training)
 
 
 def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
                      graph_cache_store: graph_cache.GraphCache | None = None) -> onnx.ModelProto:
     """The eval graph of ``graphs`` (built there already, or from its own cache entry, or now).
 
-    A source that builds the eval graph only on demand (``Built.eval`` None) is asked here, on the
-    first ``eval_step`` or ``save_as_onnx`` that needs it; cached under a key of the gradient graph's
+    Where the operator record found that eval mode runs what training mode runs
+    (``graphs.eval_is_training``: no Dropout that draws, no BatchNorm), it is the gradient graph's
+    forward part (``onnx_graph.forward_part``): no trace, no translation. Otherwise a source that
+    builds the eval graph only on demand (``Built.eval`` None) is asked here, on the first
+    ``eval_step`` or ``save_as_onnx`` that needs it; cached under a key of the gradient graph's
     and the source's ``eval_fingerprint`` (its eval-mode trace), linked to the graphs' operator
     record (which covers eval mode: a later process finds it with no trace), kept in ``graphs.eval``.
 
@@ -188,8 +199,17 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
     """
     if graphs.eval is not None:
         return graphs.eval
-    store = graph_cache_store or graph_cache.GraphCache()
     started = time.perf_counter()
+    if graphs.eval_is_training and graphs.gradient is not None:
+        model = forward_part(graphs.gradient, graphs.meta["outputs"])
+        problems = _eval_problems({"eval": model}, graphs.meta, job)
+        if not problems:
+            logger.info("took the eval graph from the training graph's forward part in %.2f s (eval mode runs the "
+                        "operators training mode runs)", time.perf_counter() - started)
+            graphs.eval = model
+            return model
+        logger.debug("the training graph's forward part is no eval graph (%s); tracing eval mode", "; ".join(problems))
+    store = graph_cache_store or graph_cache.GraphCache()
     validate = lambda models, meta: _eval_problems(models, graphs.meta, job)  # noqa: E731
     record, key, cached = _linked_eval(store, graphs.record, validate)
     traced = None

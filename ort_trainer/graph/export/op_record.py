@@ -3,7 +3,7 @@
 ``torch.export`` is what the graphs are built from and what the cache key hashes
 (``pipeline.GraphJob.cache_key``), but tracing costs ~0.6 s per mode on the BERT-like model, plus
 ~1 s importing ``torch._dynamo`` in a fresh process. A cache hit does not need the program, only
-proof that the program would be the same. ``record_key`` gets that from an eager run: the model
+proof that the program would be the same. ``record`` gets that from an eager run: the model
 and loss run forward once in training mode and once in eval mode, on the sample batch (on fake
 tensors for a large model: the operators and tensor metadata, no arithmetic), with the
 flags the tracer sets, under a ``TorchDispatchMode`` that hashes every ATen operator that runs,
@@ -15,6 +15,10 @@ sits above the record, so these leave the operators themselves unchanged but not
 Autocast regions show as the casts they insert. That is what was computed, not the source text: a module-level helper, a callable
 attribute, a monkeypatched ``forward``, a ``functools.partial``'s keywords, an ``if
 self.training`` branch, a device or autocast branch all change the operators that run.
+
+When the two modes' records are equal, eval mode computes what training mode computes, and the
+pipeline takes the eval graph from the training graph's forward part instead of tracing eval mode
+(``OpRecord.eval_is_training``).
 
 The pipeline maps a record key to the export key it was seen with (``GraphCache.link``) only
 after a full trace in the same process produced both, so a record never names a graph that was
@@ -43,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._logging import logger
 from ...model_desc import ModelDescription
+from ..job import OpRecord
 from .guard import _model_left_untouched
 from .torchscript import _ModelWithLoss, export_order
 
@@ -124,10 +129,10 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
-               sample_inputs: Sequence[np.ndarray], tracing: Callable[[], Any] = contextlib.nullcontext,
-               on_fake: bool | None = None) -> str | None:
-    """The record key of ``model`` with ``loss_fn`` on inputs of the sample's shapes and dtypes.
+def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
+           sample_inputs: Sequence[np.ndarray], tracing: Callable[[], Any] = contextlib.nullcontext,
+           on_fake: bool | None = None) -> OpRecord | None:
+    """The operator record of ``model`` with ``loss_fn`` on inputs of the sample's shapes and dtypes.
 
     Args:
         model: the user's module (anything else, e.g. an ONNX model, has no record: None).
@@ -142,8 +147,11 @@ def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
             either way (the operators and their tensors' metadata, never intermediate values).
 
     Returns:
-        A hex SHA-256, or None when the forward does something a record cannot key (logged at
-        DEBUG). The model is left as it was: modes, buffers, requires_grad flags, torch's RNG.
+        The record: its key a hex SHA-256 of both modes' records, and whether eval mode ran the
+        very operators training mode ran (no Dropout that draws, no BatchNorm, no ``if
+        self.training`` branch that changes what is computed); None when the forward does
+        something a record cannot key (logged at DEBUG). The model is left as it was: modes,
+        buffers, requires_grad flags, torch's RNG.
     """
     if not isinstance(model, torch.nn.Module):
         return None
@@ -161,6 +169,7 @@ def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
         if on_fake is None:
             on_fake = sum(t.numel() for t in wrapper.state_dict(keep_vars=True).values()) >= FAKE_ABOVE
         fake = (lambda: FakeTensorMode(allow_non_fake_inputs=True)) if on_fake else contextlib.nullcontext
+        modes = []
         with _model_left_untouched(wrapper):
             for training in (True, False):
                 wrapper.train(training)
@@ -176,14 +185,15 @@ def record_key(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                     raise _Declined(f"the forward failed ({type(exc).__name__})") from exc
                 if training:
                     _refuse_custom_functions(outputs)
-                digest.update(recorder.digest.digest())
+                modes.append(recorder.digest.digest())
+                digest.update(modes[-1])
                 del outputs, recorder
         if _python_state(wrapper) != state:
             raise _Declined("the forward changes the model's Python attributes")
     except _Declined as exc:
         logger.debug("no record key (%s); the graph cache is looked up by the export's key", exc)
         return None
-    return digest.hexdigest()
+    return OpRecord(digest.hexdigest(), eval_is_training=modes[0] == modes[1])
 
 
 def _drop(tensor: torch.Tensor) -> None:
@@ -289,4 +299,4 @@ def _python_state(wrapper: torch.nn.Module) -> list:
             for name, module in wrapper.named_modules()]
 
 
-__all__ = ["exporting_flags", "record_key"]
+__all__ = ["exporting_flags", "record"]

@@ -23,7 +23,7 @@ from .. import passes
 from ..export import op_record
 from ..export.input_checks import find_input_constraints, find_program_constraints
 from ..export.torchscript import ExportError
-from ..job import Built, GradientSource, GraphJob, Prepared, Traced
+from ..job import Built, GradientSource, GraphJob, OpRecord, Prepared, Traced
 from ..names import LOSS_SCALE_INPUT
 from ..onnx_graph import drop_outputs, specialize
 from . import autograd, sparse_labels, torch_export
@@ -87,9 +87,9 @@ class TorchGradientSource(GradientSource):
         exported here, on the first evaluation (GPT-2 small: ~1.2 s kept out of the first step)."""
         return autograd.eval_fingerprint(traced.program["traced"])
 
-    def record_key(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> str | None:
-        """The operators one eager forward runs, with the flags ``torch.export`` sets
-        (``op_record.record_key``) and, with mixed precision, under the trace's autocast (a model
+    def record(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> OpRecord | None:
+        """The operators one eager forward per mode runs, with the flags ``torch.export`` sets
+        (``op_record.record``) and, with mixed precision, under the trace's autocast (a model
         may branch on ``torch.is_autocast_enabled()``); None for an ONNX model."""
         if isinstance(job.model, onnx.ModelProto) or job.extra_postprocess is not None:
             return None
@@ -99,7 +99,7 @@ class TorchGradientSource(GradientSource):
             with op_record.exporting_flags(), torch_export.autocast_context(job.autocast):
                 yield
 
-        return op_record.record_key(job.model, job.loss_fn, job.desc, sample_inputs, tracing)
+        return op_record.record(job.model, job.loss_fn, job.desc, sample_inputs, tracing)
 
     def prepare(self, job: GraphJob, traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:

@@ -1,0 +1,173 @@
+"""The eval graph of a model that computes the same in both modes is the training graph's forward part.
+
+The operator record (``op_record.record``) runs the forward in training and in eval mode; when both
+run the very same operators (no Dropout that draws, no BatchNorm, no ``self.training`` branch that
+changes anything), the eval graph is the gradient graph's forward part (``onnx_graph.forward_part``):
+the first ``eval_step`` after a cold build traces and translates nothing more (GPT-2 small: ~1 s
+instead of 4-8 s). Models that compute otherwise in eval mode keep their eval-mode trace
+(``test_op_record.py``, ``test_batchnorm.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import MLP, MLP_DESC, mlp_batch, tiny_gpt2
+from ort_trainer import ORTTrainer
+from ort_trainer.graph.export import op_record
+from ort_trainer.graph.names import GRAD_SUFFIX, LOSS_SCALE_INPUT
+from ort_trainer.model_desc import parse_model_desc
+from ort_trainer.optim import SGDConfig
+from tolerances import FLOAT32, check, relative_error
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+class _Dropped(MLP):
+    def __init__(self, p: float):
+        super().__init__()
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class _BatchNormed(MLP):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class _Branches(MLP):
+    """An ``if self.training`` branch: tanh in training, sigmoid in eval."""
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.tanh(h) if self.training else torch.sigmoid(h))
+
+
+CASES = {
+    "plain MLP": (MLP, True),
+    "Dropout(p=0)": (lambda: _Dropped(0.0), True),
+    "Dropout(p=0.5)": (lambda: _Dropped(0.5), False),
+    "BatchNorm": (_BatchNormed, False),
+    "self.training branch": (_Branches, False),
+}
+
+
+@pytest.mark.parametrize("on_fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_record_says_whether_eval_mode_runs_what_training_mode_runs(case, on_fake):
+    factory, same = case
+    x, y = mlp_batch(torch.Generator().manual_seed(0))
+    record = op_record.record(factory(), F.cross_entropy, parse_model_desc(MLP_DESC), [x.numpy(), y.numpy()],
+                              op_record.exporting_flags, on_fake=on_fake)
+    assert record is not None and record.eval_is_training is same
+
+
+class _ExportCalls:
+    """Counts ``torch.export.export`` calls."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        self._export = torch.export.export
+        monkeypatch.setattr(torch.export, "export", self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._export(*args, **kwargs)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache of the test's own (the record is taken only where there is a cache)."""
+    pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _gpt2_batch():
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    return ids, mask, ids
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP(), MLP_DESC, F.cross_entropy, mlp_batch(torch.Generator().manual_seed(1))
+
+
+def _gpt2():
+    model, desc = tiny_gpt2()
+    return model, desc, None, _gpt2_batch()
+
+
+# ONNX Runtime's float32 eval forward against float64 PyTorch in eval mode, each sum within n·u of
+# its terms' magnitude (Higham), adding up along the chain:
+# - the MLP: fc1 (20 terms), fc2 (32), the log-sum-exp (5 classes) and the mean (8 rows): ≈ 65u;
+#   bound 640u, a 10x margin.
+# - the 2-layer GPT-2 of width 16: ≈ 370u for the logits (test_eval_passes.py's GPT2_LOGITS_BOUND
+#   derivation), ≈ 440u with the loss's log-sum-exp over 50 classes and mean over 16 positions;
+#   bound 4400u, a 10x margin.
+BOUNDS = {"mlp": 640 * FLOAT32, "gpt2": 4400 * FLOAT32}
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_eval_after_training_takes_the_training_graphs_forward_part_with_no_trace(name, cache, monkeypatch):
+    model, desc, loss_fn, batch = {"mlp": _mlp, "gpt2": _gpt2}[name]()
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), loss_fn=loss_fn,
+                         options={"graph": {"gradient_source": "torch"}})
+    trainer.train_step(*batch)
+    exports = _ExportCalls(monkeypatch)
+    got = [np.asarray(o) for o in trainer.eval_step(*batch)]
+    assert exports.calls == 0  # no eval-mode trace
+    graphs = trainer._graphs
+    assert graphs.eval_is_training
+    eval_graph = graphs.eval
+    inputs = {i.name for i in eval_graph.graph.input}
+    assert LOSS_SCALE_INPUT not in inputs and inputs <= {*graphs.meta["weights"], *trainer.model_desc.input_names}
+    assert [o.name for o in eval_graph.graph.output] == graphs.meta["outputs"]
+    assert not any(n.endswith(GRAD_SUFFIX) for node in eval_graph.graph.node for n in node.output)
+    # against float64 PyTorch in eval mode, with the weights the training step left
+    reference = model.double().eval()
+    names = trainer.model_desc.input_names
+    with torch.no_grad():
+        if loss_fn is None:
+            out = reference(**dict(zip(names, batch)))
+            expected = [out.loss, out.logits]
+        else:
+            logits = reference(batch[0].double())
+            expected = [loss_fn(logits, batch[1]), logits]
+    for what, value, want in zip(("loss", "logits"), got, expected):
+        check(relative_error(value, want.numpy()), BOUNDS[name], f"{name} {what}")
+
+
+def test_the_forward_part_computes_what_the_eval_mode_trace_computes(tmp_path, monkeypatch):
+    """The same model and step evaluated through the eval-mode trace's graph (the record's verdict
+    turned off, in a cache of its own) and through the forward part: both float32 within the bound
+    of float64 PyTorch, so within twice that of each other."""
+    pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
+    real = op_record.record
+    results = []
+    for derive in (True, False):
+        monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path / f"cache-{derive}"))
+        if not derive:
+            monkeypatch.setattr(op_record, "record", lambda *args, **kwargs: _not_same(real(*args, **kwargs)))
+        model, desc, _, batch = _gpt2()
+        trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "torch"}})
+        trainer.train_step(*batch)
+        results.append([np.asarray(o) for o in trainer.eval_step(*batch)])
+        assert trainer._graphs.eval_is_training is derive
+    for what, derived, traced in zip(("loss", "logits"), *results):
+        check(relative_error(derived, traced), 2 * BOUNDS["gpt2"], what)
+
+
+def _not_same(record):
+    """``record`` as if eval mode ran other operators."""
+    return None if record is None else type(record)(record.key, eval_is_training=False)
