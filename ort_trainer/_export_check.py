@@ -45,7 +45,7 @@ def check_model_export(model: torch.nn.Module, loss_fn: Callable | None, desc: M
               ("a second input (the first batch reversed along its first axis, floating-point values "
                "negated): the export froze a value or branch at the batch it traced",
                [other_values(a) for a in sample_inputs])]
-    engine.select(full_signature(dict(zip(desc.input_names, sample_inputs))))
+    engine.select(full_signature(dict(zip(desc.input_names, sample_inputs))), training=False)
     for which, inputs in checks:
         was_training = model.training
         model.eval()

@@ -63,15 +63,39 @@ def _draws_random_numbers(graph: onnx.GraphProto) -> bool:
 
 
 class _SessionSet:
-    """Gradient and eval sessions of one shape signature, with their per-parity bindings."""
+    """Gradient and eval sessions of one shape signature, with their per-parity bindings: each made
+    when a step first needs it (a signature only evaluated never makes its gradient session)."""
 
     def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: Callable[[], onnx.ModelProto]):
-        self._engine, self._eval_model = engine, eval_model
+        self._engine, self._gradient_model, self._eval_model = engine, gradient, eval_model
         self._eval: tuple | None = None
-        self.gradient = engine.sessions.make_session(gradient)
-        produced = {o.name for o in self.gradient.get_outputs()}
+        self.training: _GradientSession | None = None
+        produced = {o.name for o in gradient.graph.output}
         # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
         self.output_names = [n for n in engine.output_names if n in produced]
+
+    def make_training(self) -> None:
+        """Make the gradient session and its bindings, unless made already."""
+        if self.training is None:
+            self.training = _GradientSession(self._engine, self._gradient_model, self.output_names)
+
+    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str]]:
+        """The eval session, its per-parity bindings and its input names, made on first use (the
+        eval graph itself may be built only then)."""
+        if self._eval is None:
+            session = self._engine.sessions.make_session(self._eval_model())
+            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, self.output_names))
+            self._eval = session, bindings, {i.name for i in session.get_inputs()}
+        return self._eval
+
+
+class _GradientSession:
+    """The gradient session of one shape signature, with its per-parity bindings to the engine's
+    weights, gradient buffers and scratch buffers."""
+
+    def __init__(self, engine: "Engine", gradient: onnx.ModelProto, output_names: list[str]):
+        self.gradient = engine.sessions.make_session(gradient)
+        self.output_names = output_names
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
         # tied embeddings (the tied_embedding_gradient pass): {weight: (row index, rows)}, the lookup's
         # rows that forward_backward adds into the weight's gradient after the run
@@ -97,15 +121,6 @@ class _SessionSet:
             # commits them once the whole step has succeeded (``Engine.commit_buffers``).
             for buffer_name, output in engine.buffer_updates.items():
                 device.bind_output(binding, output, engine.buffer_scratch[buffer_name])
-
-    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str]]:
-        """The eval session, its per-parity bindings and its input names, made on first use (the
-        eval graph itself may be built only then)."""
-        if self._eval is None:
-            session = self._engine.sessions.make_session(self._eval_model())
-            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, self.output_names))
-            self._eval = session, bindings, {i.name for i in session.get_inputs()}
-        return self._eval
 
 
 class Engine:
@@ -275,12 +290,15 @@ class Engine:
         return binding
 
     # ---- steps ------------------------------------------------------------------------------
-    def select(self, signature: Hashable) -> None:
-        """Use the graphs of shape signature ``signature``, building their sessions if new."""
+    def select(self, signature: Hashable, training: bool = True) -> None:
+        """Use the graphs of shape signature ``signature``, making their gradient session if new
+        and ``training`` (an evaluation makes the eval session alone, on its first run)."""
         sessions = self._session_sets.get(signature)
         if sessions is None:
             gradient, eval_model = self._graph_provider(signature)
             sessions = self._session_sets[signature] = _SessionSet(self, gradient, eval_model)
+        if training:
+            sessions.make_training()
         self._current = sessions
 
     def forward_backward(self, feeds: dict[str, np.ndarray], loss_scale: float = 1.0,
@@ -298,7 +316,9 @@ class Engine:
                 Masks the host draws (``dropout_masks``) come from ``seed`` too. A callable is asked
                 for the seed only when the graph draws random numbers.
         """
-        sessions = self._require_sessions()
+        sessions = self._require_sessions().training
+        if sessions is None:
+            raise RuntimeError("Engine.select(signature, training=True) must be called before a training step")
         draws = sessions.draws_random_numbers or bool(sessions.dropout_masks)
         value = (seed() if callable(seed) else seed) if seed is not None and draws else None
         if value is not None and sessions.draws_random_numbers:

@@ -206,11 +206,11 @@ class ORTTrainer(_StateMixin):
             return None
         return tuple(n for n in fetched if n != self.model_desc.loss_name)
 
-    def _ready(self, feeds: dict[str, np.ndarray]) -> Engine:
+    def _ready(self, feeds: dict[str, np.ndarray], training: bool = True) -> Engine:
         with self._kernels_explained():  # sessions are made here, before the step changes anything
             if self._engine is None:
                 self._build([feeds[name] for name in self.model_desc.input_names])
-            self._engine.select(self._shapes.signature(feeds, self._outputs_key()))
+            self._engine.select(self._shapes.signature(feeds, self._outputs_key()), training)
         return self._engine
 
     def _kernels_explained(self):
@@ -388,7 +388,7 @@ class ORTTrainer(_StateMixin):
         Takes and returns the same as ``train_step``.
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
-        engine = self._ready(feeds)
+        engine = self._ready(feeds, training=False)
         self._check_batch(feeds, training=False)
         with self._kernels_explained():  # the eval session is made on the first evaluation
             return self._select_outputs(engine.evaluate(feeds))

@@ -67,7 +67,7 @@ def test_shape_specialisation_is_bounded_and_computes_the_same():
         assert specialised.train_step(ids, labels)[0].item() == pytest.approx(expected, rel=SHAPES_RTOL)
     engine = specialised._engine
     assert set(engine._session_sets) == {((("batch", 2), ("seq", 6)), None), ((("batch", 3), ("seq", 9)), None), None}
-    session = engine._session_sets[((("batch", 3), ("seq", 9)), None)].gradient
+    session = engine._session_sets[((("batch", 3), ("seq", 9)), None)].training.gradient
     assert [i.shape for i in session.get_inputs() if i.name == "ids"] == [[3, 9]]
     assert set(symbolic._engine._session_sets) == {None}
     for name, value in symbolic.state_dict()["model"]["full_precision"].items():

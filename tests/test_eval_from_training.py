@@ -171,3 +171,26 @@ def test_the_forward_part_computes_what_the_eval_mode_trace_computes(tmp_path, m
 def _not_same(record):
     """``record`` as if eval mode ran other operators."""
     return None if record is None else type(record)(record.key, eval_is_training=False)
+
+
+def test_evaluating_other_outputs_than_training_fetched_makes_no_gradient_session(cache, monkeypatch):
+    """A loop that trains fetching the loss alone and then evaluates every output: the eval graph of
+    that signature is the forward part of its gradient graph (the first graphs' record holds for the
+    same sizes), and no gradient session is made for a signature that only evaluates."""
+    model, desc, _, batch = _gpt2()
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "torch"}})
+    trainer._train_step_info.fetches = ["loss"]
+    trainer.train_step(*batch)
+    trainer._train_step_info.fetches = []
+    exports = _ExportCalls(monkeypatch)
+    loss, logits = (np.asarray(o) for o in trainer.eval_step(*batch))
+    assert exports.calls == 0
+    (every,) = [s for key, s in trainer._engine._session_sets.items() if key[1] is None]
+    assert every.training is None and every.output_names == ["loss", "logits"]
+    reference = model.double().eval()
+    with torch.no_grad():
+        out = reference(**dict(zip(trainer.model_desc.input_names, batch)))
+    check(relative_error(loss, out.loss.numpy()), BOUNDS["gpt2"], "loss")
+    check(relative_error(logits, out.logits.numpy()), BOUNDS["gpt2"], "logits")
+    trainer.train_step(*batch)  # training on that signature makes its gradient session then
+    assert every.training is not None

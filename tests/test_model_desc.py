@@ -107,7 +107,7 @@ def test_outputs_not_fetched_are_dropped_from_the_graphs_and_change_nothing_else
     for key, value in trainers[0].state_dict()["model"]["full_precision"].items():
         np.testing.assert_array_equal(value, trainers[1].state_dict()["model"]["full_precision"][key])
     sessions = trainers[1]._engine._current
-    assert [o.name for o in sessions.gradient.get_outputs()][:1] == ["loss"]
-    assert "logits" not in {o.name for o in sessions.gradient.get_outputs()}
+    assert [o.name for o in sessions.training.gradient.get_outputs()][:1] == ["loss"]
+    assert "logits" not in {o.name for o in sessions.training.gradient.get_outputs()}
     assert sessions.output_names == ["loss"]
     assert trainers[1].eval_step(x, y).dim() == 0  # the eval graph of this fetch set returns the loss only

@@ -124,6 +124,10 @@ class ShapeGraphs:
             self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
         if graphs.meta["trained"] != self.first.meta["trained"]:
             raise RuntimeError("graphs of another input shape train different weights than the first graphs")
+        if shape and dict(shape) == self.first.dims and graphs.outputs != self.first.outputs:
+            # other outputs of the first graphs' sizes: the same forward, so the first record's
+            # verdict on eval mode holds (a reused trace takes no record of its own)
+            graphs.eval_is_training = graphs.eval_is_training or self.first.eval_is_training
         return graphs
 
     def full_signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
