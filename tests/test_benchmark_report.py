@@ -176,7 +176,7 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = [line for line in out.read_text().splitlines() if line.startswith("| gpt2-tiny")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert len(cells) == 15 and "—" not in cells, row
+    assert len(cells) == 16 and "—" not in cells, row
     # 3 Adam steps of a 2-layer GPT-2 of width 32 in float32 on both sides: sums of at most 4·32
     # terms in another order, carried through the weights once per step: steps_bound(3, 128) =
     # 2.3e-5 relative (Higham's bound)
@@ -190,7 +190,8 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     assert float(cells[8].rstrip("×")) > 0
     assert float(cells[10]) > 0 and float(cells[11]) > 0  # a memory ratio and a save time
     assert all(float(x) > 0 for x in cells[13].split(" / "))  # the first evaluation, after a cold and a warm build
-    times, speedup = cells[14].rstrip("×)").split(" (")
+    assert float(cells[14]) > 0  # the first evaluation of every output
+    times, speedup = cells[15].rstrip("×)").split(" (")
     assert all(float(x) > 0 for x in times.split(" / ")) and float(speedup) > 0
 
 
