@@ -37,7 +37,7 @@ from .optim.config import _OptimizerConfig
 from .sessions import Sessions
 from .update import OptimizerUpdate, update_class
 
-GraphProvider = Callable[[Hashable], "tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]"]
+GraphProvider = Callable[[Hashable], "tuple[Callable[[], onnx.ModelProto], Callable[[], onnx.ModelProto]]"]
 
 
 def _numpy(tensor: torch.Tensor, copy: bool = True) -> np.ndarray:
@@ -66,36 +66,43 @@ class _SessionSet:
     """Gradient and eval sessions of one shape signature, with their per-parity bindings: each made
     when a step first needs it (a signature only evaluated never makes its gradient session)."""
 
-    def __init__(self, engine: "Engine", gradient: onnx.ModelProto, eval_model: Callable[[], onnx.ModelProto]):
+    def __init__(self, engine: "Engine", gradient: Callable[[], onnx.ModelProto],
+                 eval_model: Callable[[], onnx.ModelProto]):
         self._engine, self._gradient_model, self._eval_model = engine, gradient, eval_model
         self._eval: tuple | None = None
         self.training: _GradientSession | None = None
-        produced = {o.name for o in gradient.graph.output}
-        # the description's outputs this graph returns (a graph built for fewer fetches has fewer)
-        self.output_names = [n for n in engine.output_names if n in produced]
 
     def make_training(self) -> None:
         """Make the gradient session and its bindings, unless made already."""
         if self.training is None:
-            self.training = _GradientSession(self._engine, self._gradient_model, self.output_names)
+            self.training = _GradientSession(self._engine, self._gradient_model())
 
-    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str]]:
-        """The eval session, its per-parity bindings and its input names, made on first use (the
-        eval graph itself may be built only then)."""
+    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str], list[str]]:
+        """The eval session, its per-parity bindings, its input names and the description's outputs
+        it returns, made on first use (the eval graph itself may be built only then)."""
         if self._eval is None:
-            session = self._engine.sessions.make_session(self._eval_model())
-            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, self.output_names))
-            self._eval = session, bindings, {i.name for i in session.get_inputs()}
+            model = self._eval_model()
+            outputs = _described_outputs(self._engine, model)
+            session = self._engine.sessions.make_session(model)
+            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, outputs))
+            self._eval = session, bindings, {i.name for i in session.get_inputs()}, outputs
         return self._eval
+
+
+def _described_outputs(engine: "Engine", model: onnx.ModelProto) -> list[str]:
+    """The description's outputs ``model`` returns, in description order (a graph built for fewer
+    fetches returns fewer)."""
+    produced = {o.name for o in model.graph.output}
+    return [n for n in engine.output_names if n in produced]
 
 
 class _GradientSession:
     """The gradient session of one shape signature, with its per-parity bindings to the engine's
     weights, gradient buffers and scratch buffers."""
 
-    def __init__(self, engine: "Engine", gradient: onnx.ModelProto, output_names: list[str]):
+    def __init__(self, engine: "Engine", gradient: onnx.ModelProto):
+        self.output_names = _described_outputs(engine, gradient)
         self.gradient = engine.sessions.make_session(gradient)
-        self.output_names = output_names
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
         # tied embeddings (the tied_embedding_gradient pass): {weight: (row index, rows)}, the lookup's
         # rows that forward_backward adds into the weight's gradient after the run
@@ -127,8 +134,9 @@ class Engine:
     """Runs forward/backward, the optimizer and eval over trainer-owned ONNX Runtime buffers.
 
     Args:
-        graph_provider: ``signature -> (gradient_graph, eval_graph_maker)``; the eval graph is asked
-            for (``eval_graph_maker()``) on the first evaluation of that signature.
+        graph_provider: ``signature -> (gradient_graph_maker, eval_graph_maker)``; each graph is
+            asked for on the first training step (``select(training=True)``) or the first
+            evaluation of that signature.
         weights: initial value of every weight input.
         trained: the weights the optimizer updates.
         state_names: per-weight optimizer state names (``Moment_1``, ...).
@@ -341,9 +349,8 @@ class Engine:
 
     def evaluate(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run the eval graph with the current weights. Returns the outputs by name."""
-        sessions = self._require_sessions()
-        session, bindings, inputs = sessions.evaluation()
-        return self._run(session, bindings[self.parity], feeds, inputs, sessions.output_names)
+        session, bindings, inputs, outputs = self._require_sessions().evaluation()
+        return self._run(session, bindings[self.parity], feeds, inputs, outputs)
 
     def commit_buffers(self) -> list[str]:
         """Write the last step's new buffer values (BatchNorm statistics) into the buffers.

@@ -109,5 +109,5 @@ def test_outputs_not_fetched_are_dropped_from_the_graphs_and_change_nothing_else
     sessions = trainers[1]._engine._current
     assert [o.name for o in sessions.training.gradient.get_outputs()][:1] == ["loss"]
     assert "logits" not in {o.name for o in sessions.training.gradient.get_outputs()}
-    assert sessions.output_names == ["loss"]
+    assert sessions.training.output_names == ["loss"]
     assert trainers[1].eval_step(x, y).dim() == 0  # the eval graph of this fetch set returns the loss only

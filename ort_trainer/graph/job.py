@@ -173,6 +173,9 @@ class GradientSource(ABC):
     name: str = ""
     #: gradient accumulation happens inside the gradient graph (else the engine sums micro-batches)
     accumulates_in_graph: bool = False
+    #: the eval graph comes from a trace of its own, built only when needed (``build_eval``), so a
+    #: signature that is only evaluated needs no gradient graph (else ``build`` makes both at once)
+    builds_eval_apart: bool = False
 
     @abstractmethod
     def trace(self, job: GraphJob, sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
@@ -183,10 +186,12 @@ class GradientSource(ABC):
         build, or ignore them and trace symbolically.
         """
 
-    def trace_eval(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> Traced:
-        """A symbolic trace that ``build_eval`` can take, and no more (``save_as_onnx``: no
-        gradient graph is built from it); by default the whole ``trace``."""
-        return self.trace(job, sample_inputs, None)
+    def trace_eval(self, job: GraphJob, sample_inputs: Sequence[np.ndarray],
+                   dims: dict[str, int] | None = None) -> Traced:
+        """A trace that ``build_eval`` can take, and no more (``save_as_onnx``, a signature only
+        evaluated: no gradient graph is built from it), of the sample's sizes where ``dims`` fixes
+        them, else symbolic; by default the whole ``trace``."""
+        return self.trace(job, sample_inputs, dims)
 
     def record(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> OpRecord | None:
         """A record of what the model computes on the sample that is much cheaper than ``trace``

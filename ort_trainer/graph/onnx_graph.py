@@ -34,6 +34,7 @@ def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
     kept = [o for o in graph.output if o.name not in unwanted]
     if len(kept) == len(graph.output):
         return 0
+    dropped = [o for o in graph.output if o.name in unwanted]
     del graph.output[:]
     graph.output.extend(kept)
     needed = {o.name for o in kept}
@@ -44,24 +45,27 @@ def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
     initializers = [i for i in graph.initializer if i.name in needed]
     del graph.initializer[:]
     graph.initializer.extend(initializers)
-    value_info = [v for v in graph.value_info if v.name in needed]
+    # a dropped output still computed (the logits the loss reads) keeps its type, as a value info:
+    # ``forward_part`` can return it again
+    value_info = [v for v in [*graph.value_info, *dropped] if v.name in needed]
     del graph.value_info[:]
     graph.value_info.extend(value_info)
     return removed
 
 
 def forward_part(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
-    """A new model computing only the graph outputs ``outputs`` of ``model``: the nodes, inputs,
-    initializers and value infos they need (a training graph's forward part, without its gradients
-    and the activations it keeps for them). ``model`` is left as it is."""
+    """A new model computing only ``outputs`` of ``model`` (graph outputs, or values with a type in
+    its ``value_info``), from the nodes, inputs, initializers and value infos they need: a training
+    graph's forward part, without its gradients and the activations it keeps for them. ``model``
+    is left as it is."""
     graph = model.graph
-    by_name = {o.name: o for o in graph.output}
+    by_name = {v.name: v for v in [*graph.value_info, *graph.output]}
     needed = set(outputs)
     live = _live_nodes(graph.node, needed)
     part = helper.make_graph(  # copies what it is given: ``model`` is not shared
         live, graph.name, [i for i in graph.input if i.name in needed], [by_name[name] for name in outputs],
         [i for i in graph.initializer if i.name in needed],
-        value_info=[v for v in graph.value_info if v.name in needed])
+        value_info=[v for v in graph.value_info if v.name in needed and v.name not in set(outputs)])
     result = helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
                                producer_name=model.producer_name, producer_version=model.producer_version)
     result.functions.extend(model.functions)

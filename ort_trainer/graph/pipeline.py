@@ -200,15 +200,12 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
     if graphs.eval is not None:
         return graphs.eval
     started = time.perf_counter()
-    if graphs.eval_is_training and graphs.gradient is not None:
-        model = forward_part(graphs.gradient, graphs.meta["outputs"])
-        problems = _eval_problems({"eval": model}, graphs.meta, job)
-        if not problems:
-            logger.info("took the eval graph from the training graph's forward part in %.2f s (eval mode runs the "
-                        "operators training mode runs)", time.perf_counter() - started)
-            graphs.eval = model
-            return model
-        logger.debug("the training graph's forward part is no eval graph (%s); tracing eval mode", "; ".join(problems))
+    model = eval_graph_of(job, graphs, graphs.meta["outputs"])
+    if model is not None:
+        logger.info("took the eval graph from the training graph's forward part in %.2f s (eval mode runs the "
+                    "operators training mode runs)", time.perf_counter() - started)
+        graphs.eval = model
+        return model
     store = graph_cache_store or graph_cache.GraphCache()
     validate = lambda models, meta: _eval_problems(models, graphs.meta, job)  # noqa: E731
     record, key, cached = _linked_eval(store, graphs.record, validate)
@@ -244,42 +241,69 @@ def build_eval_graph(job: GraphJob, graphs: TrainingGraphs,
     return model
 
 
-def build_symbolic_eval_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray], meta: dict,
-                              forward: Traced | None = None,
-                              graph_cache_store: graph_cache.GraphCache | None = None,
-                              record: str | None = None) -> onnx.ModelProto:
-    """The eval graph with the description's symbolic dimensions and every output, without the
-    gradient graph that ``build_training_graphs`` would build first (``save_as_onnx`` of a trainer
-    whose training graphs have fixed shapes: a GPT-2 small gradient graph took minutes).
+def build_eval_graph_alone(job: GraphJob, sample_inputs: Sequence[np.ndarray], meta: dict,
+                           dims: dict[str, int] | None = None, outputs: tuple | None = None,
+                           forward: Traced | None = None,
+                           graph_cache_store: graph_cache.GraphCache | None = None,
+                           record: str | None = None) -> onnx.ModelProto:
+    """An eval graph without the gradient graph that ``build_training_graphs`` would build first:
+    with the description's symbolic dimensions and every output for ``save_as_onnx`` (a GPT-2 small
+    gradient graph took minutes), or for a signature that is only evaluated.
 
     Args:
-        sample_inputs: one array per description input, with the dtypes the graph reads.
+        sample_inputs: one array per description input, with the dtypes the graph reads (and the
+            sizes ``dims`` gives).
         meta: ``TrainingGraphs.meta`` of the graphs the engine runs: the eval graph must read
             their weights.
-        forward: an earlier trace of the job, used where it is symbolic.
+        dims, outputs: as ``build_training_graphs``: the symbol sizes fixed (None: symbolic) and
+            the outputs returned besides the loss (None: all).
+        forward: an earlier trace of the job, used where it serves ``dims``.
         record: ``TrainingGraphs.record`` of those graphs (their operator record, which covers eval
             mode): the graph built here is linked to it, and a later process whose record matches
-            loads it without the symbolic eval-mode trace (4 s of GPT-2 small's save, its
+            loads it without the eval-mode trace (4 s of GPT-2 small's save, its symbolic
             decomposition 8 s more when nothing was cached).
 
     Raises:
         ExportError: as ``build_eval_graph``.
     """
     store = graph_cache_store or graph_cache.GraphCache()
-    source = job.source
-    link = None if record is None else graph_cache.make_key({"symbolic_eval_of_record": record})
-    expected = {**meta, "outputs": list(job.desc.output_names)}
+    source, desc = job.source, job.desc
+    if record is None:
+        link = None
+    elif dims is None and outputs is None:
+        link = graph_cache.make_key({"symbolic_eval_of_record": record})
+    else:
+        link = graph_cache.make_key({"eval_alone_of_record": record, "dims": sorted((dims or {}).items()),
+                                     "outputs": None if outputs is None else list(outputs)})
+    wanted = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
+    expected = {**meta, "outputs": wanted}
     _, key, cached = _linked_eval(store, link, lambda models, _: _eval_problems(models, expected, job))
     if cached is not None:
-        logger.info("reused the cached symbolic eval graph %s (found by its operator record: no export)", key[:16])
+        logger.info("reused the cached eval graph %s (found by its operator record: no export)", key[:16])
         return cached[0]["eval"]
     input_dtypes = _input_dtypes(job, sample_inputs)
-    traced = forward if forward is not None and forward.serves(None) else source.trace_eval(job, sample_inputs)
-    prepared = source.prepare(job, traced, None, None, input_dtypes)
-    graphs = TrainingGraphs(None, None, {**meta, **prepared.expected}, forward=traced,
-                            key=job.cache_key(traced, input_dtypes, None), sample_inputs=list(sample_inputs),
+    traced = forward if forward is not None and forward.serves(dims) else source.trace_eval(job, sample_inputs, dims)
+    prepared = source.prepare(job, traced, dims, outputs, input_dtypes)
+    graphs = TrainingGraphs(None, None, {**meta, **prepared.expected}, forward=traced, dims=dims, outputs=outputs,
+                            key=job.cache_key(traced, input_dtypes, dims, outputs), sample_inputs=list(sample_inputs),
                             record=link)
     return build_eval_graph(job, graphs, store)
+
+
+def eval_graph_of(job: GraphJob, graphs: TrainingGraphs, outputs: list[str]) -> onnx.ModelProto | None:
+    """The eval graph returning ``outputs`` taken from ``graphs``' gradient graph, which may return
+    fewer (a loop that fetched the loss alone still computes the logits it reads), where the operator
+    record found that eval mode computes what training mode computes; None where it did not, or where
+    the gradient graph does not compute every one of ``outputs`` (``sparse_labels`` left the logits
+    out) or reads something besides the batch and the weights."""
+    if not graphs.eval_is_training or graphs.gradient is None:
+        return None
+    graph = graphs.gradient.graph
+    typed = {v.name for v in [*graph.output, *graph.value_info] if v.type.tensor_type.elem_type}
+    if not set(outputs) <= typed:
+        return None
+    model = forward_part(graphs.gradient, outputs)
+    return None if _eval_problems({"eval": model}, {**graphs.meta, "outputs": outputs}, job) else model
 
 
 def _linked_eval(store: graph_cache.GraphCache, record: str | None,
@@ -470,5 +494,5 @@ def initial_weights(
     return out
 
 
-__all__ = ["OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_optimizer", "build_symbolic_eval_graph",
-           "build_training_graphs", "export_order", "initial_weights", "zero_ranges"]
+__all__ = ["OptimizerSpec", "TrainingGraphs", "build_eval_graph", "build_eval_graph_alone", "build_optimizer",
+           "build_training_graphs", "eval_graph_of", "export_order", "initial_weights", "zero_ranges"]

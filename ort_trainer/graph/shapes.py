@@ -21,7 +21,8 @@ import onnx
 from .._logging import logger
 from ..model_desc import ModelDescription
 from .job import GraphJob, Traced
-from .pipeline import TrainingGraphs, build_eval_graph, build_symbolic_eval_graph, build_training_graphs
+from .pipeline import (TrainingGraphs, build_eval_graph, build_eval_graph_alone, build_training_graphs,
+                       eval_graph_of)
 
 
 class ShapeGraphs:
@@ -51,6 +52,7 @@ class ShapeGraphs:
         self._first_signature: tuple | None = None
         self._sample_inputs: list[np.ndarray] = []
         self._fallback_logged = False
+        self._by_signature: dict[tuple | None, TrainingGraphs] = {}  # the training graphs built, by signature
 
     def synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None,
                          sizes: dict[str, int] | None = None) -> list[np.ndarray]:
@@ -93,17 +95,50 @@ class ShapeGraphs:
             self.symbolic = graphs
         return graphs
 
-    def graphs_for(self, signature: tuple | None) -> tuple[onnx.ModelProto, Callable[[], onnx.ModelProto]]:
-        """Gradient graph and eval-graph maker for a signature; the eval graph is built on the
-        first evaluation that needs it."""
+    def graphs_for(self, signature: tuple | None) -> tuple[Callable[[], onnx.ModelProto],
+                                                           Callable[[], onnx.ModelProto]]:
+        """Gradient-graph and eval-graph makers for a signature, each asked for on the first step
+        that needs it: a signature that is only evaluated builds no gradient graph where the
+        source builds its eval graph apart, nor where the gradient graph of the first graphs' sizes
+        already computes what it returns."""
+        return (lambda: self._graphs(signature).gradient), (lambda: self._eval_graph(signature))
+
+    def _graphs(self, signature: tuple | None) -> TrainingGraphs:
+        """The training graphs of a signature, built once."""
+        if signature not in self._by_signature:
+            shape, outputs = signature or (None, None)
+            if (shape or (), outputs) == self._first_signature:
+                graphs = self.first
+            elif shape is None and outputs is None:
+                graphs = self.symbolic_graphs()
+            else:
+                graphs = self._build_for(shape or (), outputs)
+            self._by_signature[signature] = graphs
+        return self._by_signature[signature]
+
+    def _eval_graph(self, signature: tuple | None) -> onnx.ModelProto:
+        """The eval graph of a signature: its training graphs' where they exist, else one that needs
+        no gradient graph (``eval_graph_of`` the first graphs at their sizes, or one built alone)."""
         shape, outputs = signature or (None, None)
-        if (shape or (), outputs) == self._first_signature:
+        graphs = self._by_signature.get(signature)
+        if graphs is None and (shape or (), outputs) == self._first_signature:
             graphs = self.first
-        elif shape is None and outputs is None:
-            graphs = self.symbolic_graphs()
-        else:
-            graphs = self._build_for(shape or (), outputs)
-        return graphs.gradient, lambda: build_eval_graph(self.job, graphs)
+        if graphs is not None or not self.job.source.builds_eval_apart:
+            return build_eval_graph(self.job, graphs or self._graphs(signature))
+        if signature is None:
+            return self.symbolic_eval_graph()
+        desc = self.desc
+        wanted = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
+        same_sizes = bool(shape) and dict(shape) == self.first.dims
+        model = eval_graph_of(self.job, self.first, wanted) if same_sizes else None
+        if model is not None:
+            logger.info("took the eval graph of outputs %s from the first training graph's forward part", wanted)
+            return model
+        dtypes = {name: array.dtype for name, array in zip(self.desc.input_names, self._sample_inputs)}
+        samples = self._sample_inputs if same_sizes or not shape else self.synthetic_inputs(dtypes, dict(shape))
+        return build_eval_graph_alone(self.job, samples, self.first.meta, dims=dict(shape or ()) or None,
+                                      outputs=outputs, forward=self._traces.get(shape or ()),
+                                      record=self.first.record if same_sizes else None)
 
     def symbolic_graphs(self) -> TrainingGraphs:
         """The graphs with the description's symbolic dimensions kept symbolic, every output returned."""
@@ -158,8 +193,8 @@ class ShapeGraphs:
         if self.symbolic is not None:
             return build_eval_graph(self.job, self.symbolic)
         if self._symbolic_eval is None:
-            self._symbolic_eval = build_symbolic_eval_graph(self.job, self._sample_inputs, self.first.meta,
-                                                            forward=self._traces.get(()), record=self.first.record)
+            self._symbolic_eval = build_eval_graph_alone(self.job, self._sample_inputs, self.first.meta,
+                                                         forward=self._traces.get(()), record=self.first.record)
         return self._symbolic_eval
 
 

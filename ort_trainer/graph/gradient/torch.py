@@ -35,6 +35,7 @@ class TorchGradientSource(GradientSource):
 
     name = "torch"
     accumulates_in_graph = False
+    builds_eval_apart = True
 
     def trace(self, job: GraphJob, sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
         """``torch.export`` of the model (an ONNX model converted first) with its loss: of exactly
@@ -68,19 +69,23 @@ class TorchGradientSource(GradientSource):
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
                       program={"traced": traced, "built": None, "renamed": renamed}, dims=dims or None)
 
-    def trace_eval(self, job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> Traced:
-        """The eval-mode ``torch.export`` alone, symbolic: ``build_eval`` takes it (``save_as_onnx``
-        of GPT-2 small: one export of ~6 s instead of two)."""
+    def trace_eval(self, job: GraphJob, sample_inputs: Sequence[np.ndarray],
+                   dims: dict[str, int] | None = None) -> Traced:
+        """The eval-mode ``torch.export`` alone, of the sample's sizes where ``dims`` fixes them, else
+        symbolic: ``build_eval`` takes it (``save_as_onnx`` of GPT-2 small: one export of ~6 s
+        instead of two)."""
         if isinstance(job.model, onnx.ModelProto) or job.extra_postprocess is not None:
-            return self.trace(job, sample_inputs, None)
+            return self.trace(job, sample_inputs, dims)
         try:
             traced = autograd.trace(job.model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
-                                          dynamic=True, unknown_frozen="ignore", autocast=job.autocast, eval_only=True)
+                                    dynamic=dims is None, unknown_frozen="ignore", autocast=job.autocast,
+                                    eval_only=True)
         except ExportError as exc:
-            _raise_for_recurrent_layers(job.model, exc)
+            if dims is None:
+                _raise_for_recurrent_layers(job.model, exc)
             raise
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
-                      program={"traced": traced, "built": None, "renamed": None}, dims=None)
+                      program={"traced": traced, "built": None, "renamed": None}, dims=dims or None)
 
     def eval_fingerprint(self, traced: Traced) -> str:
         """The eval-mode program's fingerprint; the training trace leaves eval mode out, so it is
