@@ -230,3 +230,26 @@ def _check_against_float64(model, trainer, batch, loss, logits, bound):
         out = reference(**dict(zip(trainer.model_desc.input_names, batch)))
     check(relative_error(loss, out.loss.numpy()), bound, "loss")
     check(relative_error(logits, out.logits.numpy()), bound, "logits")
+
+
+def test_a_loss_only_evaluation_at_other_sizes_builds_the_eval_graph_alone(cache, monkeypatch):
+    """A loss-only loop whose evaluation batches have another size (the CLI's held-out batches): a
+    signature of other sizes, only evaluated, built alone from a static eval-mode trace (which has no
+    training program for ``sparse_labels`` to look at: its graph computes every output and drops the
+    logits)."""
+    from test_rewrites_sparse_labels import DESC, MaskedLM, _batch
+
+    torch.manual_seed(0)
+    model = MaskedLM()
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "torch"}})
+    trainer._train_step_info.fetches = ["loss"]
+    trainer.train_step(*_batch())
+    ids, labels = (t[:3, :7] for t in _batch(seed=1))
+    exports = _ExportCalls(monkeypatch)
+    loss = np.asarray(trainer.eval_step(ids, labels))
+    assert exports.calls == 1  # the eval-mode trace alone
+    (key,) = [key for key in trainer._engine._session_sets if key[0] != trainer._shapes._first_signature[0]]
+    assert key not in trainer._shapes._by_signature and trainer._engine._session_sets[key].training is None
+    with torch.no_grad():
+        expected = model.double().eval()(ids, labels)[0]
+    check(relative_error(loss, expected.numpy()), MLM_BOUND, "loss")

@@ -121,7 +121,10 @@ class TorchGradientSource(GradientSource):
         desc = job.desc
         returned = list(desc.output_names)
         wanted = returned if outputs is None else [n for n in desc.output_names if n in outputs or n == desc.loss_name]
-        if outputs is not None and (job.passes or {}).get("sparse_labels"):
+        # an eval-only trace (``trace_eval``) has no training program to ask: its eval graph is
+        # translated with every output, and the unfetched ones dropped
+        training_program = traced.program["traced"].program is not None
+        if outputs is not None and (job.passes or {}).get("sparse_labels") and training_program:
             # asked once per trace, before any build (building edits the traced program)
             answers = traced.program.setdefault("sparse_labels", {})
             if tuple(wanted) not in answers:
