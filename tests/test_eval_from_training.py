@@ -21,6 +21,7 @@ from ort_trainer.graph.export import op_record
 from ort_trainer.graph.names import GRAD_SUFFIX, LOSS_SCALE_INPUT
 from ort_trainer.model_desc import parse_model_desc
 from ort_trainer.optim import SGDConfig
+from test_op_record import _BatchNormed, _ExportCalls
 from tolerances import FLOAT32, check, relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -33,15 +34,6 @@ class _Dropped(MLP):
 
     def forward(self, x):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
-
-
-class _BatchNormed(MLP):
-    def __init__(self):
-        super().__init__()
-        self.bn = torch.nn.BatchNorm1d(32)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
 class _Branches(MLP):
@@ -69,19 +61,6 @@ def test_the_record_says_whether_eval_mode_runs_what_training_mode_runs(case, on
     record = op_record.record(factory(), F.cross_entropy, parse_model_desc(MLP_DESC), [x.numpy(), y.numpy()],
                               op_record.exporting_flags, on_fake=on_fake)
     assert record is not None and record.eval_is_training is same
-
-
-class _ExportCalls:
-    """Counts ``torch.export.export`` calls."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        self._export = torch.export.export
-        monkeypatch.setattr(torch.export, "export", self)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self._export(*args, **kwargs)
 
 
 @pytest.fixture

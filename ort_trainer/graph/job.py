@@ -64,6 +64,12 @@ class GraphJob:
             }
         )
 
+    def returned_outputs(self, outputs: tuple | None) -> list[str]:
+        """The description's outputs that graphs built for ``outputs`` (the fetched outputs besides
+        the loss; None: all) return, in description order: the loss and those."""
+        desc = self.desc
+        return [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
+
     def record_cache_key(self, record: str, input_dtypes: dict[str, str], dims: dict[str, int] | None,
                          outputs: tuple | None = None) -> str:
         """The key a record (``GradientSource.record``'s ``key``) links to an entry by: the record and

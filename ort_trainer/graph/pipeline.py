@@ -267,7 +267,7 @@ def build_eval_graph_alone(job: GraphJob, sample_inputs: Sequence[np.ndarray], m
         ExportError: as ``build_eval_graph``.
     """
     store = graph_cache_store or graph_cache.GraphCache()
-    source, desc = job.source, job.desc
+    source = job.source
     if record is None:
         link = None
     elif dims is None and outputs is None:
@@ -275,8 +275,7 @@ def build_eval_graph_alone(job: GraphJob, sample_inputs: Sequence[np.ndarray], m
     else:
         link = graph_cache.make_key({"eval_alone_of_record": record, "dims": sorted((dims or {}).items()),
                                      "outputs": None if outputs is None else list(outputs)})
-    wanted = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
-    expected = {**meta, "outputs": wanted}
+    expected = {**meta, "outputs": job.returned_outputs(outputs)}
     _, key, cached = _linked_eval(store, link, lambda models, _: _eval_problems(models, expected, job))
     if cached is not None:
         logger.info("reused the cached eval graph %s (found by its operator record: no export)", key[:16])

@@ -127,8 +127,7 @@ class ShapeGraphs:
             return build_eval_graph(self.job, graphs or self._graphs(signature))
         if signature is None:
             return self.symbolic_eval_graph()
-        desc = self.desc
-        wanted = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
+        wanted = self.job.returned_outputs(outputs)
         same_sizes = bool(shape) and dict(shape) == self.first.dims
         model = eval_graph_of(self.job, self.first, wanted) if same_sizes else None
         if model is not None:

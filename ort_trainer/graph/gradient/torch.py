@@ -120,7 +120,7 @@ class TorchGradientSource(GradientSource):
         """
         desc = job.desc
         returned = list(desc.output_names)
-        wanted = returned if outputs is None else [n for n in desc.output_names if n in outputs or n == desc.loss_name]
+        wanted = job.returned_outputs(outputs)
         # an eval-only trace (``trace_eval``) has no training program to ask: its eval graph is
         # translated with every output, and the unfetched ones dropped
         training_program = traced.program["traced"].program is not None
