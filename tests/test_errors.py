@@ -267,16 +267,16 @@ def test_check_model_export_names_the_diverging_output(source, monkeypatch, tmp_
 
         monkeypatch.setattr(TorchGradientSource, "build_eval", corrupted)
         # the eval graph of a model that computes the same in both modes: the gradient graph's forward part
-        from ort_trainer.graph import pipeline
+        from ort_trainer.graph import eval_graphs
 
-        part = pipeline.forward_part
+        part = eval_graphs.eval_part
 
         def corrupted_part(*args, **kwargs):
             result = part(*args, **kwargs)
             corrupt(result)
             return result
 
-        monkeypatch.setattr(pipeline, "forward_part", corrupted_part)
+        monkeypatch.setattr(eval_graphs, "eval_part", corrupted_part)
         monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))  # the corrupted graphs stay out of the cache
     else:
         options["_internal_use"] = {"extra_postprocess": corrupt}

@@ -1,11 +1,13 @@
-"""The eval graph of a model that computes the same in both modes is the training graph's forward part.
+"""The eval graph of a model that computes the same in both modes, Dropouts aside, is the training
+graph's forward part with its Dropouts removed.
 
-The operator record (``op_record.record``) runs the forward in training and in eval mode; when both
-run the very same operators (no Dropout that draws, no BatchNorm, no ``self.training`` branch that
-changes anything), the eval graph is the gradient graph's forward part (``onnx_graph.forward_part``):
-the first ``eval_step`` after a cold build traces and translates nothing more (GPT-2 small: ~1 s
-instead of 4-8 s). Models that compute otherwise in eval mode keep their eval-mode trace
-(``test_op_record.py``, ``test_batchnorm.py``).
+The operator record (``op_record.record``) runs the forward in training and in eval mode; when eval
+mode runs the very operators training mode runs with each Dropout taken for the identity (no
+BatchNorm, no ``self.training`` branch that changes anything else, no Dropout that also draws in
+eval mode), the eval graph is the gradient graph's forward part with each Dropout the identity
+(``onnx_graph.eval_part``): the first ``eval_step`` after a cold build traces and translates nothing
+more (GPT-2 small: ~1 s instead of 4-8 s). Models that compute otherwise in eval mode keep their
+eval-mode trace (``test_op_record.py``, ``test_batchnorm.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ class _Dropped(MLP):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
+class _FeatureDropped(MLP):
+    """A feature dropout (whole rows): its mask is drawn otherwise, so the record keeps it."""
+
+    def forward(self, x):
+        return self.fc2(F.dropout1d(torch.relu(self.fc1(x)), 0.5, self.training))
+
+
+class _AlwaysDropped(MLP):
+    """A dropout that draws in eval mode too (Monte Carlo dropout): eval mode is not training's
+    minus its Dropouts."""
+
+    def forward(self, x):
+        return self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.5, training=True))
+
+
 class _Branches(MLP):
     """An ``if self.training`` branch: tanh in training, sigmoid in eval."""
 
@@ -47,7 +64,9 @@ class _Branches(MLP):
 CASES = {
     "plain MLP": (MLP, True),
     "Dropout(p=0)": (lambda: _Dropped(0.0), True),
-    "Dropout(p=0.5)": (lambda: _Dropped(0.5), False),
+    "Dropout(p=0.5)": (lambda: _Dropped(0.5), True),
+    "feature dropout": (_FeatureDropped, False),
+    "dropout in eval mode too": (_AlwaysDropped, False),
     "BatchNorm": (_BatchNormed, False),
     "self.training branch": (_Branches, False),
 }
@@ -77,13 +96,13 @@ def _gpt2_batch():
     return ids, mask, ids
 
 
-def _mlp():
+def _mlp(dropout: float = 0.0):
     torch.manual_seed(0)
-    return MLP(), MLP_DESC, F.cross_entropy, mlp_batch(torch.Generator().manual_seed(1))
+    return _Dropped(dropout), MLP_DESC, F.cross_entropy, mlp_batch(torch.Generator().manual_seed(1))
 
 
-def _gpt2():
-    model, desc = tiny_gpt2()
+def _gpt2(dropout: float = 0.0):
+    model, desc = tiny_gpt2(dropout=dropout)  # the embedding's, the attention's and the residual dropouts
     return model, desc, None, _gpt2_batch()
 
 
@@ -97,12 +116,24 @@ def _gpt2():
 BOUNDS = {"mlp": 640 * FLOAT32, "gpt2": 4400 * FLOAT32}
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+MODELS = {"mlp": (_mlp, 0.0, True), "gpt2": (_gpt2, 0.0, True),
+          "mlp, Dropout(0.5)": (_mlp, 0.5, True), "gpt2, dropout 0.1": (_gpt2, 0.1, True),
+          "gpt2, dropout 0.1, ONNX Dropout nodes": (_gpt2, 0.1, False)}
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_eval_after_training_takes_the_training_graphs_forward_part_with_no_trace(name, cache, monkeypatch):
-    model, desc, loss_fn, batch = {"mlp": _mlp, "gpt2": _gpt2}[name]()
+    """With dropout, the training graph's Dropouts are ``x · m`` with ``m`` a mask the host draws
+    (``host_dropout_masks``, the CPU's default) or ONNX ``Dropout`` nodes (the GPU's): the eval graph
+    has neither, and computes what PyTorch computes in eval mode."""
+    factory, dropout, host_masks = MODELS[name]
+    model, desc, loss_fn, batch = factory(dropout)
     trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), loss_fn=loss_fn,
-                         options={"graph": {"gradient_source": "torch"}})
+                         options={"graph": {"gradient_source": "torch"},
+                                  "graph_optimizations": {"host_dropout_masks": host_masks}})
     trainer.train_step(*batch)
+    gradient_ops = [node.op_type for node in trainer._graphs.gradient.graph.node]
+    assert (dropout > 0 and not host_masks) == ("Dropout" in gradient_ops)
     exports = _ExportCalls(monkeypatch)
     got = [np.asarray(o) for o in trainer.eval_step(*batch)]
     assert exports.calls == 0  # no eval-mode trace
@@ -113,6 +144,10 @@ def test_eval_after_training_takes_the_training_graphs_forward_part_with_no_trac
     assert LOSS_SCALE_INPUT not in inputs and inputs <= {*graphs.meta["weights"], *trainer.model_desc.input_names}
     assert [o.name for o in eval_graph.graph.output] == graphs.meta["outputs"]
     assert not any(n.endswith(GRAD_SUFFIX) for node in eval_graph.graph.node for n in node.output)
+    eval_ops = {node.op_type for node in eval_graph.graph.node}
+    assert "Dropout" not in eval_ops
+    if name.startswith("gpt2"):  # the training form of its GELU (``gelu`` pass) as one kernel
+        assert "FastGelu" in eval_ops and "Sigmoid" not in eval_ops
     # against float64 PyTorch in eval mode, with the weights the training step left
     reference = model.double().eval()
     names = trainer.model_desc.input_names
@@ -124,13 +159,15 @@ def test_eval_after_training_takes_the_training_graphs_forward_part_with_no_trac
             logits = reference(batch[0].double())
             expected = [loss_fn(logits, batch[1]), logits]
     for what, value, want in zip(("loss", "logits"), got, expected):
-        check(relative_error(value, want.numpy()), BOUNDS[name], f"{name} {what}")
+        check(relative_error(value, want.numpy()), BOUNDS[factory.__name__[1:]], f"{name} {what}")
 
 
-def test_the_forward_part_computes_what_the_eval_mode_trace_computes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_forward_part_computes_what_the_eval_mode_trace_computes(dropout, tmp_path, monkeypatch):
     """The same model and step evaluated through the eval-mode trace's graph (the record's verdict
     turned off, in a cache of its own) and through the forward part: both float32 within the bound
-    of float64 PyTorch, so within twice that of each other."""
+    of float64 PyTorch, so within twice that of each other. With dropout the step's masks are the
+    same in both runs (the trainer's seed), so the weights after it are too."""
     pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
     real = op_record.record
     results = []
@@ -138,7 +175,7 @@ def test_the_forward_part_computes_what_the_eval_mode_trace_computes(tmp_path, m
         monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path / f"cache-{derive}"))
         if not derive:
             monkeypatch.setattr(op_record, "record", lambda *args, **kwargs: _not_same(real(*args, **kwargs)))
-        model, desc, _, batch = _gpt2()
+        model, desc, _, batch = _gpt2(dropout)
         trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "torch"}})
         trainer.train_step(*batch)
         results.append([np.asarray(o) for o in trainer.eval_step(*batch)])
@@ -232,3 +269,36 @@ def test_a_loss_only_evaluation_at_other_sizes_builds_the_eval_graph_alone(cache
     with torch.no_grad():
         expected = model.double().eval()(ids, labels)[0]
     check(relative_error(loss, expected.numpy()), MLM_BOUND, "loss")
+
+
+def test_the_training_forms_gelu_becomes_one_fast_gelu_with_the_same_values():
+    """The joint ``gelu`` pass writes the tanh GELU's forward as ``x · sigmoid(x · (A·x² + B))`` and
+    keeps its intermediates for the backward; an eval graph taken from that forward has no backward,
+    and ``sigmoid_gelu_forward`` makes it one ``FastGelu``. Both graphs against float64
+    ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))`` on x ~ N(0, 3²): the sigmoid form rounds six times
+    (≈ 6u of the largest |y|, the terms being at most |y|-sized), ONNX Runtime's FastGelu a few
+    times in its tanh: bound 64u, a 10x margin."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from ort_trainer.graph.passes.forward import _GELU_A, _GELU_B, sigmoid_gelu_forward
+
+    nodes = [helper.make_node("Mul", ["x", "x"], ["x2"]), helper.make_node("Mul", ["x2", "a"], ["ax2"]),
+             helper.make_node("Add", ["ax2", "b"], ["poly"]), helper.make_node("Mul", ["x", "poly"], ["inner"]),
+             helper.make_node("Sigmoid", ["inner"], ["s"]), helper.make_node("Mul", ["x", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 256])],
+                              [helper.make_tensor("a", TensorProto.FLOAT, [], [_GELU_A]),
+                               helper.make_tensor("b", TensorProto.FLOAT, [], [_GELU_B])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert sigmoid_gelu_forward(rewritten) == 1
+    assert [(n.op_type, n.domain) for n in rewritten.graph.node] == [("FastGelu", "com.microsoft")]
+    x = np.random.default_rng(0).normal(0.0, 3.0, (64, 256)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    expected = 0.5 * x64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x64 + 0.044715 * x64 ** 3)))
+    for graph_model in (model, rewritten):
+        session = ort.InferenceSession(graph_model.SerializeToString(), providers=["CPUExecutionProvider"])
+        check(relative_error(session.run(None, {"x": x})[0], expected), 64 * FLOAT32, graph_model.graph.node[0].op_type)

@@ -492,23 +492,23 @@ def _eval_loss(trainer) -> float:
     return float(trainer.eval_step(*mlp_batch(torch.Generator().manual_seed(1)))[0])
 
 
-def _dropout_mlp():
-    """Dropout that draws in training mode: eval mode computes something else, so its graph is traced
-    (a model that computes the same in both modes takes the training graph's forward part instead:
-    test_eval_from_training.py)."""
-    return _Normed(p=0.5)
+def _eval_differs():
+    """BatchNorm: eval mode computes something else (the running statistics), so its graph is traced
+    (a model that computes the same in both modes, Dropouts aside, takes the training graph's forward
+    part instead: test_eval_from_training.py)."""
+    return _BatchNormed()
 
 
 def test_the_first_step_exports_training_mode_only_and_the_eval_graph_is_found_by_record(cache, monkeypatch):
     """A cold build exports the training-mode program alone (the eval-mode trace waits for the first
     evaluation); a second trainer then finds both graphs by the operator record, with no export."""
     exports = _ExportCalls(monkeypatch)
-    losses, trainer = _train(_seeded(_dropout_mlp), steps=1)
+    losses, trainer = _train(_seeded(_eval_differs), steps=1)
     assert exports.calls == 1 and trainer._graphs.from_cache is False
     evaluated = _eval_loss(trainer)
     assert exports.calls == 2  # the eval-mode trace, on the first evaluation
     exports.refuse = True
-    again, second = _train(_seeded(_dropout_mlp), steps=1)
+    again, second = _train(_seeded(_eval_differs), steps=1)
     assert second._graphs.from_cache and again == losses
     assert _eval_loss(second) == evaluated
 
@@ -517,14 +517,14 @@ def test_an_eval_graph_never_built_is_built_after_a_hit_by_record(cache, monkeyp
     """The first process never evaluated: the second one, whose training graph came by record, traces
     the training program (to check the model is unchanged) and the eval program, and then links the
     eval graph to the record for a third."""
-    _train(_seeded(_dropout_mlp), steps=1)
+    _train(_seeded(_eval_differs), steps=1)
     exports = _ExportCalls(monkeypatch)
-    _, second = _train(_seeded(_dropout_mlp), steps=1)
+    _, second = _train(_seeded(_eval_differs), steps=1)
     assert second._graphs.from_cache and exports.calls == 0
     evaluated = _eval_loss(second)
     assert exports.calls == 2
     exports.refuse = True
-    _, third = _train(_seeded(_dropout_mlp), steps=1)
+    _, third = _train(_seeded(_eval_differs), steps=1)
     assert _eval_loss(third) == evaluated
 
 

@@ -23,6 +23,7 @@ GRAPH_STAGES = [
     ("gradient",),  # the GradientSource seam and its two sources (they run the passes)
     ("optimizer",),  # the optimizer graph and its plan
     ("pipeline",),  # sees every stage below through the job's source
+    ("eval_graphs",),  # the eval graphs of the training graphs, or built alone
     ("shapes",),  # which graphs serve which input shapes
 ]
 # What the graph package may use from the rest of ort_trainer: nothing above it.

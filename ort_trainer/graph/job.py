@@ -127,9 +127,10 @@ class OpRecord:
         key: a hash of the operators the forward runs in training and in eval mode, with their
             arguments and where their tensors come from: the graph cache links it to the entry a
             trace built (``GraphJob.record_cache_key``).
-        eval_is_training: eval mode runs the very operators training mode runs (no Dropout that
-            draws, no BatchNorm, no branch on ``self.training`` that changes what is computed),
-            so the eval graph is the training graph's forward part.
+        eval_is_training: eval mode runs the very operators training mode runs, each Dropout
+            taken for the identity (no BatchNorm, no branch on ``self.training`` that changes
+            anything else, no Dropout that draws in eval mode too), so the eval graph is the
+            training graph's forward part with its Dropouts removed.
     """
 
     key: str

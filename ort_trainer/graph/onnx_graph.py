@@ -58,10 +58,34 @@ def forward_part(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
     its ``value_info``), from the nodes, inputs, initializers and value infos they need: a training
     graph's forward part, without its gradients and the activations it keeps for them. ``model``
     is left as it is."""
+    return _part(model, list(model.graph.node), outputs)
+
+
+def eval_part(model: onnx.ModelProto, outputs: list[str], mask_inputs: Collection[str] = ()) -> onnx.ModelProto:
+    """``forward_part`` of a training graph with its Dropouts the identity, as in eval mode: each
+    ``Dropout`` node, and each ``Mul(x, m)`` with ``m`` one of ``mask_inputs`` (a mask the host
+    draws, ``passes/dropout.host_dropout_masks``), gives ``x`` itself. ``model`` is left as it is."""
+    rename = _dropout_bypasses(model.graph.node, set(mask_inputs))
+    nodes = []
+    for node in model.graph.node:
+        if node.output and node.output[0] in rename:
+            continue
+        if any(name in rename for name in node.input):
+            renamed = onnx.NodeProto()
+            renamed.CopyFrom(node)  # ``model`` keeps its own
+            renamed.input[:] = [_source(name, rename) for name in node.input]
+            node = renamed
+        nodes.append(node)
+    nodes += _output_identities(outputs, rename)
+    return _part(model, nodes, outputs)
+
+
+def _part(model: onnx.ModelProto, nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.ModelProto:
+    """The model of ``nodes`` (over ``model``'s inputs and initializers) computing ``outputs``."""
     graph = model.graph
     by_name = {v.name: v for v in [*graph.value_info, *graph.output]}
     needed = set(outputs)
-    live = _live_nodes(graph.node, needed)
+    live = _live_nodes(nodes, needed)
     part = helper.make_graph(  # copies what it is given: ``model`` is not shared
         live, graph.name, [i for i in graph.input if i.name in needed], [by_name[name] for name in outputs],
         [i for i in graph.initializer if i.name in needed],
@@ -70,6 +94,31 @@ def forward_part(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
                                producer_name=model.producer_name, producer_version=model.producer_version)
     result.functions.extend(model.functions)
     return result
+
+
+def _dropout_bypasses(nodes, mask_inputs: set[str]) -> dict[str, str]:
+    """``{output: input}`` of what is the identity in eval mode: every ``Dropout`` (its first
+    output is its input) and every ``Mul`` of a value by one of ``mask_inputs``."""
+    rename = {}
+    for node in nodes:
+        if node.op_type == "Dropout":
+            rename[node.output[0]] = node.input[0]
+        elif node.op_type == "Mul" and len(node.input) == 2 and len(mask_inputs.intersection(node.input)) == 1:
+            rename[node.output[0]] = next(name for name in node.input if name not in mask_inputs)
+    return rename
+
+
+def _source(name: str, rename: dict[str, str]) -> str:
+    """What ``name`` is once the bypassed nodes are gone (a chain of them followed to its start)."""
+    while name in rename:
+        name = rename[name]
+    return name
+
+
+def _output_identities(outputs: Collection[str], rename: dict[str, str]) -> list[onnx.NodeProto]:
+    """An ``Identity`` for each of ``outputs`` that a bypassed node computed: the name stays."""
+    return [helper.make_node("Identity", [_source(name, rename)], [name], name=f"{name}_identity")
+            for name in outputs if name in rename]
 
 
 def module_of(node_name: str) -> str:
@@ -95,25 +144,12 @@ def build_inference_graph(
     """
     model = copy.deepcopy(eval_model)
     graph = model.graph
-    rename: dict[str, str] = {}
-    nodes = []
-    for node in graph.node:
-        if node.op_type == "Dropout":
-            rename[node.output[0]] = node.input[0]
-        else:
-            nodes.append(node)
+    rename = _dropout_bypasses(graph.node, set())
+    nodes = [node for node in graph.node if not (node.output and node.output[0] in rename)]
     for node in nodes:
-        for i, name in enumerate(node.input):
-            while name in rename:
-                name = rename[name]
-            node.input[i] = name
+        node.input[:] = [_source(name, rename) for name in node.input]
     outputs = [o for o in graph.output if o.name in keep_outputs]
-    for out in outputs:
-        source = out.name
-        while source in rename:
-            source = rename[source]
-        if source != out.name:
-            nodes.append(helper.make_node("Identity", [source], [out.name], name=f"{out.name}_identity"))
+    nodes += _output_identities([o.name for o in outputs], rename)
     needed = set(o.name for o in outputs)
     live = _live_nodes(nodes, needed)
     for node in live:  # trim optional outputs (LayerNorm stats, Dropout masks) nobody reads

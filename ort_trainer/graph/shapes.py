@@ -21,8 +21,8 @@ import onnx
 from .._logging import logger
 from ..model_desc import ModelDescription
 from .job import GraphJob, Traced
-from .pipeline import (TrainingGraphs, build_eval_graph, build_eval_graph_alone, build_training_graphs,
-                       eval_graph_of)
+from .eval_graphs import build_eval_graph, build_eval_graph_alone, eval_graph_of
+from .pipeline import TrainingGraphs, build_training_graphs
 
 
 class ShapeGraphs:

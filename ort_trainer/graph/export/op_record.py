@@ -16,9 +16,15 @@ Autocast regions show as the casts they insert. That is what was computed, not t
 attribute, a monkeypatched ``forward``, a ``functools.partial``'s keywords, an ``if
 self.training`` branch, a device or autocast branch all change the operators that run.
 
-When the two modes' records are equal, eval mode computes what training mode computes, and the
-pipeline takes the eval graph from the training graph's forward part instead of tracing eval mode
-(``OpRecord.eval_is_training``).
+When eval mode's record equals training mode's with each Dropout taken for the identity, eval mode
+computes what training mode computes, Dropouts aside, and the pipeline takes the eval graph from the
+training graph's forward part with its Dropouts removed instead of tracing eval mode
+(``OpRecord.eval_is_training``). A second recorder of the training forward leaves Dropout's own
+operators out of its record (``_Recorder(without_dropout=True)``: ``empty_like`` + ``bernoulli_`` +
+``div_`` + ``mul``, or ``native_dropout``) and gives their output the label of their input, as eval
+mode's identity would. Both modes run ``scaled_dot_product_attention`` by its math backend in the
+record: training mode with a dropout cannot take the fused kernels eval mode takes, and the math
+backend is the same function whatever the kernel, with its dropout as the one difference.
 
 The pipeline maps a record key to the export key it was seen with (``GraphCache.link``) only
 after a full trace in the same process produced both, so a record never names a graph that was
@@ -42,6 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,13 +73,18 @@ class _Declined(Exception):
 class _Recorder(TorchDispatchMode):
     """Hashes each ATen operator call: name, arguments, and the provenance of its tensors."""
 
-    def __init__(self, labels: dict[int, str]):
+    def __init__(self, labels: dict[int, str], without_dropout: bool = False):
         super().__init__()
         self._labels = dict(labels)
         self._alive: list[torch.Tensor] = []  # constants: their ids stay unique while the record runs
         self._watched: dict[int, weakref.ref] = {}  # outputs: a label leaves with its tensor
         self._count = 0
         self.digest = hashlib.sha256()
+        # without_dropout: Dropout's operators left out (the record eval mode would make of them)
+        self._without_dropout = without_dropout
+        self._pending: tuple[str, torch.Tensor] | None = None  # an ``empty_like``: a mask, if ``bernoulli_`` fills it
+        self._masks: dict[int, weakref.ref] = {}
+        self.unsure = False  # a mask was read by something else than Dropout's own operators
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -83,6 +95,12 @@ class _Recorder(TorchDispatchMode):
     def _forget(self, key: int, ref: weakref.ref) -> None:
         if self._watched.get(key) is ref:
             del self._watched[key], self._labels[key]
+
+    def _watch(self, tensor: torch.Tensor, label: str) -> None:
+        """Label an output; the label leaves with the tensor (a new tensor may take its id)."""
+        key = id(tensor)
+        self._labels[key] = label
+        self._watched[key] = weakref.ref(tensor, functools.partial(self._forget, key))
 
     def _tensor(self, tensor: torch.Tensor) -> str:
         label = self._labels.get(id(tensor))
@@ -111,22 +129,70 @@ class _Recorder(TorchDispatchMode):
             raise _Declined(f"the forward reads a tensor's value into Python ({name})")
         if func.namespace not in ("aten", "prims"):
             raise _Declined(f"the forward calls the custom operator {name}")
+        if self._without_dropout:
+            pending, self._pending = self._pending, None
+            if name == "aten.bernoulli_.float" and pending is not None and args[0] is pending[1]:
+                self._masks[id(args[0])] = weakref.ref(args[0])  # the empty_like and its filling: a mask
+                return func(*args, **kwargs)
+            if pending is not None:
+                self._emit(*pending)
+            dropped = self._dropout(func, name, args, kwargs)
+            if dropped is not None:
+                return dropped
         # Grad and inference mode live above this mode (autograd), so the operator itself is the
         # same inside ``torch.no_grad()``; what the trace makes of it is not: no backward through it.
         modes = f"{'G' if torch.is_grad_enabled() else ''}{'I' if torch.is_inference_mode_enabled() else ''}"
         line = f"{name}|{modes}|{self._encode(args)}|{self._encode(kwargs)}"
         result = func(*args, **kwargs)
-        outputs = result if isinstance(result, (list, tuple)) else [result]
-        for output in outputs:
+        if self._without_dropout and name == "aten.empty_like.default":
+            self._pending = (line, result)  # recorded at the next operator, unless it makes a mask of it
+        else:
+            self._emit(line, result)
+        return result
+
+    def _emit(self, line: str, result: Any) -> None:
+        """Label the outputs of an operator (not kept alive: an intermediate is freed when the
+        forward drops it, as in an inference, and its label goes with it) and hash the call."""
+        for output in result if isinstance(result, (list, tuple)) else [result]:
             if isinstance(output, torch.Tensor):
-                # not kept alive: an intermediate is freed when the forward drops it, as in an
-                # inference, and its id's label goes with it (a new tensor may take the id)
-                key = id(output)
-                self._labels[key] = f"v{self._count}"
-                self._watched[key] = weakref.ref(output, functools.partial(self._forget, key))
+                self._watch(output, f"v{self._count}")
                 self._count += 1
         self.digest.update(f"{line}->{self._encode(result)}\n".encode())
-        return result
+
+    def _is_mask(self, value: Any) -> bool:
+        ref = self._masks.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return ref is not None and ref() is value
+
+    def _dropout(self, func, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run a Dropout's own operator unrecorded, its output labelled as its input; None for any
+        other operator (a mask read by any other marks the record ``unsure``)."""
+        if name == "aten.native_dropout.default" and len(args) > 2 and args[2] is True and not kwargs:
+            output, mask = func(*args)
+            self._watch(output, self._label(args[0]))
+            return output, mask
+        flat = [*args, *(v for value in args if isinstance(value, (list, tuple)) for v in value), *kwargs.values()]
+        if not any(self._is_mask(value) for value in flat):
+            return None
+        if name == "aten.div_.Scalar" and self._is_mask(args[0]) and not kwargs:
+            return func(*args)  # the mask scaled by 1 / (1 - p)
+        if (name == "aten.mul.Tensor" and len(args) == 2 and not kwargs and self._is_mask(args[1])
+                and not self._is_mask(args[0]) and args[0].shape == args[1].shape):
+            output = func(*args)
+            self._watch(output, self._label(args[0]))
+            return output
+        self.unsure = True
+        return None
+
+    def _label(self, tensor: torch.Tensor) -> str:
+        self._tensor(tensor)  # a tensor made outside the forward gets its constant's label
+        return self._labels[id(tensor)]
+
+    def finish(self) -> bytes:
+        """The record's digest, once the forward has run."""
+        if self._pending is not None:
+            self._emit(*self._pending)
+            self._pending = None
+        return self.digest.digest()
 
 
 def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
@@ -148,8 +214,8 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
 
     Returns:
         The record: its key a hex SHA-256 of both modes' records, and whether eval mode ran the
-        very operators training mode ran (no Dropout that draws, no BatchNorm, no ``if
-        self.training`` branch that changes what is computed); None when the forward does
+        very operators training mode ran, Dropouts aside (no BatchNorm, no ``if self.training``
+        branch that changes what is computed); None when the forward does
         something a record cannot key (logged at DEBUG). The model is left as it was: modes,
         buffers, requires_grad flags, torch's RNG.
     """
@@ -173,11 +239,14 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
         with _model_left_untouched(wrapper):
             for training in (True, False):
                 wrapper.train(training)
-                recorder = _Recorder(labels)
+                recorders = [_Recorder(labels)] + ([_Recorder(labels, without_dropout=True)] if training else [])
                 # grad enabled in both modes, as the traces are; the fake mode is entered before the
-                # recorder, so the recorder sees the real weights and inputs (their labels' ids)
+                # recorders, so they see the real weights and inputs (their labels' ids)
                 try:
-                    with torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(), fake(), recorder:
+                    with contextlib.ExitStack() as stack:
+                        for context in (torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(),
+                                        sdpa_kernel([SDPBackend.MATH]), fake(), *recorders):
+                            stack.enter_context(context)
                         outputs = wrapper(*inputs)
                 except _Declined:
                     raise
@@ -185,15 +254,16 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                     raise _Declined(f"the forward failed ({type(exc).__name__})") from exc
                 if training:
                     _refuse_custom_functions(outputs)
-                modes.append(recorder.digest.digest())
+                    without_dropout = None if recorders[1].unsure else recorders[1].finish()
+                modes.append(recorders[0].finish())
                 digest.update(modes[-1])
-                del outputs, recorder
+                del outputs, recorders
         if _python_state(wrapper) != state:
             raise _Declined("the forward changes the model's Python attributes")
     except _Declined as exc:
         logger.debug("no record key (%s); the graph cache is looked up by the export's key", exc)
         return None
-    return OpRecord(digest.hexdigest(), eval_is_training=modes[0] == modes[1])
+    return OpRecord(digest.hexdigest(), eval_is_training=without_dropout == modes[1])
 
 
 def _drop(tensor: torch.Tensor) -> None:

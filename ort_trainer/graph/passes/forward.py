@@ -15,7 +15,10 @@ Forward passes run on the forward graph before the gradient builder:
   vocabulary) becomes ``LogSoftmax`` + ``GatherElements`` + a masked mean.
 
 The ``"torch"`` gradient source's joint graph has its own passes (``passes/joint.py``), and
-``gelu`` (``gradient/gelu.py``), which computes each GELU's forward and backward together.
+``gelu`` (``gradient/gelu.py``), which computes each GELU's forward and backward together. An eval
+graph taken from that joint graph's forward part (``eval_graphs.eval_graph_of``) gets its GELUs
+back as one ``FastGelu`` each (``sigmoid_gelu_forward``, under the same ``gelu`` name): without a
+backward, the forward need not keep what the backward reads.
 
 Gradient passes run on the gradient graph, replacing ONNX Runtime's gradient kernels with
 equivalent standard operators:
@@ -36,6 +39,8 @@ import math
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from ._graph import _Graph, _elem_types, _keep, _other, _sole_consumer
 
 MS_DOMAIN = "com.microsoft"
 
@@ -204,6 +209,54 @@ def sparse_labels_forward(model: onnx.ModelProto) -> int:
         graph.node.extend(kept_nodes + e.nodes + rest)
         count += 1
     return count
+
+
+# ``x · sigmoid(x · (A·x² + B))`` is the tanh GELU ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``
+_GELU_A = 2.0 * math.sqrt(2.0 / math.pi) * 0.044715
+_GELU_B = 2.0 * math.sqrt(2.0 / math.pi)
+
+
+def sigmoid_gelu_forward(model: onnx.ModelProto) -> int:
+    """Each tanh GELU written as the joint ``gelu`` pass writes its forward, ``y = x · sigmoid(x ·
+    (A·x² + B))`` (``gradient/gelu.py``: five passes over the activations, whose values the backward
+    reads), as one ``com.microsoft`` ``FastGelu(x)``, in place: for an eval graph taken from a
+    training graph's forward part, where no backward reads them. Float32 values only, every
+    intermediate read by the next node alone; ``FastGelu`` computes the same function (tanh form),
+    rounded otherwise by a few ulps. Returns the number of GELUs rewritten."""
+    g, types = _Graph(model), _elem_types(model)
+    dead: set[int] = set()
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+
+    def near(name: str, value: float) -> bool:
+        const = g.const(name)
+        return const is not None and const.size == 1 and abs(float(const.flat[0]) - value) <= 1e-6 * value
+
+    for sigmoid in [n for n in model.graph.node if n.op_type == "Sigmoid" and n.domain in ("", "ai.onnx")]:
+        inner = g.producer.get(sigmoid.input[0])
+        output = _sole_consumer(g, sigmoid.output[0])
+        if inner is None or inner.op_type != "Mul" or output is None or output.op_type != "Mul":
+            continue
+        x = _other(output, sigmoid.output[0])
+        if x not in inner.input or types.get(x) != onnx.TensorProto.FLOAT:
+            continue
+        poly = g.producer.get(_other(inner, x))
+        scaled = None if poly is None or poly.op_type != "Add" else next(
+            (g.producer.get(name) for name in poly.input if near(_other(poly, name), _GELU_B)), None)
+        square = None if scaled is None or scaled.op_type != "Mul" else next(
+            (g.producer.get(name) for name in scaled.input if near(_other(scaled, name), _GELU_A)), None)
+        if square is None or square.op_type != "Mul" or list(square.input) != [x, x]:
+            continue
+        chain = [square, scaled, poly, inner, sigmoid]
+        if not all(_sole_consumer(g, node.output[0]) is after for node, after in zip(chain, [*chain[1:], output])):
+            continue
+        dead |= {id(node) for node in [*chain, output]}
+        replaced[id(output)] = [helper.make_node("FastGelu", [x], [output.output[0]], name=f"{output.name}/fast_gelu",
+                                                 domain=MS_DOMAIN)]
+    if replaced:
+        _keep(model, dead, before=replaced)
+        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return len(replaced)
 
 
 def _ranks(model: onnx.ModelProto, with_types: bool = False):
