@@ -218,8 +218,8 @@ _GELU_B = 2.0 * math.sqrt(2.0 / math.pi)
 
 def sigmoid_gelu_forward(model: onnx.ModelProto) -> int:
     """Each tanh GELU written as the joint ``gelu`` pass writes its forward, ``y = x · sigmoid(x ·
-    (A·x² + B))`` (``gradient/gelu.py``: five passes over the activations, whose values the backward
-    reads), as one ``com.microsoft`` ``FastGelu(x)``, in place: for an eval graph taken from a
+    (A·x² + B))`` (``gradient/gelu.py``: six nodes, each a pass over the activations, whose values
+    the backward reads), as one ``com.microsoft`` ``FastGelu(x)``, in place: for an eval graph taken from a
     training graph's forward part, where no backward reads them. Float32 values only, every
     intermediate read by the next node alone; ``FastGelu`` computes the same function (tanh form),
     rounded otherwise by a few ulps. Returns the number of GELUs rewritten."""
