@@ -46,28 +46,24 @@ def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
     del graph.initializer[:]
     graph.initializer.extend(initializers)
     # a dropped output still computed (the logits the loss reads) keeps its type, as a value info:
-    # ``forward_part`` can return it again
+    # ``eval_part`` can return it again
     value_info = [v for v in [*graph.value_info, *dropped] if v.name in needed]
     del graph.value_info[:]
     graph.value_info.extend(value_info)
     return removed
 
 
-def forward_part(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
-    """A new model computing only ``outputs`` of ``model`` (graph outputs, or values with a type in
-    its ``value_info``), from the nodes, inputs, initializers and value infos they need: a training
-    graph's forward part, without its gradients and the activations it keeps for them. ``model``
-    is left as it is."""
-    return _part(model, list(model.graph.node), outputs)
-
-
 def eval_part(model: onnx.ModelProto, outputs: list[str], mask_inputs: Collection[str] = ()) -> onnx.ModelProto:
-    """``forward_part`` of a training graph with its Dropouts the identity, as in eval mode: each
-    ``Dropout`` node, and each ``Mul(x, m)`` with ``m`` one of ``mask_inputs`` (a mask the host
-    draws, ``passes/dropout.host_dropout_masks``), gives ``x`` itself. ``model`` is left as it is."""
-    rename = _dropout_bypasses(model.graph.node, set(mask_inputs))
+    """A new model computing only ``outputs`` of the training graph ``model`` (graph outputs, or
+    values with a type in its ``value_info``) as eval mode does: from the nodes, inputs,
+    initializers and value infos they need — its forward part, without its gradients and the
+    activations it keeps for them — with its Dropouts the identity: each ``Dropout`` node, and each
+    ``Mul(x, m)`` with ``m`` one of ``mask_inputs`` (a mask the host draws,
+    ``passes/dropout.host_dropout_masks``), gives ``x`` itself. ``model`` is left as it is."""
+    graph = model.graph
+    rename = _dropout_bypasses(graph.node, set(mask_inputs))
     nodes = []
-    for node in model.graph.node:
+    for node in graph.node:
         if node.output and node.output[0] in rename:
             continue
         if any(name in rename for name in node.input):
@@ -77,12 +73,6 @@ def eval_part(model: onnx.ModelProto, outputs: list[str], mask_inputs: Collectio
             node = renamed
         nodes.append(node)
     nodes += _output_identities(outputs, rename)
-    return _part(model, nodes, outputs)
-
-
-def _part(model: onnx.ModelProto, nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.ModelProto:
-    """The model of ``nodes`` (over ``model``'s inputs and initializers) computing ``outputs``."""
-    graph = model.graph
     by_name = {v.name: v for v in [*graph.value_info, *graph.output]}
     needed = set(outputs)
     live = _live_nodes(nodes, needed)
@@ -222,5 +212,5 @@ def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
     return ([[i.name, *value_info(i)] for i in graph.input], [[o.name, *value_info(o)] for o in graph.output])
 
 
-__all__ = ["build_inference_graph", "drop_outputs", "forward_part", "io_signature", "largest_tensors", "module_of",
+__all__ = ["build_inference_graph", "drop_outputs", "eval_part", "io_signature", "largest_tensors", "module_of",
            "specialize", "value_info"]
