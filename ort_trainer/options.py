@@ -201,6 +201,12 @@ _SCHEMA: dict[str, _Field] = {
         "from two row reductions and one Where instead of five passes over the attention scores and a Where "
         "with a full-size zero tensor; bit-equal, NaN rows stay NaN (gradient source 'torch' only)"
     ),
+    "graph_optimizations.half_precision_attention": _Field(
+        _BOOL, True, "under mixed precision, scaled_dot_product_attention computed in the half dtype (float16 or "
+        "bfloat16 products, scores and softmax, as the attention written out in Python runs under autocast) instead "
+        "of torch's math attention, which upcasts the inputs and every [batch, heads, seq, seq] tensor to float32 "
+        "(gradient source 'torch' only)"
+    ),
     "graph_optimizations.column_sums": _Field(
         _BOOL, True, "sums over the leading axes of a static-shape tensor (bias and LayerNorm weight gradients) as a "
         "matrix product by ones, which ONNX Runtime's CPU kernels run in about half the time of ReduceSum "

@@ -27,7 +27,7 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import gelu as torch_gelu, joint_onnx, sparse_labels as torch_sparse_labels, torch_export
+from . import attention as torch_attention, gelu as torch_gelu, joint_onnx, sparse_labels as torch_sparse_labels, torch_export
 from .torch_export import _first_line
 
 
@@ -186,7 +186,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
-          gelu: bool = False) -> JointGraphs:
+          gelu: bool = False, half_attention: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -198,6 +198,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         gelu: run the ``gelu`` pass (``gradient/gelu.py``): GELUs written out as arithmetic become
             ``aten.gelu`` before autograd, and each GELU's forward and backward are computed
             together in the gradient graph (the eval graph is left as traced).
+        half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
+            autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
 
     Returns:
         The graphs (see ``JointGraphs``).
@@ -220,6 +222,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         torch_sparse_labels.sparse_labels(program)
     if gelu:
         torch_gelu.rewrite_formulas(program)
+    if half_attention:
+        torch_attention.half_precision(program)
     try:
         joint = joint_onnx.joint_program(program, loss_index=0, keep=torch_gelu.KEPT if gelu else ())
     except Exception as exc:  # torch raises many types; the message is what helps
@@ -250,7 +254,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     eval_model = None
     if with_eval:
         started = time.perf_counter()
-        eval_model = build_eval(traced, opset, outputs, optimize, sparse_labels=sparse_labels)
+        eval_model = build_eval(traced, opset, outputs, optimize, sparse_labels=sparse_labels,
+                                half_attention=half_attention)
         seconds["eval export"] = time.perf_counter() - started
     if opset != joint_onnx.ONNX_OPSET:
         gradient = _convert_opset(gradient, opset)
@@ -271,13 +276,14 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
 
 
 def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
-               optimize: bool = False, sparse_labels: bool = False) -> onnx.ModelProto:
+               optimize: bool = False, sparse_labels: bool = False, half_attention: bool = False) -> onnx.ModelProto:
     """The eval graph: a second ``torch.export`` of the model, in eval mode (Dropout off,
     BatchNorm on running statistics), with the weights as inputs.
 
     Args:
         traced: from ``trace`` (before or after ``build``).
         opset, outputs, optimize: as ``export_joint``.
+        sparse_labels, half_attention: as ``build``.
 
     Returns:
         Inputs: the data inputs and the weights it reads; outputs: the description's outputs.
@@ -289,7 +295,7 @@ def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[
     opset = _check_opset(opset)
     desc = traced._job["desc"]
     returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
-    model = _eval_graph(traced._job, returned, optimize, sparse_labels)
+    model = _eval_graph(traced._job, returned, optimize, sparse_labels, half_attention)
     return model if opset == joint_onnx.ONNX_OPSET else _convert_opset(model, opset)
 
 
@@ -379,7 +385,8 @@ def _export_eval(job: dict) -> Any:
         return torch_export.export_program(wrapper, job["args"][:-1], shapes)
 
 
-def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: bool = False) -> onnx.ModelProto:
+def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: bool = False,
+                half_attention: bool = False) -> onnx.ModelProto:
     """The eval-mode trace (taken by ``trace``, or again), translated with weights as inputs; with
     ``sparse_labels``, the pass runs on it as on the training program."""
     from torch.export.graph_signature import InputKind, OutputKind
@@ -390,6 +397,8 @@ def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: b
         torch_sparse_labels.drop_outputs(
             program, torch_sparse_labels.unreturned(program, desc.output_names, returned, first=0))
         torch_sparse_labels.sparse_labels(program)
+    if half_attention:
+        torch_attention.half_precision(program)
     program = joint_onnx.forward_program(program)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(program, desc, "the eval-mode trace")

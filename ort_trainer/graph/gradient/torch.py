@@ -160,9 +160,10 @@ class TorchGradientSource(GradientSource):
             if built:  # building consumed the trace
                 traced_model = _retrace(traced_model, job.frozen_weights)
             sparse = len(returned) < len(job.desc.output_names)
-            gelu = bool((job.passes or {}).get("gelu"))
+            passes_on = job.passes or {}
             built[tuple(returned)] = autograd.build(traced_model, outputs=returned, sparse_labels=sparse,
-                                                          with_eval=False, gelu=gelu)
+                                                          with_eval=False, gelu=bool(passes_on.get("gelu")),
+                                                          half_attention=bool(passes_on.get("half_precision_attention")))
         joint = built[tuple(returned)]
         # a copy: the joint graph stays as built for later specialisations
         gradient = specialize(joint.gradient, prepared.state["dims"] or {})
@@ -195,8 +196,9 @@ def _eval_graph(job: GraphJob, traced: Traced, returned: list[str], dims: dict[s
     evals = traced.program.setdefault("eval_built", {})
     if tuple(returned) not in evals:
         sparse = len(returned) < len(job.desc.output_names)
-        evals[tuple(returned)] = autograd.build_eval(traced.program["traced"], outputs=returned,
-                                                           sparse_labels=sparse)
+        evals[tuple(returned)] = autograd.build_eval(
+            traced.program["traced"], outputs=returned, sparse_labels=sparse,
+            half_attention=bool((job.passes or {}).get("half_precision_attention")))
     return specialize(evals[tuple(returned)], dims or {})  # a copy: the translation serves every specialisation
 
 

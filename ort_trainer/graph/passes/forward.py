@@ -52,8 +52,10 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
 # copies and sums over leading axes (passes/) and the safe-softmax guard of attention (passes/softmax.py)
 JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_gradient", "sequences",
                      "output_reshape", "safe_softmax", "column_sums")
-GRADIENT_PASSES += JOINT_COPY_PASSES
-ALL_PASSES += JOINT_COPY_PASSES
+# the "torch" source's rewrite of the traced program before autograd (gradient/attention.py)
+TRACE_PASSES = ("half_precision_attention",)
+GRADIENT_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
+ALL_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
 
 
 class _Editor:

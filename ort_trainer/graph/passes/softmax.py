@@ -43,6 +43,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_BFLOAT16_LOWEST = -float.fromhex("0x1.fep127")  # NumPy's finfo knows no bfloat16
+
 from ._graph import (_Graph, _ONNX_DOMAINS, _all_nodes, _attrs, _elem_types, _is, _keep, _shared_constants,
                      _sole_consumer)
 
@@ -137,7 +140,8 @@ def _mask_with_minus_inf(g: _Graph, guarded: dict[str, int]) -> int:
             fill = g.producer.get(bias)
             if fill is None or not _is(fill, "Where") or len(fill.input) != 3:
                 continue
-            lowest = np.finfo(helper.tensor_dtype_to_np_dtype(elem_type)).min
+            lowest = _BFLOAT16_LOWEST if elem_type == TensorProto.BFLOAT16 else \
+                np.finfo(helper.tensor_dtype_to_np_dtype(elem_type)).min
             if g.fill_value(fill.input[1]) != 0.0 or g.fill_value(fill.input[2]) != lowest:
                 continue
             readers = g.consumers.get(bias, [])
@@ -159,7 +163,7 @@ def _match(g: _Graph, types: dict[str, int], where: onnx.NodeProto) -> tuple | N
         return None
     x = softmax.input[0]
     shape, elem_type = g.shapes.get(x), types.get(x)
-    if shape is None or elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16):
+    if shape is None or elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE, *_HALF):
         return None
     rank = len(shape)
     axis = _attrs(softmax).get("axis", -1) % max(rank, 1)
@@ -168,7 +172,7 @@ def _match(g: _Graph, types: dict[str, int], where: onnx.NodeProto) -> tuple | N
     is_nan = _read_once_producer(g, condition, where)
     if is_nan is not None and _is(is_nan, "IsNaN") and is_nan.input[0] == probabilities:
         return x, None, axis, elem_type, zeros, [is_nan]
-    found = _all_equal_minus_inf(g, condition, where)
+    found = _all_equal_minus_inf(g, types, condition, where)
     if found is None:
         return None
     compared, reduce, chain = found
@@ -187,7 +191,7 @@ def _fits(shape: list | None, target: list) -> bool:
     return all(d == 1 or (d is not None and d == t) for d, t in zip(reversed(shape), reversed(target)))
 
 
-def _all_equal_minus_inf(g: _Graph, name: str, where: onnx.NodeProto) -> tuple | None:
+def _all_equal_minus_inf(g: _Graph, types: dict[str, int], name: str, where: onnx.NodeProto) -> tuple | None:
     """``(x, the Reduce node, the nodes of the chain)`` if ``name``, read by ``where`` only, is ``all(x == -inf)`` spelled as
     ``Not(any(Not(eq)))`` or ``ReduceMin`` of the int64 cast, each intermediate read once; else None."""
     chain: list[onnx.NodeProto] = []
@@ -219,8 +223,20 @@ def _all_equal_minus_inf(g: _Graph, name: str, where: onnx.NodeProto) -> tuple |
     for compared, constant in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
         value = g.const(constant)
         if value is not None and value.size == 1 and np.isneginf(value.reshape(-1)[0]):
-            return compared, reduce, chain
+            return _unwidened(g, types, compared, node, chain), reduce, chain
     return None
+
+
+def _unwidened(g: _Graph, types: dict[str, int], name: str, reader: onnx.NodeProto, chain: list) -> str:
+    """``name``, or the half-precision value it is a float32 cast of when ``reader`` alone reads that
+    cast (added to ``chain``): a half-precision attention's guard compares ``Cast(x, float32)`` with
+    ``-inf`` (torch computes the comparison in float32), which is exact, so the same as ``x``'s."""
+    cast = _read_once_producer(g, name, reader)
+    if cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") != TensorProto.FLOAT \
+            or types.get(cast.input[0]) not in _HALF:
+        return name
+    chain.append(cast)
+    return cast.input[0]
 
 
 def _read_once_producer(g: _Graph, name: str, reader: onnx.NodeProto) -> onnx.NodeProto | None:

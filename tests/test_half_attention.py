@@ -1,0 +1,194 @@
+"""The ``half_precision_attention`` pass (``graph/gradient/attention.py``): under mixed precision,
+``scaled_dot_product_attention`` computed in the half dtype instead of torch's math attention,
+which upcasts every ``[B, H, S, S]`` tensor to float32.
+
+Checked against float64 PyTorch (the exact function), against the same graph with the pass off
+(the math attention's float32 computation), and on the graph: the attention's products are float16.
+"""
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.graph.gradient import attention
+from ort_trainer.optim import SGDConfig
+
+from models import tiny_gpt2
+from test_safe_softmax_pass import BATCH, DESC, HEADS, SEQ, TinyAttention, _batch, _padding_mask
+from tolerances import FLOAT16, check
+
+pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
+                                reason="the 'torch' gradient source exports with onnxscript")
+
+# attention() against torch's own scaled_dot_product_attention, both in float64: the same arithmetic
+# in another order (the math attention scales q and k by √scale as attention() does): each output is
+# a softmax of sums of ≤ 8 products, then a sum of ≤ 8 products: 32 roundings at most, 32·u64 = 3.6e-15;
+# the test holds 1e-13 of the largest output.
+FLOAT64_BOUND = 1e-13
+# float16 against float64, relative to each tensor's norm: every value of the float16 computation is
+# rounded at most once per operation (u16 = 4.9e-4) and its sums are accumulated in float32 (ONNX
+# Runtime's float16 MatMul and Softmax); along the longest chain of TinyAttention's gradients (the
+# embedding, the q/k/v and head Linear layers, the scores, the softmax and its backward, the attention,
+# the loss): ~20 roundings to float16, 20·u16 = 9.8e-3. The same bound as test_mixed_precision.py's
+# float16 gradients (1e-2), which it also checks against float64.
+HALF_BOUND = 1e-2
+# The pass changes which values are float16: with it off, the scores, softmax and attention are float32
+# between float16 inputs and outputs. Both are held to HALF_BOUND. Observed (worst tensor, 1 and 2
+# threads): with the pass 5.4e-4 (padding mask) / 4.5e-4 (causal), without it 4.7e-4 / 3.9e-4: 18x under.
+SCORES = [BATCH, HEADS, SEQ, SEQ]
+
+
+def _dtypes(model: onnx.ModelProto) -> dict[str, int]:
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.value_info, *graph.output]}
+
+
+@pytest.mark.parametrize("case", ["bool-mask", "float-mask", "causal", "scale", "gqa"])
+def test_attention_is_torchs_scaled_dot_product_attention(case):
+    """In float64, ``attention`` computes what ``F.scaled_dot_product_attention`` does, fully masked
+    rows (every key ``-inf`` / ``False``) giving 0, within FLOAT64_BOUND of the largest output."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    kwargs = {}
+    if case == "bool-mask":
+        mask = torch.rand(2, 1, 6, 6, generator=gen) > 0.3
+        mask[1, :, 2] = False  # a fully masked row
+        kwargs["attn_mask"] = mask
+    elif case == "float-mask":
+        kwargs["attn_mask"] = _padding_mask()[1:].double()  # batch 1: queries 0 and 3 see no key
+    elif case == "causal":
+        kwargs["is_causal"] = True
+    elif case == "scale":
+        kwargs["scale"] = 0.3
+    else:
+        k, v = k[:, :2], v[:, :2]
+        kwargs["enable_gqa"] = True
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    got = attention.attention(q, k, v, **kwargs)
+    check(float((got - expected).abs().max() / expected.abs().max()), FLOAT64_BOUND, case)
+    if case == "bool-mask":
+        assert (got[1, :, 2] == 0).all()
+    elif case == "float-mask":
+        assert (got[1, :, [0, 3]] == 0).all()
+
+
+def _half_step(model, batch, on: bool):
+    torch.manual_seed(0)
+    trainer = ORTTrainer(copy.deepcopy(model), DESC, SGDConfig(lr=0.0),
+                         options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
+                                  "mixed_precision": {"enabled": True, "dtype": "float16", "loss_scaler":
+                                                      DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)},
+                                  "graph_optimizations": {"half_precision_attention": on}})
+    loss, attended = trainer.train_step(*batch)
+    return trainer, float(loss), attended.double().numpy(), {w: g.numpy().astype(np.float64)
+                                                              for w, g in trainer._engine.grads.items()}
+
+
+def _float64(model, batch):
+    double = copy.deepcopy(model).double()
+    ids, mask, labels = batch
+    loss, attended = double(ids, mask.double(), labels)
+    loss.backward()
+    return float(loss.detach()), attended.detach().numpy(), {n: p.grad.numpy() for n, p in double.named_parameters()}
+
+
+def _relative(got, expected) -> float:
+    return float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["padding-mask", "is_causal"])
+def test_float16_attention_is_the_exact_attention_within_float16_rounding(causal, record_property):
+    """TinyAttention under float16 mixed precision, one step: the loss, the attention output and every
+    gradient within HALF_BOUND (1e-2) of float64 PyTorch's, with the pass on and off; fully masked rows
+    give 0. With the pass on, the graph's [B, H, S, S] products and softmax are float16 (off: float32)
+    and the guard of the fully masked rows is still rewritten (``safe_softmax``: its ReduceMax/ReduceSum form)."""
+    model = TinyAttention(causal)
+    batch = _batch(None if causal else _padding_mask())
+    loss64, attended64, grads64 = _float64(model, batch)
+    errors = {}
+    for on in (True, False):
+        trainer, loss, attended, grads = _half_step(model, batch, on)
+        errors[on] = {"loss": abs(loss - loss64) / abs(loss64), "attended": _relative(attended, attended64),
+                      **{name: _relative(grads[name], grad) for name, grad in grads64.items()}}
+        for name, error in errors[on].items():
+            check(error, HALF_BOUND, (on, name))
+        if not causal:
+            assert (attended[2, [0, 3]] == 0).all()
+        gradient = trainer._graphs.gradient
+        types, ranks = _dtypes(gradient), _ranks(gradient)
+        softmax = [n for n in gradient.graph.node if n.op_type == "Softmax"]
+        assert [types[n.output[0]] for n in softmax] == [onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT]
+        assert any(n.name.endswith("/safe_softmax/ReduceMax") for n in gradient.graph.node), "guard not rewritten"
+        # the attention's batched products (rank 3: [B·H, S, S] and [B·H, S, head]), forward and backward
+        batched = {types[n.output[0]] for n in gradient.graph.node if n.op_type == "MatMul" and ranks[n.output[0]] == 3}
+        assert batched == {onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT}, batched
+    record_property("errors", {on: max(e.values()) for on, e in errors.items()})
+
+
+def test_the_pass_is_off_for_float32_and_leaves_it_bit_equal():
+    """fp32 training never takes the rewrite: the graph and gradients with the flag on and off are the same."""
+    model, batch = TinyAttention(False), _batch(_padding_mask())
+    graphs, grads = [], []
+    for on in (True, False):
+        trainer = ORTTrainer(copy.deepcopy(model), DESC, SGDConfig(lr=0.0),
+                             options={"graph": {"gradient_source": "torch"},
+                                      "graph_optimizations": {"half_precision_attention": on}})
+        trainer.train_step(*batch)
+        graphs.append([n.op_type for n in trainer._graphs.gradient.graph.node])
+        grads.append({w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
+    assert graphs[0] == graphs[1]
+    for name, grad in grads[0].items():
+        np.testing.assert_array_equal(grad, grads[1][name])
+
+
+def test_hugging_face_gpt2_trains_and_evaluates_in_float16_attention():
+    """HF GPT-2 (sdpa attention, left padding, dropout 0.1 so the attention's dropout is rewritten too):
+    float16 training with the pass computes every attention product in float16, takes 5 steps with a
+    finite falling loss and evaluates within float16 rounding of PyTorch's autocast eval (both
+    float16 logits: LOSS_BOUND-like 2 sides · 2 roundings · u16 · ~10 roundings of the chain = 2e-2
+    relative at worst)."""
+    model, desc = tiny_gpt2(dropout=0.1, seq=16)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (4, 16), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.5),
+                         options={"graph": {"gradient_source": "torch"},
+                                  "mixed_precision": {"enabled": True, "dtype": "float16"}})
+    losses = [float(trainer.train_step(ids, mask, ids)[0]) for _ in range(5)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    types = _dtypes(trainer._graphs.gradient)
+    scores = [n for n in trainer._graphs.gradient.graph.node if n.op_type == "Softmax"]
+    assert len(scores) == model.config.n_layer and all(types[n.output[0]] == onnx.TensorProto.FLOAT16 for n in scores)
+    eval_loss = float(trainer.eval_step(ids, mask, ids)[0])
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
+    reference.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        expected = float(reference(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    check(abs(eval_loss - expected) / abs(expected), 2 * 2 * 10 * FLOAT16, (eval_loss, expected))
+
+
+def test_the_pass_counts_only_half_precision_calls():
+    """``half_precision`` rewrites a float16 call and leaves a float32 one (the program after it still
+    exports): counted by the call's query dtype."""
+    class Two(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q.half(), k.half(), v.half()).float() + \
+                F.scaled_dot_product_attention(q, k, v)
+
+    q = torch.randn(1, 2, 4, 8)
+    program = torch.export.export(Two(), (q, q, q))
+    assert attention.half_precision(program) == 1
+    assert attention.half_precision(program) == 0  # already rewritten
