@@ -59,7 +59,7 @@ REFERENCE = {"fp32": "PyTorch eager fp32", "fp16": "`torch.autocast` fp16 + `Gra
 def _spawn(args, model: str, impl: str, precision: str, steps: int, batch: int | None = None, profile: int = 0) -> dict:
     command = [sys.executable, str(WORKER), "--model", model, "--impl", impl, "--precision", precision,
                "--device", args.device, "--steps", str(steps), "--compile-backend", args.compile_backend,
-               "--profile-steps", str(profile)]
+               "--profile-steps", str(profile), "--ort-optimizations", args.ort_optimizations]
     if batch:
         command += ["--batch", str(batch)]
     try:
@@ -352,6 +352,8 @@ def parse(argv=None):
     parser.add_argument("--probe-max", type=int, default=1024)
     parser.add_argument("--profile-steps", type=int, default=3, help="round 1 profiles this many more steps (0: none)")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--ort-optimizations", default="{}",
+                        help="ort_trainer's graph_optimizations, as JSON, for an A/B of one pass (a run of its own)")
     parser.add_argument("--deadline", type=float, default=None, help="start no process after this many seconds")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one process may take")
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "benchmarks_gpu.jsonl")

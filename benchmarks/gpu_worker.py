@@ -86,13 +86,14 @@ class PeakMemory:
                 "torch_allocated_peak_mb": self._torch.cuda.max_memory_allocated() / 2**20}
 
 
-def _ort_step(model, desc, device: str, precision: str):
+def _ort_step(model, desc, device: str, precision: str, optimizations: dict | None = None):
     from ort_trainer import ORTTrainer
     from ort_trainer.optim import AdamConfig
 
     options = {"device": {"id": device},
                "mixed_precision": {"enabled": precision != "fp32",
-                                   "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float16")}}
+                                   "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float16")},
+               "graph_optimizations": optimizations or {}}
     trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4, lambda_coef=0.01), options=options)
     trainer._train_step_info.fetches = ["loss"]  # the loss alone, as the PyTorch loop reads it
 
@@ -201,7 +202,7 @@ def run(args) -> dict:
               "batch": len(batches[0][0]), "tokens": tokens, "params": n_params}
     try:
         if args.impl == "ort":
-            step = _ort_step(model, desc, args.device, args.precision)
+            step = _ort_step(model, desc, args.device, args.precision, json.loads(args.ort_optimizations))
         else:
             step = _torch_step(model, args.device, args.precision, args.impl == "compile", args.compile_backend)
         seconds, losses = [], []
@@ -237,6 +238,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="override the model's batch (the largest-batch probe)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (0: none)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (aot_eager on the CPU test)")
+    parser.add_argument("--ort-optimizations", default="{}",
+                        help="ort_trainer's graph_optimizations, as JSON (an A/B of one pass: '{\"gelu\": false}')")
     args = parser.parse_args()
     print(json.dumps(run(args)), flush=True)
 

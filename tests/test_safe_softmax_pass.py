@@ -5,6 +5,7 @@ own outputs for masked, NaN and inf rows."""
 import copy
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,3 +226,57 @@ def test_safe_softmax_applies_to_hugging_face_gpt2():
     np.testing.assert_array_equal(results[True][1], results[False][1])
     for name, grad in results[True][2].items():
         np.testing.assert_array_equal(grad, results[False][2][name])
+
+
+def _half_guard_model(elem_type: int) -> onnx.ModelProto:
+    """torchlib's guard over half-precision scores as a half-precision attention traces it: the
+    comparison with ``-inf`` on a float32 cast of the scores (torch computes it in float32)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+    nodes = [
+        helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+        helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT),
+        helper.make_node("Equal", ["x32", "minus_inf"], ["eq"]),
+        helper.make_node("Not", ["eq"], ["ne"]),
+        helper.make_node("Cast", ["ne"], ["ne64"], to=TensorProto.INT64),
+        helper.make_node("ReduceMax", ["ne64", "axes"], ["any64"], keepdims=1),
+        helper.make_node("Cast", ["any64"], ["any"], to=TensorProto.BOOL),
+        helper.make_node("Not", ["any"], ["all"]),
+        helper.make_node("Where", ["all", "zero", "p"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array(-np.inf, np.float32), "minus_inf"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+             numpy_helper.from_array(np.array(0, dtype), "zero")]
+    graph = helper.make_graph(nodes, "guard", [helper.make_tensor_value_info("x", elem_type, [2, 3, 4])],
+                              [helper.make_tensor_value_info("y", elem_type, [2, 3, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_guard_of_half_precision_scores_is_rewritten(dtype):
+    """A half-precision attention's guard compares a float32 cast of the scores with ``-inf``: the
+    pass matches through that cast (exact: -inf and NaN survive it). float16 reductions read the scores
+    themselves, and the outputs are the same bits as the unrewritten graph's on ONNX Runtime's CPU,
+    fully masked rows 0 and a NaN row NaN. bfloat16 reductions read a float32 copy (ONNX Runtime's CUDA
+    provider has no bfloat16 ReduceMax, and its CPU provider no bfloat16 kernels to run here)."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    elem_type = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.BFLOAT16
+    model = _half_guard_model(elem_type)
+    rewritten = copy.deepcopy(model)
+    assert softmax.safe_softmax(rewritten) == 1
+    nodes = {n.op_type: n for n in rewritten.graph.node}
+    assert "Not" not in nodes and [n.op_type for n in rewritten.graph.node].count("Cast") == (dtype == "bfloat16")
+    reduced = nodes["ReduceMax"].input[0]
+    assert reduced == ("x" if dtype == "float16" else nodes["Cast"].output[0])
+    if dtype == "bfloat16":
+        return
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float16)
+    x[0, 1] = -np.inf
+    x[1, 2, 0] = np.nan
+    outputs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+               for m in (model, rewritten)]
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+    assert (outputs[1][0, 1] == 0).all() and np.isnan(outputs[1][1, 2]).all()

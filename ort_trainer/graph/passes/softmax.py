@@ -88,11 +88,20 @@ def safe_softmax(model: onnx.ModelProto) -> int:
             guarded[x] = elem_type
             axes = f"ort_trainer/safe_softmax/axes_{axis}"
             constants.append((axes, np.array([axis], np.int64)))
-        _shared_constants(g, initializers, constants)
         prefix = f"{where.name or where.output[0]}/safe_softmax"
+        widen = []
+        if elem_type == TensorProto.BFLOAT16:
+            # ONNX Runtime's CUDA provider has no bfloat16 ReduceMax (1.31.1; the session fails to assign
+            # it): the guard's reductions read a float32 copy of the scores, exact for -inf, NaN and sums' NaN
+            minus_inf = _minus_inf_name(TensorProto.FLOAT)
+            constants.append((minus_inf, np.array(-np.inf, np.float32)))
+            widen = [helper.make_node("Cast", [x], [prefix + "/float"], name=prefix + "/Cast", to=TensorProto.FLOAT)]
+        _shared_constants(g, initializers, constants)
+        reduced = widen[0].output[0] if widen else x
         before[id(where)] = [
-            helper.make_node("ReduceMax", [x, axes], [prefix + "/max"], name=prefix + "/ReduceMax", keepdims=1),
-            helper.make_node("ReduceSum", [x, axes], [prefix + "/sum"], name=prefix + "/ReduceSum", keepdims=1),
+            *widen,
+            helper.make_node("ReduceMax", [reduced, axes], [prefix + "/max"], name=prefix + "/ReduceMax", keepdims=1),
+            helper.make_node("ReduceSum", [reduced, axes], [prefix + "/sum"], name=prefix + "/ReduceSum", keepdims=1),
             helper.make_node("Equal", [prefix + "/max", minus_inf], [prefix + "/max_is_minus_inf"],
                              name=prefix + "/Equal_max"),
             helper.make_node("Equal", [prefix + "/sum", prefix + "/sum"], [prefix + "/no_nan"],
