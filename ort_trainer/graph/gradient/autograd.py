@@ -27,7 +27,8 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import attention as torch_attention, gelu as torch_gelu, joint_onnx, sparse_labels as torch_sparse_labels, torch_export
+from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx, sparse_labels as torch_sparse_labels,
+               torch_export)
 from .torch_export import _first_line
 
 
@@ -399,7 +400,7 @@ def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: b
         torch_sparse_labels.sparse_labels(program)
     if half_attention:
         torch_attention.half_precision(program)
-    program = joint_onnx.forward_program(program)
+    program = eval_program.forward_program(program)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(program, desc, "the eval-mode trace")
     user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]

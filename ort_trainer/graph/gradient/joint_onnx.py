@@ -1,8 +1,9 @@
 """The ONNX side of the torch-autograd gradient source: an ATen program to a standard ONNX graph.
 
 Every use of private torch APIs (``torch.export``'s joint tracing, the ONNX exporter's
-translator) is in the two functions ``joint_program`` and ``program_to_onnx``; torch is pinned
-and ``tests/test_torch_autograd.py`` exercises both on every model it checks.
+translator) is in the two functions ``joint_program`` and ``program_to_onnx`` (and the exporter's
+operator tables, which ``eval_program`` reads too); torch is pinned and
+``tests/test_torch_autograd.py`` exercises both on every model it checks.
 
 Why not ``torch.onnx.export`` of a module wrapping the joint graph: that traces the program two
 more times (``torch.export`` of the wrapper, then ``run_decompositions`` with the exporter's
@@ -57,14 +58,6 @@ def _registry_and_tables() -> tuple:
     return registry, onnx_table, {**core_aten_decompositions(), **onnx_table, **DECOMPOSITIONS}
 
 
-def forward_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``program`` decomposed to the operators the ONNX exporter translates (what ``torch.onnx.export`` does)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with _quiet_exporter(), sdpa_kernel([SDPBackend.MATH]):
-        return program.run_decompositions(_registry_and_tables()[1])
-
-
 def joint_program(program: torch.export.ExportedProgram, loss_index: int,
                   keep: Collection = ()) -> torch.export.ExportedProgram:
     """Forward + backward of ``program`` (autograd through the loss output ``loss_index``).
@@ -100,7 +93,7 @@ def program_to_onnx(
 
     Args:
         program: a program whose operators all have ONNX translations (``joint_program``,
-            ``forward_program``). Its graph is edited in place.
+            ``eval_program.forward_program``). Its graph is edited in place.
         inputs: ``{placeholder name: ONNX input name}``, in the order of the ONNX inputs; a
             placeholder in neither ``inputs`` nor ``constants`` must be unused (it is dropped).
         constants: ``{placeholder name: value}`` of placeholders that become initializers.
