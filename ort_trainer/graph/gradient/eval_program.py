@@ -63,7 +63,7 @@ def _translatable_as_is(program: torch.export.ExportedProgram) -> bool:
         if node.op in ("get_attr", "call_module", "call_method"):
             return False
         if node.op != "call_function" or node.target is operator.getitem or node.target in _TO \
-                or node.target is _aten._assert_tensor_metadata.default:
+                or (node.target is _aten._assert_tensor_metadata.default and not node.users):
             continue
         target = _ALIASES.get(node.target, node.target)
         if not isinstance(target, torch._ops.OpOverload) or target not in _implemented() or target._schema.is_mutable:

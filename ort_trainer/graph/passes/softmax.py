@@ -35,6 +35,11 @@ or a ``+inf`` stay NaN, as in eager PyTorch; rows of finite values and ``-inf`` 
 the replaced spelling. torchlib also fills a boolean mask with the dtype's lowest value, not
 ``-inf``, so its fully masked rows came out uniform instead of zero; the pass fills them with
 ``-inf`` (``_mask_with_minus_inf``), and eval_step matches eager PyTorch there too.
+
+Half-precision scores (``gradient/attention.py``) reach the guard as ``Cast(x, float32) == -inf``
+(torch compares in float32): the widening is exact, so the pass reads ``x`` itself. bfloat16
+scores are reduced through a float32 cast: ONNX Runtime's CUDA provider has no bfloat16
+``ReduceMax`` (1.31.1).
 """
 
 from __future__ import annotations
@@ -43,11 +48,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
-_BFLOAT16_LOWEST = -float.fromhex("0x1.fep127")  # NumPy's finfo knows no bfloat16
-
 from ._graph import (_Graph, _ONNX_DOMAINS, _all_nodes, _attrs, _elem_types, _is, _keep, _shared_constants,
                      _sole_consumer)
+
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_BFLOAT16_LOWEST = -float.fromhex("0x1.fep127")  # NumPy's finfo knows no bfloat16
 
 
 def safe_softmax(model: onnx.ModelProto) -> int:
