@@ -192,12 +192,14 @@ def test_the_eval_program_of_hugging_face_gpt2_translates_without_a_second_trace
         monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path / f"cache_{as_is}"))
         if not as_is:
             monkeypatch.setattr(eval_program, "_translatable_as_is", lambda program: False)
-        trainer = ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=0.0), options={"graph": {"gradient_source": "torch"}})
+        trainer = ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=0.0),
+                             options={"graph": {"gradient_source": "torch"}})
         trainer.train_step(ids, mask, ids)
         del decompositions[:]
         trainer.save_as_onnx(tmp_path / f"gpt2_{as_is}.onnx")
         assert len(decompositions) == (0 if as_is else 1)
         session = ort.InferenceSession(str(tmp_path / f"gpt2_{as_is}.onnx"), providers=["CPUExecutionProvider"])
-        outputs[as_is] = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "labels": ids.numpy()})
+        feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "labels": ids.numpy()}
+        outputs[as_is] = session.run(None, feeds)
     for got, expected in zip(outputs[True], outputs[False]):
         np.testing.assert_array_equal(got, expected)

@@ -27,8 +27,8 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx, sparse_labels as torch_sparse_labels,
-               torch_export)
+from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx,
+               sparse_labels as torch_sparse_labels, torch_export)
 from .torch_export import _first_line
 
 

@@ -161,9 +161,9 @@ class TorchGradientSource(GradientSource):
                 traced_model = _retrace(traced_model, job.frozen_weights)
             sparse = len(returned) < len(job.desc.output_names)
             passes_on = job.passes or {}
-            built[tuple(returned)] = autograd.build(traced_model, outputs=returned, sparse_labels=sparse,
-                                                          with_eval=False, gelu=bool(passes_on.get("gelu")),
-                                                          half_attention=bool(passes_on.get("half_precision_attention")))
+            built[tuple(returned)] = autograd.build(
+                traced_model, outputs=returned, sparse_labels=sparse, with_eval=False,
+                gelu=bool(passes_on.get("gelu")), half_attention=bool(passes_on.get("half_precision_attention")))
         joint = built[tuple(returned)]
         # a copy: the joint graph stays as built for later specialisations
         gradient = specialize(joint.gradient, prepared.state["dims"] or {})
