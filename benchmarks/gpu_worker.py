@@ -211,6 +211,7 @@ def run(args) -> dict:
             losses.append(step(batches[index % len(batches)]))  # reads the loss back: the step is done on the device
             seconds.append(time.perf_counter() - begin)
             now = memory.sample()
+            result.setdefault("step_mb", []).append(now)  # device memory after each step: where it grows
             if index == 0:  # what the steps after the first add shows a second copy of the activations
                 result["after_first_step_mb"] = now
     except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)

@@ -207,6 +207,11 @@ _SCHEMA: dict[str, _Field] = {
         "of torch's math attention, which upcasts the inputs and every [batch, heads, seq, seq] tensor to float32 "
         "(gradient source 'torch' only)"
     ),
+    "graph_optimizations.half_precision_softmax_gradient": _Field(
+        _BOOL, True, "a float16 softmax's gradient (the half-precision attention's) computed in float16, the row sum "
+        "accumulated in float32, instead of torch's float32 decomposition between casts: four passes over the "
+        "[batch, heads, seq, seq] probabilities instead of seven (gradient source 'torch' only)"
+    ),
     "graph_optimizations.column_sums": _Field(
         _BOOL, True, "sums over the leading axes of a static-shape tensor (bias and LayerNorm weight gradients) as a "
         "matrix product by ones, which ONNX Runtime's CPU kernels run in about half the time of ReduceSum "

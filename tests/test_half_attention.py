@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.graph import passes
 from ort_trainer.graph.gradient import attention
 from ort_trainer.optim import SGDConfig
 
@@ -40,7 +41,8 @@ FLOAT64_BOUND = 1e-13
 HALF_BOUND = 1e-2
 # The pass changes which values are float16: with it off, the scores, softmax and attention are float32
 # between float16 inputs and outputs. Both are held to HALF_BOUND. Observed (worst tensor, 1 and 2
-# threads): with the pass 5.4e-4 (padding mask) / 4.5e-4 (causal), without it 4.7e-4 / 3.9e-4: 18x under.
+# threads): with the pass 5.4e-4 (padding mask) / 4.5e-4 (causal), without it 4.7e-4 / 3.9e-4: 18x under; with the
+# softmax gradient in float16 too (half_precision_softmax_gradient) 5.3e-4 / 4.5e-4.
 SCORES = [BATCH, HEADS, SEQ, SEQ]
 
 
@@ -112,7 +114,8 @@ def test_float16_attention_is_the_exact_attention_within_float16_rounding(causal
     """TinyAttention under float16 mixed precision, one step: the loss, the attention output and every
     gradient within HALF_BOUND (1e-2) of float64 PyTorch's, with the pass on and off; fully masked rows
     give 0. With the pass on, the graph's [B, H, S, S] products and softmax are float16 (off: float32)
-    and the guard of the fully masked rows is still rewritten (``safe_softmax``: its ReduceMax/ReduceSum form)."""
+    and the guard of the fully masked rows is still rewritten (``safe_softmax``: its ReduceMax/ReduceSum form);
+    the softmax's gradient is float16 too (``half_precision_softmax_gradient``)."""
     model = TinyAttention(causal)
     batch = _batch(None if causal else _padding_mask())
     loss64, attended64, grads64 = _float64(model, batch)
@@ -130,6 +133,10 @@ def test_float16_attention_is_the_exact_attention_within_float16_rounding(causal
         softmax = [n for n in gradient.graph.node if n.op_type == "Softmax"]
         assert [types[n.output[0]] for n in softmax] == [onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT]
         assert any(n.name.endswith("/safe_softmax/ReduceMax") for n in gradient.graph.node), "guard not rewritten"
+        # the softmax's gradient: float16 with the pass (half_precision_softmax_gradient), float32 without
+        subs = [types[n.output[0]] for n in gradient.graph.node if n.op_type == "Sub" and ranks[n.output[0]] == 4]
+        assert subs == [onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT], subs
+        assert sum(n.name.endswith("/half_softmax_gradient/Sub") for n in gradient.graph.node) == (1 if on else 0)
         # the attention's batched products (rank 3: [B·H, S, S] and [B·H, S, head]), forward and backward
         batched = {types[n.output[0]] for n in gradient.graph.node if n.op_type == "MatMul" and ranks[n.output[0]] == 3}
         assert batched == {onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT}, batched
@@ -192,3 +199,74 @@ def test_the_pass_counts_only_half_precision_calls():
     program = torch.export.export(Two(), (q, q, q))
     assert attention.half_precision(program) == 1
     assert attention.half_precision(program) == 0  # already rewritten
+
+
+# A float16 softmax gradient y·dy − y·Σ(y·dy) computed in float16 (half_precision_softmax_gradient) against
+# float64 on the same float16 inputs. Per element, the product p = y·dy, the row sum s, y·s and the difference
+# are each rounded to float16 once: u16 = 2^-11 relative, or 2^-25 absolute below float16's smallest normal
+# 2^-14 (subnormals: the test's smallest probabilities are); the sum accumulates in float32 (S·u32 = 4e-6 of
+# Σ|p| for S = 64, negligible). So |error| <= 4·(u16·(|p| + |y|·Σ|p|) + 2^-25); the test holds twice that.
+# Torch's float32 decomposition rounds once, at the end, within the same bound.
+SOFTMAX_GRADIENT_ROUNDINGS = 8
+
+
+def _softmax_gradient_model(rewritten: bool) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    shape = [2, 3, 5, 64]
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    nodes = [helper.make_node("Cast", ["dy"], ["c_dy"], to=f32), helper.make_node("Cast", ["y"], ["c_y"], to=f32),
+             helper.make_node("Mul", ["c_dy", "c_y"], ["p"]),
+             helper.make_node("ReduceSum", ["p", "axes"], ["s"], keepdims=1),
+             helper.make_node("Mul", ["c_y", "s"], ["q"]), helper.make_node("Sub", ["p", "q"], ["r"]),
+             helper.make_node("Cast", ["r"], ["grad"], to=f16),
+             helper.make_node("Cast", ["c_y"], ["y_again"], to=f16)]  # another reader keeps the cast of y
+    graph = helper.make_graph(
+        nodes, "softmax_gradient", [helper.make_tensor_value_info(n, f16, shape) for n in ("dy", "y")],
+        [helper.make_tensor_value_info("grad", f16, shape), helper.make_tensor_value_info("y_again", f16, shape)],
+        [onnx.numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    model = onnx.shape_inference.infer_shapes(model)
+    if rewritten:
+        assert passes.softmax.half_precision_gradient(model) == 1
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_the_softmax_gradient_in_float16_is_within_float16_rounding_of_float64(record_property):
+    """``half_precision_softmax_gradient`` on the decomposed float16 softmax gradient: four float16
+    nodes under the output's name (the cast of ``y`` that another node reads stays), each element within
+    SOFTMAX_GRADIENT_ROUNDINGS·(u16·(|y·dy| + |y|·Σ|y·dy|) + 2⁻²⁵) of float64, as is torch's float32 form."""
+    import onnxruntime as ort
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.softmax(torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 3, -1).half()
+    dy = (torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 100).half()
+    y64, dy64 = y.double().numpy(), dy.double().numpy()
+    p = y64 * dy64
+    expected = p - y64 * p.sum(-1, keepdims=True)
+    scale = FLOAT16 * (np.abs(p) + np.abs(y64) * np.abs(p).sum(-1, keepdims=True)) + 2.0 ** -25
+    model = _softmax_gradient_model(True)
+    assert [n.op_type for n in model.graph.node] == ["Cast", "Mul", "ReduceSum", "Mul", "Sub", "Cast"]
+    worst = {}
+    for rewritten in (True, False):
+        session = ort.InferenceSession(_softmax_gradient_model(rewritten).SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        grad, y_again = session.run(None, {"dy": dy.numpy(), "y": y.numpy()})
+        assert grad.dtype == np.float16
+        np.testing.assert_array_equal(y_again, y.numpy())
+        worst[rewritten] = float((np.abs(grad.astype(np.float64) - expected) / scale).max())
+        check(worst[rewritten], SOFTMAX_GRADIENT_ROUNDINGS, rewritten)
+    record_property("worst_in_roundings", worst)
+
+
+def test_the_softmax_gradient_pass_leaves_float32_and_partial_patterns():
+    """No rewrite where the inputs are float32, or where the product is read outside the pattern."""
+    model = _softmax_gradient_model(False)
+    for node in model.graph.node:
+        if node.op_type == "Cast" and node.output[0] == "grad":
+            node.attribute[0].i = onnx.TensorProto.FLOAT  # a float32 result: not the float16 pattern
+    assert passes.softmax.half_precision_gradient(model) == 0
+    model = _softmax_gradient_model(False)
+    model.graph.output.append(onnx.helper.make_tensor_value_info("p", onnx.TensorProto.FLOAT, None))
+    assert passes.softmax.half_precision_gradient(model) == 0

@@ -1,4 +1,5 @@
-"""The ``safe_softmax`` pass on the ``"torch"`` source's joint graph.
+"""The softmax passes on the ``"torch"`` source's joint graph: ``safe_softmax`` (the guard of
+fully masked rows) and ``half_precision_softmax_gradient`` (a float16 softmax's gradient in float16).
 
 ``scaled_dot_product_attention`` (HF GPT-2's and BERT's ``sdpa`` attention) computes its softmax
 as ``aten._safe_softmax``, whose decomposition (``torch/_decomp/decompositions.py``) zeroes the
@@ -40,6 +41,21 @@ Half-precision scores (``gradient/attention.py``) reach the guard as ``Cast(x, f
 (torch compares in float32): the widening is exact, so the pass reads ``x`` itself. bfloat16
 scores are reduced through a float32 cast: ONNX Runtime's CUDA provider has no bfloat16
 ``ReduceMax`` (1.31.1).
+
+``half_precision_softmax_gradient``: torch decomposes ``_softmax_backward_data`` of a float16
+softmax ``y`` (the half-precision attention's) in float32, ``y·dy − y·Σ(y·dy)`` between casts::
+
+    Cast(Sub(Mul(c_dy, c_y), Mul(c_y, ReduceSum(Mul(c_dy, c_y)))), float16)
+    with c_dy = Cast(dy, float32), c_y = Cast(y, float32)
+
+seven kernels over the ``[B, H, S, S]`` probabilities reading and writing ~54 bytes per element
+(the casts write float32 copies of ``y`` and ``dy``). The pass computes the same formula in
+float16, ``Sub(Mul(dy, y), Mul(y, ReduceSum(Mul(dy, y))))``: four kernels, ~18 bytes per element.
+The row sum still accumulates in float32 (ONNX Runtime's float16 ``ReduceSum`` reduces in float32
+on CUDA: cuDNN with a float32 compute type, ``reduction_ops.cc``); what it adds is float16's
+rounding of the product, the sum and the two results (2⁻¹¹ relative each), the rounding the
+forward's float16 scores and probabilities already carry. bfloat16 (8 bits) keeps the float32
+computation.
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ._graph import (_Graph, _ONNX_DOMAINS, _all_nodes, _attrs, _elem_types, _is, _keep, _shared_constants,
+from ._graph import (_Graph, _ONNX_DOMAINS, _all_nodes, _attrs, _elem_types, _is, _keep, _other, _shared_constants,
                      _sole_consumer)
 
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -129,6 +145,77 @@ def safe_softmax(model: onnx.ModelProto) -> int:
         model.graph.initializer.extend(kept)
     return len(before)
 
+
+
+def half_precision_gradient(model: onnx.ModelProto) -> int:
+    """Compute each float16 softmax's gradient, decomposed in float32 by torch, in float16.
+
+    Pattern (the decomposition of ``_softmax_backward_data``; either operand order of each
+    ``Mul``): ``Cast(Sub(p, Mul(c_y, ReduceSum(p, axes, keepdims=1))), float16)`` with
+    ``p = Mul(Cast(dy, float32), c_y)``, ``c_y = Cast(y, float32)``, ``y`` and ``dy`` float16,
+    every intermediate read only inside the pattern. Becomes ``Sub(Mul(dy, y), Mul(y,
+    ReduceSum(Mul(dy, y), axes, keepdims=1)))`` in float16 under the output's name; a cast that
+    something else still reads stays.
+
+    Args:
+        model: a joint graph of the ``"torch"`` source, rewritten in place.
+
+    Returns:
+        The number of softmax gradients rewritten.
+    """
+    g = _Graph(model)
+    types = _elem_types(model)
+    dead: set[int] = set()
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for narrow in [n for n in model.graph.node if _is(n, "Cast") and _attrs(n).get("to") == TensorProto.FLOAT16]:
+        found = _softmax_gradient(g, types, narrow)
+        if found is None:
+            continue
+        dy, y, axes, chain, widened = found
+        prefix = f"{narrow.name or narrow.output[0]}/half_softmax_gradient"
+        before[id(narrow)] = [
+            helper.make_node("Mul", [dy, y], [prefix + "/product"], name=prefix + "/Mul_product"),
+            helper.make_node("ReduceSum", [prefix + "/product", axes], [prefix + "/sum"], name=prefix + "/ReduceSum",
+                             keepdims=1),
+            helper.make_node("Mul", [y, prefix + "/sum"], [prefix + "/scaled"], name=prefix + "/Mul_sum"),
+            helper.make_node("Sub", [prefix + "/product", prefix + "/scaled"], [narrow.output[0]],
+                             name=prefix + "/Sub"),
+        ]
+        dead |= {id(n) for n in chain}
+        dead |= {id(cast) for cast in widened if all(id(r) in dead for r in g.consumers.get(cast.output[0], []))
+                 and cast.output[0] not in g.outputs}
+    if before:
+        _keep(model, dead, before=before)
+    return len(before)
+
+
+def _softmax_gradient(g: _Graph, types: dict[str, int], narrow: onnx.NodeProto) -> tuple | None:
+    """``(dy, y, axes name, the pattern's nodes but its input casts, those casts)`` of the float16
+    softmax gradient cast to float16 by ``narrow``, or None."""
+    sub = _read_once_producer(g, narrow.input[0], narrow)
+    if sub is None or not _is(sub, "Sub"):
+        return None
+    product_name, scaled_name = sub.input
+    scaled = _read_once_producer(g, scaled_name, sub)
+    product = g.producer.get(product_name)
+    if scaled is None or not _is(scaled, "Mul") or product is None or not _is(product, "Mul"):
+        return None
+    for c_y, sum_name in ((scaled.input[0], scaled.input[1]), (scaled.input[1], scaled.input[0])):
+        reduce = _read_once_producer(g, sum_name, scaled)
+        if reduce is not None and _is(reduce, "ReduceSum"):
+            break
+    else:
+        return None
+    if (reduce.input[0] != product_name or len(reduce.input) < 2 or _attrs(reduce).get("keepdims", 1) != 1
+            or _attrs(reduce).get("noop_with_empty_axes", 0) != 0 or not g.only_used_by(product_name, reduce, sub)
+            or c_y not in product.input or list(product.input).count(c_y) != 1):
+        return None
+    c_dy = _other(product, c_y)
+    casts = [g.producer.get(c_dy), g.producer.get(c_y)]
+    if any(c is None or not _is(c, "Cast") or _attrs(c).get("to") != TensorProto.FLOAT
+           or types.get(c.input[0]) != TensorProto.FLOAT16 for c in casts):
+        return None
+    return casts[0].input[0], casts[1].input[0], reduce.input[1], [narrow, sub, scaled, reduce, product], casts
 
 
 def _minus_inf_name(elem_type: int) -> str:
@@ -277,4 +364,4 @@ def _bool_valued(g: _Graph, name: str) -> bool:
         producer.op_type != "Cast" or _attrs(producer).get("to") == TensorProto.BOOL)
 
 
-__all__ = ["safe_softmax"]
+__all__ = ["half_precision_gradient", "safe_softmax"]
