@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 from ..export.torchscript import ExportError
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS
+from .promotion import insert_type_promotions
 
 ONNX_OPSET = 18  # what torchlib emits; onnxruntime 1.19.2 reads opsets <= 21
 ONNX_IR_VERSION = 10  # onnxruntime 1.19.2 reads IR versions <= 10
@@ -131,7 +132,7 @@ def program_to_onnx(
         range_constraints=program.range_constraints, module_call_graph=[],
         constants={f"__const.{name}": value for name, value in constants.items() if name in placeholders})
     with _quiet_exporter(), _one_signature_per_schema():
-        _fx_passes.insert_type_promotion_nodes(flat.graph_module)
+        insert_type_promotions(flat.graph_module)
         flat._graph_module = _fx_passes.remove_assertion_nodes(flat.graph_module)
         try:
             model = _core._exported_program_to_onnx_program(flat, registry=registry, lower="at_conversion").model
