@@ -209,7 +209,7 @@ _SCHEMA: dict[str, _Field] = {
     ),
     "graph_optimizations.half_precision_softmax_gradient": _Field(
         _BOOL, True, "a float16 softmax's gradient (the half-precision attention's) computed in float16, the row sum "
-        "accumulated in float32, instead of torch's float32 decomposition between casts: four passes over the "
+        "accumulated in float32 on CUDA, instead of torch's float32 decomposition between casts: four passes over the "
         "[batch, heads, seq, seq] probabilities instead of seven (gradient source 'torch' only)"
     ),
     "graph_optimizations.column_sums": _Field(

@@ -261,7 +261,8 @@ def test_the_softmax_gradient_in_float16_is_within_float16_rounding_of_float64(r
 
 
 def test_the_softmax_gradient_pass_leaves_float32_and_partial_patterns():
-    """No rewrite where the inputs are float32, or where the product is read outside the pattern."""
+    """No rewrite where the result is cast to float32 (not the float16 pattern), or where the product is read
+    outside the pattern (a graph output)."""
     model = _softmax_gradient_model(False)
     for node in model.graph.node:
         if node.op_type == "Cast" and node.output[0] == "grad":
