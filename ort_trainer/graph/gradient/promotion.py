@@ -4,16 +4,17 @@ torch's ONNX exporter makes every implicit type promotion of a program explicit 
 translates it (``insert_type_promotion_nodes``: an ``int64`` tensor divided by another becomes a
 float division of casts, a Python integer scaling a float tensor a float constant; torchlib's
 functions want operands of one type). Its pass re-runs every node of the program on fake tensors
-to refresh their metadata, also where no operand needs a cast: HF GPT-2's float32 eval-mode
-program (the one ``save_as_onnx`` translates) has none, and the pass took 2.3 s of GPT-2 small's
-first save. A joint program does have some (Python integers scaling float tensors,
-a sum of booleans), and so does a float16 one (autocast's mixed operands).
+to refresh their metadata, also the nodes that need no cast: HF GPT-2's float32 eval-mode program
+(the one ``save_as_onnx`` translates) has none at all, and the pass took 2.3 s of GPT-2 small's
+first save; its joint program has a few dozen (Python integers scaling float tensors, a sum of
+booleans) among thousands of nodes, and the pass took ~1 s of the cold build.
 
 ``insert_type_promotions`` asks each node's promotion rule first, as the pass itself does
 (``_TypePromotionInterpreter._maybe_promote_node``: the rule's ``preview_type_promotion`` on the
-operands' metadata), and runs the pass on a (sub)module only when some operand's type differs
-from what its rule computes, the one case in which the pass changes the graph. A module without
-such an operand is left as the pass would leave it.
+operands' metadata), and runs the pass's own interpreter on those nodes only, each from its
+operands' metadata (what re-running every node before it gives them): the same casts, inserted
+and re-run as the pass inserts and re-runs them, and no re-run of the nodes that need none. A
+module without such a node is left as it is, as the pass would leave it.
 """
 
 from __future__ import annotations
@@ -27,30 +28,46 @@ logger = logging.getLogger(__name__)
 
 
 def insert_type_promotions(graph_module: torch.fx.GraphModule) -> int:
-    """The exporter's explicit type promotion, in place, on each (sub)module that needs it.
+    """The exporter's explicit type promotion, in place, on the nodes that need it.
 
     Args:
         graph_module: a program's graph module (``ExportedProgram.graph_module``), with each node's
-            ``meta["val"]``.
+            ``meta["val"]``; its submodules (autocast regions) are promoted too.
 
     Returns:
-        How many (sub)modules the pass ran on.
+        How many nodes were promoted.
     """
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx import traceback as fx_traceback
     from torch.onnx._internal.fx import passes
     from torch.onnx._internal.fx.passes import type_promotion
 
     table = type_promotion.TypePromotionTable()
-    ran = 0
+    promoted = 0
     for module in graph_module.modules():
-        if isinstance(module, torch.fx.GraphModule) and _needs_promotion(module, table, type_promotion):
-            passes.InsertTypePromotion(module).run()
-            ran += 1
-    logger.debug("type promotion: the pass ran on %d module(s)", ran)
-    return ran
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        nodes = _needing_promotion(module, table, type_promotion)
+        if not nodes:
+            continue
+        transform = passes.InsertTypePromotion(module, table)
+        interpreter = transform.interpreter
+        interpreter.env = {node: node.meta["val"] for node in module.graph.nodes if "val" in node.meta}
+        if transform.fake_mode is None or any(arg not in interpreter.env for node in nodes
+                                              for arg in node.all_input_nodes):
+            transform.run()  # the pass as it is: every node re-run
+        else:
+            with transform.fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
+                for node in nodes:
+                    interpreter.run_node(node)
+        promoted += len(nodes)
+    logger.debug("type promotion: %d node(s) promoted", promoted)
+    return promoted
 
 
-def _needs_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: Any) -> bool:
-    """Some node of ``module`` has an operand whose type its promotion rule would change."""
+def _needing_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: Any) -> list[torch.fx.Node]:
+    """The nodes of ``module`` with an operand whose type their promotion rule would change."""
+    needing = []
     for node in module.graph.nodes:
         if node.op != "call_function":
             continue
@@ -61,17 +78,18 @@ def _needs_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: A
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
         try:
             preview = rule.preview_type_promotion(args, kwargs)
-        except Exception:  # noqa: BLE001  (the pass itself decides what such a node needs)
-            return True
+        except Exception:  # noqa: BLE001  (the pass's interpreter decides what such a node needs)
+            needing.append(node)
+            continue
         if any(_differs(arg, preview.args_dtypes.get(index)) for index, arg in enumerate(args)) or any(
                 _differs(arg, preview.kwargs_dtypes.get(name)) for name, arg in kwargs.items()):
-            return True
-    return False
+            needing.append(node)
+    return needing
 
 
 def _differs(value: Any, dtype: torch.dtype | None) -> bool:
     """The pass would cast ``value`` (an operand's metadata) to ``dtype`` (None: the rule leaves it);
-    True where unsure (no metadata, an unknown kind of value), so that the pass runs."""
+    True where unsure (no metadata, an unknown kind of value), so that the node is promoted."""
     if dtype is None:
         return False
     if isinstance(value, torch.Tensor):
