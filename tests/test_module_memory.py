@@ -83,15 +83,17 @@ def test_the_module_lets_go_of_its_weights_before_the_gradients_and_moments_exis
     model = TinyEncoder()
     parameters = dict(model.named_parameters())
     old = {name: _storage(p) for name, p in parameters.items()}
-    flat_buffers = []  # the engine's zero-filled flat buffers, in order
-    zeros = torch.zeros
+    flat_buffers = []  # the engine's flat buffers (zero-filled, or the weights' left to their copy), in order
 
-    def counted(*args, **kwargs):
-        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("ort_trainer", "engine.py")):
-            flat_buffers.append(args)
-        return zeros(*args, **kwargs)
+    def counting(make):
+        def counted(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith(os.path.join("ort_trainer", "engine.py")):
+                flat_buffers.append(args)
+            return make(*args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(torch, "zeros", counted)
+    monkeypatch.setattr(torch, "zeros", counting(torch.zeros))
+    monkeypatch.setattr(torch, "empty", counting(torch.empty))
     seen = {}
     share = ORTTrainer._share_module_memory
 
