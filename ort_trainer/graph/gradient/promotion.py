@@ -96,8 +96,9 @@ def _differs(value: Any, dtype: torch.dtype | None) -> bool:
         return value.dtype != dtype
     if isinstance(value, (list, tuple)):
         return any(_differs(item, dtype) for item in value)
-    scalar = {bool: torch.bool, int: torch.int64, float: torch.float32, complex: torch.complex64,
-              torch.SymBool: torch.bool, torch.SymInt: torch.int64, torch.SymFloat: torch.float32}.get(type(value))
+    from torch.onnx._internal.fx import type_utils
+
+    scalar = type_utils.from_scalar_type_to_torch_dtype(type(value))  # the table the pass casts scalars by
     return scalar is None or scalar != dtype
 
 
