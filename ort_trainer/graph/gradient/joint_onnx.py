@@ -1,8 +1,9 @@
 """The ONNX side of the torch-autograd gradient source: an ATen program to a standard ONNX graph.
 
 Every use of private torch APIs (``torch.export``'s joint tracing, the ONNX exporter's
-translator) is in the two functions ``joint_program`` and ``program_to_onnx`` (and the exporter's
-operator tables, which ``eval_program`` reads too); torch is pinned and
+translator) is in the two functions ``joint_program`` and ``program_to_onnx`` (with
+``joint_flatten``, which ``joint_program`` uses, and the exporter's operator tables, which
+``eval_program`` reads too); torch is pinned and
 ``tests/test_torch_autograd.py`` exercises both on every model it checks.
 
 Why not ``torch.onnx.export`` of a module wrapping the joint graph: that traces the program two
@@ -29,6 +30,7 @@ from onnx import helper, numpy_helper
 from ..export.torchscript import ExportError
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS
+from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
 
 ONNX_OPSET = 18  # what torchlib emits; onnxruntime 1.19.2 reads opsets <= 21
@@ -65,15 +67,16 @@ def joint_program(program: torch.export.ExportedProgram, loss_index: int,
 
     What ``torch.export.experimental._export_forward_backward`` does, with the decomposition table
     extended by the exporter's own (so the result needs no second decomposition pass before ONNX
-    translation) and without its defensive copy of the graph. Operators in ``keep`` stay
-    undecomposed, for a pass that rewrites them before translation (``torch_gelu.KEPT``).
+    translation), without its defensive copy of the graph, and without the second trace of the
+    joint graph that only flattens its calling convention (``joint_flatten``). Operators in ``keep``
+    stay undecomposed, for a pass that rewrites them before translation (``torch_gelu.KEPT``).
     """
     from torch.export.exported_program import _decompose_exported_program
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # The math attention: autograd then differentiates matmuls and a softmax, where the CPU flash
     # kernel's backward has no ONNX translation (and its strides broke GPT-2's views when traced).
-    with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
+    with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings(), flattened_in_place():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own use of its deprecated pytree API
         table = _registry_and_tables()[2]
         if keep:
