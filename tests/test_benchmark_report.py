@@ -188,7 +188,14 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     ort_rate, eager_rate, peak = (float(x) for x in cells[7].split(" / "))
     assert 0 < ort_rate and 0 < eager_rate and 0 < peak  # the arithmetic ceiling: FLOP rates and the GEMM peak
     assert float(cells[8].rstrip("×")) > 0
-    assert float(cells[10]) > 0 and float(cells[11]) > 0  # a memory ratio and a save time
+    cold_mb, warm_mb, eager_mb = (float(x) for x in cells[9].split(" / "))  # peak RSS after a cold, a warm build
+    assert 0 < cold_mb and 0 < warm_mb and 0 < eager_mb
+    cold_ratio, warm_ratio = (float(x) for x in cells[10].split(" / "))
+    # each ratio printed to 0.01 (±0.005) from unrounded peaks, the peaks to 1 MB (±0.5 each): the
+    # rounded figures' ratio is off by at most 0.005 + 0.5·(1 + ratio) / eager, under this for ratios < 3
+    slack = 0.01 + 2 / eager_mb
+    assert abs(cold_ratio - cold_mb / eager_mb) <= slack and abs(warm_ratio - warm_mb / eager_mb) <= slack
+    assert float(cells[11]) > 0  # a save time
     assert all(float(x) > 0 for x in cells[13].split(" / "))  # the first evaluation, after a cold and a warm build
     assert float(cells[14]) > 0  # the first evaluation of every output
     times, speedup = cells[15].rstrip("×)").split(" (")
