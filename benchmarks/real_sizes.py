@@ -16,7 +16,7 @@ process, one implementation each, the order alternating from round to round:
   ``fetches = ["loss"]`` (its first call is its eval graph's first use after the training graph was
   built cold, in round 1, or found in the cache), then with every output (``fetches = []``: graphs of
   a signature of their own; its first call after the cold build is reported, the other 3 are timed);
-- the last ort_trainer process then times ``save_as_onnx`` and reports its peak again;
+- the last ort_trainer process (a warm one) then times ``save_as_onnx`` and reports its peak again;
 - one more process per row measures the arithmetic ceiling: the step's matrix-product FLOPs
   (``torch.utils.flop_counter`` over one eager forward and backward) and the best float32 GEMM rate
   torch and ONNX Runtime reach on this machine at the row's layer shapes. FLOPs / step time is each
@@ -367,7 +367,10 @@ def main() -> None:
     text = (f"# Real-size benchmark\n\n`python benchmarks/real_sizes.py --models {args.models} --rounds {args.rounds}`"
             f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
             f"onnxruntime {onnxruntime.__version__}; {time.strftime('%Y-%m-%d')}.\n\n"
-            "Speed-up: eager's median step over ort_trainer's. Peak RSS: the whole process's, the most over rounds. "
+            "Speed-up: eager's median step over ort_trainer's. Peak RSS: the whole process's; ort_trainer's in the "
+            "process that built the graphs (round 1: it also imports torch's export stack) and the most over the "
+            "processes that found them in the cache, eager's the most over rounds. save_as_onnx: in the last round's "
+            "process, a warm one, so its export of the symbolic eval graph imports torch's export stack first. "
             "The warm first step is a new process finding the graph in the on-disk cache; graph ready: the part of "
             "it that found and loaded the graph (the rest makes the engine's buffers and sessions and runs the step). "
             "GFLOP/s: the step's "
