@@ -1,5 +1,5 @@
 """``graph/gradient/joint_flatten.py``: the joint graph's calling convention changed in place where
-``aot_export_module`` traces the whole joint graph a second time (5-6 s of GPT-2 small's cold
+``aot_export_module`` traces the whole joint graph a second time (3-6 s of GPT-2 small's cold
 build). The gradient graph built either way is the same computation: the same ONNX nodes (each
 identified by its operator, attributes and what its inputs are computed from, not by its name),
 the same outputs in the same order."""
@@ -31,8 +31,8 @@ def _computation(model: onnx.ModelProto) -> tuple:
     for value in graph.input:
         identity[value.name] = "input " + value.name
     for tensor in graph.initializer:
-        identity[tensor.name] = "constant " + hashlib.sha256(tensor.raw_data + str(
-            (tensor.data_type, list(tensor.dims), onnx.numpy_helper.to_array(tensor).tobytes())).encode()).hexdigest()
+        value = onnx.numpy_helper.to_array(tensor)
+        identity[tensor.name] = f"constant {value.dtype} {value.shape} " + hashlib.sha256(value.tobytes()).hexdigest()
     nodes = collections.Counter()
     for node in graph.node:  # topologically ordered
         key = hashlib.sha256(repr((node.domain, node.op_type, [identity[name] for name in node.input],
