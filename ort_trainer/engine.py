@@ -447,6 +447,7 @@ class Engine:
             for state, value in values.items():
                 flat = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32).ravel())
                 current[state][lo - self.begin:hi - self.begin].copy_(flat[lo - o:hi - o])
+                del flat  # freed before the next state is read: one state's copy in memory at a time
 
     def accumulated_values(self) -> dict[str, np.ndarray]:
         """Copies of the gradients accumulated so far in the current window."""
