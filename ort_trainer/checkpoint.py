@@ -161,6 +161,31 @@ class StoredArray:
                 raise CheckpointError(f"load_checkpoint: {str(self._file.path)!r} was truncated while it was read")
         return data.astype(self.dtype.newbyteorder("="), copy=False)
 
+    def read_into(self, out: np.ndarray, start: int = 0, stop: int | None = None) -> None:
+        """Write the flat elements ``[start, stop)`` into ``out`` (writable, C-contiguous, that many
+        elements), straight from the file when ``out`` has this array's dtype: no copy of it in
+        memory (a 656 M-weight model's largest array is 257 MB). Another dtype reads, then converts.
+
+        Raises:
+            ValueError: ``out`` is not writable and contiguous, or its size is not ``stop - start``.
+            CheckpointError: the file is shorter than when it was opened.
+        """
+        size = int(np.prod(self.shape))
+        stop = size if stop is None else stop
+        if not (0 <= start <= stop <= size):
+            raise ValueError(f"read_into: [{start}, {stop}) is not inside {self.name}'s {size} elements")
+        if out.size != stop - start or not (out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError(f"read_into: {self.name}[{start}:{stop}] needs a writable contiguous array of "
+                             f"{stop - start} elements, not {out.shape} ({out.flags.c_contiguous=})")
+        if out.dtype != self.dtype or not self.dtype.isnative:
+            out.reshape(-1)[...] = self.read().reshape(-1)[start:stop]
+            return
+        if out.size:
+            handle = self._file._handle
+            handle.seek(self._offset + start * self.dtype.itemsize)
+            if handle.readinto(memoryview(out.reshape(-1)).cast("B")) != out.nbytes:
+                raise CheckpointError(f"load_checkpoint: {str(self._file.path)!r} was truncated while it was read")
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """``np.asarray(stored)`` reads it: whoever needs the values reads them one array at a time."""
         data = self.read()

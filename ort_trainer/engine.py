@@ -46,6 +46,19 @@ def _numpy(tensor: torch.Tensor, copy: bool = True) -> np.ndarray:
     return array.copy() if copy else array
 
 
+def _fill(target: torch.Tensor, value, dtype: np.dtype, start: int = 0, stop: int | None = None) -> None:
+    """Write ``value``'s flat elements ``[start, stop)`` (as ``dtype``) into ``target``, a contiguous buffer.
+
+    ``value`` is an array or has ``read_into(out, start, stop)`` (a checkpoint's unread array): into
+    a CPU buffer that reads straight from the file, with no copy of the value in memory at any time.
+    """
+    if target.device.type == "cpu" and target.is_contiguous() and hasattr(value, "read_into"):
+        value.read_into(target.numpy().reshape(-1), start, stop)
+        return
+    flat = np.ascontiguousarray(value, dtype=dtype).reshape(-1)[start:stop]
+    target.copy_(torch.from_numpy(flat).view(target.shape))
+
+
 _RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
                          "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 
@@ -444,10 +457,8 @@ class Engine:
             lo, hi = max(o, self.begin), min(o + int(np.prod(self.shapes[w])), self.end)
             if lo >= hi:
                 continue
-            for state, value in values.items():
-                flat = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32).ravel())
-                current[state][lo - self.begin:hi - self.begin].copy_(flat[lo - o:hi - o])
-                del flat  # freed before the next state is read: one state's copy in memory at a time
+            for state, value in values.items():  # a read copy (if any) lives only inside _fill
+                _fill(current[state][lo - self.begin:hi - self.begin], value, np.float32, lo - o, hi - o)
 
     def accumulated_values(self) -> dict[str, np.ndarray]:
         """Copies of the gradients accumulated so far in the current window."""
@@ -456,7 +467,7 @@ class Engine:
     def load_accumulated(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite the accumulated gradients (resuming inside an accumulation window)."""
         for name, value in values.items():
-            self._view(self.accumulated_flat, name).copy_(torch.from_numpy(np.ascontiguousarray(value, np.float32)))
+            _fill(self._view(self.accumulated_flat, name), value, np.float32)
 
     def load_weights(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite weights in place (names must exist; shapes must match)."""
@@ -466,8 +477,6 @@ class Engine:
     def _copy_weights(self, values: dict[str, np.ndarray]) -> None:
         for name, value in values.items():
             if name in self.offsets:
-                view = self._view(self.weights_flat[self.parity], name)
-                view.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)).view(view.shape))
+                _fill(self._view(self.weights_flat[self.parity], name), value, np.float32)
             else:
-                target = self.fixed_tensors[name]
-                target.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=self._dtypes[name])).view(target.shape))
+                _fill(self.fixed_tensors[name], value, self._dtypes[name])

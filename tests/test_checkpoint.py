@@ -19,6 +19,7 @@ from state_helpers import assert_unchanged, snapshot, trained_mlp
 from tolerances import FLOAT32, FLOAT64, steps_bound
 from ort_trainer._temporaries import host_tag
 from ort_trainer.amp import DynamicLossScaler
+from ort_trainer import checkpoint
 from ort_trainer.checkpoint import CheckpointError
 from ort_trainer.optim import AdamConfig, SGDConfig
 from ort_trainer.optim.lr_scheduler import LinearWarmupLRScheduler
@@ -148,6 +149,50 @@ def test_load_restores_everything_and_returns_the_user_dict(saved):
     with h5py.File(saved, "r") as handle:
         np.testing.assert_array_equal(state["optimizer"]["fc2.bias"]["Moment_2"],
                                       handle["optimizer/fc2.bias/Moment_2"][()])
+
+
+def test_stored_arrays_read_into_a_buffer_slice_by_slice(tmp_path, saved):
+    handle = checkpoint.open_checkpoint(saved)
+    stored = handle.arrays["model"]["full_precision"]["fc1.weight"]
+    expected = stored.read().ravel()
+    out = np.full(expected.size, np.nan, np.float32)
+    for start in range(0, expected.size, 100):  # an odd slicing: offsets inside the dataset
+        stop = min(start + 100, expected.size)
+        stored.read_into(out[start:stop], start, stop)
+    np.testing.assert_array_equal(out, expected)
+    wide = np.empty(expected.size, np.float64)  # another dtype: read, then converted exactly
+    stored.read_into(wide)
+    np.testing.assert_array_equal(wide, expected.astype(np.float64))
+    with pytest.raises(ValueError, match=r"needs a writable contiguous array of 10 elements"):
+        stored.read_into(out[:20], 0, 10)
+    with pytest.raises(ValueError, match=r"needs a writable contiguous array"):
+        stored.read_into(out[:20:2], 0, 10)
+    with pytest.raises(ValueError, match=r"is not inside"):
+        stored.read_into(out[:10], expected.size - 5, expected.size + 5)
+
+
+def test_load_reads_weights_and_moments_straight_into_the_trainers_buffers(tmp_path, saved, monkeypatch):
+    """No read copy of any weight or moment (a 656 M-weight model's largest is 257 MB): each is read
+    from the file into the engine's own buffer; a float64 moment is converted on the way."""
+    wide = edit(saved, tmp_path / "wide.h5", lambda h: h.__setitem__(
+        "optimizer/fc1.weight/Moment_2", h.pop("optimizer/fc1.weight/Moment_2")[()].astype(np.float64) * (1 + 2**-30)))
+    reads = []
+    original = checkpoint.StoredArray.read
+    monkeypatch.setattr(checkpoint.StoredArray, "read", lambda self: reads.append(self.name) or original(self))
+    for path in (saved, wide):
+        reads.clear()
+        trainer = trained_mlp(2)
+        trainer.load_checkpoint(path)
+        copied = [name for name in reads if name.startswith(("/model/", "/optimizer/")) and "Update_Count" not in name]
+        assert copied == ([] if path == saved else ["/optimizer/fc1.weight/Moment_2"])
+        state = trainer.state_dict()
+        with h5py.File(path, "r") as handle:
+            for name, value in state["model"]["full_precision"].items():
+                np.testing.assert_array_equal(value, handle[f"model/full_precision/{name}"][()], err_msg=name)
+            for name, entry in state["optimizer"].items():
+                for key, value in entry.items():
+                    np.testing.assert_array_equal(value, handle[f"optimizer/{name}/{key}"][()].astype(value.dtype),
+                                                  err_msg=f"{name}/{key}")
 
 
 def test_checkpoint_without_optimizer_state_keeps_the_current_one(tmp_path):

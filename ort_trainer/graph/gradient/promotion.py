@@ -20,7 +20,7 @@ module without such a node is left as it is, as the pass would leave it.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +39,7 @@ def insert_type_promotions(graph_module: torch.fx.GraphModule) -> int:
     """
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx import traceback as fx_traceback
-    from torch.onnx._internal.fx import passes
+    from torch.onnx._internal.fx import passes, type_utils
     from torch.onnx._internal.fx.passes import type_promotion
 
     table = type_promotion.TypePromotionTable()
@@ -47,7 +47,8 @@ def insert_type_promotions(graph_module: torch.fx.GraphModule) -> int:
     for module in graph_module.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        nodes = _needing_promotion(module, table, type_promotion)
+        # the scalar -> dtype table the pass casts Python numbers by
+        nodes = _needing_promotion(module, table, type_promotion, type_utils.from_scalar_type_to_torch_dtype)
         if not nodes:
             continue
         transform = passes.InsertTypePromotion(module, table)
@@ -65,8 +66,10 @@ def insert_type_promotions(graph_module: torch.fx.GraphModule) -> int:
     return promoted
 
 
-def _needing_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: Any) -> list[torch.fx.Node]:
-    """The nodes of ``module`` with an operand whose type their promotion rule would change."""
+def _needing_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: Any,
+                       scalar_dtype: Callable[[type], torch.dtype | None]) -> list[torch.fx.Node]:
+    """The nodes of ``module`` with an operand whose type their promotion rule would change
+    (``scalar_dtype``: the dtype the pass gives a Python number of a type)."""
     needing = []
     for node in module.graph.nodes:
         if node.op != "call_function":
@@ -81,13 +84,13 @@ def _needing_promotion(module: torch.fx.GraphModule, table: Any, type_promotion:
         except Exception:  # noqa: BLE001  (the pass's interpreter decides what such a node needs)
             needing.append(node)
             continue
-        if any(_differs(arg, preview.args_dtypes.get(index)) for index, arg in enumerate(args)) or any(
-                _differs(arg, preview.kwargs_dtypes.get(name)) for name, arg in kwargs.items()):
+        if any(_differs(arg, preview.args_dtypes.get(index), scalar_dtype) for index, arg in enumerate(args)) or any(
+                _differs(arg, preview.kwargs_dtypes.get(name), scalar_dtype) for name, arg in kwargs.items()):
             needing.append(node)
     return needing
 
 
-def _differs(value: Any, dtype: torch.dtype | None) -> bool:
+def _differs(value: Any, dtype: torch.dtype | None, scalar_dtype: Callable[[type], torch.dtype | None]) -> bool:
     """The pass would cast ``value`` (an operand's metadata) to ``dtype`` (None: the rule leaves it);
     True where unsure (no metadata, an unknown kind of value), so that the node is promoted."""
     if dtype is None:
@@ -95,10 +98,8 @@ def _differs(value: Any, dtype: torch.dtype | None) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dtype != dtype
     if isinstance(value, (list, tuple)):
-        return any(_differs(item, dtype) for item in value)
-    from torch.onnx._internal.fx import type_utils
-
-    scalar = type_utils.from_scalar_type_to_torch_dtype(type(value))  # the table the pass casts scalars by
+        return any(_differs(item, dtype, scalar_dtype) for item in value)
+    scalar = scalar_dtype(type(value))
     return scalar is None or scalar != dtype
 
 
