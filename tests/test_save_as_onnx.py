@@ -170,12 +170,14 @@ def test_a_killed_save_as_onnx_leaves_the_old_file_and_the_next_write_removes_it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "other.onnx"]
 
 
-def test_the_eval_program_of_hugging_face_gpt2_translates_without_a_second_trace(tmp_path, monkeypatch):
+@pytest.mark.parametrize("masked", [True, False], ids=["attention-mask", "no-mask"])
+def test_the_eval_program_of_hugging_face_gpt2_translates_without_a_second_trace(tmp_path, monkeypatch, masked):
     """HF GPT-2's eval-mode program has translations for every operator once ``aten.__and__``,
-    ``aten.to`` and the export's metadata checks are canonicalized (``eval_program.forward_program``):
-    ``save_as_onnx`` then runs no ``run_decompositions`` (a second trace of the whole program,
-    13.8 of GPT-2 small's 24.7 s save), and the saved model computes the same bits as the one
-    translated after that decomposition, which stays the path of any other program."""
+    ``aten.to``, ``aten.diff`` (called without an attention mask) and the export's metadata checks
+    are canonicalized (``eval_program.forward_program``): ``save_as_onnx`` then runs no
+    ``run_decompositions`` (a second trace of the whole program, 13.8 of GPT-2 small's 24.7 s save),
+    and the saved model computes the same bits as the one translated after that decomposition,
+    which stays the path of any other program."""
     from models import tiny_gpt2
     from ort_trainer.graph.gradient import eval_program
 
@@ -183,6 +185,8 @@ def test_the_eval_program_of_hugging_face_gpt2_translates_without_a_second_trace
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    if not masked:
+        desc = {**desc, "inputs": [i for i in desc["inputs"] if i[0] != "attention_mask"]}
     decompositions = []
     real = torch.export.ExportedProgram.run_decompositions
     monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
@@ -194,12 +198,43 @@ def test_the_eval_program_of_hugging_face_gpt2_translates_without_a_second_trace
             monkeypatch.setattr(eval_program, "_translatable_as_is", lambda program: False)
         trainer = ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=0.0),
                              options={"graph": {"gradient_source": "torch"}})
-        trainer.train_step(ids, mask, ids)
+        trainer.train_step(*((ids, mask, ids) if masked else (ids, ids)))
         del decompositions[:]
         trainer.save_as_onnx(tmp_path / f"gpt2_{as_is}.onnx")
         assert len(decompositions) == (0 if as_is else 1)
         session = ort.InferenceSession(str(tmp_path / f"gpt2_{as_is}.onnx"), providers=["CPUExecutionProvider"])
         feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "labels": ids.numpy()}
+        if not masked:
+            del feeds["attention_mask"]
         outputs[as_is] = session.run(None, feeds)
     for got, expected in zip(outputs[True], outputs[False]):
         np.testing.assert_array_equal(got, expected)
+
+
+class _Differences(torch.nn.Module):
+    """Every form of ``torch.diff``: ``n`` of 0, 1 and 2, ``prepend`` and ``append``, another dimension, booleans."""
+
+    def forward(self, x):
+        first = x[:, :1] - 1
+        return (torch.diff(x), torch.diff(x, n=2, dim=0), torch.diff(x, prepend=first, append=x[:, -2:]),
+                torch.diff(x > 0, dim=-1), torch.diff(x, n=0, dim=1))
+
+
+def test_diff_is_expanded_into_slices_with_symbolic_sizes():
+    """``aten.diff`` (HF's packed-sequence check when GPT-2 is called without an attention mask)
+    has no translation of its own: ``forward_program`` rewrites it into a concatenation and
+    subtracted slices instead of decomposing the whole program. Each output is one subtraction of
+    the same two float64 numbers as torch.diff's, so equal bit for bit, at other sizes too."""
+    from ort_trainer.graph.gradient import eval_program
+
+    batch, length = torch.export.Dim("batch", min=4), torch.export.Dim("length", min=3)
+    program = torch.export.export(_Differences(), (torch.randn(4, 6, dtype=torch.float64),),
+                                  dynamic_shapes={"x": {0: batch, 1: length}})
+    assert torch.ops.aten.diff.default in {n.target for n in program.graph.nodes}
+    forward = eval_program.forward_program(program)
+    assert forward is program  # rewritten in place, not decomposed
+    assert torch.ops.aten.diff.default not in {n.target for n in forward.graph.nodes}
+    for shape in ((4, 6), (7, 3), (5, 11)):
+        x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(sum(shape)))
+        for got, expected in zip(forward.module()(x), _Differences()(x), strict=True):
+            assert got.dtype == expected.dtype and torch.equal(got, expected)

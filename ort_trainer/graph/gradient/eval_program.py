@@ -4,14 +4,17 @@ translates, without tracing the program again where a few rewrites in place do.
 ``run_decompositions`` traces the whole program again: 13.8 s of GPT-2 small's 24.7 s
 ``save_as_onnx`` with symbolic shapes (sympy arithmetic on every fake tensor's sizes). An
 eval-mode program of a transformer needs little of it: its operators have translations but for
-``aten.__and__`` (HF's mask: ``bitwise_and``), ``aten.to`` (a cast: ``_to_copy``) and the
-``_assert_tensor_metadata`` checks ``torch.export`` puts beside them (nothing to compute).
+``aten.__and__`` (HF's mask: ``bitwise_and``), ``aten.to`` (a cast: ``_to_copy``), ``aten.diff``
+(HF's packed-sequence check on the positions of a model called without an attention mask: slices
+subtracted) and the ``_assert_tensor_metadata`` checks ``torch.export`` puts beside them (nothing
+to compute).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import sys
 
 import torch
 
@@ -22,6 +25,7 @@ _aten = torch.ops.aten
 _ALIASES = {_aten.__and__.Tensor: _aten.bitwise_and.Tensor, _aten.__or__.Tensor: _aten.bitwise_or.Tensor,
             _aten.__xor__.Tensor: _aten.bitwise_xor.Tensor}
 _TO = {_aten.to.dtype: 1, _aten.to.device: 2, _aten.to.dtype_layout: None}  # where its dtype is, None: keyword only
+_EXPANDED = {_aten.diff.default}  # rewritten into several translated operators (``_expand_diff``)
 
 
 def forward_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -63,7 +67,8 @@ def _translatable_as_is(program: torch.export.ExportedProgram) -> bool:
         if node.op in ("get_attr", "call_module", "call_method"):
             return False
         if node.op != "call_function" or node.target is operator.getitem or node.target in _TO \
-                or (node.target is _aten._assert_tensor_metadata.default and not node.users):
+                or node.target in _EXPANDED or (node.target is _aten._assert_tensor_metadata.default
+                                                and not node.users):
             continue
         target = _ALIASES.get(node.target, node.target)
         if not isinstance(target, torch._ops.OpOverload) or target not in _implemented() or target._schema.is_mutable:
@@ -77,6 +82,8 @@ def _canonicalize(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         node.target = _ALIASES[node.target]
     elif node.target is _aten._assert_tensor_metadata.default and not node.users:
         graph.erase_node(node)
+    elif node.target is _aten.diff.default:
+        _expand_diff(graph, node)
     elif node.target in _TO:
         position = _TO[node.target]
         dtype = node.kwargs.get("dtype", node.args[position] if position is not None and len(node.args) > position
@@ -84,6 +91,40 @@ def _canonicalize(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         source = node.args[0]  # a cast to its own dtype stays a node: it may be an output the signature names
         node.target, node.args = _aten._to_copy.default, (source,)
         node.kwargs = {"dtype": source.meta["val"].dtype if dtype is None else dtype}
+
+
+
+def _expand_diff(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """``diff(x, n, dim, prepend, append)`` as torch computes it: ``x`` concatenated between
+    ``prepend`` and ``append`` along ``dim``, then ``n`` times ``x[1:] - x[:-1]`` along ``dim``
+    (``logical_xor`` for booleans). Sizes stay symbolic: the slices end at -1 and at the largest index."""
+    arguments = node.target._schema.arguments
+    values = {a.name: a.default_value if a.has_default_value() else None for a in arguments}
+    values.update(zip((a.name for a in arguments), node.args))
+    values.update(node.kwargs)
+    dim = values["dim"]
+    fake_mode = node.meta["val"].fake_mode
+
+    def emit(target, *args):
+        new = graph.call_function(target, args)
+        inputs = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+        with fake_mode:
+            new.meta["val"] = target(*inputs)
+        new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+        return new
+
+    # the last operator is ``node`` itself, retargeted: a program output keeps its name
+    with graph.inserting_before(node):
+        parts = [p for p in (values["prepend"], values["self"], values["append"]) if p is not None]
+        current = emit(_aten.cat.default, parts, dim) if len(parts) > 1 else parts[0]
+        subtract = _aten.logical_xor.default if node.meta["val"].dtype == torch.bool else _aten.sub.Tensor
+        target, args = _aten.clone.default, (current,)  # n = 0: x itself
+        for step in range(values["n"]):
+            target, args = subtract, (emit(_aten.slice.Tensor, current, dim, 1, sys.maxsize),
+                                      emit(_aten.slice.Tensor, current, dim, 0, -1))
+            if step < values["n"] - 1:
+                current = emit(target, *args)
+    node.target, node.args, node.kwargs = target, args, {}
 
 
 __all__ = ["forward_program"]
