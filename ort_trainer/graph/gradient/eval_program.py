@@ -1,23 +1,25 @@
 """The eval-mode program made translatable: ``forward_program`` gives what the ONNX exporter
-translates, without tracing the program again where a few rewrites in place do.
+translates, without tracing the whole program again where rewrites of a few nodes do.
 
 ``run_decompositions`` traces the whole program again: 13.8 s of GPT-2 small's 24.7 s
 ``save_as_onnx`` with symbolic shapes (sympy arithmetic on every fake tensor's sizes). An
 eval-mode program of a transformer needs little of it: its operators have translations but for
-``aten.__and__`` (HF's mask: ``bitwise_and``), ``aten.to`` (a cast: ``_to_copy``), ``aten.diff``
-(HF's packed-sequence check on the positions of a model called without an attention mask: slices
-subtracted) and the ``_assert_tensor_metadata`` checks ``torch.export`` puts beside them (nothing
-to compute).
+``aten.__and__`` (HF's mask: ``bitwise_and``), ``aten.to`` (a cast: ``_to_copy``) and the
+``_assert_tensor_metadata`` checks ``torch.export`` puts beside them (nothing to compute),
+rewritten in place, and a few more, each decomposed on its own: traced by ``make_fx`` with the
+exporter's decomposition table on its operands' fake values, sizes symbolic as in the program,
+and that small graph put in its place (HF's ``torch.diff`` on the positions of a model called
+without an attention mask: ``narrow`` and ``sub``).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import sys
 
 import torch
 
+from ..._logging import logger
 from .joint_onnx import _quiet_exporter, _registry_and_tables
 
 _aten = torch.ops.aten
@@ -25,22 +27,25 @@ _aten = torch.ops.aten
 _ALIASES = {_aten.__and__.Tensor: _aten.bitwise_and.Tensor, _aten.__or__.Tensor: _aten.bitwise_or.Tensor,
             _aten.__xor__.Tensor: _aten.bitwise_xor.Tensor}
 _TO = {_aten.to.dtype: 1, _aten.to.device: 2, _aten.to.dtype_layout: None}  # where its dtype is, None: keyword only
-_EXPANDED = {_aten.diff.default}  # rewritten into several translated operators (``_expand_diff``)
 
 
 def forward_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """``program`` decomposed to the operators the ONNX exporter translates (what ``torch.onnx.export`` does).
 
-    The operators of the module docstring are rewritten in place, and a program whose operators
-    all translate then, none mutating and without submodules (autocast regions), is returned as
-    it is (the same program, edited); any other is decomposed (``run_decompositions``).
+    The operators of the module docstring are rewritten in place and the others without a
+    translation decomposed node by node, where every node then translates, none mutates and
+    there are no submodules (autocast regions): the same program is returned, edited. Any other
+    program is decomposed whole (``run_decompositions``).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if _translatable_as_is(program):
+    decompositions = _node_decompositions(program)
+    if decompositions is not None:
         graph = program.graph_module.graph
         for node in list(graph.nodes):
-            if node.op == "call_function":
+            if node in decompositions:
+                _inline(graph, node, decompositions[node])
+            elif node.op == "call_function":
                 _canonicalize(graph, node)
         graph.lint()
         program.graph_module.recompile()
@@ -58,22 +63,111 @@ def _implemented() -> frozenset:
     return frozenset(op for op in _decomp.get_onnx_implemented_overloads(registry) if op not in table)
 
 
-def _translatable_as_is(program: torch.export.ExportedProgram) -> bool:
-    """Whether every operator of ``program`` translates without a decomposition once canonicalized."""
+def _node_decompositions(program: torch.export.ExportedProgram) -> dict | None:
+    """``{node: its decomposition}`` for the nodes of ``program`` without a translation once
+    canonicalized (``_decomposition``); None where the program must be decomposed whole: a
+    submodule, a mutating operator, a node that is not an operator, or a decomposition that fails."""
     gm = program.graph_module
     if any(isinstance(child, torch.fx.GraphModule) for child in gm.children()):
-        return False
+        return None
+    untranslated = []
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "call_module", "call_method"):
-            return False
-        if node.op != "call_function" or node.target is operator.getitem or node.target in _TO \
-                or node.target in _EXPANDED or (node.target is _aten._assert_tensor_metadata.default
-                                                and not node.users):
+            return None
+        if node.op != "call_function" or node.target in _TO \
+                or (node.target is _aten._assert_tensor_metadata.default and not node.users):
             continue
-        target = _ALIASES.get(node.target, node.target)
-        if not isinstance(target, torch._ops.OpOverload) or target not in _implemented() or target._schema.is_mutable:
-            return False
-    return True
+        verdict = _translates(_ALIASES.get(node.target, node.target))
+        if verdict is None:
+            return None
+        if not verdict:
+            untranslated.append(node)
+    decompositions = {}
+    for node in untranslated:
+        decompositions[node] = _decomposition(node)
+        if decompositions[node] is None:
+            return None
+    return decompositions
+
+
+def _translates(target) -> bool | None:
+    """True: the exporter translates ``target`` (an operator, a symbolic size's arithmetic, or
+    ``getitem``); False: an operator it decomposes; None: neither, or a mutating operator."""
+    overload = isinstance(target, torch._ops.OpOverload)
+    if overload and target._schema.is_mutable:
+        return None
+    if target is operator.getitem or target in _implemented():
+        return True
+    return False if overload else None
+
+
+def _decomposition(node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """``node``'s operator traced on its operands' fake values with the exporter's decomposition
+    table (``make_fx``, as ``run_decompositions`` traces every node): a graph of translated
+    operators and size arithmetic whose placeholders are ``node.all_input_nodes``. None where the
+    trace fails or leaves anything else, or where ``node`` gives a tuple read other than by
+    ``getitem``s."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    value = node.meta.get("val")
+    many = isinstance(value, (tuple, list))
+    if many and any(user.target is not operator.getitem for user in node.users):
+        return None
+    inputs = node.all_input_nodes
+    values = [n.meta.get("val") for n in inputs]
+    fake_mode = detect_fake_mode(values)
+    if fake_mode is None or not all(isinstance(v, (torch.Tensor, torch.SymInt)) for v in values):
+        return None
+
+    def run(*operands):
+        by_node = dict(zip(inputs, operands))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), by_node.__getitem__)
+        return node.target(*args, **kwargs)
+
+    try:
+        with _quiet_exporter(), fake_mode, enable_python_dispatcher(), sdpa_kernel([SDPBackend.MATH]):
+            traced = make_fx(run, decomposition_table=_registry_and_tables()[1])(*values)
+    except Exception as error:  # noqa: BLE001  (the whole program's decomposition reports what fails)
+        logger.debug("decomposing %s alone failed (%s): the whole program is decomposed", node.target, error)
+        return None
+    for sub in traced.graph.nodes:
+        if sub.op == "call_function" and _translates(sub.target) or sub.op in ("placeholder", "output"):
+            continue
+        logger.debug("%s decomposes into %s (%s): the whole program is decomposed", node.target, sub.target, sub.op)
+        return None
+    return traced
+
+
+def _inline(graph: torch.fx.Graph, node: torch.fx.Node, decomposition: torch.fx.GraphModule) -> None:
+    """Put ``decomposition`` (``_decomposition(node)``) in ``node``'s place, in ``graph``."""
+    nodes = list(decomposition.graph.nodes)
+    placeholders = [sub for sub in nodes if sub.op == "placeholder"]
+    env = dict(zip(placeholders, node.all_input_nodes))
+    with graph.inserting_before(node):
+        for sub in nodes:
+            if sub.op == "call_function":
+                env[sub] = graph.node_copy(sub, env.__getitem__)
+                env[sub].meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+    result = torch.fx.node.map_arg(nodes[-1].args[0], env.__getitem__)
+    if isinstance(result, torch.fx.Node):
+        _replace(graph, node, result)
+    else:  # a tuple: each getitem of it is replaced by its element
+        for user in list(node.users):
+            _replace(graph, user, result[user.args[1]])
+        graph.erase_node(node)
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, value: torch.fx.Node) -> None:
+    """Make ``value`` stand for ``node``, which is removed, or kept as ``value``'s copy where it is
+    a program output: the signature names it (ONNX Runtime drops the copy)."""
+    if any(user.op == "output" for user in node.users):
+        node.target, node.args, node.kwargs = _aten.clone.default, (value,), {}
+        return
+    node.replace_all_uses_with(value)
+    graph.erase_node(node)
 
 
 def _canonicalize(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
@@ -82,8 +176,6 @@ def _canonicalize(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         node.target = _ALIASES[node.target]
     elif node.target is _aten._assert_tensor_metadata.default and not node.users:
         graph.erase_node(node)
-    elif node.target is _aten.diff.default:
-        _expand_diff(graph, node)
     elif node.target in _TO:
         position = _TO[node.target]
         dtype = node.kwargs.get("dtype", node.args[position] if position is not None and len(node.args) > position
@@ -91,40 +183,6 @@ def _canonicalize(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         source = node.args[0]  # a cast to its own dtype stays a node: it may be an output the signature names
         node.target, node.args = _aten._to_copy.default, (source,)
         node.kwargs = {"dtype": source.meta["val"].dtype if dtype is None else dtype}
-
-
-
-def _expand_diff(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-    """``diff(x, n, dim, prepend, append)`` as torch computes it: ``x`` concatenated between
-    ``prepend`` and ``append`` along ``dim``, then ``n`` times ``x[1:] - x[:-1]`` along ``dim``
-    (``logical_xor`` for booleans). Sizes stay symbolic: the slices end at -1 and at the largest index."""
-    arguments = node.target._schema.arguments
-    values = {a.name: a.default_value if a.has_default_value() else None for a in arguments}
-    values.update(zip((a.name for a in arguments), node.args))
-    values.update(node.kwargs)
-    dim = values["dim"]
-    fake_mode = node.meta["val"].fake_mode
-
-    def emit(target, *args):
-        new = graph.call_function(target, args)
-        inputs = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-        with fake_mode:
-            new.meta["val"] = target(*inputs)
-        new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
-        return new
-
-    # the last operator is ``node`` itself, retargeted: a program output keeps its name
-    with graph.inserting_before(node):
-        parts = [p for p in (values["prepend"], values["self"], values["append"]) if p is not None]
-        current = emit(_aten.cat.default, parts, dim) if len(parts) > 1 else parts[0]
-        subtract = _aten.logical_xor.default if node.meta["val"].dtype == torch.bool else _aten.sub.Tensor
-        target, args = _aten.clone.default, (current,)  # n = 0: x itself
-        for step in range(values["n"]):
-            target, args = subtract, (emit(_aten.slice.Tensor, current, dim, 1, sys.maxsize),
-                                      emit(_aten.slice.Tensor, current, dim, 0, -1))
-            if step < values["n"] - 1:
-                current = emit(target, *args)
-    node.target, node.args, node.kwargs = target, args, {}
 
 
 __all__ = ["forward_program"]
