@@ -235,7 +235,7 @@ def test_an_operator_without_a_translation_is_decomposed_alone_with_symbolic_siz
     and ``aten.var_mean`` have no translation of their own: ``forward_program`` decomposes each such
     node alone, in place, instead of the whole program, unless a node's decomposition mutates
     (``n = 0``'s ``copy_``): then the whole program is decomposed, as before. Either way torch.diff's
-    outputs are the same float64 arithmetic as eager's (``narrow`` and ``sub``, concatenated with
+    outputs are the same float64 arithmetic as eager's (two ``slice``s and a ``sub``, concatenated with
     ``prepend`` and ``append``), so equal bit for bit, at sizes other than the traced ones too."""
     from ort_trainer.graph.gradient import eval_program
 

@@ -9,7 +9,7 @@ eval-mode program of a transformer needs little of it: its operators have transl
 rewritten in place, and a few more, each decomposed on its own: traced by ``make_fx`` with the
 exporter's decomposition table on its operands' fake values, sizes symbolic as in the program,
 and that small graph put in its place (HF's ``torch.diff`` on the positions of a model called
-without an attention mask: ``narrow`` and ``sub``).
+without an attention mask: two ``slice``s and a ``sub``, sizes from ``sym_size``).
 """
 
 from __future__ import annotations
