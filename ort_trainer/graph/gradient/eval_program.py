@@ -66,13 +66,14 @@ def _implemented() -> frozenset:
 def _node_decompositions(program: torch.export.ExportedProgram) -> dict | None:
     """``{node: its decomposition}`` for the nodes of ``program`` without a translation once
     canonicalized (``_decomposition``); None where the program must be decomposed whole: a
-    submodule, a mutating operator, a node that is not an operator, or a decomposition that fails."""
+    submodule, a mutating operator, a node that is not an operator or has no metadata, or a
+    decomposition that fails."""
     gm = program.graph_module
     if any(isinstance(child, torch.fx.GraphModule) for child in gm.children()):
         return None
     untranslated = []
     for node in gm.graph.nodes:
-        if node.op in ("get_attr", "call_module", "call_method"):
+        if node.op in ("get_attr", "call_module", "call_method") or (node.op == "call_function" and _unmeasured(node)):
             return None
         if node.op != "call_function" or node.target in _TO \
                 or (node.target is _aten._assert_tensor_metadata.default and not node.users):
@@ -88,6 +89,14 @@ def _node_decompositions(program: torch.export.ExportedProgram) -> dict | None:
         if decompositions[node] is None:
             return None
     return decompositions
+
+
+def _unmeasured(node: torch.fx.Node) -> bool:
+    """Whether ``node`` lacks the metadata the translation reads (``meta["val"]``): a node a pass
+    added without it (``sparse_labels``' mask and indices), which the whole program's decomposition
+    traces anew. Operators that return nothing need none."""
+    target = node.target
+    return "val" not in node.meta and not (isinstance(target, torch._ops.OpOverload) and not target._schema.returns)
 
 
 def _translates(target) -> bool | None:
