@@ -143,7 +143,8 @@ def _decomposition(node: torch.fx.Node) -> torch.fx.GraphModule | None:
         logger.debug("decomposing %s alone failed (%s): the whole program is decomposed", node.target, error)
         return None
     for sub in traced.graph.nodes:
-        if sub.op == "call_function" and _translates(sub.target) or sub.op in ("placeholder", "output"):
+        if sub.op == "call_function" and _translates(sub.target) and not _unmeasured(sub) \
+                or sub.op in ("placeholder", "output"):
             continue
         logger.debug("%s decomposes into %s (%s): the whole program is decomposed", node.target, sub.target, sub.op)
         return None
