@@ -154,11 +154,7 @@ class StoredArray:
             CheckpointError: the file is shorter than when it was opened.
         """
         data = np.empty(self.shape, self.dtype)
-        if data.size:
-            handle = self._file._handle
-            handle.seek(self._offset)
-            if handle.readinto(memoryview(data).cast("B")) != data.nbytes:
-                raise CheckpointError(f"load_checkpoint: {str(self._file.path)!r} was truncated while it was read")
+        self._read_elements(0, data)
         return data.astype(self.dtype.newbyteorder("="), copy=False)
 
     def read_into(self, out: np.ndarray, start: int = 0, stop: int | None = None) -> None:
@@ -180,6 +176,14 @@ class StoredArray:
         if out.dtype != self.dtype or not self.dtype.isnative:
             out.reshape(-1)[...] = self.read().reshape(-1)[start:stop]
             return
+        self._read_elements(start, out)
+
+    def _read_elements(self, start: int, out: np.ndarray) -> None:
+        """The stored bytes from flat element ``start`` on into ``out`` (contiguous, of the stored dtype).
+
+        Raises:
+            CheckpointError: the file is shorter than when it was opened.
+        """
         if out.size:
             handle = self._file._handle
             handle.seek(self._offset + start * self.dtype.itemsize)
