@@ -18,7 +18,10 @@ writes ``docs/benchmarks_gpu.md``. BERT-base MLM at batch 32 × 128 and GPT-2 sm
    ``--probe-precisions`` says otherwise).
 
 Every result is appended as one JSON line to ``--results`` when it arrives, so a run that is cut
-short keeps what it measured; ``--report-only`` writes the markdown from such a file. ``--deadline``
+short keeps what it measured; ``--report-only`` writes the markdown from such a file. A measuring run
+starts a new file unless ``--append`` is given: then what the file holds stays, and the page is written
+from all of it (several invocations of one GPU lease, e.g. fp16 against ``torch.compile`` first, then
+bf16 and fp32 against eager, make one page). ``--deadline``
 (seconds) starts no process after that time. ``--device cpu`` runs the whole harness at toy size
 (``make test`` does).
 
@@ -358,6 +361,8 @@ def parse(argv=None):
     parser.add_argument("--timeout", type=float, default=600, help="seconds one process may take")
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "benchmarks_gpu.jsonl")
     parser.add_argument("--report-only", action="store_true", help="write the page from --results; measure nothing")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the results already in --results (else a measuring run starts a new file)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_gpu.md")
     return parser.parse_args(argv)
 
@@ -371,7 +376,7 @@ def main(argv=None) -> int:
             print(f"gpu-check cannot run: {problem}", file=sys.stderr)
         return 2 if problems else 0
     if not args.report_only:
-        if args.results.exists():
+        if args.results.exists() and not args.append:
             args.results.unlink()
         Run(args).all()
     results = [json.loads(line) for line in args.results.read_text(encoding="utf-8").splitlines() if line.strip()]

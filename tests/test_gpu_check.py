@@ -107,6 +107,17 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     assert "## Where a step goes" in text and "| gpt2-tiny | fp32 | eager |" in text
     assert any("matrix products" in r["profile"]["categories"] for r in profiled if r["impl"] == "eager")
     assert done.returncode in (0, 1), done.stderr  # 1: a goal missed (toy sizes on 2 cores say nothing)
+    # --append: a second invocation of the same lease adds its processes to the file, and the page is of both
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--models",
+                            "gpt2-tiny", "--precisions", "bf16", "--impls", "eager", "--rounds", "1", "--steps", "2",
+                            "--warmup", "1", "--warm-parallel", "0", "--probe", "", "--profile-steps", "0", "--append",
+                            "--results", str(results), "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    appended = [json.loads(line) for line in results.read_text().splitlines()]
+    assert appended[:len(lines)] == lines, again.stdout + again.stderr
+    assert [(r["impl"], r["precision"]) for r in appended[len(lines):]] == [("eager", "bf16")], again.stderr
+    text = out.read_text()
+    assert "| gpt2-tiny | 4 × 16 | fp32 | **ort_trainer** |" in text and "| gpt2-tiny | 4 × 16 | bf16 |" in text
 
 
 def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(tmp_path):
