@@ -62,15 +62,19 @@ def _two_rank_problem() -> str | None:
     """
     if MPIEXEC is None or mpi4py is None:
         return "needs mpi4py and mpiexec: pip install -e '.[mpi]'"
-    command = [MPIEXEC, "-n", "2", sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"]
+    # each rank writes one delimited token: the two ranks' lines can reach the pipe merged ("2\n" twice read
+    # as "22" once was), so the sizes are counted by their tokens, not by lines
+    command = [MPIEXEC, "-n", "2", sys.executable, "-c",
+               "import sys; from mpi4py import MPI; sys.stdout.write(f'<size {MPI.COMM_WORLD.Get_size()}>')"]
     try:
         probe = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"needs a working mpiexec and mpi4py: {MPIEXEC} -n 2 python failed: {exc}"
-    if probe.returncode != 0 or probe.stdout.split() != ["2", "2"]:
+    sizes = re.findall(r"<size (\d+)>", probe.stdout)
+    if probe.returncode != 0 or sizes != ["2", "2"]:
         return (f"needs a working mpiexec and mpi4py: `{MPIEXEC} -n 2` gave exit {probe.returncode} and world sizes "
-                f"{probe.stdout.split()} (expected [2, 2]: is mpi4py built against this mpiexec's MPI?) "
-                f"{probe.stderr.strip()[-400:]}")
+                f"{sizes} (expected [2, 2]: is mpi4py built against this mpiexec's MPI?) "
+                f"{probe.stdout.strip()[-200:]} {probe.stderr.strip()[-400:]}")
     return None
 
 

@@ -44,13 +44,16 @@ class UnsupportedOperatorError(ExportError):
 
 @functools.lru_cache(maxsize=1)
 def _registry_and_tables() -> tuple:
-    """The exporter's op registry; its decomposition table (ops it has no translation for); that
-    table on top of core ATen's (~1 s, once per process)."""
+    """The exporter's op registry (``exporter_registry``: signatures inferred on demand); its
+    decomposition table (ops it has no translation for); that table on top of core ATen's (once per
+    process)."""
     from torch._decomp import core_aten_decompositions, decomposition_table
-    from torch.onnx._internal.exporter import _decomp, _registration
+    from torch.onnx._internal.exporter import _decomp
+
+    from .exporter_registry import lazy_torchlib_registry
 
     with _quiet_exporter():
-        registry = _registration.ONNXRegistry.from_torchlib()
+        registry = lazy_torchlib_registry()
     onnx_table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
     # torchlib translates training-mode batch norm in inference mode (running statistics, never
     # updated): decompose it into the batch-statistics arithmetic torch itself runs
