@@ -175,7 +175,13 @@ def _differentiable_nodes(program: Any) -> set:
                 found.add(node)
             return result
 
-    with detect_fake_mode(values) or contextlib.nullcontext(), torch.enable_grad():
+    fake_mode = detect_fake_mode(values)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    # only the requires_grad flags are read here: the run must not guard on the program's symbols (torch
+    # 2.11's fake tensors turn sizes into ints inside composite operators, aten.linear's on a slice, and
+    # each such guard fixed a symbolic dimension of the description to its traced size)
+    quiet = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
+    with fake_mode or contextlib.nullcontext(), quiet, torch.enable_grad():
         args = [v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
                 for v in values]
         Recorder(program.graph_module).run(*args)
