@@ -5,7 +5,8 @@ import pytest
 
 from ort_trainer import _runtime
 
-pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the exporter's registry is onnxscript's torchlib")
+pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
+                                reason="the exporter's registry is onnxscript's torchlib")
 
 
 def _entries(registry, target):

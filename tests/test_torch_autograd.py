@@ -329,6 +329,77 @@ def test_convolution_and_pooling_gradients_equal_float64_pytorch():
     assert_grads_match(run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "y": y})), graphs.meta, grads)
 
 
+class MaxPools(torch.nn.Module):
+    """Max pooling with overlapping windows (an element can be the maximum of several: its gradients
+    add up), padding, dilation and ceil_mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.overlap = torch.nn.MaxPool2d(3, stride=1, padding=1)
+        self.dilated = torch.nn.MaxPool2d(2, stride=2, dilation=2, ceil_mode=True)
+        self.head = torch.nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        h = self.overlap(torch.tanh(self.conv(x)))  # 9x9 -> 9x9 (tanh: no ties, which relu's zeros make)
+        return self.head(self.dilated(h).flatten(1))  # 9x9 -> 4x4
+
+
+@pytest.mark.parametrize("decomposition", ["installed torch's", "ort_trainer's"])
+def test_max_pooling_gradients_equal_float64_pytorch(decomposition, monkeypatch):
+    """torch 2.11 has no decomposition of ``max_pool2d_with_indices_backward`` (2.13 has one) and the
+    exporter no translation: ort_trainer's scatter-add is used there, and checked here on any torch."""
+    from ort_trainer.graph.gradient import backward_decompositions
+
+    op = torch.ops.aten.max_pool2d_with_indices_backward.default
+    if decomposition == "ort_trainer's":
+        monkeypatch.setitem(backward_decompositions.DECOMPOSITIONS, op,
+                            backward_decompositions.max_pool2d_with_indices_backward)
+    joint_onnx._registry_and_tables.cache_clear()
+    try:
+        torch.manual_seed(19)
+        model = MaxPools()
+        d = {"inputs": [("x", ["batch", 2, 9, 9]), ("y", ["batch"])],
+             "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+        x, y = torch.randn(3, 2, 9, 9), torch.randint(0, 3, (3,))
+        graphs = export_joint(model, F.cross_entropy, desc(d), [x.numpy(), y.numpy()])
+    finally:
+        joint_onnx._registry_and_tables.cache_clear()
+    assert "ScatterElements" in {n.op_type for n in graphs.gradient.graph.node} or decomposition == "installed torch's"
+    x, y = torch.randn(2, 2, 9, 9), torch.randint(0, 3, (2,))
+    _, grads, _ = reference(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    assert_grads_match(run(graphs.gradient, feeds_for(model, graphs.meta, {"x": x, "y": y})), graphs.meta, grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("shape, pool", [((2, 3, 9, 9), dict(kernel_size=3, stride=1, padding=1)),
+                                         ((3, 8, 7), dict(kernel_size=2, stride=2, dilation=2, ceil_mode=True)),
+                                         ((1, 2, 6, 10), dict(kernel_size=(2, 3), stride=(1, 2)))])
+def test_the_max_pooling_backward_decomposition_is_torchs_kernel(shape, pool, dtype):
+    """``max_pool2d_with_indices_backward`` against torch's own kernel, 4-d and 3-d inputs. float64:
+    equal but for the order of ≤ 9 additions into an element (overlapping windows), 1e-12 relative;
+    float16: added in float32 and rounded once, as torch's kernel does, so within one float16
+    rounding (2^-11 relative, 1e-3 with margin) of it."""
+    from ort_trainer.graph.gradient.backward_decompositions import max_pool2d_with_indices_backward
+
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+    out, indices = torch.ops.aten.max_pool2d_with_indices(x, **pool)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    def pair(value):
+        return list(value) if isinstance(value, tuple) else [value, value]
+
+    args = (pair(pool["kernel_size"]), pair(pool.get("stride", pool["kernel_size"])), pair(pool.get("padding", 0)),
+            pair(pool.get("dilation", 1)), pool.get("ceil_mode", False), indices)
+    expected = torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *args)
+    got = max_pool2d_with_indices_backward(grad, x, *args)
+    assert got.dtype == dtype and got.shape == x.shape
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-3
+    scale = float(expected.abs().max())
+    assert float((got.double() - expected.double()).abs().max()) <= tolerance * scale
+    assert torch.equal(got != 0, expected != 0)  # the gradient lands exactly where torch's does
+
+
 def test_embedding_padding_row_gets_no_gradient_and_tied_weights_one_summed_gradient(tied_build):
     model, graphs = tied_build
     assert graphs.meta["torch_keys"]["embed.weight"] == ["embed.weight", "out.weight"]

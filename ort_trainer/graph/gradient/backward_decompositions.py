@@ -4,13 +4,16 @@ Autograd emits ``convolution_backward``, ``avg_pool2d_backward`` and
 ``_adaptive_avg_pool2d_backward`` as single operators, which the exporter's operator library
 (torchlib) has no translation for and torch has no decomposition of. They are linear maps, so
 each is written here with ``aten.convolution`` (transposed where it is the adjoint), sums and
-reshapes, which translate to standard ONNX. Used during the joint trace
-(``joint_onnx.joint_program``).
+reshapes, which translate to standard ONNX. ``max_pool2d_with_indices_backward`` (a scatter-add of
+the output gradient to the maxima's positions) is one where the installed torch has no
+decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used). Used during
+the joint trace (``joint_onnx.joint_program``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._decomp import decomposition_table
 
 aten = torch.ops.aten
 _UNSUPPORTED = ("use the gradient source of the onnxruntime-training 1.19.2 build for this model "
@@ -121,8 +124,24 @@ def adaptive_avg_pool2d_backward(grad_output, input):
                               f"{_UNSUPPORTED}")
 
 
+def max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """``aten.max_pool2d_with_indices_backward``: each output's gradient added to the input element
+    its window's maximum came from. ``indices`` are flat positions in each channel's ``H × W`` plane,
+    so the gradient is a scatter-add along the flattened plane; windows that overlap and picked the
+    same element add up. Half-precision gradients are added in float32 (as torch's own
+    decomposition does), then rounded once."""
+    lead = list(input.shape[:-2])
+    grad = grad_output.reshape(*lead, -1)
+    accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    zeros = grad.new_zeros([*lead, input.shape[-2] * input.shape[-1]], dtype=accumulate)
+    summed = aten.scatter_add(zeros, -1, indices.reshape(*lead, -1), grad.to(accumulate))
+    return summed.to(grad_output.dtype).reshape(input.shape)
+
+
 DECOMPOSITIONS = {
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
 }
+if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
+    DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward
