@@ -15,7 +15,8 @@ process, one implementation each, the order alternating from round to round:
   (the loss and the logits); ort_trainer's ``eval_step`` first with the training loop's
   ``fetches = ["loss"]`` (its first call is its eval graph's first use after the training graph was
   built cold, in round 1, or found in the cache), then with every output (``fetches = []``: graphs of
-  a signature of their own; its first call after the cold build is reported, the other 3 are timed);
+  a signature of their own; its first call after the cold build is reported); the calls after each
+  first are timed, 3 or more, cycling the batches until they add up to ``EVAL_SECONDS``;
 - the last ort_trainer process (a warm one) then times ``save_as_onnx`` and reports its peak again;
 - one more process per row measures the arithmetic ceiling: the step's matrix-product FLOPs
   (``torch.utils.flop_counter`` over one eager forward and backward) and the best float32 GEMM rate
@@ -54,7 +55,8 @@ _CONFIGS = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
 
 
 LOSS_STEPS = 10  # losses compared with eager's
-EVAL_CALLS = 4  # evaluations per process after training: the first (ort_trainer: its graph's first use) and 3 timed
+EVAL_CALLS = 4  # evaluations per process after training: the first (ort_trainer: its graph's first use) and 3 timed,
+EVAL_SECONDS = 1.0  # or more, cycling the batches, until the timed ones add up to this (the MLP's ~4 ms calls: ~250)
 
 
 def _peak_mb() -> float:
@@ -247,10 +249,13 @@ def worker(args) -> dict:
     return report
 
 
-def _timed_calls(call, batches: list) -> list[float]:
-    """Seconds of ``call(*batch)`` for each batch."""
+def _timed_calls(call, batches: list, least_seconds: float = EVAL_SECONDS, most: int = 500) -> list[float]:
+    """Seconds of ``call(*batch)`` for each batch, then for the batches after the first again, in turn,
+    until the calls after the first add up to ``least_seconds`` (at most ``most`` calls)."""
     seconds = []
-    for inputs in batches:
+    while len(seconds) < most and (len(seconds) < len(batches) or sum(seconds[1:]) < least_seconds):
+        count = len(seconds)
+        inputs = batches[count if count < len(batches) else 1 + (count - 1) % (len(batches) - 1)]
         started = time.perf_counter()
         call(*inputs)
         seconds.append(time.perf_counter() - started)
@@ -380,7 +385,9 @@ def main() -> None:
             "peak could gain over eager. Evaluation: eager's forward under no_grad in eval mode; ort_trainer's eval_step "
             "first with the loop's fetches (the loss), its first call the eval graph's first use in a process whose "
             "training graph was built (cold) or found in the cache (warm), then with every output (fetches = [], "
-            "graphs of their own: the first call after the cold build, then the timed ones).\n\n" + table(rows) + "\n")
+            "graphs of their own: the first call after the cold build, then the timed ones). The timed evaluations "
+            f"of a process: {EVAL_CALLS - 1} or more, until they add up to {EVAL_SECONDS:g} s (a few milliseconds "
+            "each: hundreds), the median over the processes of the row.\n\n" + table(rows) + "\n")
     args.out.write_text(text)
     print(table(rows))
 

@@ -163,6 +163,29 @@ def test_a_worker_times_at_least_the_steps_and_at_least_the_seconds(bench, monke
     assert bench._timed_steps(step(0.25), 3, 2.0) == [0.25] * 8  # a fast step: timed for 2 s
 
 
+def test_the_real_size_benchmark_times_evaluations_for_at_least_the_calls_and_the_seconds(monkeypatch):
+    """``real_sizes._timed_calls``: every batch once, then the batches after the first in turn until
+    the calls after the first add up to the seconds asked for (the MLP's 4 ms evaluations)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import real_sizes
+
+    clock, seen = [0.0], []
+    monkeypatch.setattr(real_sizes.time, "perf_counter", lambda: clock[0])
+
+    def call(seconds):
+        def run(batch):
+            seen.append(batch)
+            clock[0] += seconds
+        return run
+
+    assert real_sizes._timed_calls(call(1.0), [[0], [1], [2], [3]], least_seconds=2.0) == [1.0] * 4  # slow: each once
+    assert seen == [0, 1, 2, 3]
+    seen.clear()
+    assert real_sizes._timed_calls(call(0.25), [[0], [1], [2], [3]], least_seconds=2.0) == [0.25] * 9
+    assert seen == [0, 1, 2, 3, 1, 2, 3, 1, 2]  # the first batch (the first use's) is not timed again
+    assert len(real_sizes._timed_calls(call(0.0), [[0], [1]], least_seconds=1.0, most=50)) == 50
+
+
 def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     """``make bench-real``'s script, at a size that runs in a minute: every column filled, the
     losses of both implementations equal to float32 roundoff."""

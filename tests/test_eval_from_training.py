@@ -210,29 +210,95 @@ def test_evaluating_other_outputs_than_training_fetched_builds_no_gradient_graph
 
 
 # MaskedLM (test_rewrites_sparse_labels.py) evaluated in float32 against float64 PyTorch: its forward
-# adds ≈ 200 terms along its longest chain (that file's derivation): 200u; bound 2000u, a 10x margin.
+# adds ≈ 200 terms along its longest chain (that file's derivation): 200u; the attention of the
+# variants below adds ≈ 50 more (scores over 16 features, softmax over 12 positions, the weighted sum
+# of 12): 250u; bound 2000u, an 8x margin.
 MLM_BOUND = 2000 * FLOAT32
 
 
-def test_every_output_after_a_sparse_labels_loop_builds_the_eval_graph_alone(cache, monkeypatch):
-    """With ``sparse_labels`` the loss-only gradient graph projects the labelled rows alone: it has
-    no logits to give. The every-output eval graph is then built from an eval-mode trace, without
-    the gradient graph of that signature (a training-mode trace and a gradient build more)."""
-    from test_rewrites_sparse_labels import DESC, MaskedLM, _batch
+class _Attending(torch.nn.Module):
+    """A Dropout and an attention whose ``dropout_p`` is on in training mode only."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        heads = F.dropout(self.linear(x), 0.3, self.training).unsqueeze(1)  # (batch, 1 head, seq, features)
+        return F.scaled_dot_product_attention(heads, heads, heads, dropout_p=0.2 if self.training else 0.0)[:, 0]
+
+
+def _masked_lm(dropouts: bool):
+    """MaskedLM, or with ``_Attending`` (a Dropout, an attention's dropout) after its embeddings."""
+    from test_rewrites_sparse_labels import MaskedLM, VOCAB
+
+    class Attending(MaskedLM):
+        def __init__(self):
+            super().__init__()
+            self.attention = _Attending()
+
+        def forward(self, ids, labels):
+            x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
+            x = x + self.attention(x)
+            x = self.norm(x + self.back(F.gelu(self.dense(x))))
+            logits = x @ self.tokens.weight.T + self.bias
+            return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100), logits
 
     torch.manual_seed(0)
-    model = MaskedLM()
+    return Attending() if dropouts else MaskedLM()
+
+
+def test_the_training_program_in_eval_mode_has_its_dropouts_off():
+    """``training_in_eval_mode``: a copy of the training program with the Dropout's ``train`` and the
+    attention's ``dropout_p`` off computes what eval mode computes (float64: the same operators in
+    the same order, so equal to 1e-12), and leaves the training program as it was; a program that
+    draws random numbers otherwise gets None (only an eval-mode trace says what eval mode does)."""
+    from ort_trainer.graph.gradient import eval_program
+
+    torch.manual_seed(0)
+    model = _Attending().double().train()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    program = torch.export.export(model, (x,))
+    before = str(program.graph)
+    converted = eval_program.training_in_eval_mode(program)
+    assert str(program.graph) == before and "True" in before and "0.2" in before
+    with torch.no_grad():
+        expected = model.eval()(x)
+    check(relative_error(converted.module()(x).detach(), expected.numpy()), 1e-12, "eval-mode output")
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.bernoulli(torch.full_like(x, 0.5))
+
+    assert eval_program.training_in_eval_mode(torch.export.export(Noisy().train(), (x,))) is None
+
+
+@pytest.mark.parametrize("dropouts", [False, True], ids=["MaskedLM", "with dropouts"])
+def test_every_output_after_a_sparse_labels_loop_builds_the_eval_graph_alone(dropouts, cache, monkeypatch):
+    """With ``sparse_labels`` the loss-only gradient graph projects the labelled rows alone: it has
+    no logits to give. The every-output eval graph is then built alone (no gradient graph of that
+    signature), from the training trace with its Dropouts and the attention's ``dropout_p`` turned
+    off (``eval_program.training_in_eval_mode``), kept before the gradient build edited it: no
+    eval-mode trace."""
+    from test_rewrites_sparse_labels import DESC, _batch
+
+    model = _masked_lm(dropouts)
     trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "torch"}})
     trainer._train_step_info.fetches = ["loss"]
     batch = _batch()
     trainer.train_step(*batch)
+    assert trainer._shapes.first.eval_is_training
     assert "logits" not in {o for node in trainer._shapes.first.gradient.graph.node for o in node.output}
     trainer._train_step_info.fetches = []
-    exports = _ExportCalls(monkeypatch)
+    calls, built, make = _ExportCalls(monkeypatch), [], trainer._shapes._eval_graph
+    monkeypatch.setattr(trainer._shapes, "_eval_graph", lambda signature: built.append(make(signature)) or built[-1])
     loss, logits = (np.asarray(o) for o in trainer.eval_step(*batch))
-    assert exports.calls == 1  # the eval-mode trace alone
+    assert calls.calls == 0
     (key,) = [key for key in trainer._engine._session_sets if key[1] is None]
     assert key not in trainer._shapes._by_signature
+    (eval_graph,) = built
+    assert LOSS_SCALE_INPUT not in {i.name for i in eval_graph.graph.input}
+    assert not {"Dropout", "RandomUniformLike", "Bernoulli"} & {n.op_type for n in eval_graph.graph.node}
     reference = model.double().eval()
     with torch.no_grad():
         expected = reference(*batch)

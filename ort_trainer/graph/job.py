@@ -105,6 +105,9 @@ class Traced:
         program: the source's own traced artefact (a forward ONNX graph, an ExportedProgram).
         dims: the symbol sizes the trace fixed (a static trace serves only graphs of those
             sizes), or None when the symbolic dimensions stayed symbolic (it serves any sizes).
+        eval_is_training: the operator record taken beside the trace found that eval mode runs
+            the operators training mode runs, Dropouts aside (``OpRecord.eval_is_training``): a
+            source may make the eval-mode program of the training program instead of tracing it.
     """
 
     fingerprint: str
@@ -113,6 +116,7 @@ class Traced:
     padding: dict[str, int] = field(default_factory=dict)
     program: Any = None
     dims: dict[str, int] | None = None
+    eval_is_training: bool = False
 
     def serves(self, dims: dict[str, int] | None) -> bool:
         """Whether graphs for symbol sizes ``dims`` (None: symbolic) can be built from this trace."""

@@ -137,6 +137,7 @@ def build_training_graphs(
                                   eval_is_training=eval_is_training)
     if traced is None:
         traced = source.trace(job, sample_inputs, dims)
+        traced.eval_is_training = eval_is_training
     key = job.cache_key(traced, input_dtypes, dims, outputs)
     trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
     prepared = source.prepare(job, traced, dims, outputs, input_dtypes)

@@ -187,7 +187,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
-          gelu: bool = False, half_attention: bool = False) -> JointGraphs:
+          gelu: bool = False, half_attention: bool = False, eval_is_training: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -201,6 +201,11 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             together in the gradient graph (the eval graph is left as traced).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
+        eval_is_training: the operator record found that eval mode runs the operators training mode
+            runs, Dropouts aside (``OpRecord.eval_is_training``). Where ``sparse_labels`` will edit the
+            program (the gradient graph then lacks outputs the eval graph returns), a copy of it with
+            its Dropouts off (``eval_program.training_in_eval_mode``) is kept for ``build_eval``,
+            which then needs no eval-mode trace.
 
     Returns:
         The graphs (see ``JointGraphs``).
@@ -215,8 +220,12 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
     started = time.perf_counter()
     program = traced.program
+    sparse_labels = sparse_labels and len(returned) < len(desc.output_names)
+    if eval_is_training and sparse_labels and job.get("eval_program") is None:
+        job["eval_program"] = eval_program.training_in_eval_mode(program)
+        job["eval_from_training"] = job["eval_program"] is not None
     _traced_program.mark_untrained(program)
-    if sparse_labels and len(returned) < len(desc.output_names):
+    if sparse_labels:
         # outputs nobody reads go before the pass, which needs the logits to feed the loss alone
         unread = torch_sparse_labels.unreturned(program, desc.output_names, returned)
         torch_sparse_labels.drop_outputs(program, unread)
@@ -366,7 +375,8 @@ def _placeholders(program: Any, job: dict, kinds: Any) -> tuple[dict[str, str], 
 
 def eval_fingerprint(traced: TracedModel) -> str:
     """SHA-256 of ``traced``'s eval-mode program, which is exported now (once) unless the trace was
-    eval-only: the eval graph's cache key, beside the training graph's."""
+    eval-only or ``build`` kept the training program in eval mode: the eval graph's cache key,
+    beside the training graph's."""
     job = traced._job
     if job.get("eval_program") is None:
         job["eval_program"] = _export_eval(job)
@@ -388,24 +398,29 @@ def _export_eval(job: dict) -> Any:
 
 def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: bool = False,
                 half_attention: bool = False) -> onnx.ModelProto:
-    """The eval-mode trace (taken by ``trace``, or again), translated with weights as inputs; with
-    ``sparse_labels``, the pass runs on it as on the training program."""
+    """The eval-mode program (``trace``'s, ``build``'s copy of the training program with its Dropouts
+    off, or exported now), translated with weights as inputs; with ``sparse_labels``, the pass runs
+    on it as on the training program."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     desc = job["desc"]
+    # the training program in eval mode (``build``'s copy) returns the scaled loss first
+    first = 1 if job.pop("eval_from_training", False) else 0
     program = job.pop("eval_program", None) or _export_eval(job)
     if sparse_labels and len(returned) < len(desc.output_names):
         torch_sparse_labels.drop_outputs(
-            program, torch_sparse_labels.unreturned(program, desc.output_names, returned, first=0))
+            program, torch_sparse_labels.unreturned(program, desc.output_names, returned, first=first))
         torch_sparse_labels.sparse_labels(program)
     if half_attention:
         torch_attention.half_precision(program)
     program = eval_program.forward_program(program)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(program, desc, "the eval-mode trace")
-    user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    by_desc = dict(zip(desc.output_names, user_outputs))
+    user_outputs = [s.arg.name for s in program.graph_signature.output_specs
+                    if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)]
+    by_desc = dict(zip(desc.output_names, user_outputs[first:]))
     inputs, constants = _placeholders(program, job, InputKind)
+    inputs = {name: onnx_name for name, onnx_name in inputs.items() if onnx_name != LOSS_SCALE_INPUT}
     return joint_onnx.program_to_onnx(program, inputs, constants, [(by_desc[n], n) for n in returned],
                                        _input_dims(job), optimize)
 

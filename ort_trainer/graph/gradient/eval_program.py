@@ -10,12 +10,19 @@ rewritten in place, and a few more, each decomposed on its own: traced by ``make
 exporter's decomposition table on its operands' fake values, sizes symbolic as in the program,
 and that small graph put in its place (HF's ``torch.diff`` on the positions of a model called
 without an attention mask: two ``slice``s and a ``sub``, sizes from ``sym_size``).
+
+``training_in_eval_mode`` gives the eval-mode program without a trace of its own, where the operator
+record found that eval mode runs training mode's operators, Dropouts aside: a copy of the training
+program with each Dropout's ``train`` flag and each attention's ``dropout_p`` turned off (BERT-base:
+the 1.4 s eval-mode ``torch.export`` of its first every-output evaluation after a loss-only loop).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
+import warnings
 
 import torch
 
@@ -27,6 +34,46 @@ _aten = torch.ops.aten
 _ALIASES = {_aten.__and__.Tensor: _aten.bitwise_and.Tensor, _aten.__or__.Tensor: _aten.bitwise_or.Tensor,
             _aten.__xor__.Tensor: _aten.bitwise_xor.Tensor}
 _TO = {_aten.to.dtype: 1, _aten.to.device: 2, _aten.to.dtype_layout: None}  # where its dtype is, None: keyword only
+# the Dropouts of a training program: (argument position, keyword) of what turns them off, and its value
+_DROPOUTS = {**{op: (2, "train", False) for op in (_aten.dropout.default, _aten.feature_dropout.default,
+                                                   _aten.alpha_dropout.default, _aten.feature_alpha_dropout.default)},
+             _aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0)}
+
+
+def training_in_eval_mode(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
+    """A copy of the training program ``program`` (``autograd.trace``'s) with its Dropouts off: what
+    the eval-mode trace gives where the operator record found that eval mode runs the operators
+    training mode runs, Dropouts aside (``OpRecord.eval_is_training``). It keeps the training
+    program's signature: the scaled loss first and the loss-scale input, which the eval graph's
+    translation leaves out. ``program`` is left as it is, for the gradient build to edit.
+
+    None where anything else draws random numbers (``bernoulli``, ``rand``, a ``native_dropout``
+    called directly...): only an eval-mode trace says what eval mode makes of it.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own use of its deprecated pytree API
+        graph_module = copy.deepcopy(program.graph_module)  # the nodes' metadata is shared, not copied
+        signature = copy.deepcopy(program.graph_signature)
+    old = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+    new = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    for before, after in zip(old, new):  # a copy may rename a placeholder (``input`` -> ``input_1``)
+        after.name = before.name
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target in _DROPOUTS:
+            position, keyword, off = _DROPOUTS[node.target]
+            if keyword in node.kwargs or len(node.args) <= position:
+                node.kwargs = {**node.kwargs, keyword: off}
+            else:
+                node.args = (*node.args[:position], off, *node.args[position + 1:])
+        elif torch.Tag.nondeterministic_seeded in node.target.tags:
+            logger.debug("%s draws random numbers in the training program: eval mode is traced", node.target)
+            return None
+    graph_module.recompile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return program._update(graph_module, signature)
 
 
 def forward_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -195,4 +242,4 @@ def _canonicalize(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         node.kwargs = {"dtype": source.meta["val"].dtype if dtype is None else dtype}
 
 
-__all__ = ["forward_program"]
+__all__ = ["forward_program", "training_in_eval_mode"]
