@@ -19,7 +19,7 @@ from . import distributed
 from ._export_check import check_model_export
 from ._interrupt import deferred_interrupt
 from ._logging import logger
-from ._onnx_files import data_path, save_with_weights
+from ._onnx_files import data_path, save_while_building
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
 from .amp.kernels import missing_kernels_explained
@@ -432,7 +432,7 @@ class ORTTrainer(_StateMixin):
 
         Its inputs are the model's own (a label read only by ``loss_fn`` is dropped) and its outputs
         the model's own, named as in the description; it loads in a stock InferenceSession. The
-        weights are written one at a time, never all copied at once.
+        weights are written one at a time, never all copied at once, while the graph is made.
 
         Args:
             path: the ``.onnx`` file.
@@ -458,10 +458,10 @@ class ORTTrainer(_StateMixin):
             inputs = inputs[:-1]
             outputs = [n for n in outputs if n != desc.loss_name]
         tensors = engine.current_tensors()
-        model, names = build_inference_graph(self._shapes.symbolic_eval_graph(), inputs, outputs, tensors)
-        specs = {name: (tuple(tensors[name].shape), host_dtype(tensors[name])) for name in names}
-        external = save_with_weights(model, path, specs, lambda name: host_array(tensors[name]),
-                                     external_data=external_data)
+        specs = {name: (tuple(tensor.shape), host_dtype(tensor)) for name, tensor in tensors.items()}
+        external = save_while_building(
+            lambda: build_inference_graph(self._shapes.symbolic_eval_graph(), inputs, outputs, tensors),
+            path, specs, lambda name: host_array(tensors[name]), external_data=external_data)
         logger.info("save_as_onnx: wrote %s%s", path, f" and its weights in {data_path(path)}" if external else "")
 
 

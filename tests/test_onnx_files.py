@@ -112,3 +112,82 @@ def test_a_failed_save_leaves_the_earlier_one_whole(trained, tmp_path, monkeypat
         trainer.save_as_onnx(path, external_data=external)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporary left either
+
+
+def _adder(weights):
+    """``y = x + w0 (+ w1...)``: a model reading the named weights, holding none of them."""
+    from onnx import TensorProto, helper
+
+    nodes, last = [], "x"
+    for i, name in enumerate(weights):
+        nodes.append(helper.make_node("Add", [last, name], [f"s{i}"]))
+        last = f"s{i}"
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(nodes, "adder", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_the_weights_are_written_while_the_graph_is_built(tmp_path):
+    """``save_while_building``: the build waits until the writing thread has read both weights (it
+    would wait in vain for a write that began after it); the file is the model with them."""
+    import threading
+
+    values = {"w0": np.arange(4, dtype=np.float32), "w1": np.full(4, 10, dtype=np.float32)}
+    specs = {name: ((4,), np.float32) for name in values}
+    both_read = threading.Barrier(2, timeout=60)
+    read = []
+
+    def reader(name):
+        read.append(name)
+        return values[name]
+
+    def build():
+        both_read.wait()  # released by the writer's read of w1
+        return _adder(["w0", "w1"]), ["w0", "w1"]
+
+    def reader_then_meet(name):
+        value = reader(name)
+        if name == "w1":
+            both_read.wait()
+        return value
+
+    path = tmp_path / "m.onnx"
+    assert _onnx_files.save_while_building(build, path, specs, reader_then_meet) is False
+    assert read == ["w0", "w1"]
+    x = np.ones(4, dtype=np.float32)
+    out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(out, x + values["w0"] + values["w1"])
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+def test_a_model_reading_fewer_weights_than_written_is_written_again(tmp_path):
+    values = {"w0": np.arange(4, dtype=np.float32), "unused": np.ones(4, dtype=np.float32)}
+    specs = {name: ((4,), np.float32) for name in values}
+    path = tmp_path / "m.onnx"
+    _onnx_files.save_while_building(lambda: (_adder(["w0"]), ["w0"]), path, specs, values.__getitem__)
+    model = onnx.load(str(path))
+    assert [init.name for init in model.graph.initializer] == ["w0"]  # no initializer nobody reads
+    onnx.checker.check_model(model)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+def test_a_build_that_fails_while_the_weights_are_written_leaves_the_earlier_save_whole(trained, tmp_path,
+                                                                                        monkeypatch):
+    trainer, _ = trained
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(path)
+    before = path.read_bytes()
+    monkeypatch.setattr(trainer._shapes, "symbolic_eval_graph", lambda: (_ for _ in ()).throw(MemoryError("export")))
+    with pytest.raises(MemoryError, match="export"):
+        trainer.save_as_onnx(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"] and path.read_bytes() == before
+
+
+def test_inline_weights_over_the_limit_are_refused_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(_onnx_files, "INLINE_LIMIT", 10)
+    built = []
+    with pytest.raises(ValueError, match="external_data=True"):
+        _onnx_files.save_while_building(lambda: built.append(1), tmp_path / "m.onnx", {"w": ((4,), np.float32)},
+                                        None, external_data=False)
+    assert not built and not list(tmp_path.iterdir())

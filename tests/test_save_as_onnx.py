@@ -140,13 +140,13 @@ trainer = ORTTrainer(MLP(), MLP_DESC, AdamConfig(), loss_fn=torch.nn.functional.
 trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
 trainer.save_as_onnx(sys.argv[1])
 
-def killed_midway(model, path, names, read):  # part of the file written, then the OOM killer's SIGKILL lands
-    with open(path, "wb") as handle:
-        handle.write(model.SerializeToString()[:1000])
+def killed_midway(out, name, value):  # part of the file written, then the OOM killer's SIGKILL lands
+    out.write(value.tobytes()[:100])
+    out.flush()
     print("writing", flush=True)
     time.sleep(120)
 
-onnx_files._write_inline = killed_midway
+onnx_files._write_initializer = killed_midway
 trainer.save_as_onnx(sys.argv[1])
 """
 

@@ -222,7 +222,11 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     program = traced.program
     sparse_labels = sparse_labels and len(returned) < len(desc.output_names)
     if eval_is_training and sparse_labels and job.get("eval_program") is None:
-        job["eval_program"] = eval_program.training_in_eval_mode(program)
+        try:
+            job["eval_program"] = eval_program.training_in_eval_mode(program)
+        except Exception as exc:  # noqa: BLE001  (a copy torch refuses: the eval graph is traced, as always)
+            logger.debug("no copy of the training program for the eval graph (%s): eval mode is traced", exc)
+            job["eval_program"] = None
         job["eval_from_training"] = job["eval_program"] is not None
     _traced_program.mark_untrained(program)
     if sparse_labels:
