@@ -54,6 +54,10 @@ _CONFIGS = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
                           "vocab_size": 500}}
 
 
+# fresh processes per implementation and row: this 2-core host's speed drifts by 10-30% from minute to minute (a
+# neighbour's load), so a row of short processes takes more of them; the 656 M model's take minutes each
+ROUNDS = {"gpt2": 4, "bert": 4, "mlp-1024": 6}
+DEFAULT_ROUNDS = 2
 LOSS_STEPS = 10  # losses compared with eager's
 EVAL_CALLS = 4  # evaluations per process after training: the first (ort_trainer: its graph's first use) and 3 timed,
 EVAL_SECONDS = 1.0  # or more, cycling the batches, until the timed ones add up to this (the MLP's ~4 ms calls: ~250)
@@ -355,7 +359,8 @@ def main() -> None:
     parser.add_argument("--impl", choices=["ort", "eager", "ceiling"], default="ort")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--models", default="gpt2,bert,gpt2-656m,mlp-1024")
-    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation and model")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help=f"fresh processes per implementation and model (0: the row's, {ROUNDS}, else {DEFAULT_ROUNDS})")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per process (0: the row's default)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_real.md")
     args = parser.parse_args()
@@ -363,13 +368,16 @@ def main() -> None:
         args.steps = args.steps or SIZES[args.model][2]
         print(json.dumps(worker(args)))
         return
-    rows = []
+    rows, rounds = [], {}
     for model in args.models.split(","):
-        rows.append(row(model, measure(model, args.rounds, args.steps or SIZES[model][2])))
+        rounds[model] = args.rounds or ROUNDS.get(model, DEFAULT_ROUNDS)
+        rows.append(row(model, measure(model, rounds[model], args.steps or SIZES[model][2])))
     import onnxruntime
     import torch
 
-    text = (f"# Real-size benchmark\n\n`python benchmarks/real_sizes.py --models {args.models} --rounds {args.rounds}`"
+    command = f"python benchmarks/real_sizes.py --models {args.models}" + (f" --rounds {args.rounds}" if args.rounds else "")
+    text = (f"# Real-size benchmark\n\n`{command}` (rounds: "
+            + ", ".join(f"{model} {count}" for model, count in rounds.items()) + ")"
             f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
             f"onnxruntime {onnxruntime.__version__}; {time.strftime('%Y-%m-%d')}.\n\n"
             "Speed-up: eager's median step over ort_trainer's. Peak RSS: the whole process's; ort_trainer's in the "
