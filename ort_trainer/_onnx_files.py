@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -85,18 +85,22 @@ def save_with_weights(model: onnx.ModelProto, path: str | os.PathLike, weights: 
 
 
 def save_while_building(build: Callable[[], tuple[onnx.ModelProto, list[str]]], path: str | os.PathLike,
-                        weights: Mapping[str, tuple], read: WeightReader, external_data: bool | None = None) -> bool:
+                        weights: Mapping[str, tuple], read: WeightReader, external_data: bool | None = None,
+                        early: Collection[str] | None = None) -> bool:
     """``save_with_weights`` of the model ``build()`` makes, its weights written while it is made.
 
-    Inline (``external_data`` not True and ``weights`` under ``INLINE_LIMIT``), a thread writes every
-    weight of ``weights`` to the file while ``build`` runs here, and the model follows them. Where the
-    model then reads other weights than all of ``weights``, or passes ``INLINE_LIMIT`` with its graph,
-    that file is dropped and the model written by ``save_with_weights``, as it is with external data.
+    Inline (``external_data`` not True and ``weights`` under ``INLINE_LIMIT``), a thread writes the
+    weights of ``early`` to the file while ``build`` runs here; then the other weights the model
+    reads and the model follow them. Where the model does not read every weight of ``early``, or
+    passes ``INLINE_LIMIT`` with its graph, that file is dropped and the model written by
+    ``save_with_weights``, as it is with external data.
 
     Args:
         build: returns the model, holding no weight, and the names of ``weights`` it reads.
         path, weights, read, external_data: as ``save_with_weights`` (``read`` is called from the
-            writing thread, once per weight, one at a time).
+            writing thread for ``early``, once per weight, one at a time).
+        early: the weights the model surely reads (the trained ones: a BatchNorm's counter is a
+            weight that only training reads); None: all of ``weights``.
 
     Returns:
         Whether the weights went to an external data file.
@@ -110,10 +114,12 @@ def save_while_building(build: Callable[[], tuple[onnx.ModelProto, list[str]]], 
         raise ValueError(f"the weights are {total / 2**30:.2f} GiB, over protobuf's 2 GiB limit for one file: save "
                          "with external_data=True (or None) instead")
     built: list = []
+    chosen = set(weights if early is None else early)
+    early = [name for name in weights if name in chosen]
     if not external_data and total <= INLINE_LIMIT:
         def write(temporary: str) -> None:
             with open(temporary, "wb") as out:
-                writer = _WeightWriter(out, weights, read)
+                writer = _WeightWriter(out, early, read)
                 writer.start()
                 try:
                     built.extend(build())
@@ -124,8 +130,10 @@ def save_while_building(build: Callable[[], tuple[onnx.ModelProto, list[str]]], 
                     writer.join()
                 writer.raise_error()
                 model, names = built
-                if names != list(weights) or total + model.ByteSize() > INLINE_LIMIT:
+                if not chosen <= set(names) or total + model.ByteSize() > INLINE_LIMIT:
                     raise _Rewrite
+                for name in [name for name in names if name not in chosen]:
+                    _write_initializer(out, name, np.ascontiguousarray(read(name)))
                 out.write(model.SerializeToString())
         try:
             atomic_write(path, write)

@@ -461,7 +461,8 @@ class ORTTrainer(_StateMixin):
         specs = {name: (tuple(tensor.shape), host_dtype(tensor)) for name, tensor in tensors.items()}
         external = save_while_building(
             lambda: build_inference_graph(self._shapes.symbolic_eval_graph(), inputs, outputs, tensors),
-            path, specs, lambda name: host_array(tensors[name]), external_data=external_data)
+            path, specs, lambda name: host_array(tensors[name]), external_data=external_data,
+            early=[name for name in tensors if name not in engine.fixed_tensors])  # the trained weights
         logger.info("save_as_onnx: wrote %s%s", path, f" and its weights in {data_path(path)}" if external else "")
 
 

@@ -161,15 +161,54 @@ def test_the_weights_are_written_while_the_graph_is_built(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
 
 
-def test_a_model_reading_fewer_weights_than_written_is_written_again(tmp_path):
-    values = {"w0": np.arange(4, dtype=np.float32), "unused": np.ones(4, dtype=np.float32)}
+@pytest.mark.parametrize("early", [None, ["w0"]], ids=["all early: written again", "the read one early"])
+def test_a_model_reading_fewer_weights_than_given_gets_only_those(early, tmp_path, monkeypatch):
+    """Weights written early that the model does not read: the file is written again without them.
+    Weights left for after the build (``early`` names the others) are written only if read."""
+    values = {"w0": np.arange(4, dtype=np.float32), "unused": np.ones(4, dtype=np.float32),
+              "late": np.full(4, 3, dtype=np.float32)}
     specs = {name: ((4,), np.float32) for name in values}
-    path = tmp_path / "m.onnx"
-    _onnx_files.save_while_building(lambda: (_adder(["w0"]), ["w0"]), path, specs, values.__getitem__)
+    path, again = tmp_path / "m.onnx", []
+    real = _onnx_files.save_with_weights
+    monkeypatch.setattr(_onnx_files, "save_with_weights", lambda *args, **kwargs: again.append(1) or real(*args, **kwargs))
+    read = []
+    _onnx_files.save_while_building(lambda: (_adder(["w0", "late"]), ["w0", "late"]), path, specs,
+                                    lambda name: read.append(name) or values[name], early=early)
     model = onnx.load(str(path))
-    assert [init.name for init in model.graph.initializer] == ["w0"]  # no initializer nobody reads
+    assert sorted(init.name for init in model.graph.initializer) == ["late", "w0"]  # none nobody reads
     onnx.checker.check_model(model)
     assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+    assert bool(again) == (early is None) and ("unused" in read) == (early is None)
+
+
+def test_a_batchnorm_models_save_writes_its_trained_weights_while_building(tmp_path, monkeypatch):
+    """A BatchNorm's ``num_batches_tracked`` is a weight of the training graph that eval mode does not
+    read: the trained weights go early, the running statistics after the build, the counter not at
+    all, and nothing is written twice."""
+    from test_batchnorm import SmallCNN, _batch
+
+    torch.manual_seed(0)
+    desc = {"inputs": [("images", ["batch", 1, 10, 10]), ("labels", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 4])]}
+    trainer = ORTTrainer(SmallCNN(), desc, AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    images, labels = _batch(torch.Generator().manual_seed(1))
+    trainer.train_step(images, labels)
+    again = []
+    monkeypatch.setattr(_onnx_files, "save_with_weights", lambda *args, **kwargs: again.append(1))
+    trainer.save_as_onnx(tmp_path / "cnn.onnx")
+    assert not again
+    model = onnx.load(str(tmp_path / "cnn.onnx"))
+    onnx.checker.check_model(model)
+    names = {init.name for init in model.graph.initializer}
+    consumed = {name for node in model.graph.node for name in node.input}
+    assert names <= consumed and "bn1.running_mean" in names and "bn1.num_batches_tracked" not in names
+    logits = ort.InferenceSession(str(tmp_path / "cnn.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"images": images.numpy()})[0]
+    # the same eval graph on the same weights in another session, whose sums (at most fc's 8·3·3 = 72
+    # terms) may be added in another order: steps_bound(1, 72) of the largest logit (Higham's bound)
+    bound = steps_bound(1, length=72)
+    np.testing.assert_allclose(trainer.eval_step(images, labels)[1].numpy(), logits, rtol=bound,
+                               atol=bound * float(np.abs(logits).max()))
 
 
 def test_a_build_that_fails_while_the_weights_are_written_leaves_the_earlier_save_whole(trained, tmp_path,
