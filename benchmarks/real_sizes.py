@@ -360,7 +360,8 @@ def main() -> None:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--models", default="gpt2,bert,gpt2-656m,mlp-1024")
     parser.add_argument("--rounds", type=int, default=0,
-                        help=f"fresh processes per implementation and model (0: the row's, {ROUNDS}, else {DEFAULT_ROUNDS})")
+                        help=f"fresh processes per implementation and model (0: the row's, {ROUNDS}, "
+                             f"else {DEFAULT_ROUNDS})")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per process (0: the row's default)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_real.md")
     args = parser.parse_args()
@@ -375,7 +376,8 @@ def main() -> None:
     import onnxruntime
     import torch
 
-    command = f"python benchmarks/real_sizes.py --models {args.models}" + (f" --rounds {args.rounds}" if args.rounds else "")
+    command = f"python benchmarks/real_sizes.py --models {args.models}"
+    command += f" --rounds {args.rounds}" if args.rounds else ""
     text = (f"# Real-size benchmark\n\n`{command}` (rounds: "
             + ", ".join(f"{model} {count}" for model, count in rounds.items()) + ")"
             f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "

@@ -170,7 +170,8 @@ def test_a_model_reading_fewer_weights_than_given_gets_only_those(early, tmp_pat
     specs = {name: ((4,), np.float32) for name in values}
     path, again = tmp_path / "m.onnx", []
     real = _onnx_files.save_with_weights
-    monkeypatch.setattr(_onnx_files, "save_with_weights", lambda *args, **kwargs: again.append(1) or real(*args, **kwargs))
+    monkeypatch.setattr(_onnx_files, "save_with_weights",
+                        lambda *args, **kwargs: again.append(1) or real(*args, **kwargs))
     read = []
     _onnx_files.save_while_building(lambda: (_adder(["w0", "late"]), ["w0", "late"]), path, specs,
                                     lambda name: read.append(name) or values[name], early=early)
