@@ -132,8 +132,7 @@ def save_while_building(build: Callable[[], tuple[onnx.ModelProto, list[str]]], 
                 model, names = built
                 if not chosen <= set(names) or total + model.ByteSize() > INLINE_LIMIT:
                     raise _Rewrite
-                for name in [name for name in names if name not in chosen]:
-                    _write_initializer(out, name, np.ascontiguousarray(read(name)))
+                _write_weights(out, [name for name in names if name not in chosen], read)
                 out.write(model.SerializeToString())
         try:
             atomic_write(path, write)
@@ -159,10 +158,7 @@ class _WeightWriter(threading.Thread):
 
     def run(self) -> None:
         try:
-            for name in self._names:
-                if self.stop_asked.is_set():
-                    return
-                _write_initializer(self._out, name, np.ascontiguousarray(self._read(name)))
+            _write_weights(self._out, self._names, self._read, self.stop_asked)
         except BaseException as error:  # noqa: BLE001  (raised in the caller's thread by ``raise_error``)
             self._error = error
 
@@ -181,8 +177,15 @@ def _sizes(weights: Mapping[str, tuple]) -> dict[str, int]:
 def _write_inline(model: onnx.ModelProto, temporary: str, names: Iterable[str], read: WeightReader) -> None:
     with open(temporary, "wb") as out:
         out.write(model.SerializeToString())
-        for name in names:
-            _write_initializer(out, name, np.ascontiguousarray(read(name)))
+        _write_weights(out, names, read)
+
+
+def _write_weights(out, names: Iterable[str], read: WeightReader, stop: threading.Event | None = None) -> None:
+    """``_write_initializer`` for each weight of ``names``, read one at a time, until ``stop`` is set."""
+    for name in names:
+        if stop is not None and stop.is_set():
+            return
+        _write_initializer(out, name, np.ascontiguousarray(read(name)))
 
 
 def _field_tag(message: type, field: str) -> bytes:

@@ -138,22 +138,18 @@ def test_the_weights_are_written_while_the_graph_is_built(tmp_path):
     both_read = threading.Barrier(2, timeout=60)
     read = []
 
-    def reader(name):
-        read.append(name)
-        return values[name]
-
     def build():
         both_read.wait()  # released by the writer's read of w1
         return _adder(["w0", "w1"]), ["w0", "w1"]
 
-    def reader_then_meet(name):
-        value = reader(name)
+    def reader(name):
+        read.append(name)
         if name == "w1":
             both_read.wait()
-        return value
+        return values[name]
 
     path = tmp_path / "m.onnx"
-    assert _onnx_files.save_while_building(build, path, specs, reader_then_meet) is False
+    assert _onnx_files.save_while_building(build, path, specs, reader) is False
     assert read == ["w0", "w1"]
     x = np.ones(4, dtype=np.float32)
     out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
