@@ -217,6 +217,17 @@ _SCHEMA: dict[str, _Field] = {
         "matrix product by ones, which ONNX Runtime's CPU kernels run in about half the time of ReduceSum "
         "(gradient source 'torch' only)"
     ),
+    "graph_optimizations.transposed_products": _Field(
+        _BOOL, True, "a 2-D Transpose read by a MatMul or Gemm folded into a Gemm's transA/transB, so that ONNX "
+        "Runtime does not fuse it into a node it runs last: each weight gradient is computed where the backward "
+        "reaches it and the layer input it reads is freed there (gradient source 'torch' only)"
+    ),
+    "graph_optimizations.activation_recompute": _Field(
+        _BOOL, True, "an activation's values that the backward reads (a GELU's x/sqrt(2), Phi and output) "
+        "recomputed in the backward from its input, so the forward keeps one [batch, seq, 4 x hidden] tensor per "
+        "GELU instead of three (BERT-base B4xS128: 144 MB less at the end of the forward), at the cost of re-running "
+        "its elementwise nodes once per step (gradient source 'torch' only)"
+    ),
     "graph_optimizations.unfused_skip_layer_norm": _Field(
         _BOOL, True, "on the CPU, ONNX Runtime's SkipLayerNormFusion is turned off: its SkipLayerNormalization "
         "kernel took 0.7 ms per [1024, 256] against 0.2 ms for the Add and LayerNormalization it replaces (the "

@@ -11,7 +11,8 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   ``apply_joint_passes``): ``joint.py`` (cross-entropy backward, identity transposes, integer
   powers), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
   gradient written in place), ``dropout.py``, ``copies.py`` (tensor sequences, output reshapes,
-  column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient);
+  column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient), ``recompute.py``
+  (activations' values recomputed in the backward, last: it reads the others' graph);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
@@ -27,12 +28,12 @@ from __future__ import annotations
 
 import onnx
 
-from . import copies, dropout, embedding, forward, softmax, tied_embedding
+from . import copies, dropout, embedding, forward, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 JOINT_PASSES = ("cross_entropy", "embedding_gradient", "tied_embedding_gradient", "integer_powers", "host_dropout_masks",
                 "dropout_gradient", "sequences", "output_reshape", "safe_softmax", "half_precision_softmax_gradient",
-                "column_sums")
+                "column_sums", "transposed_products", "activation_recompute")
 EVAL_PASSES = ("cross_entropy", "sequences", "output_reshape", "safe_softmax", "gelu")
 
 
@@ -57,7 +58,8 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
         ("dropout_gradient", dropout.dropout_gradient),
         ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
         ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
-        ("column_sums", copies.column_sums)))
+        ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
+        ("activation_recompute", recompute.activation_recompute)))
 
 
 def apply_eval_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[str, int]:

@@ -1,0 +1,292 @@
+"""The ``activation_recompute`` joint-graph pass: the values of an activation that the backward
+reads are recomputed there from the activation's input, so that the forward keeps one tensor per
+activation from the forward to the backward instead of up to three.
+
+The ``gelu`` pass (``gradient/gelu.py``) has each GELU's forward keep what its backward reads: the
+erf form ``a = x / √2``, ``Φ`` and the output ``y`` (which the next layer's weight gradient reads
+too), the tanh form ``x²``, ``s`` and ``y``. That is three ``[batch, seq, 4 × hidden]`` tensors per
+layer alive at the end of the forward, where the graph holds the most; eager PyTorch keeps two
+(the GELU's input for ``gelu_backward``, its output for the next ``Linear``). Measured on BERT-base
+(B4 × S128, the graph ONNX Runtime optimizes, each value's life from its producer to its last
+reader): 216 of the 467 MB alive at that point were GELU values.
+
+Here each region of elementwise nodes computed from one tensor ``x`` and scalar constants, with an
+``Erf``, ``Sigmoid`` or ``Tanh`` among them (a GELU's forward, SiLU's...), and read by the
+backward, is copied into the backward just before its first reader there, and the backward reads
+the copies: the forward keeps ``x`` alone. The copies re-run the region's elementwise nodes once
+per step (five per erf-GELU, seven per tanh-GELU, each one pass over the activation).
+
+The copies compute the same operators on the same values as the forward, so their values are
+bit-equal to the forward's. Two things would undo them. Common subexpression elimination (the
+translation's ran before this pass; ONNX Runtime's runs when a session is made) merges a node
+with another of the same operator and inputs; and ONNX Runtime runs a node as soon as it is the
+first ready one in the node list, so copies that read forward values only would run in the
+forward. So the copies read ``x`` through ``Reshape(x, Shape(x) + sum(empty slice of t))``, ``t``
+a backward value the region's first backward reader reads (the gradient arriving there): the
+same buffer (a Reshape aliases its input), a name no optimizer can equate with ``x`` or fold, and
+a value ONNX Runtime can compute only once the backward has reached that layer.
+
+``transposed_products`` (same module, run before it) matters as much: it keeps ONNX Runtime from
+running every weight gradient at the end of the backward, which would hold the copies (and every
+layer's input) until then.
+
+The backward is the part of the node list from the first node that reads the loss scale (the
+gradient seed) on: the joint graph lists the forward first, and the sessions run nodes in that
+order where their inputs allow (``Device.configure_session``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..names import LOSS_SCALE_INPUT
+from ._graph import _ONNX_DOMAINS, _Graph, _is, _keep
+
+_ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Erf", "Sigmoid", "Tanh"}
+_TRANSCENDENTAL = {"Erf", "Sigmoid", "Tanh"}
+_SUFFIX = "/recompute"
+
+
+def activation_recompute(model: onnx.ModelProto) -> int:
+    """Recompute in the backward the activation values it reads (see the module docstring), in place.
+
+    Returns:
+        How many regions (activations) are recomputed.
+    """
+    graph = model.graph
+    seed = next((i for i, n in enumerate(graph.node) if LOSS_SCALE_INPUT in n.input), None)
+    if seed is None:  # no gradient seed: not a joint graph of the torch source
+        return 0
+    g = _Graph(model)
+    index = {id(n): i for i, n in enumerate(graph.node)}
+    op_of = _op_types(model)
+    plans = []
+    taken: set[int] = set()
+    for root in _roots(graph.node[:seed], g, op_of):
+        plan = _plan(root, g, op_of, index, seed)
+        if plan is not None and not taken & {id(n) for n in plan[0]}:
+            taken |= {id(n) for n in plan[0]}
+            plans.append(plan)
+    if not plans:
+        return 0
+    before: dict[int, list[onnx.NodeProto]] = {}
+    renamed: dict[str, str] = {}
+    infos = {info.name: info for info in graph.value_info}
+    for copies, names, first_reader in plans:
+        before.setdefault(id(first_reader), []).extend(copies)
+        renamed.update(names)
+        for old, new in names.items():
+            if old in infos:
+                info = graph.value_info.add()
+                info.CopyFrom(infos[old])
+                info.name = new
+    for node in graph.node[seed:]:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    _keep(model, set(), before=before)
+    return len(plans)
+
+
+def transposed_products(model: onnx.ModelProto) -> int:
+    """Fold each 2-D ``Transpose`` that a ``MatMul`` or ``Gemm`` reads into the product (``Gemm``'s
+    ``transA`` / ``transB``), in place; returns how many products changed.
+
+    ONNX Runtime makes the same fusion (``FusedMatMul``, ``GemmTransposeFusion``), but its fused
+    nodes come last in the order its sessions run nodes in (``ExecutionOrder.PRIORITY_BASED``: the
+    ready node first in the node list, and nodes an optimizer adds are appended to it): a weight's
+    gradient ``MatMul(Transpose(dY), x)``, which nothing else waits for, then ran at the very end
+    of the backward, and every layer's input ``x`` stayed alive until then. Written as ``Gemm`` here
+    they run where the backward reaches them. A product of a tensor of another rank is left alone.
+    """
+    graph = model.graph
+    g = _Graph(model)
+
+    def untransposed(name: str) -> tuple[str, int] | None:
+        """The tensor ``name`` transposes (through any chain of 2-D Transposes) and how many."""
+        count = 0
+        while True:
+            node = g.producer.get(name)
+            perm = None if node is None or not _is(node, "Transpose") else next(
+                (list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            if perm != [1, 0]:
+                return (name, count) if count else None
+            name, count = node.input[0], count + 1
+
+    count = 0
+    for node in graph.node:
+        if node.domain not in _ONNX_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
+            continue
+        sources = [untransposed(name) for name in node.input[:2]]
+        if sources == [None, None]:
+            continue
+        if node.op_type == "MatMul":
+            if any(len(g.shapes.get(name) or ()) != 2 for name in node.input):
+                continue  # a batched product, or ranks unknown
+            flags = {"transA": 0, "transB": 0}
+        else:
+            flags = {a.name: a.i for a in node.attribute if a.name in ("transA", "transB")}
+        for position, (source, flag) in enumerate(zip(sources, ("transA", "transB"))):
+            if source is not None:
+                node.input[position] = source[0]
+                flags[flag] = (flags.get(flag, 0) + source[1]) % 2
+        kept = [a for a in node.attribute if a.name not in ("transA", "transB")]
+        del node.attribute[:]
+        node.attribute.extend([*kept, *(helper.make_attribute(k, v) for k, v in sorted(flags.items()) if v)])
+        node.op_type = "Gemm"
+        count += 1
+    while count:  # the Transposes nothing reads any more (a chain's last first)
+        read = {name for n in graph.node for name in n.input} | g.outputs
+        unread = [n for n in graph.node if _is(n, "Transpose") and n.output[0] not in read]  # held: ids stay
+        if not unread:
+            break
+        _keep(model, {id(n) for n in unread})
+    return count
+
+
+def _op_types(model: onnx.ModelProto) -> dict[tuple[str, str], str]:
+    """``{(domain, op_type): ONNX operator}`` of every node's operator: the standard ones, and the
+    model's local functions whose body is one standard node (the exporter writes ``aten.erf`` as a
+    function around one ``Erf``)."""
+    kinds = {}
+    for function in model.functions:
+        if len(function.node) == 1 and function.node[0].domain in _ONNX_DOMAINS:
+            kinds[(function.domain, function.name)] = function.node[0].op_type
+    return kinds
+
+
+def _op(node: onnx.NodeProto, op_of: dict) -> str | None:
+    return node.op_type if node.domain in _ONNX_DOMAINS else op_of.get((node.domain, node.op_type))
+
+
+def _scalar(g: _Graph, name: str) -> bool:
+    value = g.const(name)
+    return value is not None and value.size == 1
+
+
+def _roots(forward: list[onnx.NodeProto], g: _Graph, op_of: dict) -> list[str]:
+    """Values that elementwise nodes of the forward read and that no elementwise node computes
+    (a matrix product's output, a reshape of it...), in order."""
+    roots: dict[str, None] = {}
+    for node in forward:
+        if _op(node, op_of) not in _ELEMENTWISE:
+            continue
+        for name in node.input:
+            producer = g.producer.get(name)
+            if name and not _scalar(g, name) and (producer is None or _op(producer, op_of) not in _ELEMENTWISE):
+                roots.setdefault(name)
+    return list(roots)
+
+
+def _plan(root: str, g: _Graph, op_of: dict, index: dict, seed: int):
+    """``(copies, {forward value: its copy}, first backward reader)`` for the region of ``root``, or
+    None where it has no transcendental node, nothing to gain, or a copy that cannot be told apart."""
+    members: list[onnx.NodeProto] = []
+    known, queue = {root}, [root]
+    while queue:
+        for node in g.consumers.get(queue.pop(), []):
+            if index[id(node)] >= seed or any(node is m for m in members):
+                continue
+            op = _op(node, op_of)
+            inside = (op in _ELEMENTWISE and all(n in known or _scalar(g, n) for n in node.input)) or (
+                op == "Reshape" and node.input[0] in known)
+            if inside:
+                members.append(node)
+                known.update(node.output)
+                queue.extend(node.output)
+    if not any(_op(n, op_of) in _TRANSCENDENTAL for n in members):
+        return None
+    members.sort(key=lambda n: index[id(n)])
+    readers = {name: [r for r in g.consumers.get(name, []) if index[id(r)] >= seed]
+               for m in members for name in m.output}
+    saved = [name for name, rs in readers.items() if rs]
+    if not saved or any(name in g.outputs for m in members for name in m.output):
+        return None
+    # each Reshape's output shares its input's buffer: count the buffers the forward keeps
+    producer = {name: m for m in members for name in m.output}
+    buffers = {_owner(name, producer, op_of) for name in saved}
+    root_read = any(index[id(r)] >= seed for r in g.consumers.get(root, []))
+    if len(buffers) - (0 if root_read else 1) <= 0:
+        return None
+    backward_readers = sorted({id(r): r for name in saved for r in readers[name]}.values(), key=lambda r: index[id(r)])
+    after = _barrier_value(backward_readers, g, index, seed)
+    if after is None:
+        return None
+    needed = _ancestors(saved, producer)
+    names = {name: name + _SUFFIX for m in members if id(m) in needed for name in m.output}
+    start = root + _SUFFIX
+    copies = _after(root, after, start)
+    for member in (m for m in members if id(m) in needed):
+        copy = onnx.NodeProto()
+        copy.CopyFrom(member)
+        copy.name = (member.name or member.output[0]) + _SUFFIX
+        copy.input[:] = [start if name == root else names.get(name, name) for name in member.input]
+        copy.output[:] = [names[name] for name in member.output]
+        copies.append(copy)
+    return copies, {n: names[n] for n in saved}, backward_readers[0]
+
+
+def _barrier_value(readers: list[onnx.NodeProto], g: _Graph, index: dict, seed: int) -> str | None:
+    """A backward value that one of ``readers`` (the backward's readers of the region, first first)
+    reads and that is not computed from what they compute (the copies can wait for it without a
+    cycle), or None."""
+    tainted: set[str] = set()
+    queue = [name for reader in readers for name in reader.output]
+    while queue:
+        name = queue.pop()
+        if name not in tainted:
+            tainted.add(name)
+            queue.extend(o for consumer in g.consumers.get(name, []) for o in consumer.output)
+    for reader in readers:
+        for name in reader.input:
+            producer = g.producer.get(name)
+            if name not in tainted and producer is not None and index[id(producer)] >= seed:
+                return name
+    return None
+
+
+def _after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
+    """Nodes giving ``out``: ``root`` itself (a Reshape to its own shape, which aliases it) that ONNX
+    Runtime can compute only once ``after`` is: the shape is ``Shape(root)`` plus the sum of an
+    empty slice of ``after`` (0 whatever ``after`` holds, NaNs included), a value no optimizer can fold.
+    """
+    def name(part: str) -> str:
+        return f"{out}/{part}"
+
+    return [
+        helper.make_node("Constant", [], [name("zero")], value=numpy_helper.from_array(np.zeros(1, np.int64))),
+        helper.make_node("Slice", [after, name("zero"), name("zero"), name("zero")], [name("empty")],
+                         name=name("empty")),
+        helper.make_node("Cast", [name("empty")], [name("empty_float")], to=onnx.TensorProto.FLOAT,
+                         name=name("empty_float")),
+        helper.make_node("ReduceSum", [name("empty_float")], [name("sum")], keepdims=0, name=name("sum")),
+        helper.make_node("Cast", [name("sum")], [name("nothing")], to=onnx.TensorProto.INT64, name=name("nothing")),
+        helper.make_node("Shape", [root], [name("shape")], name=name("shape")),
+        helper.make_node("Add", [name("shape"), name("nothing")], [name("same_shape")], name=name("same_shape")),
+        helper.make_node("Reshape", [root, name("same_shape")], [out], name=out),
+    ]
+
+
+def _owner(name: str, producer: dict, op_of: dict) -> str:
+    """The value whose buffer ``name`` is (through Reshapes, which alias their input)."""
+    node = producer.get(name)
+    while node is not None and _op(node, op_of) == "Reshape":
+        name = node.input[0]
+        node = producer.get(name)
+    return name
+
+
+def _ancestors(saved: list[str], producer: dict) -> set[int]:
+    """Ids of the region's nodes that the ``saved`` values are computed from (themselves included)."""
+    found: set[int] = set()
+    stack = [producer[name] for name in saved]
+    while stack:
+        node = stack.pop()
+        if id(node) in found:
+            continue
+        found.add(id(node))
+        stack.extend(producer[name] for name in node.input if name in producer)
+    return found
+
+
+__all__ = ["activation_recompute", "transposed_products"]
