@@ -250,8 +250,18 @@ def _interrupt_after(obj, name):
     return original
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test: a process started in the background by a
+    non-interactive shell inherits SIGINT ignored (POSIX), and Python then installs none, so a
+    Ctrl-C could not be sent to it at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("where", ["update.step", "forward_backward"])
-def test_ctrl_c_inside_train_step_applies_the_step_whole(where):
+def test_ctrl_c_inside_train_step_applies_the_step_whole(where, python_sigint_handler):
     model = MLP()
     options = {"batch": {"gradient_accumulation_steps": 2}}
     trainer = ORTTrainer(clone(model), MLP_DESC, AdamConfig(lr=1e-2), loss_fn=CE, options=options)

@@ -8,7 +8,7 @@ too), the tanh form ``x²``, ``s`` and ``y``. That is three ``[batch, seq, 4 × 
 layer alive at the end of the forward, where the graph holds the most; eager PyTorch keeps two
 (the GELU's input for ``gelu_backward``, its output for the next ``Linear``). Measured on BERT-base
 (B4 × S128, the graph ONNX Runtime optimizes, each value's life from its producer to its last
-reader): 216 of the 467 MB alive at that point were GELU values.
+reader in the node list's order): 216 of the 467 MB alive at that point were GELU values.
 
 Here each region of elementwise nodes computed from one tensor ``x`` and scalar constants, with an
 ``Erf``, ``Sigmoid`` or ``Tanh`` among them (a GELU's forward, SiLU's...), and read by the
@@ -31,8 +31,7 @@ running every weight gradient at the end of the backward, which would hold the c
 layer's input) until then.
 
 The backward is the part of the node list from the first node that reads the loss scale (the
-gradient seed) on: the joint graph lists the forward first, and the sessions run nodes in that
-order where their inputs allow (``Device.configure_session``).
+gradient seed) on: the joint graph lists the forward first.
 """
 
 from __future__ import annotations
@@ -42,11 +41,12 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..names import LOSS_SCALE_INPUT
-from ._graph import _ONNX_DOMAINS, _Graph, _is, _keep
+from ._graph import _ONNX_DOMAINS, _Graph, _elem_types, _is, _keep
 
 _ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Erf", "Sigmoid", "Tanh"}
 _TRANSCENDENTAL = {"Erf", "Sigmoid", "Tanh"}
 _SUFFIX = "/recompute"
+_GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
 
 
 def activation_recompute(model: onnx.ModelProto) -> int:
@@ -97,10 +97,12 @@ def transposed_products(model: onnx.ModelProto) -> int:
     ready node first in the node list, and nodes an optimizer adds are appended to it): a weight's
     gradient ``MatMul(Transpose(dY), x)``, which nothing else waits for, then ran at the very end
     of the backward, and every layer's input ``x`` stayed alive until then. Written as ``Gemm`` here
-    they run where the backward reaches them. A product of a tensor of another rank is left alone.
+    they run where the backward reaches them. A product of a tensor of another rank, or of another type
+    than float32 / float64, is left alone.
     """
     graph = model.graph
     g = _Graph(model)
+    types = _elem_types(model)
 
     def untransposed(name: str) -> tuple[str, int] | None:
         """The tensor ``name`` transposes (through any chain of 2-D Transposes) and how many."""
@@ -121,8 +123,8 @@ def transposed_products(model: onnx.ModelProto) -> int:
         if sources == [None, None]:
             continue
         if node.op_type == "MatMul":
-            if any(len(g.shapes.get(name) or ()) != 2 for name in node.input):
-                continue  # a batched product, or ranks unknown
+            if any(len(g.shapes.get(name) or ()) != 2 or types.get(name) not in _GEMM_TYPES for name in node.input):
+                continue  # a batched product, a type left as it was (half precision), or ranks unknown
             flags = {"transA": 0, "transB": 0}
         else:
             flags = {a.name: a.i for a in node.attribute if a.name in ("transA", "transB")}
