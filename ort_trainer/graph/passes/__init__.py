@@ -12,7 +12,8 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   powers), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
   gradient written in place), ``dropout.py``, ``copies.py`` (tensor sequences, output reshapes,
   column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient), ``recompute.py``
-  (activations' values recomputed in the backward, last: it reads the others' graph);
+  (2-D transposes folded into Gemm, then activations' values recomputed in the backward; last: they
+  read the others' graph);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX

@@ -182,18 +182,20 @@ def _roots(forward: list[onnx.NodeProto], g: _Graph, op_of: dict) -> list[str]:
 
 def _plan(root: str, g: _Graph, op_of: dict, index: dict, seed: int):
     """``(copies, {forward value: its copy}, first backward reader)`` for the region of ``root``, or
-    None where it has no transcendental node, nothing to gain, or a copy that cannot be told apart."""
+    None where it has no transcendental node, nothing to gain, or no backward value to wait for."""
     members: list[onnx.NodeProto] = []
+    member_ids: set[int] = set()
     known, queue = {root}, [root]
     while queue:
         for node in g.consumers.get(queue.pop(), []):
-            if index[id(node)] >= seed or any(node is m for m in members):
+            if index[id(node)] >= seed or id(node) in member_ids:
                 continue
             op = _op(node, op_of)
             inside = (op in _ELEMENTWISE and all(n in known or _scalar(g, n) for n in node.input)) or (
                 op == "Reshape" and node.input[0] in known)
             if inside:
                 members.append(node)
+                member_ids.add(id(node))
                 known.update(node.output)
                 queue.extend(node.output)
     if not any(_op(n, op_of) in _TRANSCENDENTAL for n in members):
@@ -217,7 +219,7 @@ def _plan(root: str, g: _Graph, op_of: dict, index: dict, seed: int):
     needed = _ancestors(saved, producer)
     names = {name: name + _SUFFIX for m in members if id(m) in needed for name in m.output}
     start = root + _SUFFIX
-    copies = _after(root, after, start)
+    copies = _alias_after(root, after, start)
     for member in (m for m in members if id(m) in needed):
         copy = onnx.NodeProto()
         copy.CopyFrom(member)
@@ -247,7 +249,7 @@ def _barrier_value(readers: list[onnx.NodeProto], g: _Graph, index: dict, seed: 
     return None
 
 
-def _after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
+def _alias_after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
     """Nodes giving ``out``: ``root`` itself (a Reshape to its own shape, which aliases it) that ONNX
     Runtime can compute only once ``after`` is: the shape is ``Shape(root)`` plus the sum of an
     empty slice of ``after`` (0 whatever ``after`` holds, NaNs included), a value no optimizer can fold.
@@ -256,7 +258,8 @@ def _after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
         return f"{out}/{part}"
 
     return [
-        helper.make_node("Constant", [], [name("zero")], value=numpy_helper.from_array(np.zeros(1, np.int64))),
+        helper.make_node("Constant", [], [name("zero")], value=numpy_helper.from_array(np.zeros(1, np.int64)),
+                         name=name("zero")),
         helper.make_node("Slice", [after, name("zero"), name("zero"), name("zero")], [name("empty")],
                          name=name("empty")),
         helper.make_node("Cast", [name("empty")], [name("empty_float")], to=onnx.TensorProto.FLOAT,
