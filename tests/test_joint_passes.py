@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph.passes import copies, dropout, embedding, tied_embedding
+from ort_trainer.graph.passes import copies, dropout, embedding, forward, tied_embedding
 from ort_trainer.graph import passes
 from ort_trainer.optim import SGDConfig
 from tolerances import FLOAT32, FLOAT64, check
@@ -558,3 +558,18 @@ def test_passes_apply_to_hugging_face_gpt2():
     # above), and carries that through the rest of the backward; the sequence and reshape passes do
     # no arithmetic: (2 · 16 + 7 · 6)u = 4.4e-6. Observed at 1 and 2 threads: ≤ 1.5e-7, 29x under.
     _assert_close(results[True][2], results[False][2], rtol=(2 * 16 + 7 * 6) * FLOAT32)
+
+
+def test_every_pass_of_the_torch_source_is_a_switch_the_trainer_hands_on():
+    """A pass the trainer does not hand its ``graph_optimizations`` switch to never runs (``_run_passes`` reads
+    a missing name as off): every joint and eval pass is an option, and the job carries its value."""
+    model, desc = tiny_gpt2(n_layer=1)
+    names = set(passes.JOINT_PASSES) | set(passes.EVAL_PASSES)
+    everything_off = {name: False for name in names}
+    for options in ({}, {"graph_optimizations": everything_off}):
+        trainer = ORTTrainer(model, desc, SGDConfig(lr=0.0), options=options)
+        wanted = {name: trainer.options.graph_optimizations[name] for name in names}
+        wanted["host_dropout_masks"] = wanted["host_dropout_masks"] and trainer._job.passes["host_dropout_masks"]
+        assert {name: trainer._job.passes.get(name) for name in names} == wanted
+    assert not any(trainer._job.passes.get(name) for name in names)  # the last one: all off
+    assert names <= set(forward.ALL_PASSES)  # the list tests turn everything off with

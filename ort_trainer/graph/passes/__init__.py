@@ -32,10 +32,27 @@ import onnx
 from . import copies, dropout, embedding, forward, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
-JOINT_PASSES = ("cross_entropy", "embedding_gradient", "tied_embedding_gradient", "integer_powers", "host_dropout_masks",
-                "dropout_gradient", "sequences", "output_reshape", "safe_softmax", "half_precision_softmax_gradient",
-                "column_sums", "transposed_products", "activation_recompute")
-EVAL_PASSES = ("cross_entropy", "sequences", "output_reshape", "safe_softmax", "gelu")
+
+def _embedding_gradient(graph: onnx.ModelProto) -> int:
+    return identity_transposes(graph) + embedding.small_table_gradients(graph)
+
+
+# the joint graph's passes, in the order they run; their names are the ``graph_optimizations`` switches
+_JOINT = (
+    ("cross_entropy", cross_entropy_backward), ("embedding_gradient", _embedding_gradient),
+    ("tied_embedding_gradient", tied_embedding.tied_embedding_gradients),
+    ("integer_powers", integer_powers), ("host_dropout_masks", dropout.host_dropout_masks),
+    ("dropout_gradient", dropout.dropout_gradient),
+    ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
+    ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
+    ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
+    ("activation_recompute", recompute.activation_recompute))
+JOINT_PASSES = tuple(name for name, _ in _JOINT)
+# the eval graph's: those that act on a forward graph
+_EVAL = (("cross_entropy", forward.cross_entropy_forward), ("sequences", copies.sequence_reads),
+         ("output_reshape", copies.output_reshapes), ("safe_softmax", softmax.safe_softmax),
+         ("gelu", copies.erf_gelu_order))
+EVAL_PASSES = tuple(name for name, _ in _EVAL)
 
 
 def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[str, int]:
@@ -48,19 +65,7 @@ def apply_joint_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict
     Returns:
         ``{pass name: nodes rewritten}`` of the passes that ran.
     """
-
-    def embedding_gradient(graph: onnx.ModelProto) -> int:
-        return identity_transposes(graph) + embedding.small_table_gradients(graph)
-
-    return _run_passes(model, enabled, (
-        ("cross_entropy", cross_entropy_backward), ("embedding_gradient", embedding_gradient),
-        ("tied_embedding_gradient", tied_embedding.tied_embedding_gradients),
-        ("integer_powers", integer_powers), ("host_dropout_masks", dropout.host_dropout_masks),
-        ("dropout_gradient", dropout.dropout_gradient),
-        ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
-        ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
-        ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
-        ("activation_recompute", recompute.activation_recompute)))
+    return _run_passes(model, enabled, _JOINT)
 
 
 def apply_eval_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[str, int]:
@@ -79,10 +84,7 @@ def apply_eval_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[
     known = {info.name for info in model.graph.value_info}
     model.graph.value_info.extend(info for info in onnx.shape_inference.infer_shapes(model).graph.value_info
                                   if info.name not in known)
-    return _run_passes(model, enabled, (
-        ("cross_entropy", forward.cross_entropy_forward), ("sequences", copies.sequence_reads),
-        ("output_reshape", copies.output_reshapes), ("safe_softmax", softmax.safe_softmax),
-        ("gelu", copies.erf_gelu_order)))
+    return _run_passes(model, enabled, _EVAL)
 
 
 def _run_passes(model: onnx.ModelProto, enabled: dict[str, bool], passes) -> dict[str, int]:
