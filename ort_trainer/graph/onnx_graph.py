@@ -20,6 +20,18 @@ def specialize(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
     return result
 
 
+def compacted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` in fresh memory, for a graph that passes have edited and that is kept.
+
+    The ``upb`` protobuf runtime under ``onnx`` allocates a model's messages in one arena that only
+    grows: what a pass removes or rewrites (nodes, repeated fields assigned anew) stays allocated
+    until the whole model is freed. A copy holds what the model holds now and nothing more: BERT-base's
+    gradient graph after the joint passes (4 MB serialized) held ~60 MB of such memory for as long as
+    the trainer lived.
+    """
+    return copy.deepcopy(model)
+
+
 def drop_outputs(model: onnx.ModelProto, unwanted: set[str]) -> int:
     """Remove the graph outputs named in ``unwanted``, in place, and what only they needed.
 

@@ -28,6 +28,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from ..export.torchscript import ExportError
+from ..onnx_graph import compacted
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS
 from .joint_flatten import flattened_in_place
@@ -161,7 +162,7 @@ def program_to_onnx(
     proto.ir_version = ONNX_IR_VERSION
     scatter_nd_add_to_scatter_elements(proto)
     keep_dropouts(proto)
-    return proto
+    return compacted(proto)  # kept by the trace for later builds (onnx_graph.compacted)
 
 
 def _layer_norms_in_the_weights_type(model) -> int:

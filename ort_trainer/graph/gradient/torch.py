@@ -25,7 +25,7 @@ from ..export.input_checks import find_input_constraints, find_program_constrain
 from ..export.torchscript import ExportError
 from ..job import Built, GradientSource, GraphJob, OpRecord, Prepared, Traced
 from ..names import LOSS_SCALE_INPUT
-from ..onnx_graph import drop_outputs, specialize
+from ..onnx_graph import compacted, drop_outputs, specialize
 from . import autograd, sparse_labels, torch_export
 
 
@@ -171,7 +171,7 @@ class TorchGradientSource(GradientSource):
         drop_outputs(gradient, set(returned) - set(prepared.state["wanted"]))
         logger.debug("joint graph rewrites: %s", passes.apply_joint_passes(gradient, job.passes or {}))
         meta = joint.meta
-        return Built(gradient, None, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
+        return Built(compacted(gradient), None, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
                      weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
 
     def build_eval(self, job: GraphJob, traced: Traced, prepared: Prepared) -> onnx.ModelProto:
@@ -188,7 +188,7 @@ def _passed_eval_graph(job: GraphJob, traced: Traced, returned: list[str], wante
     model = _eval_graph(job, traced, returned, dims)
     drop_outputs(model, set(returned) - set(wanted))
     logger.debug("eval graph rewrites: %s", passes.apply_eval_passes(model, job.passes or {}))
-    return model
+    return compacted(model)
 
 
 def _eval_graph(job: GraphJob, traced: Traced, returned: list[str], dims: dict[str, int] | None) -> onnx.ModelProto:
