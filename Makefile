@@ -55,7 +55,7 @@ $(LEGACY_STAMP): setup.py | $(LEGACY_PY)
 	$(call install_into,$(LEGACY_VENV),training)
 
 run: $(STAMP)
-	$(VENV)/bin/ort-trainer train configs/gpt_stdlib.yaml
+	$(VENV)/bin/ort-trainer train configs/gpt_stdlib.yaml --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

@@ -203,6 +203,35 @@ def test_resume_after_a_crash_mid_line_in_the_metrics_log_still_exports(tmp_path
     assert records[6]["loss"] != 2.1  # step 5 of the crashed run was dropped and logged again
 
 
+def test_a_second_run_into_an_earlier_runs_output_dir_stops_before_training(tmp_path):
+    """Without --resume or --overwrite an output_dir holding an earlier run is refused at once, its files
+    untouched (the run would have replaced its metrics, then stopped at its first checkpoint, which it may
+    not overwrite); --overwrite starts afresh, deleting the earlier checkpoints first (a later --resume must
+    not find them); --resume with --overwrite is refused."""
+    common = [f"output_dir={tmp_path}", "train.log_every=2", "train.eval_every=0", "train.checkpoint_every=2"]
+    first = _cli("train", DIGITS, *common, "train.max_steps=6", timeout=300)
+    assert first.returncode == 0, first.stderr
+
+    def files():
+        return {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    earlier = files()
+    again = _cli("train", DIGITS, *common, "train.max_steps=4", timeout=300)
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.splitlines()[-1] == (
+        f"ort-trainer: output_dir={str(tmp_path)!r} holds an earlier run (3 checkpoint(s), the newest "
+        "step_0000006.h5); nothing was trained: continue it with --resume, start afresh over it with --overwrite, or give another "
+        "output_dir=...")
+    both = _cli("train", DIGITS, *common, "--resume", "--overwrite", timeout=300)
+    assert both.returncode == 2 and both.stderr.splitlines()[-1] == (
+        "ort-trainer: --resume continues the run in output_dir and --overwrite starts afresh over it: give one")
+    assert files() == earlier
+    fresh = _cli("train", DIGITS, *common, "train.max_steps=4", "--overwrite", timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002.h5", "step_0000004.h5"]
+    assert [r["step"] for r in _records(tmp_path)] == [2, 4]
+
+
 def test_the_metrics_reader_skips_a_torn_line_with_a_warning(tmp_path, caplog):
     from ort_trainer._metrics import MetricsLog, read_metrics
 

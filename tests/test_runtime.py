@@ -336,6 +336,12 @@ def test_make_test_installs_todays_onnxruntime_by_default_and_runs_the_whole_sui
     assert shlex.split(large) == [".venv/bin/python", "-m", "pytest", "-q", "-m", "slow", "tests"]
 
 
+def test_make_run_trains_the_bundled_config_afresh_each_time():
+    """A second `make run` starts over its own output_dir (test_cli: --overwrite), not refused by it."""
+    (command,) = [line for line in _make_dry_run("run").splitlines() if "ort-trainer" in line]
+    assert shlex.split(command) == [".venv/bin/ort-trainer", "train", "configs/gpt_stdlib.yaml", "--overwrite"]
+
+
 @pytest.mark.parametrize("codes, expected", [((0, 0), 0), ((2, 0), 1), ((0, 2), 1), ((2, 2), 1)])
 def test_ci_script_runs_both_environments_and_fails_if_either_fails(tmp_path, codes, expected):
     fake_make = tmp_path / "make"
