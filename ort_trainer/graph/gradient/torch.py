@@ -171,8 +171,8 @@ class TorchGradientSource(GradientSource):
         drop_outputs(gradient, set(returned) - set(prepared.state["wanted"]))
         logger.debug("joint graph rewrites: %s", passes.apply_joint_passes(gradient, job.passes or {}))
         meta = joint.meta
-        return Built(compacted(gradient), None, list(meta["trained"]), dict(meta["buffer_updates"]), program["constraints"],
-                     weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
+        return Built(compacted(gradient), None, list(meta["trained"]), dict(meta["buffer_updates"]),
+                     program["constraints"], weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
 
     def build_eval(self, job: GraphJob, traced: Traced, prepared: Prepared) -> onnx.ModelProto:
         """The eval-mode trace translated (~1.5 s for the BERT-like model, so only once an
