@@ -104,8 +104,10 @@ def _earlier_run(out: Path, checkpoints: Path, resume: bool, overwrite: bool) ->
     if resume and overwrite:
         raise ConfigError("--resume continues the run in output_dir and --overwrite starts afresh over it: give one")
     found = sorted(checkpoints.glob("step_*.h5"))
-    if resume or overwrite or not (found or (out / "metrics.jsonl").exists()):
-        return found if overwrite else []
+    if overwrite:
+        return found
+    if resume or not (found or (out / "metrics.jsonl").exists()):
+        return []
     held = f"{len(found)} checkpoint(s), the newest {found[-1].name}" if found else "its metrics.jsonl"
     raise ConfigError(f"output_dir={str(out)!r} holds an earlier run ({held}); nothing was trained: continue it "
                       "with --resume, start afresh over it with --overwrite, or give another output_dir=...")

@@ -31,6 +31,7 @@ from .graph.gradient import make_gradient_source
 from .graph.job import GraphJob
 from .graph.onnx_graph import build_inference_graph
 from .graph.optimizer import state_names
+from .graph.passes import EVAL_PASSES, JOINT_PASSES
 from .graph.passes.forward import FORWARD_PASSES, GRADIENT_PASSES
 from .graph.pipeline import TrainingGraphs, build_optimizer, initial_weights
 from .graph.shapes import ShapeGraphs
@@ -120,7 +121,8 @@ class ORTTrainer(_StateMixin):
             save_paths=dict(opts.debug.graph_save_paths),
             accumulate=window > 1 and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
-            passes={**{name: opts.graph_optimizations[name] for name in FORWARD_PASSES + GRADIENT_PASSES},
+            passes={**{name: opts.graph_optimizations[name]
+                       for name in dict.fromkeys(FORWARD_PASSES + GRADIENT_PASSES + JOINT_PASSES + EVAL_PASSES)},
                     "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
                     and device_class(opts.device.id).host_dropout_masks},
             source=source,
