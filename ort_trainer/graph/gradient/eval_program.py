@@ -28,6 +28,7 @@ import torch
 
 from ..._logging import logger
 from .joint_onnx import _quiet_exporter, _registry_and_tables
+from .torch_export import without_stack_traces
 
 _aten = torch.ops.aten
 # operators the exporter's table decomposes into one other operator of the same arguments
@@ -97,7 +98,7 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
         graph.lint()
         program.graph_module.recompile()
         return program
-    with _quiet_exporter(), sdpa_kernel([SDPBackend.MATH]):
+    with _quiet_exporter(), sdpa_kernel([SDPBackend.MATH]), without_stack_traces():
         return program.run_decompositions(_registry_and_tables()[1])
 
 

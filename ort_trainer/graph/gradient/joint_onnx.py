@@ -33,6 +33,7 @@ from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS
 from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
+from .torch_export import without_stack_traces
 
 ONNX_OPSET = 18  # what torchlib emits; onnxruntime 1.19.2 reads opsets <= 21
 ONNX_IR_VERSION = 10  # onnxruntime 1.19.2 reads IR versions <= 10
@@ -80,7 +81,7 @@ def joint_program(program: torch.export.ExportedProgram, loss_index: int,
 
     # The math attention: autograd then differentiates matmuls and a softmax, where the CPU flash
     # kernel's backward has no ONNX translation (and its strides broke GPT-2's views when traced).
-    with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings(), flattened_in_place():
+    with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings(), flattened_in_place(), without_stack_traces():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own use of its deprecated pytree API
         table = _registry_and_tables()[2]
         if keep:

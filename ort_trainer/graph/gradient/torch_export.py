@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -27,6 +27,19 @@ def autocast_context(dtype: str | None) -> contextlib.AbstractContextManager:
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type="cpu", dtype=getattr(torch, dtype))
+
+
+@contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """Traces inside record no Python stack trace per FX node (``torch.fx.config``): nothing here
+    reads ``node.meta["stack_trace"]`` (errors name the module from ``nn_module_stack``), and
+    collecting them took ~0.5 s of GPT-2 small's symbolic eval-mode export (of ~3)."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 class Scaled(_ModelWithLoss):
@@ -113,7 +126,7 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
     if unwatched:  # a trace after the watched one (eval mode): the guard only turns .data into detach()
         wrapper.guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), without_stack_traces():
             warnings.simplefilter("ignore", FutureWarning)
             return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # torch raises many types; the message is what helps
