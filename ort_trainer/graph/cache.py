@@ -47,8 +47,9 @@ from .._version import __version__
 # 6: mixed-type LayerNormalization casts (a graph of format 5 with one is refused by ONNX Runtime);
 # 7: operator records key grad mode, inference mode and requires_grad (links of 6 could name a stale graph)
 # 8: tied_embedding_gradient (its graphs have outputs an engine of format 7 would not add up); the training
-# graph's key leaves eval mode out, the eval graph's covers its own trace
-_VERSION = "8"
+# graph's key leaves eval mode out, the eval graph's covers its own trace; 9: sparse_labels projects a bucket of
+# rows (graphs of 8 are right, but grow ONNX Runtime's arena at each new labelled count)
+_VERSION = "9"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
