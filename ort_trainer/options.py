@@ -148,7 +148,8 @@ _SCHEMA: dict[str, _Field] = {
         _at_least(1),
     ),
     "graph_optimizations.sparse_labels": _Field(
-        _BOOL, True, "when the logits are not fetched, project only the rows whose label is not ignored"
+        _BOOL, True, "when the logits are not fetched, project only the rows whose label is not ignored (padded "
+        "to one of four sizes per power of two, so that ONNX Runtime's arena meets few sizes)"
     ),
     "graph_optimizations.cross_entropy": _Field(
         _BOOL, True, "SoftmaxCrossEntropyLoss as LogSoftmax + GatherElements, with an elementwise LogSoftmax gradient"
@@ -225,8 +226,10 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.activation_recompute": _Field(
         _BOOL, True, "an activation's values that the backward reads (a GELU's x/sqrt(2), Phi and output) "
         "recomputed in the backward from its input, so the forward keeps one [batch, seq, 4 x hidden] tensor per "
-        "GELU instead of three (with transposed_products, peak RSS BERT-base B4xS128 2558 -> 2490 MB), at the cost "
-        "of re-running its elementwise nodes once per step (gradient source 'torch' only)"
+        "GELU instead of three (with transposed_products, peak RSS BERT-base B4xS128 2558 -> 2490 MB); and each "
+        "attention's probabilities recomputed there from q and k (one batched product and softmax more per layer: "
+        "BERT-base 2445 -> 2412 MB, GPT-2 small 2923 -> 2789 MB), at the cost of re-running those nodes once per "
+        "step (gradient source 'torch' only)"
     ),
     "graph_optimizations.unfused_skip_layer_norm": _Field(
         _BOOL, True, "on the CPU, ONNX Runtime's SkipLayerNormFusion is turned off: its SkipLayerNormalization "

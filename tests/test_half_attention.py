@@ -130,8 +130,11 @@ def test_float16_attention_is_the_exact_attention_within_float16_rounding(causal
             assert (attended[2, [0, 3]] == 0).all()
         gradient = trainer._graphs.gradient
         types, ranks = _dtypes(gradient), _ranks(gradient)
-        softmax = [n for n in gradient.graph.node if n.op_type == "Softmax"]
+        # the forward's softmax, and its copy in the backward (activation_recompute) of the same type
+        softmax = [n for n in gradient.graph.node if n.op_type == "Softmax" and not n.name.endswith("/recompute")]
         assert [types[n.output[0]] for n in softmax] == [onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT]
+        copies = [n for n in gradient.graph.node if n.op_type == "Softmax" and n.name.endswith("/recompute")]
+        assert [types[n.output[0]] for n in copies] == [onnx.TensorProto.FLOAT16 if on else onnx.TensorProto.FLOAT]
         assert any(n.name.endswith("/safe_softmax/ReduceMax") for n in gradient.graph.node), "guard not rewritten"
         # the softmax's gradient: float16 with the pass (half_precision_softmax_gradient), float32 without
         subs = [types[n.output[0]] for n in gradient.graph.node if n.op_type == "Sub" and ranks[n.output[0]] == 4]
@@ -176,8 +179,9 @@ def test_hugging_face_gpt2_trains_and_evaluates_in_float16_attention():
     losses = [float(trainer.train_step(ids, mask, ids)[0]) for _ in range(5)]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     types = _dtypes(trainer._graphs.gradient)
-    scores = [n for n in trainer._graphs.gradient.graph.node if n.op_type == "Softmax"]
-    assert len(scores) == model.config.n_layer and all(types[n.output[0]] == onnx.TensorProto.FLOAT16 for n in scores)
+    scores = [n for n in trainer._graphs.gradient.graph.node if n.op_type == "Softmax"]  # and their copies
+    assert len(scores) == 2 * model.config.n_layer and all(types[n.output[0]] == onnx.TensorProto.FLOAT16 for n in scores)
+    assert sum(n.name.endswith("/recompute") for n in scores) == model.config.n_layer  # activation_recompute
     eval_loss = float(trainer.eval_step(ids, mask, ids)[0])
     reference = copy.deepcopy(model)
     reference.load_state_dict(trainer.state_dict(pytorch_format=True))

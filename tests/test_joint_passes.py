@@ -573,3 +573,27 @@ def test_every_pass_of_the_torch_source_is_a_switch_the_trainer_hands_on():
         assert {name: trainer._job.passes.get(name) for name in names} == wanted
     assert not any(trainer._job.passes.get(name) for name in names)  # the last one: all off
     assert names <= set(forward.ALL_PASSES)  # the list tests turn everything off with
+
+
+def test_a_pass_that_writes_a_graph_out_of_order_is_named():
+    """A pass that leaves a node before what defines its input fails the build, naming the pass and
+    the switch that turns it off (the graph cache would refuse the graph: every later process
+    would rebuild it)."""
+    from onnx import TensorProto, helper
+
+    from ort_trainer.graph import passes
+
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("x", "z")]
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"]), helper.make_node("Neg", ["y"], ["z"])],
+                              "two", info[:1], info[1:])
+    model = helper.make_model(graph)
+
+    def swapped(m):
+        first, second = (copy.deepcopy(n) for n in m.graph.node)
+        del m.graph.node[:]
+        m.graph.node.extend([second, first])
+        return 1
+
+    with pytest.raises(RuntimeError, match=r"'swapped' wrote a graph out of order \(1 problem\(s\): node 'Neg' reads "
+                                           r"\['y'\].*'swapped': False"):
+        passes._run_passes(model, {"swapped": True}, (("swapped", swapped),))

@@ -4,12 +4,14 @@ one tensor per GELU, ONNX Runtime keeping the copies apart, and products with th
 folded computing what the graph computed before."""
 
 import copy
+import math
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
@@ -19,7 +21,7 @@ from ort_trainer.graph.names import LOSS_SCALE_INPUT  # noqa: E402
 from ort_trainer.graph.passes import recompute  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
 
-from test_gelu_pass import ACTIVATIONS, DESC, Block, _assert_close, _batch, _reference  # noqa: E402
+from test_gelu_pass import ACTIVATIONS, DESC, WIDTH, Block, _assert_close, _batch, _reference  # noqa: E402
 from tolerances import FLOAT32  # noqa: E402
 
 PASSES = ("activation_recompute", "transposed_products")
@@ -80,10 +82,11 @@ def test_onnxruntime_keeps_the_copies_apart(name, tmp_path):
 
 
 def test_hugging_face_gpt2_losses_and_gradients_unchanged():
-    """A 2-layer Hugging Face GPT-2: the passes recompute each layer's GELU and fold its transposes;
-    its loss is the same bit for bit and its gradients equal to float32 rounding: only the products'
-    kernels differ (a Gemm with a transposed operand for ONNX Runtime's FusedMatMul), each a sum of at
-    most 64 terms in any order, 2 · 64u apart by Higham's bound, carried through 2 layers (×4)."""
+    """A 2-layer Hugging Face GPT-2: the passes recompute each layer's GELU and attention
+    probabilities and fold its transposes; its loss is the same bit for bit and its gradients equal
+    to float32 rounding: only the products' kernels differ (a Gemm with a transposed operand for
+    ONNX Runtime's FusedMatMul), each a sum of at most 64 terms in any order, 2 · 64u apart by
+    Higham's bound, carried through 2 layers (×4)."""
     from models import tiny_gpt2
 
     model, desc = tiny_gpt2()
@@ -95,9 +98,74 @@ def test_hugging_face_gpt2_losses_and_gradients_unchanged():
         loss, _ = trainer.train_step(ids, torch.ones_like(ids), ids)
         results[on] = (trainer, loss.item(), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
     assert results[True][1] == results[False][1]
-    assert sum(n.name.endswith("/recompute") and n.op_type == "Sigmoid"
-               for n in results[True][0]._graphs.gradient.graph.node) == 2
+    nodes = results[True][0]._graphs.gradient.graph.node
+    assert sum(n.name.endswith("/recompute") and n.op_type == "Sigmoid" for n in nodes) == 2
+    assert sum(n.name.endswith("/recompute") and n.op_type == "Softmax" for n in nodes) == 2  # attention
     _assert_close(results[True][2], results[False][2], rtol=4 * 2 * 64 * FLOAT32)
+
+
+class Attention(torch.nn.Module):
+    """Two heads of self-attention over padded sequences (keys masked out), a projection and a
+    mean-squared error: ``torch``'s fused attention (decomposed into the math form at export) or
+    the softmax written out (scale by division, additive mask)."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = fused
+        self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, mask, y):
+        batch, seq, _ = x.shape
+        q, k, v = (t.reshape(batch, seq, 2, WIDTH // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        keep = mask[:, None, None, :] > 0
+        if self.fused:
+            heads = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        else:
+            scores = q @ k.transpose(-1, -2) / math.sqrt(WIDTH // 2)
+            heads = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+        return F.mse_loss(self.out(heads.transpose(1, 2).reshape(batch, seq, WIDTH)), y)
+
+
+ATTENTION_DESC = {"inputs": [("x", [3, 6, WIDTH]), ("mask", [3, 6]), ("y", [3, 6, WIDTH])],
+                  "outputs": [("loss", [], True)]}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "written-out"])
+def test_attention_probabilities_recomputed_in_the_backward(fused, tmp_path):
+    """The backward recomputes each attention's probabilities from q and k (which it keeps for their
+    own gradients) instead of reading the forward's [batch, heads, seq, seq] tensor: gradients of
+    float64 PyTorch with the pass and without (the bound of ``test_gelu_pass``: the copy computes
+    the forward's operators on the same values, bit-equal to them), the same loss bit for bit, and
+    ONNX Runtime's optimizers keep the two softmaxes apart."""
+    gen = torch.Generator().manual_seed(0)
+    model = Attention(fused)
+    mask = torch.ones(3, 6)
+    mask[0, 4:] = 0  # padded keys: the mask is added, and the safe softmax guards fully masked rows
+    batch = (torch.randn(3, 6, WIDTH, generator=gen), mask, torch.randn(3, 6, WIDTH, generator=gen))
+    double = copy.deepcopy(model).double()
+    double(batch[0].double(), batch[1], batch[2].double()).backward()
+    expected = {name: p.grad.numpy() for name, p in double.named_parameters()}
+    results = {}
+    for on in (False, True):
+        options = {"graph": {"gradient_source": "torch"}, "graph_optimizations": {name: on for name in PASSES}}
+        trainer = ORTTrainer(copy.deepcopy(model), ATTENTION_DESC, SGDConfig(lr=0.0), options=options)
+        loss = float(trainer.train_step(*batch))
+        grads = {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
+        _assert_close(grads, expected)
+        gradient = trainer._graphs.gradient
+        shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in gradient.graph.value_info}
+        probabilities = {n for n in _forward_values_read_by_backward(gradient) if shapes.get(n) in ([3, 2, 6, 6],
+                                                                                                     [6, 6, 6])}
+        results[on] = loss, probabilities, gradient
+    assert results[True][0] == results[False][0]
+    assert results[False][1] and not results[True][1], (results[False][1], results[True][1])
+    gradient = results[True][2]
+    assert sum(n.op_type == "Softmax" and n.name.endswith("/recompute") for n in gradient.graph.node) == 1
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(gradient.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert sum(n.op_type == "Softmax" for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node) == 2
 
 
 def _products_model() -> onnx.ModelProto:

@@ -42,13 +42,15 @@ import torch
 from .._logging import logger
 from .._temporaries import pid_alive
 from .._version import __version__
+from .onnx_graph import dangling_names
 
 # 3: the torch source drops unfetched outputs from its graphs; 4: its eval graph gets passes; 5: column_sums;
 # 6: mixed-type LayerNormalization casts (a graph of format 5 with one is refused by ONNX Runtime);
 # 7: operator records key grad mode, inference mode and requires_grad (links of 6 could name a stale graph)
 # 8: tied_embedding_gradient (its graphs have outputs an engine of format 7 would not add up); the training
 # graph's key leaves eval mode out, the eval graph's covers its own trace; 9: sparse_labels projects a bucket of
-# rows (graphs of 8 are right, but grow ONNX Runtime's arena at each new labelled count)
+# rows (graphs of 8 are right, but grow ONNX Runtime's arena at each new labelled count), activation_recompute
+# recomputes attention probabilities
 _VERSION = "9"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
@@ -150,7 +152,7 @@ class GraphCache:
                 problems.append(f"{path.name} does not match its SHA-256 in meta.json")
             else:
                 models[name] = onnx.load(str(path))
-                problems += [f"{path.name}: {p}" for p in _dangling_names(models[name].graph, set())]
+                problems += [f"{path.name}: {p}" for p in dangling_names(models[name].graph)]
         return models, meta, problems
 
     def _discard(self, entry: Path, key: str) -> None:
@@ -260,23 +262,6 @@ class GraphCache:
         if removed:
             logger.info("removed %d stale graph cache temporaries from %s", len(removed), self.root)
         return removed
-
-
-def _dangling_names(graph: onnx.GraphProto, outer: set[str]) -> list[str]:
-    """Names the graph reads before anything defines them (``outer``: names of enclosing graphs)."""
-    defined = set(outer) | {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    defined |= {i.values.name for i in graph.sparse_initializer}
-    problems = []
-    for node in graph.node:
-        missing = [name for name in node.input if name and name not in defined]
-        if missing:
-            problems.append(f"node {node.name or node.op_type!r} reads {missing}, which nothing defines before it")
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-                problems += _dangling_names(sub, defined)
-        defined.update(node.output)
-    problems += [f"output {o.name!r} is produced by no node" for o in graph.output if o.name not in defined]
-    return problems
 
 
 def _last_change(path: Path) -> float:

@@ -224,5 +224,23 @@ def io_signature(graph: onnx.GraphProto) -> tuple[list, list]:
     return ([[i.name, *value_info(i)] for i in graph.input], [[o.name, *value_info(o)] for o in graph.output])
 
 
-__all__ = ["build_inference_graph", "drop_outputs", "eval_part", "io_signature", "largest_tensors", "module_of",
-           "specialize", "value_info"]
+def dangling_names(graph: onnx.GraphProto, outer: Collection[str] = ()) -> list[str]:
+    """What ``graph`` reads before anything defines it (ONNX lists nodes in an order that runs them),
+    one problem per node, and outputs no node gives (``outer``: names of enclosing graphs)."""
+    defined = set(outer) | {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    defined |= {i.values.name for i in graph.sparse_initializer}
+    problems = []
+    for node in graph.node:
+        missing = [name for name in node.input if name and name not in defined]
+        if missing:
+            problems.append(f"node {node.name or node.op_type!r} reads {missing}, which nothing defines before it")
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                problems += dangling_names(sub, defined)
+        defined.update(node.output)
+    problems += [f"output {o.name!r} is produced by no node" for o in graph.output if o.name not in defined]
+    return problems
+
+
+__all__ = ["build_inference_graph", "compacted", "dangling_names", "drop_outputs", "eval_part", "io_signature",
+           "largest_tensors", "module_of", "specialize", "value_info"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import onnx
 
+from ..onnx_graph import dangling_names
 from . import copies, dropout, embedding, forward, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
@@ -88,8 +89,24 @@ def apply_eval_passes(model: onnx.ModelProto, enabled: dict[str, bool]) -> dict[
 
 
 def _run_passes(model: onnx.ModelProto, enabled: dict[str, bool], passes) -> dict[str, int]:
-    """``{name: run(model)}`` for each ``(name, run)`` of ``passes`` that ``enabled`` turns on, in order."""
-    return {name: run(model) for name, run in passes if enabled.get(name)}
+    """``{name: run(model)}`` for each ``(name, run)`` of ``passes`` that ``enabled`` turns on, in order.
+
+    Raises:
+        RuntimeError: a pass left a node before what defines its inputs (a bug of that pass: ONNX
+            Runtime may still run such a graph, but the graph cache refuses it, so every later
+            process would rebuild it), naming the pass and the switch that turns it off.
+    """
+    counts = {}
+    for name, run in passes:
+        if enabled.get(name):
+            counts[name] = run(model)
+            problems = dangling_names(model.graph) if counts[name] else []
+            if problems:
+                raise RuntimeError(
+                    f"ort_trainer's graph pass {name!r} wrote a graph out of order ({len(problems)} problem(s): "
+                    f"{'; '.join(problems[:3])}); please report it. To go on, turn it off: "
+                    f"options={{'graph_optimizations': {{'{name}': False}}}}")
+    return counts
 
 
 __all__ = ["EVAL_PASSES", "JOINT_PASSES", "apply_eval_passes", "apply_joint_passes"]

@@ -30,6 +30,15 @@ a value ONNX Runtime can compute only once the backward has reached that layer.
 running every weight gradient at the end of the backward, which would hold the copies (and every
 layer's input) until then.
 
+Each attention's probabilities are recomputed the same way (``_attention_plan``): the chain from
+the scores' product ``MatMul(q, k)`` through scale, mask and ``Softmax`` to the safe softmax's
+``Where`` is copied before its first backward reader, reading ``q`` through the same no-op
+``Reshape`` and ``k`` as it is (the backward keeps both for their own gradients). The forward then
+keeps no ``[batch, heads, seq, seq]`` tensor, as eager PyTorch's fused attention keeps none; the
+copy costs one batched product and a softmax per layer. Side inputs of the chain (the mask, one
+flag per row) stay alive to the backward, so a chain with one as large as the probabilities is
+left alone.
+
 The backward is the part of the node list from the first node that reads the loss scale (the
 gradient seed) on: the joint graph lists the forward first.
 """
@@ -46,6 +55,8 @@ from ._graph import _ONNX_DOMAINS, _Graph, _elem_types, _is, _keep
 _ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Erf", "Sigmoid", "Tanh"}
 _TRANSCENDENTAL = {"Erf", "Sigmoid", "Tanh"}
 _SUFFIX = "/recompute"
+# between an attention's scores product and its probabilities: scale, mask, safe softmax, reshapes, casts
+_ATTENTION_CHAIN = {"Mul", "Div", "Add", "Sub", "Where", "Reshape", "Cast"}
 _GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
 
 
@@ -66,6 +77,11 @@ def activation_recompute(model: onnx.ModelProto) -> int:
     taken: set[int] = set()
     for root in _roots(graph.node[:seed], g, op_of):
         plan = _plan(root, g, op_of, index, seed)
+        if plan is not None and not taken & {id(n) for n in plan[0]}:
+            taken |= {id(n) for n in plan[0]}
+            plans.append(plan)
+    for softmax in [n for n in graph.node[:seed] if _op(n, op_of) == "Softmax"]:
+        plan = _attention_plan(softmax, g, op_of, index, seed)
         if plan is not None and not taken & {id(n) for n in plan[0]}:
             taken |= {id(n) for n in plan[0]}
             plans.append(plan)
@@ -230,10 +246,95 @@ def _plan(root: str, g: _Graph, op_of: dict, index: dict, seed: int):
     return copies, {n: names[n] for n in saved}, backward_readers[0]
 
 
+def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict, seed: int):
+    """``_plan``'s result for an attention's probabilities: the nodes from the scores' product
+    ``MatMul(q, k)`` through the ``Softmax`` to the probabilities the backward reads (scale, mask,
+    the safe softmax's ``Where``, reshapes between), copied into the backward, which keeps q and k
+    for their own gradients anyway; or None where the chain has another shape, a side input (a
+    mask...) as large as the probabilities, or q or k not read by the backward.
+
+    Eager PyTorch's fused attention keeps no probabilities either; the copy costs one batched
+    product and a softmax per layer (BERT-base B4 × S128: 12 × [4, 12, 128, 128], 38 MB kept less).
+    """
+    def chain_input(node: onnx.NodeProto) -> str | None:
+        """The input of ``node`` the size of its output; the others must be constants or smaller
+        (kept alive to the backward: a mask, which the layers share, or one flag per row)."""
+        size = _numel(g.shapes.get(node.output[0]))
+        if size is None:
+            return None
+        same = [n for n in node.input if _numel(g.shapes.get(n)) == size and g.const(n) is None]
+        others = [n for n in node.input if n and n not in same]
+        if len(same) != 1 or any(g.const(n) is None and (_numel(g.shapes.get(n)) or size) >= size for n in others):
+            return None
+        return same[0]
+
+    members, value = [softmax], softmax.input[0]
+    while True:  # up to the scores' product
+        node = g.producer.get(value)
+        if node is None or index[id(node)] >= seed:
+            return None
+        op = _op(node, op_of)
+        if op == "MatMul":
+            product = node
+            break
+        value = chain_input(node) if op in _ATTENTION_CHAIN else None
+        if value is None:
+            return None
+        members.append(node)
+    members.append(product)
+    values = [softmax.output[0]]
+    while values:  # down to the probabilities the products read
+        for node in g.consumers.get(values.pop(), []):
+            if index[id(node)] < seed and _op(node, op_of) in _ATTENTION_CHAIN and chain_input(node) in \
+                    {o for m in members for o in m.output}:
+                members.append(node)
+                values.extend(node.output)
+    members.sort(key=lambda n: index[id(n)])
+
+    def backward_readers(name: str) -> list[onnx.NodeProto]:
+        return [r for r in g.consumers.get(name, []) if index[id(r)] >= seed]
+
+    producer = {name: m for m in members for name in m.output}
+    if any(not backward_readers(name) and not backward_readers(_owner(name, g.producer, op_of))
+           for name in product.input):
+        return None  # the copy would keep q or k alive longer than the backward does
+    saved = [name for m in members for name in m.output if backward_readers(name)]
+    if not saved or any(name in g.outputs for name in producer):
+        return None
+    readers = sorted({id(r): r for name in saved for r in backward_readers(name)}.values(), key=lambda r: index[id(r)])
+    after = _barrier_value(readers, g, index, seed)
+    if after is None:
+        return None
+    needed = _ancestors(saved, producer)
+    names = {name: name + _SUFFIX for m in members if id(m) in needed for name in m.output}
+    query = product.input[0]
+    start = f"{product.output[0]}/{query}{_SUFFIX}"
+    copies = _alias_after(query, after, start)
+    for member in (m for m in members if id(m) in needed):
+        copy = onnx.NodeProto()
+        copy.CopyFrom(member)
+        copy.name = (member.name or member.output[0]) + _SUFFIX
+        copy.input[:] = [start if member is product and i == 0 else names.get(name, name)
+                         for i, name in enumerate(member.input)]
+        copy.output[:] = [names[name] for name in member.output]
+        copies.append(copy)
+    return copies, {n: names[n] for n in saved}, readers[0]
+
+
+def _numel(shape: list | None) -> int | None:
+    """Elements of a static shape, None when unknown or symbolic."""
+    if shape is None or any(not isinstance(d, int) or d <= 0 for d in shape):
+        return None
+    return int(np.prod(shape, dtype=np.int64))
+
+
 def _barrier_value(readers: list[onnx.NodeProto], g: _Graph, index: dict, seed: int) -> str | None:
-    """A backward value that one of ``readers`` (the backward's readers of the region, first first)
-    reads and that is not computed from what they compute (the copies can wait for it without a
-    cycle), or None."""
+    """A backward value computed before the first of ``readers`` (the backward's readers of the
+    region, first first; the copies go right before it) and not from what they compute, so the
+    copies can wait for it: an input of the readers (a GELU's: the gradient arriving there), else of
+    the nodes reading their outputs (an attention's first reader, the transpose of the
+    probabilities, reads nothing else; its product reads the gradient arriving there), the latest
+    computed; None where there is none."""
     tainted: set[str] = set()
     queue = [name for reader in readers for name in reader.output]
     while queue:
@@ -241,12 +342,19 @@ def _barrier_value(readers: list[onnx.NodeProto], g: _Graph, index: dict, seed: 
         if name not in tainted:
             tainted.add(name)
             queue.extend(o for consumer in g.consumers.get(name, []) for o in consumer.output)
+    first = index[id(readers[0])]
+
+    def usable(name: str) -> bool:
+        producer = g.producer.get(name)
+        return name not in tainted and producer is not None and seed <= index[id(producer)] < first
+
     for reader in readers:
         for name in reader.input:
-            producer = g.producer.get(name)
-            if name not in tainted and producer is not None and index[id(producer)] >= seed:
+            if usable(name):
                 return name
-    return None
+    later = [name for reader in readers for out in reader.output for consumer in g.consumers.get(out, [])
+             for name in consumer.input if usable(name)]
+    return max(later, key=lambda name: index[id(g.producer[name])], default=None)
 
 
 def _alias_after(root: str, after: str, out: str) -> list[onnx.NodeProto]:

@@ -131,6 +131,10 @@ def safe_softmax(model: onnx.ModelProto) -> int:
                              name=prefix + "/And"),
         ]
         where.input[0], where.input[1] = prefix + "/masked", zero
+        shape = g.shapes.get(x)
+        if shape is not None:  # [..., 1, ...]: one flag per row (activation_recompute reads its size)
+            shape = [1 if i == axis % len(shape) else d for i, d in enumerate(shape)]
+            model.graph.value_info.append(helper.make_tensor_value_info(prefix + "/masked", TensorProto.BOOL, shape))
         dead |= {id(n) for n in chain}
         replaced_zeros.add(zeros)
     if not before:
