@@ -168,6 +168,26 @@ def test_attention_probabilities_recomputed_in_the_backward(fused, tmp_path):
     assert sum(n.op_type == "Softmax" for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node) == 2
 
 
+def test_a_softmax_of_a_product_with_a_weight_is_left_alone():
+    """A softmax over ``x @ W`` (a classifier's probabilities, read by the loss): recomputing it would
+    run the weight's product again, so only an attention's ``q·kᵀ`` (two activations) is recomputed."""
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(WIDTH, WIDTH)  # so that the backward reads the weight too
+            self.weight = torch.nn.Parameter(torch.randn(WIDTH, 5))
+
+        def forward(self, x, y):
+            return F.mse_loss(torch.softmax(self.up(x) @ self.weight, dim=-1), y)
+
+    desc = {"inputs": [("x", [3, 6, WIDTH]), ("y", [3, 6, 5])], "outputs": [("loss", [], True)]}
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(3, 6, WIDTH, generator=gen), torch.rand(3, 6, 5, generator=gen))
+    trainer = ORTTrainer(Head(), desc, SGDConfig(lr=0.0), options={"graph": {"gradient_source": "torch"}})
+    trainer.train_step(*batch)
+    assert not [n for n in trainer._graphs.gradient.graph.node if n.name.endswith("/recompute")]
+
+
 def _products_model() -> onnx.ModelProto:
     """MatMul(Aᵀ, B), MatMul(A, Bᵀ) with that Transpose also read elsewhere, Gemm(A, Cᵀ, bias) with
     transB=1 already, and a batched MatMul of a transposed 3-D tensor (left alone)."""

@@ -251,7 +251,8 @@ def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict
     ``MatMul(q, k)`` through the ``Softmax`` to the probabilities the backward reads (scale, mask,
     the safe softmax's ``Where``, reshapes between), copied into the backward, which keeps q and k
     for their own gradients anyway; or None where the chain has another shape, a side input (a
-    mask...) as large as the probabilities, or q or k not read by the backward.
+    mask...) as large as the probabilities, a product that is not of two activations of rank 3 or
+    more (a weight's), or q or k not read by the backward.
 
     Eager PyTorch's fused attention keeps no probabilities either; the copy costs one batched
     product and a softmax per layer (BERT-base B4 × S128: 12 × [4, 12, 128, 128], 38 MB kept less).
@@ -276,6 +277,10 @@ def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict
         op = _op(node, op_of)
         if op == "MatMul":
             product = node
+            # of two activations of rank 3 or more, as q·kᵀ is: not a product with a weight (a
+            # softmax over a vocabulary would recompute the whole head)
+            if any(g.producer.get(name) is None or len(g.shapes.get(name) or ()) < 3 for name in node.input):
+                return None
             break
         value = chain_input(node) if op in _ATTENTION_CHAIN else None
         if value is None:
