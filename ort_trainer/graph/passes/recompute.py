@@ -259,7 +259,7 @@ def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict
     """
     def chain_input(node: onnx.NodeProto) -> str | None:
         """The input of ``node`` the size of its output; the others must be constants or smaller
-        (kept alive to the backward: a mask, which the layers share, or one flag per row)."""
+        (they stay alive to the backward: a mask, one flag per row)."""
         size = _numel(g.shapes.get(node.output[0]))
         if size is None:
             return None
