@@ -45,6 +45,8 @@ gradient seed) on: the joint graph lists the forward first.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -75,13 +77,10 @@ def activation_recompute(model: onnx.ModelProto) -> int:
     op_of = _op_types(model)
     plans = []
     taken: set[int] = set()
-    for root in _roots(graph.node[:seed], g, op_of):
-        plan = _plan(root, g, op_of, index, seed)
-        if plan is not None and not taken & {id(n) for n in plan[0]}:
-            taken |= {id(n) for n in plan[0]}
-            plans.append(plan)
-    for softmax in [n for n in graph.node[:seed] if _op(n, op_of) == "Softmax"]:
-        plan = _attention_plan(softmax, g, op_of, index, seed)
+    found = itertools.chain(
+        (_plan(root, g, op_of, index, seed) for root in _roots(graph.node[:seed], g, op_of)),
+        (_attention_plan(n, g, op_of, index, seed) for n in graph.node[:seed] if _op(n, op_of) == "Softmax"))
+    for plan in found:
         if plan is not None and not taken & {id(n) for n in plan[0]}:
             taken |= {id(n) for n in plan[0]}
             plans.append(plan)
@@ -228,22 +227,7 @@ def _plan(root: str, g: _Graph, op_of: dict, index: dict, seed: int):
     root_read = any(index[id(r)] >= seed for r in g.consumers.get(root, []))
     if len(buffers) - (0 if root_read else 1) <= 0:
         return None
-    backward_readers = sorted({id(r): r for name in saved for r in readers[name]}.values(), key=lambda r: index[id(r)])
-    after = _barrier_value(backward_readers, g, index, seed)
-    if after is None:
-        return None
-    needed = _ancestors(saved, producer)
-    names = {name: name + _SUFFIX for m in members if id(m) in needed for name in m.output}
-    start = root + _SUFFIX
-    copies = _alias_after(root, after, start)
-    for member in (m for m in members if id(m) in needed):
-        copy = onnx.NodeProto()
-        copy.CopyFrom(member)
-        copy.name = (member.name or member.output[0]) + _SUFFIX
-        copy.input[:] = [start if name == root else names.get(name, name) for name in member.input]
-        copy.output[:] = [names[name] for name in member.output]
-        copies.append(copy)
-    return copies, {n: names[n] for n in saved}, backward_readers[0]
+    return _copied(members, saved, root, root + _SUFFIX, g, index, seed)
 
 
 def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict, seed: int):
@@ -306,21 +290,29 @@ def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict
     saved = [name for m in members for name in m.output if backward_readers(name)]
     if not saved or any(name in g.outputs for name in producer):
         return None
-    readers = sorted({id(r): r for name in saved for r in backward_readers(name)}.values(), key=lambda r: index[id(r)])
+    query = product.input[0]
+    return _copied(members, saved, query, f"{product.output[0]}/{query}{_SUFFIX}", g, index, seed)
+
+
+def _copied(members: list[onnx.NodeProto], saved: list[str], root: str, start: str, g: _Graph, index: dict,
+            seed: int):
+    """The plan of a region (``members``, in node order) whose values ``saved`` the backward reads:
+    ``(copies, {saved value: its copy}, first backward reader)``, the copies of the members those
+    values are computed from reading ``root`` as ``start`` (``_alias_after``, waiting for a backward
+    value); None where there is no backward value to wait for."""
+    readers = sorted({id(r): r for name in saved for r in g.consumers.get(name, []) if index[id(r)] >= seed}.values(),
+                     key=lambda r: index[id(r)])
     after = _barrier_value(readers, g, index, seed)
     if after is None:
         return None
-    needed = _ancestors(saved, producer)
+    needed = _ancestors(saved, {name: m for m in members for name in m.output})
     names = {name: name + _SUFFIX for m in members if id(m) in needed for name in m.output}
-    query = product.input[0]
-    start = f"{product.output[0]}/{query}{_SUFFIX}"
-    copies = _alias_after(query, after, start)
+    copies = _alias_after(root, after, start)
     for member in (m for m in members if id(m) in needed):
         copy = onnx.NodeProto()
         copy.CopyFrom(member)
         copy.name = (member.name or member.output[0]) + _SUFFIX
-        copy.input[:] = [start if member is product and i == 0 else names.get(name, name)
-                         for i, name in enumerate(member.input)]
+        copy.input[:] = [start if name == root else names.get(name, name) for name in member.input]
         copy.output[:] = [names[name] for name in member.output]
         copies.append(copy)
     return copies, {n: names[n] for n in saved}, readers[0]
