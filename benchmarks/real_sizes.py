@@ -7,17 +7,19 @@ cross-entropy: its time goes to matrix products), ``AdamConfig(lr=1e-4)`` agains
 ``torch.optim.AdamW`` with ``clip_grad_norm_(1.0)``, the same initial weights and batches. Every measurement is a fresh
 process, one implementation each, the order alternating from round to round:
 
-- round 1's ort_trainer process starts from an empty graph cache (its first step is the **cold**
-  build: export, gradient graph, sessions); later rounds find the graph in that cache (**warm**);
+- the first rounds' ort_trainer processes (``COLD_ROUNDS``: 2 for GPT-2 small, BERT-base and the MLP, else 1)
+  start from an empty graph cache (their first step is a **cold** build: export, gradient graph, sessions);
+  later rounds find the graph in that cache (**warm**);
 - each process times ``--steps`` training steps after its first and reports its peak resident
   memory (``ru_maxrss``, the whole process); the losses of both implementations are compared;
 - each process then evaluates 4 batches: eager's model in eval mode under ``torch.no_grad()``
   (the loss and the logits); ort_trainer's ``eval_step`` first with the training loop's
   ``fetches = ["loss"]`` (its first call is its eval graph's first use after the training graph was
-  built cold, in round 1, or found in the cache), then with every output (``fetches = []``: graphs of
-  a signature of their own; its first call after the cold build is reported); the calls after each
+  built cold or found in the cache), then with every output (``fetches = []``: graphs of
+  a signature of their own; its first call after a cold build is reported); the calls after each
   first are timed, 3 or more, cycling the batches until they add up to ``EVAL_SECONDS``;
-- the last ort_trainer process (a warm one) then times ``save_as_onnx`` and reports its peak again;
+- each warm ort_trainer process then times its first ``save_as_onnx``, pointed at an empty graph cache (the
+  model's first save ever: it exports the symbolic eval graph), and reports its peak again;
 - one more process per row measures the arithmetic ceiling: the step's matrix-product FLOPs
   (``torch.utils.flop_counter`` over one eager forward and backward) and the best float32 GEMM rate
   torch and ONNX Runtime reach on this machine at the row's layer shapes. FLOPs / step time is each
@@ -35,6 +37,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,8 +59,11 @@ _CONFIGS = {"gpt2-656m": {"n_embd": 1280, "n_layer": 30, "n_head": 20},
 
 # fresh processes per implementation and row: this 2-core host's speed drifts by 10-30% from minute to minute (a
 # neighbour's load), so a row of short processes takes more of them; the 656 M model's take minutes each
-ROUNDS = {"gpt2": 4, "bert": 4, "mlp-1024": 6}
+ROUNDS = {"gpt2": 5, "bert": 5, "mlp-1024": 6}
 DEFAULT_ROUNDS = 2
+# of which the first start from an empty graph cache (a cold build each), at least one round left warm: a single cold
+# build's time is the host's speed in that minute as much as the build's
+COLD_ROUNDS = {"gpt2": 2, "bert": 2, "mlp-1024": 2}
 LOSS_STEPS = 10  # losses compared with eager's
 EVAL_CALLS = 4  # evaluations per process after training: the first (ort_trainer: its graph's first use) and 3 timed,
 EVAL_SECONDS = 1.0  # or more, cycling the batches, until the timed ones add up to this (the MLP's ~4 ms calls: ~250)
@@ -247,6 +253,8 @@ def worker(args) -> dict:
         report["eval_all_s"] = _timed_calls(evaluate, batches[:EVAL_CALLS])
     if args.impl == "ort" and args.save:
         with tempfile.TemporaryDirectory() as directory:
+            # an empty cache: the save exports the symbolic eval graph, as the model's first save ever does
+            os.environ["ORT_TRAINER_CACHE_DIR"] = str(Path(directory) / "cache")
             started = time.perf_counter()
             trainer.save_as_onnx(Path(directory) / "model.onnx")
             report.update(save_s=time.perf_counter() - started, save_peak_mb=_peak_mb())
@@ -277,16 +285,20 @@ def _spawn(model: str, impl: str, steps: int, cache: str, save: bool = False) ->
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, rounds: int, steps: int) -> dict:
-    """Alternating rounds of fresh ort_trainer and eager processes for one row."""
+def measure(model: str, rounds: int, steps: int, cold_rounds: int = 1) -> dict:
+    """Alternating rounds of fresh ort_trainer and eager processes for one row; the first ``cold_rounds``
+    ort_trainer processes start from an empty graph cache, the later ones also time a first save."""
     runs = {"ort": [], "eager": []}
     with tempfile.TemporaryDirectory() as cache:
         runs["ceiling"] = _spawn(model, "ceiling", 0, cache)
         for number in range(rounds):
             order = ("ort", "eager") if number % 2 == 0 else ("eager", "ort")
             for impl in order:
-                last = impl == "ort" and number == rounds - 1
-                runs[impl].append(_spawn(model, impl, steps, cache, save=last))
+                cold = impl == "ort" and number < cold_rounds
+                if cold:
+                    shutil.rmtree(cache)
+                    os.mkdir(cache)
+                runs[impl].append(_spawn(model, impl, steps, cache, save=impl == "ort" and not cold))
                 steps_s = runs[impl][-1]["step_s"]
                 print(f"{model} round {number + 1} {impl}: first step {runs[impl][-1]['first_s']:.1f} s, steps "
                       f"{[round(s, 3) for s in steps_s[:5]]}{'...' if len(steps_s) > 5 else ''} (median "
@@ -294,33 +306,41 @@ def measure(model: str, rounds: int, steps: int) -> dict:
     return runs
 
 
-def row(model: str, runs: dict) -> dict:
-    """The table's figures for one row."""
-    ort, eager = runs["ort"], runs["eager"]
+def row(model: str, runs: dict, cold_rounds: int = 1) -> dict:
+    """The table's figures for one row: the first ``cold_rounds`` ort_trainer runs built the graphs."""
+    cold, ort, eager = runs["ort"][:cold_rounds], runs["ort"][cold_rounds:], runs["eager"]
     ort_step = statistics.median(s for run in ort for s in run["step_s"])
     eager_step = statistics.median(s for run in eager for s in run["step_s"])
     # the first LOSS_STEPS losses: further on, Adam's m / sqrt(v) turns float32 rounding in gradient elements near
     # zero into updates of either sign, and the two runs drift apart (the MLP's 200th loss: 1e-3)
-    loss_error = max(abs(a - b) / abs(b) for run in ort
+    loss_error = max(abs(a - b) / abs(b) for run in cold + ort
                      for a, b in zip(run["losses"][:LOSS_STEPS], eager[0]["losses"][:LOSS_STEPS]))
+    ort_step = statistics.median(s for run in cold + ort for s in run["step_s"])
+    eager_step = statistics.median(s for run in eager for s in run["step_s"])
+
+    def median(runs: list[dict], key, first: bool = False) -> float | None:
+        values = [run[key][0] if first else run[key] for run in runs if key in run]
+        return statistics.median(values) if values else None
+
     return {
         "model": model, "size": "{}×{}".format(*SIZES[model][:2]), "loss_rel_diff": loss_error,
-        "cold_s": ort[0]["first_s"], "warm_s": statistics.median(r["first_s"] for r in ort[1:]) if len(ort) > 1 else None,
-        "warm_graph_s": statistics.median(r["graph_s"] for r in ort[1:]) if len(ort) > 1 else None,
+        "cold_s": median(cold, "first_s"), "cold_range": [run["first_s"] for run in cold],
+        "warm_s": median(ort, "first_s"), "warm_graph_s": median(ort, "graph_s"),
         "ort_step_s": ort_step, "eager_step_s": eager_step, "speedup": eager_step / ort_step,
-        # the process that built the graphs also imported torch's export stack (~140 MB that a process
-        # loading them from the cache does without), so its peak is reported apart
-        "ort_peak_cold_mb": ort[0]["peak_mb"],
-        "ort_peak_warm_mb": max(r["peak_mb"] for r in ort[1:]) if len(ort) > 1 else None,
+        # the processes that built the graphs also imported torch's export stack (~130 MB that a process
+        # loading them from the cache does without), so their peak is reported apart
+        "ort_peak_cold_mb": max(r["peak_mb"] for r in cold),
+        "ort_peak_warm_mb": max(r["peak_mb"] for r in ort) if ort else None,
         "eager_peak_mb": max(r["peak_mb"] for r in eager),
-        "save_s": ort[-1].get("save_s"), "save_peak_mb": ort[-1].get("save_peak_mb"),
+        "save_s": median(ort, "save_s"), "save_range": [run["save_s"] for run in ort],
+        "save_peak_mb": max((r["save_peak_mb"] for r in ort), default=None),
         "gflop": runs["ceiling"]["flops"] / 1e9, "gemm_gflops": max(runs["ceiling"]["gemm_gflops"].values()),
-        # the first evaluation after a cold build (round 1) and after a warm one, with the loop's fetches (the
-        # loss); then with every output: the first call after the cold build, and the later calls' median
-        "first_eval_cold_s": ort[0]["eval_s"][0],
-        "first_eval_warm_s": statistics.median(r["eval_s"][0] for r in ort[1:]) if len(ort) > 1 else None,
-        "first_eval_all_cold_s": ort[0]["eval_all_s"][0],
-        "ort_eval_s": statistics.median(s for run in ort for s in run["eval_all_s"][1:]),
+        # the first evaluation after a cold build and after a warm one, with the loop's fetches (the loss); then
+        # with every output: the first call after a cold build, and the later calls' median
+        "first_eval_cold_s": median(cold, "eval_s", first=True),
+        "first_eval_warm_s": median(ort, "eval_s", first=True),
+        "first_eval_all_cold_s": median(cold, "eval_all_s", first=True),
+        "ort_eval_s": statistics.median(s for run in cold + ort for s in run["eval_all_s"][1:]),
         "eager_eval_s": statistics.median(s for run in eager for s in run["eval_s"][1:]),
     }
 
@@ -328,6 +348,11 @@ def row(model: str, runs: dict) -> dict:
 def table(rows: list[dict]) -> str:
     def number(value, fmt):
         return "—" if value is None else format(value, fmt)
+
+    def spread(value, values: list[float]):  # a median, with the samples' range where there are several
+        if value is None or len(values) < 2:
+            return number(value, ".1f")
+        return f"{value:.1f} ({min(values):.1f}–{max(values):.1f})"
 
     lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s "
              "| first step, warm cache s (graph ready) "
@@ -338,7 +363,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {r['cold_s']:.1f} "
+            f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {spread(r['cold_s'], r['cold_range'])} "
             f"| {number(r['warm_s'], '.1f')} ({number(r['warm_graph_s'], '.2f')}) "
             f"| {r['ort_step_s']:.3g} / {r['eager_step_s']:.3g} | {r['speedup']:.2f}× "
             f"| {r['gflop'] / r['ort_step_s']:.3g} / {r['gflop'] / r['eager_step_s']:.3g} / {r['gemm_gflops']:.3g} "
@@ -346,7 +371,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['ort_peak_cold_mb']:.0f} / {number(r['ort_peak_warm_mb'], '.0f')} / {r['eager_peak_mb']:.0f} "
             f"| {r['ort_peak_cold_mb'] / r['eager_peak_mb']:.2f} / "
             f"{number(r['ort_peak_warm_mb'] and r['ort_peak_warm_mb'] / r['eager_peak_mb'], '.2f')} "
-            f"| {number(r['save_s'], '.1f')} | {number(r['save_peak_mb'], '.0f')} "
+            f"| {spread(r['save_s'], r['save_range'])} | {number(r['save_peak_mb'], '.0f')} "
             f"| {r['first_eval_cold_s']:.2f} / {number(r['first_eval_warm_s'], '.2f')} | {r['first_eval_all_cold_s']:.2f} "
             f"| {r['ort_eval_s']:.3g} / {r['eager_eval_s']:.3g} ({r['eager_eval_s'] / r['ort_eval_s']:.2f}×) |")
     return "\n".join(lines)
@@ -372,7 +397,8 @@ def main() -> None:
     rows, rounds = [], {}
     for model in args.models.split(","):
         rounds[model] = args.rounds or ROUNDS.get(model, DEFAULT_ROUNDS)
-        rows.append(row(model, measure(model, rounds[model], args.steps or SIZES[model][2])))
+        cold = max(1, min(COLD_ROUNDS.get(model, 1), rounds[model] - 1))  # at least one warm round where there are 2
+        rows.append(row(model, measure(model, rounds[model], args.steps or SIZES[model][2], cold), cold))
     import onnxruntime
     import torch
 
@@ -382,10 +408,13 @@ def main() -> None:
             + ", ".join(f"{model} {count}" for model, count in rounds.items()) + ")"
             f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
             f"onnxruntime {onnxruntime.__version__}; {time.strftime('%Y-%m-%d')}.\n\n"
-            "Speed-up: eager's median step over ort_trainer's. Peak RSS: the whole process's; ort_trainer's in the "
-            "process that built the graphs (round 1: it also imports torch's export stack) and the most over the "
-            "processes that found them in the cache, eager's the most over rounds. save_as_onnx: in the last round's "
-            "process, a warm one, so its export of the symbolic eval graph imports torch's export stack first. "
+            "Speed-up: eager's median step over ort_trainer's. Cold first step: the median over the first rounds' "
+            "ort_trainer processes, each starting from an empty graph cache (the range in brackets where there are "
+            "several). Peak RSS: the whole process's; ort_trainer's the most over the processes that built the "
+            "graphs (they also import torch's export stack) and the most over the processes that found them in the "
+            "cache, eager's the most over rounds. save_as_onnx: each warm process's first save, pointed at an empty "
+            "graph cache (the model's first save ever: it imports torch's export stack and exports the symbolic "
+            "eval graph), the median (the range in brackets). "
             "The warm first step is a new process finding the graph in the on-disk cache; graph ready: the part of "
             "it that found and loaded the graph (the rest makes the engine's buffers and sessions and runs the step). "
             "GFLOP/s: the step's "

@@ -186,6 +186,27 @@ def test_the_real_size_benchmark_times_evaluations_for_at_least_the_calls_and_th
     assert len(real_sizes._timed_calls(call(0.0), [[0], [1]], least_seconds=1.0, most=50)) == 50
 
 
+def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and_first_saves(monkeypatch):
+    """``real_sizes.row``: the first ``cold_rounds`` ort_trainer runs are the cold builds (their median
+    first step, their range, their largest peak), the later ones the warm runs and first saves."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import real_sizes
+
+    def run(first_s, peak_mb, save_s=None):
+        report = {"first_s": first_s, "peak_mb": peak_mb, "step_s": [1.0], "losses": [2.0], "graph_s": 0.5,
+                  "eval_s": [0.3, 0.1], "eval_all_s": [0.4, 0.1]}
+        return report if save_s is None else {**report, "save_s": save_s, "save_peak_mb": peak_mb + 1}
+
+    runs = {"ort": [run(12.0, 300), run(16.0, 310), run(5.0, 200, 4.5), run(6.0, 210, 4.0), run(7.0, 205, 5.5)],
+            "eager": [run(3.0, 250)] * 5, "ceiling": {"flops": 1e9, "gemm_gflops": {"torch": 10.0}}}
+    figures = real_sizes.row("gpt2", runs, cold_rounds=2)
+    assert (figures["cold_s"], figures["ort_peak_cold_mb"]) == (14.0, 310)
+    assert (figures["warm_s"], figures["ort_peak_warm_mb"], figures["save_s"], figures["save_peak_mb"]) == (6.0, 210, 4.5,
+                                                                                                           211)
+    cells = [cell.strip() for cell in real_sizes.table([figures]).splitlines()[-1].strip("|").split("|")]
+    assert (cells[3], cells[11]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)")
+
+
 def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     """``make bench-real``'s script, at a size that runs in a minute: every column filled, the
     losses of both implementations equal to float32 roundoff."""
@@ -218,7 +239,7 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     # rounded figures' ratio is off by at most 0.005 + 0.5·(1 + ratio) / eager, under this for ratios < 3
     slack = 0.01 + 2 / eager_mb
     assert abs(cold_ratio - cold_mb / eager_mb) <= slack and abs(warm_ratio - warm_mb / eager_mb) <= slack
-    assert float(cells[11]) > 0  # a save time
+    assert float(cells[11]) > 0  # a save time (one warm round: one save, no range)
     assert all(float(x) > 0 for x in cells[13].split(" / "))  # the first evaluation, after a cold and a warm build
     assert float(cells[14]) > 0  # the first evaluation of every output
     times, speedup = cells[15].rstrip("×)").split(" (")
