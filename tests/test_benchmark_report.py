@@ -194,7 +194,7 @@ def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and
 
     def run(first_s, peak_mb, save_s=None):
         report = {"first_s": first_s, "peak_mb": peak_mb, "step_s": [1.0], "losses": [2.0], "graph_s": 0.5,
-                  "eval_s": [0.3, 0.1], "eval_all_s": [0.4, 0.1]}
+                  "eval_s": [0.3, 0.1], "eval_all_s": [0.4, 0.1], "eval_peak_mb": peak_mb + 0.5}
         return report if save_s is None else {**report, "save_s": save_s, "save_peak_mb": peak_mb + 1}
 
     runs = {"ort": [run(12.0, 300), run(16.0, 310), run(5.0, 200, 4.5), run(6.0, 210, 4.0), run(7.0, 205, 5.5)],
@@ -204,7 +204,7 @@ def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and
     assert (figures["warm_s"], figures["ort_peak_warm_mb"], figures["save_s"], figures["save_peak_mb"]) == (6.0, 210, 4.5,
                                                                                                            211)
     cells = [cell.strip() for cell in real_sizes.table([figures]).splitlines()[-1].strip("|").split("|")]
-    assert (cells[3], cells[11]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)")
+    assert (cells[3], cells[11], cells[12]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)", "210 / 211")
 
 
 def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
@@ -240,6 +240,8 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     slack = 0.01 + 2 / eager_mb
     assert abs(cold_ratio - cold_mb / eager_mb) <= slack and abs(warm_ratio - warm_mb / eager_mb) <= slack
     assert float(cells[11]) > 0  # a save time (one warm round: one save, no range)
+    before, after = (float(x) for x in cells[12].split(" / "))  # the peak before and after it
+    assert 0 < before <= after
     assert all(float(x) > 0 for x in cells[13].split(" / "))  # the first evaluation, after a cold and a warm build
     assert float(cells[14]) > 0  # the first evaluation of every output
     times, speedup = cells[15].rstrip("×)").split(" (")
