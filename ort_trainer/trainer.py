@@ -462,7 +462,9 @@ class ORTTrainer(_StateMixin):
         tensors = engine.current_tensors()
         specs = {name: (tuple(tensor.shape), host_dtype(tensor)) for name, tensor in tensors.items()}
         external = save_while_building(
-            lambda: build_inference_graph(self._shapes.symbolic_eval_graph(), inputs, outputs, tensors),
+            # an export first frees what ONNX Runtime's arena holds idle: the export stack's imports fit there
+            lambda: build_inference_graph(self._shapes.symbolic_eval_graph(engine.placement.release_idle_memory),
+                                          inputs, outputs, tensors),
             path, specs, lambda name: host_array(tensors[name]), external_data=external_data,
             early=[name for name in tensors if name not in engine.fixed_tensors])  # the trained weights
         logger.info("save_as_onnx: wrote %s%s", path, f" and its weights in {data_path(path)}" if external else "")

@@ -541,15 +541,25 @@ def _saved_outputs(trainer, path: Path, batch: int) -> list[np.ndarray]:
 def test_save_as_onnx_after_a_hit_by_record_loads_the_symbolic_eval_graph_with_no_export(cache, monkeypatch, tmp_path):
     """The symbolic eval graph ``save_as_onnx`` builds is linked to the training graph's operator
     record: a later trainer whose training graph came by record saves with no export either, and its
-    file equals the first one's, at another batch size than the training batch's."""
+    file equals the first one's, at another batch size than the training batch's. The arena's idle
+    memory is released before the export (``Device.release_idle_memory``), and only there."""
+    from ort_trainer import devices
+
+    releases = []
+    release = devices.CPUDevice.release_idle_memory
+    monkeypatch.setattr(devices.CPUDevice, "release_idle_memory", lambda self: releases.append(release(self)))
     exports = _ExportCalls(monkeypatch)
     _, first = _train(_seeded(MLP), steps=1)
     expected = _saved_outputs(first, tmp_path / "first.onnx", batch=3)
     assert exports.calls == 2  # the training-mode trace, then the symbolic eval-mode trace of the save
+    assert len(releases) == 1
+    first.save_as_onnx(tmp_path / "again.onnx")  # the graph is kept: no export, no release
+    assert exports.calls == 2 and len(releases) == 1
     exports.refuse = True
     _, second = _train(_seeded(MLP), steps=1)
     assert second._graphs.from_cache
     got = _saved_outputs(second, tmp_path / "second.onnx", batch=3)
+    assert len(releases) == 1
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)  # the same graph and weights: the same arithmetic, bit for bit
 

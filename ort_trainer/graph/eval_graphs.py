@@ -10,7 +10,7 @@ record. ``build_eval_graph_alone`` builds one without training graphs: with symb
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -92,7 +92,8 @@ def build_eval_graph_alone(job: GraphJob, sample_inputs: Sequence[np.ndarray], m
                            dims: dict[str, int] | None = None, outputs: tuple | None = None,
                            forward: Traced | None = None,
                            graph_cache_store: graph_cache.GraphCache | None = None,
-                           record: str | None = None) -> onnx.ModelProto:
+                           record: str | None = None,
+                           before_export: Callable[[], None] | None = None) -> onnx.ModelProto:
     """An eval graph without the gradient graph that ``build_training_graphs`` would build first:
     with the description's symbolic dimensions and every output for ``save_as_onnx`` (a GPT-2 small
     gradient graph took minutes), or for a signature that is only evaluated.
@@ -109,6 +110,7 @@ def build_eval_graph_alone(job: GraphJob, sample_inputs: Sequence[np.ndarray], m
             mode): the graph built here is linked to it, and a later process whose record matches
             loads it without the eval-mode trace (4 s of GPT-2 small's save, its symbolic
             decomposition 8 s more when nothing was cached).
+        before_export: called where the graph is not found in the cache, before the model is traced.
 
     Raises:
         ExportError: as ``build_eval_graph``.
@@ -128,6 +130,8 @@ def build_eval_graph_alone(job: GraphJob, sample_inputs: Sequence[np.ndarray], m
         logger.info("reused the cached eval graph %s (found by its operator record: no export)", key[:16])
         return cached[0]["eval"]
     input_dtypes = sample_dtypes(job, sample_inputs)
+    if before_export is not None:
+        before_export()
     traced = forward if forward is not None and forward.serves(dims) else source.trace_eval(job, sample_inputs, dims)
     prepared = source.prepare(job, traced, dims, outputs, input_dtypes)
     graphs = TrainingGraphs(None, None, {**meta, **prepared.expected}, forward=traced, dims=dims, outputs=outputs,

@@ -186,14 +186,16 @@ class ShapeGraphs:
             return None
         return (shape or None, outputs)
 
-    def symbolic_eval_graph(self) -> onnx.ModelProto:
+    def symbolic_eval_graph(self, before_export: Callable[[], None] | None = None) -> onnx.ModelProto:
         """The eval graph with symbolic dimensions and every output: that of the symbolic training
-        graphs where they exist, else built alone (no gradient graph) and kept."""
+        graphs where they exist, else built alone (no gradient graph) and kept; ``before_export`` runs
+        where that means exporting the model (not found in the graph cache)."""
         if self.symbolic is not None:
             return build_eval_graph(self.job, self.symbolic)
         if self._symbolic_eval is None:
             self._symbolic_eval = build_eval_graph_alone(self.job, self._sample_inputs, self.first.meta,
-                                                         forward=self._traces.get(()), record=self.first.record)
+                                                         forward=self._traces.get(()), record=self.first.record,
+                                                         before_export=before_export)
         return self._symbolic_eval
 
 
