@@ -368,11 +368,6 @@ class CUDADevice(Device):
                 f"the trainer's buffers live; choose the GPU with device.id='cuda:{user['device_id']}' instead")
         return [(_CUDA_PROVIDER, {**options, **user}), ("CPUExecutionProvider", {})]
 
-    def release_idle_memory(self) -> None:
-        """Return the host memory ONNX Runtime holds free between runs to the system, before work that
-        needs memory of its own (``save_as_onnx``'s first export of a process imports ~90 MB of torch's
-        export stack): the next run takes it again. Nothing on a device without a shared host arena."""
-
     def check_graph(self, model: onnx.ModelProto) -> None:
         """No tensor of more than 2³¹ - 1 elements. ONNX Runtime's CUDA kernels index elements with
         32-bit integers (``CUDA_LONG`` is ``int32_t``, ``cu_inc/common.cuh``): past that, runs fail
