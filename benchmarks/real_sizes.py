@@ -310,8 +310,6 @@ def measure(model: str, rounds: int, steps: int, cold_rounds: int = 1) -> dict:
 def row(model: str, runs: dict, cold_rounds: int = 1) -> dict:
     """The table's figures for one row: the first ``cold_rounds`` ort_trainer runs built the graphs."""
     cold, ort, eager = runs["ort"][:cold_rounds], runs["ort"][cold_rounds:], runs["eager"]
-    ort_step = statistics.median(s for run in ort for s in run["step_s"])
-    eager_step = statistics.median(s for run in eager for s in run["step_s"])
     # the first LOSS_STEPS losses: further on, Adam's m / sqrt(v) turns float32 rounding in gradient elements near
     # zero into updates of either sign, and the two runs drift apart (the MLP's 200th loss: 1e-3)
     loss_error = max(abs(a - b) / abs(b) for run in cold + ort
@@ -361,7 +359,8 @@ def table(rows: list[dict]) -> str:
     lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s "
              "| first step, warm cache s (graph ready) "
              "| step ort / eager s | speed-up | GFLOP/s ort / eager / GEMM peak | speed-up ceiling "
-             "| peak RSS ort cold build / warm build / eager MB | ratio cold / warm | save_as_onnx s | peak before / after save MB "
+             "| peak RSS ort cold build / warm build / eager MB | ratio cold / warm | save_as_onnx s "
+             "| peak before / after save MB "
              "| first eval_step (loss) after a cold / warm build s | first eval_step, every output, after a cold build s "
              "| eval_step, every output, ort / eager no_grad s (speed-up) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -375,7 +374,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['ort_peak_cold_mb']:.0f} / {number(r['ort_peak_warm_mb'], '.0f')} / {r['eager_peak_mb']:.0f} "
             f"| {r['ort_peak_cold_mb'] / r['eager_peak_mb']:.2f} / "
             f"{number(r['ort_peak_warm_mb'] and r['ort_peak_warm_mb'] / r['eager_peak_mb'], '.2f')} "
-            f"| {spread(r['save_s'], r['save_range'])} | {number(r['presave_peak_mb'], '.0f')} / {number(r['save_peak_mb'], '.0f')} "
+            f"| {spread(r['save_s'], r['save_range'])} "
+            f"| {number(r['presave_peak_mb'], '.0f')} / {number(r['save_peak_mb'], '.0f')} "
             f"| {r['first_eval_cold_s']:.2f} / {number(r['first_eval_warm_s'], '.2f')} | {r['first_eval_all_cold_s']:.2f} "
             f"| {r['ort_eval_s']:.3g} / {r['eager_eval_s']:.3g} ({r['eager_eval_s'] / r['ort_eval_s']:.2f}×) |")
     return "\n".join(lines)

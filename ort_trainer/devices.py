@@ -177,7 +177,7 @@ def _shrink_shared_arena() -> None:
         model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=7)
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        options.add_session_config_entry("session.use_env_allocators", "1")
+        _use_shared_arena(options)
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         _SHRINKER = (ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]),
