@@ -26,7 +26,8 @@ process, one implementation each, the order alternating from round to round:
   implementation's rate; the GEMM rate over eager's is the most any implementation could gain over
   eager (a step that only multiplied matrices at the machine's best rate).
 
-``--models`` picks rows; ``gpt2-656m`` (n_embd 1280, 30 layers: 2.6 GB of weights) needs about 16 GB
+``--models`` picks rows; ``--batch`` and ``--seq`` replace their batch and sequence length (the MLP's input
+features), to measure at the sizes a user trains (``--models gpt2 --batch 1 --seq 1024``). ``gpt2-656m`` (n_embd 1280, 30 layers: 2.6 GB of weights) needs about 16 GB
 and 15 minutes on 2 cores.
 """
 
@@ -275,8 +276,18 @@ def _timed_calls(call, batches: list, least_seconds: float = EVAL_SECONDS, most:
     return seconds
 
 
+def resize(models: list[str], batch: int = 0, seq: int = 0) -> None:
+    """Replace the batch and the sequence length (the MLP's input features) of the ``models``' rows in
+    ``SIZES`` (0: keep the row's)."""
+    for model in models:
+        row_batch, row_seq, steps = SIZES[model]
+        SIZES[model] = (batch or row_batch, seq or row_seq, steps)
+
+
 def _spawn(model: str, impl: str, steps: int, cache: str, save: bool = False) -> dict:
-    command = [sys.executable, __file__, "--worker", "--model", model, "--impl", impl, "--steps", str(steps)]
+    batch, seq = SIZES[model][:2]
+    command = [sys.executable, __file__, "--worker", "--model", model, "--impl", impl, "--steps", str(steps),
+               "--batch", str(batch), "--seq", str(seq)]
     if save:
         command.append("--save")
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": cache}
@@ -392,8 +403,19 @@ def main() -> None:
                         help=f"fresh processes per implementation and model (0: the row's, {ROUNDS}, "
                              f"else {DEFAULT_ROUNDS})")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per process (0: the row's default)")
+    parser.add_argument("--batch", type=int, default=0, help="batch size of every row (0: the row's)")
+    parser.add_argument("--seq", type=int, default=0,
+                        help="sequence length of every row, the MLP's input features (0: the row's)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_real.md")
     args = parser.parse_args()
+    problems = [f"--{name} must be positive (0: the row's), got {value}"
+                for name, value in (("batch", args.batch), ("seq", args.seq)) if value < 0]
+    unknown = [model for model in args.models.split(",") if model not in SIZES]
+    if unknown:
+        problems.append(f"--models: unknown {unknown}; the rows are {sorted(SIZES)}")
+    if problems:
+        parser.error("; ".join(problems))
+    resize([args.model] if args.worker else args.models.split(","), args.batch, args.seq)
     if args.worker:
         args.steps = args.steps or SIZES[args.model][2]
         print(json.dumps(worker(args)))
@@ -408,6 +430,7 @@ def main() -> None:
 
     command = f"python benchmarks/real_sizes.py --models {args.models}"
     command += f" --rounds {args.rounds}" if args.rounds else ""
+    command += "".join(f" --{name} {value}" for name, value in (("batch", args.batch), ("seq", args.seq)) if value)
     text = (f"# Real-size benchmark\n\n`{command}` (rounds: "
             + ", ".join(f"{model} {count}" for model, count in rounds.items()) + ")"
             f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "

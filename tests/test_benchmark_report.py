@@ -207,20 +207,45 @@ def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and
     assert (cells[3], cells[11], cells[12]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)", "210 / 211")
 
 
+def test_the_real_size_benchmark_takes_sizes_and_refuses_bad_ones_all_at_once(monkeypatch):
+    """``--batch`` / ``--seq`` replace the rows' sizes (0 keeps them); a negative size and an unknown
+    row are refused together, before any process starts."""
+    import subprocess
+    import sys
+
+    import real_sizes
+
+    monkeypatch.setattr(real_sizes, "SIZES", dict(real_sizes.SIZES))
+    real_sizes.resize(["gpt2", "mlp-1024"], seq=512)
+    assert real_sizes.SIZES["gpt2"] == (4, 512, 3) and real_sizes.SIZES["mlp-1024"] == (128, 512, 200)
+    assert real_sizes.SIZES["bert"] == (4, 128, 3)  # a row not asked for keeps its size
+    real_sizes.resize(["gpt2"], batch=1)
+    assert real_sizes.SIZES["gpt2"] == (1, 512, 3)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_sizes.py"), "--models", "gpt2,gtp2",
+                           "--batch", "-2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--batch must be positive" in done.stderr and "unknown ['gtp2']" in done.stderr
+
+
 def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     """``make bench-real``'s script, at a size that runs in a minute: every column filled, the
-    losses of both implementations equal to float32 roundoff."""
+    losses of both implementations equal to float32 roundoff; ``--seq`` sets the row's sequence length,
+    in every process."""
     pytest.importorskip("transformers")
     import subprocess
     import sys
 
     out = tmp_path / "real.md"
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_sizes.py"), "--models", "gpt2-tiny",
-                           "--rounds", "2", "--out", str(out)], capture_output=True, text=True, timeout=900)
+                           "--rounds", "2", "--seq", "24", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| gpt2-tiny")]
+    text = out.read_text()
+    assert "`python benchmarks/real_sizes.py --models gpt2-tiny --rounds 2 --seq 24`" in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| gpt2-tiny")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert len(cells) == 16 and "—" not in cells, row
+    assert cells[1] == "2×24"  # the row's batch, the sequence asked for
     # 3 Adam steps of a 2-layer GPT-2 of width 32 in float32 on both sides: sums of at most 4·32
     # terms in another order, carried through the weights once per step: steps_bound(3, 128) =
     # 2.3e-5 relative (Higham's bound)
