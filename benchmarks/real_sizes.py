@@ -27,8 +27,8 @@ process, one implementation each, the order alternating from round to round:
   eager (a step that only multiplied matrices at the machine's best rate).
 
 ``--models`` picks rows; ``--batch`` and ``--seq`` replace their batch and sequence length (the MLP's input
-features), to measure at the sizes a user trains (``--models gpt2 --batch 1 --seq 1024``). ``gpt2-656m`` (n_embd 1280, 30 layers: 2.6 GB of weights) needs about 16 GB
-and 15 minutes on 2 cores.
+features), to measure at the sizes a user trains (``--models gpt2 --batch 1 --seq 1024``). ``gpt2-656m``
+(n_embd 1280, 30 layers: 2.6 GB of weights) needs about 16 GB and 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
