@@ -12,6 +12,8 @@ exist.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 
@@ -159,12 +161,24 @@ def _use_shared_arena(options: ort.SessionOptions) -> None:
 _SHRINKER: tuple[ort.InferenceSession, ort.RunOptions] | None = None
 
 
+@functools.cache
+def _malloc_trim():
+    """The C library's ``malloc_trim`` (glibc's), or None where it has none."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):  # no C library to load by that name (Windows)
+        return None
+
+
 def _shrink_shared_arena() -> None:
     """Hand the shared CPU arena's wholly free regions back to the system.
 
     ONNX Runtime shrinks an arena at the end of a run whose options ask for it
     (``memory.enable_memory_arena_shrinkage``, onnxruntime_run_options_config_keys.h); a one-node
-    session on the shared arena runs for that. GPT-2 small after its training steps: 2789 -> 2593 MB.
+    session on the shared arena runs for that. The regions go back to ``malloc``, and glibc's keeps
+    those it did not map apart (under its mmap threshold, which rises to 32 MB once a larger block was
+    freed) resident until ``malloc_trim``: BERT-base (B4×S128) after its training steps went
+    2440 -> 2399 MB by the shrink alone, 2440 -> 2132 MB with the trim.
     """
     global _SHRINKER
     if not _SHARED_ARENA:
@@ -184,6 +198,9 @@ def _shrink_shared_arena() -> None:
                      run_options)
     session, run_options = _SHRINKER
     session.run(None, {"x": np.zeros(1, np.float32)}, run_options)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class Device:
