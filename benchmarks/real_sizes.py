@@ -410,18 +410,19 @@ def main() -> None:
     args = parser.parse_args()
     problems = [f"--{name} must be positive (0: the row's), got {value}"
                 for name, value in (("batch", args.batch), ("seq", args.seq)) if value < 0]
-    unknown = [model for model in args.models.split(",") if model not in SIZES]
+    models = args.models.split(",")
+    unknown = [model for model in models if model not in SIZES]
     if unknown:
         problems.append(f"--models: unknown {unknown}; the rows are {sorted(SIZES)}")
     if problems:
         parser.error("; ".join(problems))
-    resize([args.model] if args.worker else args.models.split(","), args.batch, args.seq)
+    resize([args.model] if args.worker else models, args.batch, args.seq)
     if args.worker:
         args.steps = args.steps or SIZES[args.model][2]
         print(json.dumps(worker(args)))
         return
     rows, rounds = [], {}
-    for model in args.models.split(","):
+    for model in models:
         rounds[model] = args.rounds or ROUNDS.get(model, DEFAULT_ROUNDS)
         cold = max(1, min(COLD_ROUNDS.get(model, 1), rounds[model] - 1))  # at least one warm round where there are 2
         rows.append(row(model, measure(model, rounds[model], args.steps or SIZES[model][2], cold), cold))

@@ -231,7 +231,8 @@ class Device:
     def release_idle_memory(self) -> None:
         """Return the host memory ONNX Runtime holds free between runs to the system, before work that
         needs memory of its own (``save_as_onnx``'s first export of a process imports ~90 MB of torch's
-        export stack): the next run takes it again. Nothing on a device without a shared host arena."""
+        export stack; a phase of eval runs after training, or back: ``Sessions.begin_run``): the next
+        run takes it again. Nothing on a device without a shared host arena."""
 
     def check_graph(self, model: onnx.ModelProto) -> None:
         """Raise ``ValueError`` before a session of ``model`` is made when this device's kernels cannot

@@ -398,20 +398,21 @@ class Engine:
         for name, value in feeds.items():
             if name in inputs:
                 device.bind_feed(binding, name, value)
-        for name in outputs:  # fresh buffers: returned tensors must not be overwritten
-            device.bind_fresh_output(binding, name)
         self.sessions.before_run(binding)
-        session.run_with_iobinding(binding)
-        values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
-        # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
-        returned = {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(outputs, values)}
-        # the binding holds each output it returned until it is bound again: bound anew now, an output the
-        # caller drops goes back to the arena at once. Held, GPT-2 small's 103 MB of logits from the last
-        # eval_step kept a chunk of the region the next training step's logits had used, and the arena
-        # grew by another one (training after evaluating peaked at 2907 MB against 2790, 2806 with this)
-        for name in outputs:
-            device.bind_fresh_output(binding, name)
-        return returned
+        try:
+            session.run_with_iobinding(binding)
+            values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
+            # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
+            return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(outputs, values)}
+        finally:
+            # ``outputs`` are bound to fresh buffers when the binding is made (``_bind_weights``) and again
+            # here, after every run: returned tensors are never overwritten, and the binding, which holds
+            # each output until it is bound again, holds none. An output the caller drops goes back to the
+            # arena at once; held, GPT-2 small's 103 MB of logits from the last eval_step kept a chunk of the
+            # region the next training step's logits had used, and the arena grew by another one (training
+            # after evaluating peaked at 2907 MB against 2790, 2806 with this)
+            for name in outputs:
+                device.bind_fresh_output(binding, name)
 
     # ---- state access -----------------------------------------------------------------------
     def weights(self, copy: bool = True) -> dict[str, np.ndarray]:
