@@ -24,7 +24,11 @@ process, one implementation each, the order alternating from round to round:
   (``torch.utils.flop_counter`` over one eager forward and backward) and the best float32 GEMM rate
   torch and ONNX Runtime reach on this machine at the row's layer shapes. FLOPs / step time is each
   implementation's rate; the GEMM rate over eager's is the most any implementation could gain over
-  eager (a step that only multiplied matrices at the machine's best rate).
+  eager (a step that only multiplied matrices at the machine's best rate);
+- every training process also times torch's float32 product at the row's largest layer shape just before its
+  first step (``host_gflops``): the host's matrix-product speed in that minute. The speed-up is given with the
+  range of the rounds' own ratios (each round's two processes run back to back), so a round on a slow minute
+  shows as one.
 
 ``--models`` picks rows; ``--batch`` and ``--seq`` replace their batch and sequence length (the MLP's input
 features), to measure at the sizes a user trains (``--models gpt2 --batch 1 --seq 1024``). ``gpt2-656m``
@@ -145,6 +149,16 @@ def _best_seconds(run, repeats: int = 5) -> float:
     return best
 
 
+def host_gflops(name: str, model) -> float:
+    """torch's best float32 product rate (GFLOP/s) at the row's largest layer shape, now: the host's speed in
+    this minute (it drifts with a neighbour's load, and a step made of matrix products drifts with it)."""
+    import torch
+
+    m, k, n = max(gemm_shapes(name, model), key=lambda shape: shape[0] * shape[1] * shape[2])
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / _best_seconds(lambda: torch.mm(a, b)) / 1e9
+
+
 def gemm_shapes(name: str, model) -> list[tuple[int, int, int]]:
     """``(M, K, N)`` of the row's weight products, from its model: the MLP's layers at its batch; a
     transformer's tokens × width × 4·width and back."""
@@ -230,6 +244,7 @@ def worker(args) -> dict:
             optimizer.step()
             return float(loss)
 
+    gflops = host_gflops(args.model, model)  # before the first step: its tensors are gone before any peak
     started = time.perf_counter()
     losses = [step(batches[0])]
     first = time.perf_counter() - started
@@ -238,7 +253,7 @@ def worker(args) -> dict:
         started = time.perf_counter()
         losses.append(step(inputs))
         seconds.append(time.perf_counter() - started)
-    report = {"first_s": first, "step_s": seconds, "losses": losses, "peak_mb": _peak_mb()}
+    report = {"first_s": first, "step_s": seconds, "losses": losses, "peak_mb": _peak_mb(), "host_gflops": gflops}
     if args.impl == "ort":
         report["graph_s"] = graph_s[0]
         evaluate = trainer.eval_step  # with the training loop's fetches: the loss
@@ -327,6 +342,8 @@ def row(model: str, runs: dict, cold_rounds: int = 1) -> dict:
                      for a, b in zip(run["losses"][:LOSS_STEPS], eager[0]["losses"][:LOSS_STEPS]))
     ort_step = statistics.median(s for run in cold + ort for s in run["step_s"])
     eager_step = statistics.median(s for run in eager for s in run["step_s"])
+    # round i's two processes ran back to back: their ratio is the speed-up in that minute
+    round_speedups = [statistics.median(e["step_s"]) / statistics.median(o["step_s"]) for o, e in zip(cold + ort, eager)]
 
     def median(runs: list[dict], key, first: bool = False) -> float | None:
         values = [run[key][0] if first else run[key] for run in runs if key in run]
@@ -337,6 +354,8 @@ def row(model: str, runs: dict, cold_rounds: int = 1) -> dict:
         "cold_s": median(cold, "first_s"), "cold_range": [run["first_s"] for run in cold],
         "warm_s": median(ort, "first_s"), "warm_graph_s": median(ort, "graph_s"),
         "ort_step_s": ort_step, "eager_step_s": eager_step, "speedup": eager_step / ort_step,
+        "round_speedups": round_speedups,
+        "host_gflops": [run["host_gflops"] for run in cold + ort + eager if "host_gflops" in run],
         # the processes that built the graphs also imported torch's export stack (~130 MB that a process
         # loading them from the cache does without), so their peak is reported apart
         "ort_peak_cold_mb": max(r["peak_mb"] for r in cold),
@@ -362,6 +381,9 @@ def table(rows: list[dict]) -> str:
     def number(value, fmt):
         return "—" if value is None else format(value, fmt)
 
+    def span(values: list[float], fmt: str) -> str:  # " (least–most)" of two samples or more
+        return f" ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else ""
+
     def spread(value, values: list[float]):  # a median, with the samples' range where there are several
         if value is None or len(values) < 2:
             return number(value, ".1f")
@@ -369,17 +391,19 @@ def table(rows: list[dict]) -> str:
 
     lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s "
              "| first step, warm cache s (graph ready) "
-             "| step ort / eager s | speed-up | GFLOP/s ort / eager / GEMM peak | speed-up ceiling "
+             "| step ort / eager s | speed-up (rounds' range) | host GEMM GFLOP/s (range) "
+             "| GFLOP/s ort / eager / GEMM peak | speed-up ceiling "
              "| peak RSS ort cold build / warm build / eager MB | ratio cold / warm | save_as_onnx s "
              "| peak before / after save MB "
              "| first eval_step (loss) after a cold / warm build s | first eval_step, every output, after a cold build s "
              "| eval_step, every output, ort / eager no_grad s (speed-up) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {spread(r['cold_s'], r['cold_range'])} "
             f"| {number(r['warm_s'], '.1f')} ({number(r['warm_graph_s'], '.2f')}) "
-            f"| {r['ort_step_s']:.3g} / {r['eager_step_s']:.3g} | {r['speedup']:.2f}× "
+            f"| {r['ort_step_s']:.3g} / {r['eager_step_s']:.3g} | {r['speedup']:.2f}×{span(r['round_speedups'], '.2f')} "
+            f"| {number(statistics.median(r['host_gflops']) if r['host_gflops'] else None, '.0f')}{span(r['host_gflops'], '.0f')} "
             f"| {r['gflop'] / r['ort_step_s']:.3g} / {r['gflop'] / r['eager_step_s']:.3g} / {r['gemm_gflops']:.3g} "
             f"| {r['gemm_gflops'] * r['eager_step_s'] / r['gflop']:.2f}× "
             f"| {r['ort_peak_cold_mb']:.0f} / {number(r['ort_peak_warm_mb'], '.0f')} / {r['eager_peak_mb']:.0f} "
@@ -449,6 +473,9 @@ def main() -> None:
             "GFLOP/s: the step's "
             "matrix-product FLOPs (torch's flop counter, forward and backward) per second of step; GEMM peak: the best "
             "float32 matrix-product rate torch or ONNX Runtime reached on this machine at the row's layer shapes; "
+            "host GEMM: torch's rate at the row's largest layer shape, timed by every training process just before "
+            "its first step (the median and range over the processes: the host's speed drifts from minute to "
+            "minute); the speed-up's range is the rounds' own ratios, each of two processes run back to back; "
             "speed-up ceiling: that peak over eager's rate, the most a step of nothing but matrix products at the "
             "peak could gain over eager. Evaluation: eager's forward under no_grad in eval mode; ort_trainer's eval_step "
             "first with the loop's fetches (the loss), its first call the eval graph's first use in a process whose "

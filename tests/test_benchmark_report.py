@@ -204,7 +204,32 @@ def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and
     assert (figures["warm_s"], figures["ort_peak_warm_mb"], figures["save_s"], figures["save_peak_mb"]) == (6.0, 210, 4.5,
                                                                                                            211)
     cells = [cell.strip() for cell in real_sizes.table([figures]).splitlines()[-1].strip("|").split("|")]
-    assert (cells[3], cells[11], cells[12]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)", "210 / 211")
+    assert (cells[3], cells[12], cells[13]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)", "210 / 211")
+    assert cells[7] == "—"  # no process timed the host's GEMM
+
+
+def test_the_real_size_benchmark_gives_each_rounds_speed_up_and_the_hosts_gemm_rate(monkeypatch):
+    """``real_sizes.row``: round i's ort_trainer and eager processes (run back to back) give that round's
+    ratio of median steps; the speed-up cell shows their range, the host-GEMM cell the median and range of
+    every process's probe."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import real_sizes
+
+    def run(steps, gflops):
+        return {"first_s": 1.0, "peak_mb": 100, "step_s": steps, "losses": [2.0], "graph_s": 0.1, "eval_s": [0.3, 0.1],
+                "eval_all_s": [0.4, 0.1], "eval_peak_mb": 100, "host_gflops": gflops, "save_s": 4.0, "save_peak_mb": 101}
+
+    # round 1 on a slow minute: both its processes slowed, ort_trainer's more
+    runs = {"ort": [run([2.0, 2.2, 2.1], 200.0), run([3.0, 3.0], 140.0), run([2.0], 190.0)],
+            "eager": [run([3.0], 198.0), run([3.3, 3.6, 3.4], 150.0), run([2.8], 195.0)],
+            "ceiling": {"flops": 1e9, "gemm_gflops": {"torch": 10.0}}}
+    figures = real_sizes.row("gpt2", runs, cold_rounds=1)
+    assert figures["round_speedups"] == pytest.approx([3.0 / 2.1, 3.4 / 3.0, 2.8 / 2.0])
+    assert sorted(figures["host_gflops"]) == [140.0, 150.0, 190.0, 195.0, 198.0, 200.0]
+    cells = [cell.strip() for cell in real_sizes.table([figures]).splitlines()[-1].strip("|").split("|")]
+    # the pooled medians: ort_trainer's 6 steps 2.15, eager's 5 steps 3.3
+    assert cells[6] == f"{3.3 / 2.15:.2f}× (1.13–1.43)"
+    assert cells[7] == "192 (140–200)"
 
 
 def test_the_real_size_benchmark_takes_sizes_and_refuses_bad_ones_all_at_once(monkeypatch):
@@ -244,7 +269,7 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     assert "`python benchmarks/real_sizes.py --models gpt2-tiny --rounds 2 --seq 24`" in text
     (row,) = [line for line in text.splitlines() if line.startswith("| gpt2-tiny")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert len(cells) == 16 and "—" not in cells, row
+    assert len(cells) == 17 and "—" not in cells, row
     assert cells[1] == "2×24"  # the row's batch, the sequence asked for
     # 3 Adam steps of a 2-layer GPT-2 of width 32 in float32 on both sides: sums of at most 4·32
     # terms in another order, carried through the weights once per step: steps_bound(3, 128) =
@@ -254,22 +279,27 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     assert float(cells[2]) <= steps_bound(3, length=128)
     warm, ready = cells[4].rstrip(")").split(" (")
     assert 0 <= float(ready) <= float(warm) + 0.05  # found in the cache within the warm first step (rounded to 0.1 s)
-    ort_rate, eager_rate, peak = (float(x) for x in cells[7].split(" / "))
+    speedup, rounds = cells[6].rstrip(")").split("× (")  # the pooled speed-up, the two rounds' own
+    low, high = (float(x) for x in rounds.split("–"))
+    assert 0 < low <= high and float(speedup) > 0
+    host, host_range = cells[7].rstrip(")").split(" (")  # the host's GEMM rate in the 4 training processes
+    assert float(host) > 0 and all(float(x) > 0 for x in host_range.split("–"))
+    ort_rate, eager_rate, peak = (float(x) for x in cells[8].split(" / "))
     assert 0 < ort_rate and 0 < eager_rate and 0 < peak  # the arithmetic ceiling: FLOP rates and the GEMM peak
-    assert float(cells[8].rstrip("×")) > 0
-    cold_mb, warm_mb, eager_mb = (float(x) for x in cells[9].split(" / "))  # peak RSS after a cold, a warm build
+    assert float(cells[9].rstrip("×")) > 0
+    cold_mb, warm_mb, eager_mb = (float(x) for x in cells[10].split(" / "))  # peak RSS after a cold, a warm build
     assert 0 < cold_mb and 0 < warm_mb and 0 < eager_mb
-    cold_ratio, warm_ratio = (float(x) for x in cells[10].split(" / "))
+    cold_ratio, warm_ratio = (float(x) for x in cells[11].split(" / "))
     # each ratio printed to 0.01 (±0.005) from unrounded peaks, the peaks to 1 MB (±0.5 each): the
     # rounded figures' ratio is off by at most 0.005 + 0.5·(1 + ratio) / eager, under this for ratios < 3
     slack = 0.01 + 2 / eager_mb
     assert abs(cold_ratio - cold_mb / eager_mb) <= slack and abs(warm_ratio - warm_mb / eager_mb) <= slack
-    assert float(cells[11]) > 0  # a save time (one warm round: one save, no range)
-    before, after = (float(x) for x in cells[12].split(" / "))  # the peak before and after it
+    assert float(cells[12]) > 0  # a save time (one warm round: one save, no range)
+    before, after = (float(x) for x in cells[13].split(" / "))  # the peak before and after it
     assert 0 < before <= after
-    assert all(float(x) > 0 for x in cells[13].split(" / "))  # the first evaluation, after a cold and a warm build
-    assert float(cells[14]) > 0  # the first evaluation of every output
-    times, speedup = cells[15].rstrip("×)").split(" (")
+    assert all(float(x) > 0 for x in cells[14].split(" / "))  # the first evaluation, after a cold and a warm build
+    assert float(cells[15]) > 0  # the first evaluation of every output
+    times, speedup = cells[16].rstrip("×)").split(" (")
     assert all(float(x) > 0 for x in times.split(" / ")) and float(speedup) > 0
 
 
