@@ -186,6 +186,25 @@ def test_the_real_size_benchmark_times_evaluations_for_at_least_the_calls_and_th
     assert len(real_sizes._timed_calls(call(0.0), [[0], [1]], least_seconds=1.0, most=50)) == 50
 
 
+def test_the_real_size_benchmarks_best_time_takes_the_repeats_or_the_seconds_whichever_is_more(monkeypatch):
+    """``real_sizes._best_seconds``: a warm-up call, then at least ``repeats`` timed calls, more until they
+    add up to ``least_seconds``; the fastest."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import real_sizes
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(real_sizes.time, "perf_counter", lambda: clock[0])
+
+    def run():  # each call 0.1 s, the fourth 0.05 s
+        calls.append(None)
+        clock[0] += 0.05 if len(calls) == 4 else 0.1
+
+    assert real_sizes._best_seconds(run, repeats=5) == pytest.approx(0.05) and len(calls) == 6
+    calls.clear()
+    assert real_sizes._best_seconds(run, repeats=2, least_seconds=0.95) == pytest.approx(0.05)
+    assert len(calls) == 1 + 10  # 0.1 × 9 + 0.05 = 0.95 s of timed calls
+
+
 def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and_first_saves(monkeypatch):
     """``real_sizes.row``: the first ``cold_rounds`` ort_trainer runs are the cold builds (their median
     first step, their range, their largest peak), the later ones the warm runs and first saves."""
