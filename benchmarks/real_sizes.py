@@ -388,9 +388,7 @@ def table(rows: list[dict]) -> str:
         return f" ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else ""
 
     def spread(value, values: list[float]):  # a median, with the samples' range where there are several
-        if value is None or len(values) < 2:
-            return number(value, ".1f")
-        return f"{value:.1f} ({min(values):.1f}–{max(values):.1f})"
+        return number(value, ".1f") + ("" if value is None else span(values, ".1f"))
 
     lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s "
              "| first step, warm cache s (graph ready) "
