@@ -17,6 +17,7 @@ import torch
 
 from . import distributed
 from ._export_check import check_model_export
+from ._inputs import StepInputs
 from ._interrupt import deferred_interrupt
 from ._logging import logger
 from ._onnx_files import data_path, save_while_building
@@ -140,6 +141,9 @@ class ORTTrainer(_StateMixin):
         self._shapes = ShapeGraphs(self._job, opts.graph_optimizations.shape_specialization,
                                    opts.graph_optimizations.max_shape_graphs)
         self._engine: Engine | None = None
+        self._inputs = StepInputs(self.model_desc)
+        self._dtypes_of: tuple | None = None  # (graphs, the input dtypes they take)
+        self._fetched_of: tuple | None = None  # _fetch_plan's
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
@@ -203,10 +207,7 @@ class ORTTrainer(_StateMixin):
 
     def _outputs_key(self) -> tuple | None:
         """The outputs part of a signature: the fetched outputs besides the loss, None for all."""
-        fetched = self._fetched()
-        if set(fetched) == set(self.model_desc.output_names):
-            return None
-        return tuple(n for n in fetched if n != self.model_desc.loss_name)
+        return self._fetch_plan()[2]
 
     def _ready(self, feeds: dict[str, np.ndarray], training: bool = True) -> Engine:
         with self._kernels_explained():  # sessions are made here, before the step changes anything
@@ -222,69 +223,34 @@ class ORTTrainer(_StateMixin):
 
     # ---- inputs -------------------------------------------------------------------------------
     def _prepare_inputs(self, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
-        desc = self.model_desc
-        names = desc.input_names
-        problems = []
-        if len(args) > len(names):
-            raise ValueError(f"got {len(args)} positional inputs but model_desc declares {len(names)}: {names}")
-        given: dict[str, Any] = dict(zip(names, args))
-        for name, value in kwargs.items():
-            if name not in names:
-                problems.append(f"input {name!r} is not in model_desc.inputs {names}")
-            elif name in given:
-                problems.append(f"input {name!r} was given both positionally and by name")
-            else:
-                given[name] = value
-        missing = [n for n in names if n not in given]
-        if missing:
-            problems.append(f"missing input(s) {missing}; model_desc.inputs are {names}")
-        if problems:
-            raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
-        feeds, symbols, type_problems = {}, {}, []
-        for d in desc.inputs:
-            array = _to_numpy(given[d.name], d.name)
-            expected = self._expected_dtype(d.name)
-            if expected is not None and array.dtype != expected:
-                type_problems.append(f"input {d.name!r}: expected dtype {expected}, got {array.dtype}")
-            if array.ndim != len(d.shape):
-                problems.append(f"input {d.name!r}: expected {len(d.shape)} dimensions {list(d.shape)}, "
-                                f"got shape {list(array.shape)}")
-            else:
-                for axis, (dim, size) in enumerate(zip(d.shape, array.shape)):
-                    if isinstance(dim, int) and dim != size:
-                        problems.append(f"input {d.name!r}: dimension {axis} must be {dim}, got {size} "
-                                        f"(shape {list(array.shape)})")
-                    elif isinstance(dim, str):
-                        if size == 0:
-                            problems.append(f"input {d.name!r}: dimension {axis} ({dim!r}) is 0, an empty batch "
-                                            f"(shape {list(array.shape)}); skip empty batches")
-                        seen = symbols.setdefault(dim, (size, d.name))
-                        if seen[0] != size:
-                            problems.append(f"input {d.name!r}: dimension {axis} ({dim!r}) is {size} but "
-                                            f"{dim!r} is {seen[0]} in input {seen[1]!r}")
-            feeds[d.name] = array
-        if type_problems:
-            raise TypeError("bad inputs:\n  " + "\n  ".join(type_problems + problems))
-        if problems:
-            raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
-        return feeds
+        return self._inputs.feeds(args, kwargs, self._input_dtypes())
 
-    def _expected_dtype(self, name: str) -> np.dtype | None:
-        if self._graphs is not None and name in self._graphs.meta["inputs"]:
-            return np.dtype(self._graphs.meta["inputs"][name])
-        for d in self.model_desc.inputs:
-            if d.name == name:
-                return d.numpy_dtype
-        return None
+    def _input_dtypes(self) -> dict[str, np.dtype | None]:
+        """The dtype each input must have: the built graph's, or model_desc's before (None: any)."""
+        graphs = self._graphs
+        if self._dtypes_of is None or self._dtypes_of[0] is not graphs:
+            meta = graphs.meta["inputs"] if graphs is not None else {}
+            self._dtypes_of = (graphs, {d.name: np.dtype(meta[d.name]) if d.name in meta else d.numpy_dtype
+                                        for d in self.model_desc.inputs})
+        return self._dtypes_of[1]
 
-    def _fetched(self) -> list[str]:
+    def _fetched(self) -> tuple[str, ...]:
         """The output names the steps return (``TrainStepInfo.fetches``, or all)."""
-        fetches = self._train_step_info.fetches
-        names = self.model_desc.output_names
-        unknown = [f for f in fetches if f not in names]
-        if unknown:
-            raise ValueError(f"TrainStepInfo.fetches: {unknown} are not outputs of model_desc {names}")
-        return list(fetches) or names
+        return self._fetch_plan()[1]
+
+    def _fetch_plan(self) -> tuple:
+        """``(fetches, the outputs the steps return, _outputs_key)``, checked once per change of
+        ``TrainStepInfo.fetches`` (a list the user may replace or change in place)."""
+        fetches = tuple(self._train_step_info.fetches)
+        if self._fetched_of is None or self._fetched_of[0] != fetches:
+            names = self.model_desc.output_names
+            unknown = [f for f in fetches if f not in names]
+            if unknown:
+                raise ValueError(f"TrainStepInfo.fetches: {unknown} are not outputs of model_desc {names}")
+            fetched = fetches or tuple(names)
+            key = None if set(fetched) == set(names) else tuple(n for n in fetched if n != self.model_desc.loss_name)
+            self._fetched_of = (fetches, fetched, key)
+        return self._fetched_of
 
     def _select_outputs(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
         selected = [outputs[name] for name in self._fetched()]
@@ -352,7 +318,9 @@ class ORTTrainer(_StateMixin):
         constraints = self._graphs.meta.get("input_constraints") if self._graphs is not None else None
         if not constraints:
             return
-        problems = check_inputs(constraints, feeds, dict(self._shapes.symbol_sizes(feeds)), training)
+        # the symbols' sizes only where a rule reads them (BatchNorm's, in training)
+        symbols = dict(self._shapes.symbol_sizes(feeds)) if training and constraints.get("batchnorm") else {}
+        problems = check_inputs(constraints, feeds, symbols, training)
         if problems:
             raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
 
@@ -468,20 +436,6 @@ class ORTTrainer(_StateMixin):
             path, specs, lambda name: host_array(tensors[name]), external_data=external_data,
             early=[name for name in tensors if name not in engine.fixed_tensors])  # the trained weights
         logger.info("save_as_onnx: wrote %s%s", path, f" and its weights in {data_path(path)}" if external else "")
-
-
-def _to_numpy(value: Any, name: str) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.device.type != "cpu":
-            value = value.cpu()
-        return np.ascontiguousarray(value.numpy())
-    if isinstance(value, np.ndarray):
-        return np.ascontiguousarray(value)
-    try:
-        return np.ascontiguousarray(np.asarray(value))
-    except Exception as exc:
-        raise TypeError(f"input {name!r}: expected a torch tensor or numpy array, got {type(value).__name__}") from exc
 
 
 __all__ = ["ORTTrainer", "TrainStepInfo"]

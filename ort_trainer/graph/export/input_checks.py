@@ -103,6 +103,17 @@ def find_input_constraints(model: onnx.ModelProto, data_inputs: list[str]) -> di
     return {"indices": indices, "batchnorm": batchnorm}
 
 
+def _out_of_range(values: np.ndarray, high: int | None) -> np.ndarray:
+    """Where integer ``values`` are negative, or ``high`` or more: one comparison where there is a
+    bound, as a negative value read unsigned is above any index (every step checks its labels; each
+    NumPy call costs microseconds on a batch of labels)."""
+    if high is None:
+        return values < 0
+    if values.dtype.kind == "i":
+        values = values.view(values.dtype.str.replace("i", "u"))  # "<i8" -> "<u8"
+    return values >= high
+
+
 def check_inputs(constraints: dict[str, Any], feeds: dict[str, np.ndarray], symbols: dict[str, int],
                  training: bool) -> list[str]:
     """Every way these inputs break the constraints (empty when they are valid).
@@ -116,14 +127,14 @@ def check_inputs(constraints: dict[str, Any], feeds: dict[str, np.ndarray], symb
     problems = []
     for name, rules in (constraints.get("indices") or {}).items():
         values = feeds.get(name)
-        if values is None or values.size == 0 or not np.issubdtype(values.dtype, np.integer):
+        if values is None or values.size == 0 or values.dtype.kind not in "iu":
             continue
         for rule in rules:
             high, ignore = rule["high"], rule["ignore"]
-            bad = values < 0 if high is None else (values < 0) | (values >= high)
-            if ignore is not None:
+            bad = _out_of_range(values, high)
+            if ignore is not None and np.count_nonzero(bad):
                 bad &= values != ignore
-            if bad.any():
+            if np.count_nonzero(bad):
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
                 valid = f"0..{high - 1}" if high is not None else "non-negative"
                 if ignore is not None:

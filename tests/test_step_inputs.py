@@ -1,0 +1,95 @@
+"""A step's inputs (``ort_trainer/_inputs.py``) and the per-step checks kept short: what a batch of
+remembered dtypes and shapes skips, and what it never skips."""
+
+import numpy as np
+import pytest
+import torch
+
+from models import MLP, MLP_DESC, mlp_batch
+from ort_trainer import ORTTrainer
+from ort_trainer._inputs import StepInputs, to_numpy
+from ort_trainer.amp.kernels import MissingKernelError, missing_kernels_explained
+from ort_trainer.graph.export.input_checks import _out_of_range, check_inputs
+from ort_trainer.model_desc import parse_model_desc
+from ort_trainer.optim import SGDConfig
+
+CE = torch.nn.functional.cross_entropy
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("high", [None, 1, 5, 100])
+def test_the_one_comparison_range_check_flags_what_the_two_comparisons_did(dtype, high):
+    info = np.iinfo(dtype)
+    edges = [info.min, info.min + 1, -1, 0, 1, 4, 5, 6, 99, 100, 101, info.max - 1, info.max]
+    values = np.array([v for v in edges if info.min <= v <= info.max], dtype=dtype)
+    values = np.concatenate([values, np.random.default_rng(0).integers(info.min, info.max, 200, dtype=dtype,
+                                                                       endpoint=True)])
+    wide = values.astype(object)  # Python ints: no wrap-around in the reference
+    expected = np.array([v < 0 or (high is not None and v >= high) for v in wide])
+    np.testing.assert_array_equal(_out_of_range(values, high), expected)
+    np.testing.assert_array_equal(_out_of_range(values.reshape(-1, 1)[::2], high), expected.reshape(-1, 1)[::2])
+
+
+def test_the_label_check_keeps_ignore_index_and_reports_each_other_value():
+    constraints = {"indices": {"labels": [{"high": 5, "ignore": -100, "what": "cross-entropy"}]}}
+    fine = {"labels": np.array([0, 4, -100, 3], dtype=np.int64)}
+    assert check_inputs(constraints, fine, {}, training=True) == []
+    bad = {"labels": np.array([0, -100, -7, 5, 9], dtype=np.int64)}
+    [problem] = check_inputs(constraints, bad, {}, training=True)
+    assert "value -7 at index [2]" in problem and "(3 invalid value(s) in this batch)" in problem
+    assert "or -100 (ignore_index)" in problem
+
+
+def test_inputs_of_a_remembered_dtype_and_shape_are_still_refused_with_another_dtype():
+    inputs = StepInputs(parse_model_desc(MLP_DESC))
+    dtypes = {"x": np.dtype(np.float32), "label": np.dtype(np.int64)}
+    x, y = mlp_batch(torch.Generator().manual_seed(0))
+    feeds = inputs.feeds((x, y), {}, dtypes)
+    assert np.shares_memory(feeds["x"], x.numpy())  # a view of the CPU tensor, not a copy
+    assert inputs.feeds((x, y), {}, dtypes)["label"].dtype == np.int64  # remembered: the same answer
+    with pytest.raises(TypeError, match="input 'label': expected dtype int64, got int32"):
+        inputs.feeds((x, y.int()), {}, dtypes)
+    with pytest.raises(ValueError, match=r"input 'label': dimension 0 \('batch'\) is 7 but 'batch' is 8"):
+        inputs.feeds((x, y[:7]), {}, dtypes)
+    # another dtype mapping (the graph was built since) forgets what was checked against the last one
+    with pytest.raises(TypeError, match="input 'x': expected dtype float64, got float32"):
+        inputs.feeds((x, y), {}, {"x": np.dtype(np.float64), "label": np.dtype(np.int64)})
+
+
+def test_inputs_by_name_and_unusual_layouts_become_contiguous_arrays():
+    inputs = StepInputs(parse_model_desc(MLP_DESC))
+    dtypes = {"x": None, "label": None}
+    x, y = mlp_batch(torch.Generator().manual_seed(0))
+    wide = torch.randn(20, 8).t()  # a transposed view: not C-contiguous
+    feeds = inputs.feeds((wide,), {"label": y}, dtypes)
+    assert feeds["x"].flags.c_contiguous and np.array_equal(feeds["x"], wide.numpy())
+    assert inputs.feeds((x.requires_grad_(),), {"label": y.tolist()}, dtypes)["label"].dtype == np.int64
+    assert to_numpy(np.float32(2.0), "s").shape == (1,)  # a 0-d value has one dimension, as before
+    with pytest.raises(TypeError, match="input 'x': expected a torch tensor or numpy array, got list"):
+        to_numpy([[1, 2], [3]], "x")  # ragged: no array
+
+
+def test_a_change_of_fetches_is_checked_each_time_it_is_made():
+    trainer = ORTTrainer(MLP(), MLP_DESC, SGDConfig(lr=0.1), loss_fn=CE)
+    x, y = mlp_batch(torch.Generator().manual_seed(0))
+    assert len(trainer.train_step(x, y)) == 2  # no fetches: every output
+    trainer._train_step_info.fetches = ["loss"]
+    assert trainer.train_step(x, y).shape == ()
+    trainer._train_step_info.fetches.append("logist")  # changed in place
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"TrainStepInfo.fetches: \['logist'\] are not outputs"):
+            trainer.eval_step(x, y)
+    trainer._train_step_info.fetches = ["logits", "loss"]
+    logits, loss = trainer.eval_step(x, y)
+    assert logits.shape == (8, 5) and loss.shape == ()
+    assert trainer._train_step_info.step == 2
+
+
+def test_fp32_steps_enter_one_shared_no_op_block_and_half_precision_keeps_its_translation():
+    assert missing_kernels_explained(None, "cpu") is missing_kernels_explained(None, "cuda")
+    with pytest.raises(KeyError):
+        with missing_kernels_explained(None, "cpu"):
+            raise KeyError("passes through")
+    with pytest.raises(MissingKernelError, match="no bfloat16 kernel for MatMul"):
+        with missing_kernels_explained("bfloat16", "cpu"):
+            raise RuntimeError("NOT_IMPLEMENTED : Could not find an implementation for MatMul(13) node with name 'mm'")
