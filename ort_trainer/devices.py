@@ -12,10 +12,12 @@ exist.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import re
+from typing import Iterator
 
 import numpy as np
 import onnx
@@ -423,6 +425,31 @@ class CUDADevice(Device):
         torch.cuda.current_stream(self.torch_device).synchronize()
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` torch threads (0: as they are), then restore torch's count.
+
+    A training step's host work (the fused optimizer update, the gradient norm, copies) runs between
+    two ONNX Runtime runs. torch runs it on its OpenMP workers (GNU libgomp in the PyPI wheels),
+    which spin for a while after each parallel piece of work (``GOMP_SPINCOUNT``'s default,
+    milliseconds) unless ``OMP_WAIT_POLICY=PASSIVE`` was set before torch was loaded. On the CPU
+    they then share the cores ONNX Runtime's own threads need for the next run's matrix
+    products. On this project's 2-core host, the compute-bound MLP of ``make bench-real``
+    (2.1 M weights) stepped in 16.8-17.5 ms with two torch threads and 10.1-10.5 ms with one:
+    one or two of the run's five 1.5 ms products took 3-8 ms. One thread made the update of
+    GPT-2 small's 124 M weights ~12 ms slower out of a 2.3 s step (lost in its noise).
+    """
+    previous = torch.get_num_threads()
+    if not count or count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A tensor's values in NumPy on the host (bfloat16, which NumPy lacks, as float32)."""
     tensor = tensor.detach().cpu()
@@ -434,4 +461,4 @@ def host_dtype(tensor: torch.Tensor) -> np.dtype:
     return np.dtype(np.float32) if tensor.dtype == torch.bfloat16 else torch.empty((), dtype=tensor.dtype).numpy().dtype
 
 __all__ = ["CPUDevice", "CUDADevice", "Device", "cuda_missing", "default_device_id", "device_class", "device_problem",
-           "host_array", "host_dtype", "make_device", "parse_device_id"]
+           "host_array", "host_dtype", "make_device", "parse_device_id", "torch_threads"]

@@ -93,3 +93,37 @@ def test_fp32_steps_enter_one_shared_no_op_block_and_half_precision_keeps_its_tr
     with pytest.raises(MissingKernelError, match="no bfloat16 kernel for MatMul"):
         with missing_kernels_explained("bfloat16", "cpu"):
             raise RuntimeError("NOT_IMPLEMENTED : Could not find an implementation for MatMul(13) node with name 'mm'")
+
+
+def test_torch_threads_sets_the_count_for_the_block_and_restores_it_even_on_error():
+    from ort_trainer.devices import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(KeyError):
+        with torch_threads(1):
+            raise KeyError("x")
+    assert torch.get_num_threads() == before
+    with torch_threads(0):  # 0: torch's own count, untouched
+        assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("host_threads", [1, 0])
+def test_a_training_steps_host_work_runs_on_device_host_threads_torch_threads(host_threads, monkeypatch):
+    """The fused update (torch's kernels) sees the option's count; torch's own count is back after the step."""
+    original_count = torch.get_num_threads()
+    torch.set_num_threads(2)  # what a 2-core host gives; the option must win inside the step only
+    try:
+        trainer = ORTTrainer(MLP(), MLP_DESC, SGDConfig(lr=0.1), loss_fn=CE,
+                             options={"device": {"host_threads": host_threads}})
+        x, y = mlp_batch(torch.Generator().manual_seed(0))
+        trainer.train_step(x, y)
+        update, seen = trainer._engine.update, []
+        original = update.step
+        monkeypatch.setattr(update, "step", lambda *a, **k: seen.append(torch.get_num_threads()) or original(*a, **k))
+        trainer.train_step(x, y)
+        assert seen == [host_threads or 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(original_count)
