@@ -425,20 +425,37 @@ class CUDADevice(Device):
         torch.cuda.current_stream(self.torch_device).synchronize()
 
 
+# the automatic rule's bound: an update of at most this many weights runs on one torch thread (host_threads)
+ONE_THREAD_UPDATE_WEIGHTS = 4_000_000
+
+
+def host_threads(option: int, trained_weights: int) -> int:
+    """The torch threads of a training step's host work (``torch_threads``' count) for the option
+    ``device.host_threads``: the option itself when set, else (0) one thread for an update of at most
+    ``ONE_THREAD_UPDATE_WEIGHTS`` weights and torch's own count (0) above.
+
+    A step's host work (the fused optimizer update, the gradient norm, copies) runs between two ONNX
+    Runtime runs. torch runs it on its OpenMP workers (GNU libgomp in the PyPI wheels), which spin
+    for milliseconds after each parallel piece of work (``GOMP_SPINCOUNT``'s default) unless
+    ``OMP_WAIT_POLICY=PASSIVE`` was set before torch was loaded. On the CPU they then share the cores
+    ONNX Runtime's threads need for the next run's matrix products. On this project's 2-core host,
+    the compute-bound MLP of ``make bench-real`` (2.1 M weights) stepped in 16.8-17.5 ms with two
+    torch threads and 10.1-10.5 ms with one: one or two of the run's five 1.5 ms products took
+    3-8 ms, ~7 ms lost per step. One thread costs the update more the more weights it has: here
+    0.6 ms more on 2.1 M weights and ~12 ms on GPT-2 small's 124 M (lost in its 2.3 s step), ~70 ms
+    on 656 M (3% of its step). One thread of a many-core server reaches a smaller share of its memory
+    bandwidth: at ~10 GB/s, AdamW's 28 bytes per weight take ~2.8 ms per million weights, so the
+    single thread pays off below a few million weights there; the bound is set for that host.
+    """
+    if option:
+        return option
+    return 1 if trained_weights <= ONE_THREAD_UPDATE_WEIGHTS else 0
+
+
 @contextlib.contextmanager
 def torch_threads(count: int) -> Iterator[None]:
-    """Run the block with ``count`` torch threads (0: as they are), then restore torch's count.
-
-    A training step's host work (the fused optimizer update, the gradient norm, copies) runs between
-    two ONNX Runtime runs. torch runs it on its OpenMP workers (GNU libgomp in the PyPI wheels),
-    which spin for a while after each parallel piece of work (``GOMP_SPINCOUNT``'s default,
-    milliseconds) unless ``OMP_WAIT_POLICY=PASSIVE`` was set before torch was loaded. On the CPU
-    they then share the cores ONNX Runtime's own threads need for the next run's matrix
-    products. On this project's 2-core host, the compute-bound MLP of ``make bench-real``
-    (2.1 M weights) stepped in 16.8-17.5 ms with two torch threads and 10.1-10.5 ms with one:
-    one or two of the run's five 1.5 ms products took 3-8 ms. One thread made the update of
-    GPT-2 small's 124 M weights ~12 ms slower out of a 2.3 s step (lost in its noise).
-    """
+    """Run the block with ``count`` torch threads (0: as they are), then restore torch's count
+    (``host_threads`` says why a training step sets it)."""
     previous = torch.get_num_threads()
     if not count or count == previous:
         yield
@@ -460,5 +477,6 @@ def host_dtype(tensor: torch.Tensor) -> np.dtype:
     """The NumPy dtype ``host_array`` gives ``tensor``."""
     return np.dtype(np.float32) if tensor.dtype == torch.bfloat16 else torch.empty((), dtype=tensor.dtype).numpy().dtype
 
-__all__ = ["CPUDevice", "CUDADevice", "Device", "cuda_missing", "default_device_id", "device_class", "device_problem",
-           "host_array", "host_dtype", "make_device", "parse_device_id", "torch_threads"]
+__all__ = ["ONE_THREAD_UPDATE_WEIGHTS", "CPUDevice", "CUDADevice", "Device", "cuda_missing", "default_device_id",
+           "device_class", "device_problem", "host_array", "host_dtype", "host_threads", "make_device",
+           "parse_device_id", "torch_threads"]

@@ -24,7 +24,7 @@ from ._onnx_files import data_path, save_while_building
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
 from .amp.kernels import missing_kernels_explained
-from .devices import device_class, host_array, host_dtype, torch_threads
+from .devices import device_class, host_array, host_dtype, host_threads, torch_threads
 from .distributed import make_communicator
 from .engine import Engine
 from .graph.export.input_checks import check_inputs
@@ -285,7 +285,8 @@ class ORTTrainer(_StateMixin):
         first, boundary = info.step % window == 0, (info.step + 1) % window == 0
         learning_rates = self._learning_rates() if boundary else None  # checked before any work
         # From here the step changes state: it is applied whole or not at all (Ctrl-C waits).
-        with deferred_interrupt(), torch_threads(self.options.device.host_threads):
+        threads = host_threads(self.options.device.host_threads, engine.grads_flat.numel())
+        with deferred_interrupt(), torch_threads(threads):
             outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed)
             if self._allreduce_micro_batches:
                 self._comm.allreduce_sum(engine.grads_flat, step=info.step)

@@ -110,20 +110,28 @@ def test_torch_threads_sets_the_count_for_the_block_and_restores_it_even_on_erro
         assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize("host_threads", [1, 0])
-def test_a_training_steps_host_work_runs_on_device_host_threads_torch_threads(host_threads, monkeypatch):
-    """The fused update (torch's kernels) sees the option's count; torch's own count is back after the step."""
+def test_the_automatic_host_thread_count_is_one_up_to_the_bound_and_torchs_own_above():
+    from ort_trainer.devices import ONE_THREAD_UPDATE_WEIGHTS, host_threads
+
+    assert host_threads(0, 2_100_000) == 1 and host_threads(0, ONE_THREAD_UPDATE_WEIGHTS) == 1
+    assert host_threads(0, ONE_THREAD_UPDATE_WEIGHTS + 1) == 0  # 0: torch's own count, untouched
+    assert host_threads(3, 10) == 3 and host_threads(1, 10**9) == 1  # a count given is kept
+
+
+@pytest.mark.parametrize("option, inside", [(0, 1), (1, 1), (3, 3)])
+def test_a_training_steps_host_work_runs_on_device_host_threads_torch_threads(option, inside, monkeypatch):
+    """The fused update (torch's kernels) sees the option's count (0: one, for this small model);
+    torch's own count is back after the step."""
     original_count = torch.get_num_threads()
     torch.set_num_threads(2)  # what a 2-core host gives; the option must win inside the step only
     try:
-        trainer = ORTTrainer(MLP(), MLP_DESC, SGDConfig(lr=0.1), loss_fn=CE,
-                             options={"device": {"host_threads": host_threads}})
+        trainer = ORTTrainer(MLP(), MLP_DESC, SGDConfig(lr=0.1), loss_fn=CE, options={"device": {"host_threads": option}})
         x, y = mlp_batch(torch.Generator().manual_seed(0))
         trainer.train_step(x, y)
         update, seen = trainer._engine.update, []
         original = update.step
         monkeypatch.setattr(update, "step", lambda *a, **k: seen.append(torch.get_num_threads()) or original(*a, **k))
         trainer.train_step(x, y)
-        assert seen == [host_threads or 2] and torch.get_num_threads() == 2
+        assert seen == [inside] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(original_count)
