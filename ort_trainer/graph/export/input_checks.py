@@ -132,17 +132,20 @@ def check_inputs(constraints: dict[str, Any], feeds: dict[str, np.ndarray], symb
         for rule in rules:
             high, ignore = rule["high"], rule["ignore"]
             bad = _out_of_range(values, high)
-            if ignore is not None and np.count_nonzero(bad):
+            if not np.count_nonzero(bad):  # the common case: one comparison, one count
+                continue
+            if ignore is not None:
                 bad &= values != ignore
-            if np.count_nonzero(bad):
-                where = tuple(int(i) for i in np.argwhere(bad)[0])
-                valid = f"0..{high - 1}" if high is not None else "non-negative"
-                if ignore is not None:
-                    valid += f", or {ignore} (ignore_index)"
-                problems.append(
-                    f"input {name!r}: value {int(values[where])} at index {list(where)} is out of range for the "
-                    f"{rule['what']}: valid values are {valid} ({int(bad.sum())} invalid value(s) in this batch); "
-                    "PyTorch raises for these too: fix or filter the batch")
+                if not np.count_nonzero(bad):
+                    continue
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            valid = f"0..{high - 1}" if high is not None else "non-negative"
+            if ignore is not None:
+                valid += f", or {ignore} (ignore_index)"
+            problems.append(
+                f"input {name!r}: value {int(values[where])} at index {list(where)} is out of range for the "
+                f"{rule['what']}: valid values are {valid} ({int(bad.sum())} invalid value(s) in this batch); "
+                "PyTorch raises for these too: fix or filter the batch")
     if training:
         for bn in constraints.get("batchnorm") or []:
             shape = bn["shape"]
