@@ -36,7 +36,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-large test-tolerances test-legacy bench bench-real gpu-check gpu-wheels install install-legacy clean
+.PHONY: run test test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels install install-legacy clean
 
 install: $(STAMP)
 
@@ -85,6 +85,11 @@ test-legacy: $(LEGACY_STAMP)
 # cold and warm builds, save_as_onnx); writes docs/benchmarks_real.md (about 40 minutes and 16 GB)
 bench-real: $(STAMP)
 	$(PY) benchmarks/real_sizes.py
+
+# where device.host_threads' automatic bound belongs on this machine: steps with the host work on one torch
+# thread against torch's count, MLPs of 2-34 M weights, a process each (~3 min on 2 cores); writes docs/benchmarks_threads.md
+bench-threads: $(STAMP)
+	$(PY) benchmarks/host_threads.py --out docs/benchmarks_threads.md
 
 # ort_trainer on both runtimes vs PyTorch eager vs torch.compile; writes docs/benchmarks.md and
 # docs/benchmarks.png

@@ -445,7 +445,9 @@ def host_threads(option: int, trained_weights: int) -> int:
     0.6 ms more on 2.1 M weights and ~12 ms on GPT-2 small's 124 M (lost in its 2.3 s step), ~70 ms
     on 656 M (3% of its step). One thread of a many-core server reaches a smaller share of its memory
     bandwidth: at ~10 GB/s, AdamW's 28 bytes per weight take ~2.8 ms per million weights, so the
-    single thread pays off below a few million weights there; the bound is set for that host.
+    single thread pays off below a few million weights there; the bound is set for that host. Here
+    (``make bench-threads``) one thread was faster up to 16.8 M weights (1.26x at 4.2 M, 1.04x at 16.8 M)
+    and slower at 33.6 M (0.90x).
     """
     if option:
         return option
