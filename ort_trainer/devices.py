@@ -447,7 +447,7 @@ def host_threads(option: int, trained_weights: int) -> int:
     bandwidth: at ~10 GB/s, AdamW's 28 bytes per weight take ~2.8 ms per million weights, so the
     single thread pays off below a few million weights there; the bound is set for that host. Here
     (``make bench-threads``) one thread was faster up to 16.8 M weights (1.26x at 4.2 M, 1.04x at 16.8 M)
-    and slower at 33.6 M (0.90x).
+    and level at 33.6 M (0.90-1.01x).
     """
     if option:
         return option
