@@ -347,10 +347,17 @@ class FusedUpdate(OptimizerUpdate):
                                 grad_scale=divisor, found_inf=None)
 
     def _measure(self) -> tuple[float, float]:
-        """max|w| and max|m| over this process's segments (one reduction over each, no temporaries)."""
+        """max|w| and max|m| over this process's segments (one reduction over each, no temporaries).
+
+        ``aminmax`` takes both ends in one pass, and the larger magnitude of the two is max|x| exactly;
+        NaN when any value is NaN. ``vector_norm(x, inf)`` gives the same 13x slower on a CPU (80
+        against 6 ms on 33.6 M weights): 0.3 s of GPT-2 small's first step.
+        """
         def largest(tensors: list[torch.Tensor]) -> float:
-            values = [float(torch.linalg.vector_norm(t, float("inf"))) for t in tensors if t.numel()]
-            return max(values, default=0.0)
+            ends = [float(x) for t in tensors if t.numel() for x in torch.aminmax(t)]
+            if any(math.isnan(x) for x in ends):  # max() would keep or drop a NaN by its position
+                return math.nan
+            return max((abs(x) for x in ends), default=0.0)
         return (largest([s.weights for s in self._segments]),
                 0.0 if self._sgd else largest([s.states[0] for s in self._segments]))
 

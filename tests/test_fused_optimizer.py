@@ -279,6 +279,48 @@ def test_the_exact_path_computes_what_the_fast_path_computes():
     assert _bitwise_same(_state(fast), _state(exact))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_measured_bounds_are_the_largest_magnitudes_exactly_and_nan_from_any_segment(threads):
+    """``_measure``'s one-pass ends against ``vector_norm(·, inf)`` (the exact max|x|: no rounding
+    either way), over segments of other sizes, signs and an empty one; a NaN or inf in any segment,
+    first or last, makes the bound non-finite (the step then goes the exact way)."""
+    from types import SimpleNamespace
+
+    from ort_trainer.update import _Segment
+
+    generator = torch.Generator().manual_seed(7)
+    sizes = (1, 0, 100_003, 4097)
+
+    def segments(scale: float) -> list:
+        return [_Segment(0, torch.randn(n, generator=generator) * scale * (i + 1) - (i == 3) * 50.0,
+                         torch.empty(n), [torch.randn(n, generator=generator) * scale, torch.empty(n)])
+                for i, n in enumerate(sizes)]
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for scale in (1e-3, 1.0, 3e30):
+            segs = segments(scale)
+            fake = SimpleNamespace(_segments=segs, _sgd=False)
+            w_max, m_max = FusedUpdate._measure(fake)
+            reference = [max(float(torch.linalg.vector_norm(s.weights if k == 0 else s.states[0],
+                                                            float("inf"))) for s in segs if s.weights.numel())
+                         for k in (0, 1)]
+            assert (w_max, m_max) == tuple(reference)
+            assert FusedUpdate._measure(SimpleNamespace(_segments=segs, _sgd=True))[1] == 0.0
+        for position in (0, 2, 3):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                segs = segments(1.0)
+                segs[position].weights[-1] = bad
+                w_max, _ = FusedUpdate._measure(SimpleNamespace(_segments=segs, _sgd=False))
+                assert not np.isfinite(w_max) and (np.isnan(w_max) or w_max == float("inf")), (position, bad)
+                if np.isnan(bad):
+                    assert np.isnan(w_max)
+    finally:
+        torch.set_num_threads(previous)
+    assert FusedUpdate._measure(SimpleNamespace(_segments=[], _sgd=False)) == (0.0, 0.0)
+
+
 def test_carried_bounds_that_grew_too_large_are_measured_again_before_the_exact_path():
     """The carried bounds only grow (a long run multiplies them by the rounding slack every step):
     when they no longer rule an overflow out, the weights are measured again, and the step stays
