@@ -28,21 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
 
-
-def _mlp(width: int):
-    import torch
-
-    class Mlp(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                              torch.nn.ReLU(), torch.nn.Linear(width, 10))
-
-        def forward(self, x, labels):
-            return torch.nn.functional.cross_entropy(self.layers(x), labels)
-
-    return Mlp()
+from real_sizes import _mlp  # noqa: E402  (make bench-real's MLP 1024 at other widths)
 
 
 def worker(args) -> dict:
@@ -56,9 +44,11 @@ def worker(args) -> dict:
     from ort_trainer.optim import AdamConfig
 
     torch.manual_seed(0)
-    model = _mlp(args.width)
-    desc = {"inputs": [("x", ["batch", args.width]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+    model = _mlp(args.width, hidden=args.width)
+    desc = {"inputs": [("x", ["batch", args.width]), ("labels", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
     trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4), options={"device": {"host_threads": args.threads}})
+    trainer._train_step_info.fetches = ["loss"]  # as make bench-real's training loop
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(args.batch, args.width, generator=generator), torch.randint(0, 10, (args.batch,), generator=generator))
                for _ in range(8)]

@@ -78,15 +78,16 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _mlp(features: int, classes: int = 10):
-    """``mlp-1024``'s model: ``(x, labels) -> (cross-entropy, logits)``, two hidden layers of 1024."""
+def _mlp(features: int, classes: int = 10, hidden: int = 1024):
+    """``mlp-1024``'s model: ``(x, labels) -> (cross-entropy, logits)``, two hidden layers of ``hidden``."""
     import torch
 
     class Mlp(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = torch.nn.Sequential(torch.nn.Linear(features, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                              torch.nn.ReLU(), torch.nn.Linear(1024, classes))
+            self.layers = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                                              torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                                              torch.nn.Linear(hidden, classes))
 
         def forward(self, x, labels):
             logits = self.layers(x)

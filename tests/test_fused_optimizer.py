@@ -286,6 +286,7 @@ def test_the_measured_bounds_are_the_largest_magnitudes_exactly_and_nan_from_any
     first or last, makes the bound non-finite (the step then goes the exact way)."""
     from types import SimpleNamespace
 
+    from ort_trainer.devices import torch_threads
     from ort_trainer.update import _Segment
 
     generator = torch.Generator().manual_seed(7)
@@ -296,9 +297,7 @@ def test_the_measured_bounds_are_the_largest_magnitudes_exactly_and_nan_from_any
                          torch.empty(n), [torch.randn(n, generator=generator) * scale, torch.empty(n)])
                 for i, n in enumerate(sizes)]
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for scale in (1e-3, 1.0, 3e30):
             segs = segments(scale)
             fake = SimpleNamespace(_segments=segs, _sgd=False)
@@ -316,8 +315,6 @@ def test_the_measured_bounds_are_the_largest_magnitudes_exactly_and_nan_from_any
                 assert not np.isfinite(w_max) and (np.isnan(w_max) or w_max == float("inf")), (position, bad)
                 if np.isnan(bad):
                     assert np.isnan(w_max)
-    finally:
-        torch.set_num_threads(previous)
     assert FusedUpdate._measure(SimpleNamespace(_segments=[], _sgd=False)) == (0.0, 0.0)
 
 
