@@ -126,16 +126,21 @@ class _GradientSession:
         # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
         self.grad_bindings = engine.per_parity(
             lambda p: engine._bind_weights(self.gradient, p, self.gradient_outputs, engine.buffer_inputs))
-        self.accumulates = RESET_INPUT in self.gradient_inputs
+        # an accumulating graph (``GradientSource.accumulation_io``) reads each gradient buffer as an
+        # input and adds into it: with an operator, reset by an input, or through its output bound to
+        # the same buffer (the engine zeroes the buffers at a window's start)
+        self.accumulates = any(w + ACCUMULATOR_SUFFIX in self.gradient_inputs for w in engine.grads)
+        self.resets_in_graph = RESET_INPUT in self.gradient_inputs
         self.draws_random_numbers = _draws_random_numbers(gradient.graph)
         self.dropout_masks = HostDropoutMasks(gradient)  # Dropouts whose masks the host draws
         device = engine.placement
         for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
-                if self.accumulates:  # the graph adds into the buffer in place
+                if self.accumulates:
                     engine.sessions.bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
+                if self.resets_in_graph:  # the operator adds into the buffer in place and returns a flag
                     device.bind_fresh_output(binding, w + ACCUMULATED_FLAG_SUFFIX)
-                else:  # the graph writes the gradient straight into the buffer
+                else:  # the graph writes the gradient (or the sum) straight into the buffer
                     device.bind_output(binding, w + GRAD_SUFFIX, buffer)
             # Forward-updated buffers (BatchNorm statistics) land in scratch buffers; the trainer
             # commits them once the whole step has succeeded (``Engine.commit_buffers``).
@@ -356,8 +361,10 @@ class Engine:
             tensor.copy_(self.fixed_tensors[name])
         binding = sessions.grad_bindings[self.parity]
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
-        if sessions.accumulates:
+        if sessions.resets_in_graph:
             extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
+        elif sessions.accumulates and reset:
+            self.grads_flat.zero_()
         outputs = self._run(sessions.gradient, binding, {**feeds, **extra, **masks}, sessions.gradient_inputs,
                             sessions.gradient_outputs)
         for weight, (index, rows) in sessions.table_rows.items():  # in place, as PyTorch's AccumulateGrad

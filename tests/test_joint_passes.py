@@ -374,22 +374,26 @@ def test_tied_embedding_gradient_comes_from_the_cache(caplog):
 
 
 @pytest.mark.parametrize("tied_pass", [False, True])
-def test_tied_embedding_gradient_accumulates_on_the_host(tied_pass):
-    """With two micro-batches the engine sums the gradients on the host; the rows go into each
-    micro-batch's gradient before that sum: the accumulated gradient equals the float64 sum of both
-    halves' gradients on the masks each drew."""
+def test_tied_embedding_gradient_accumulates_in_the_buffer(tied_pass):
+    """With two micro-batches per window the graph adds each micro-batch's gradient into the buffer
+    and the engine adds the lookup's rows after each run: the buffer holds the float64 sum of both
+    halves' gradients on the masks each drew, and in the second window (the buffer zeroed at its
+    start) that window's sum alone. No second gradient buffer exists."""
     model, batch = _tied(TinyDecoder()), _batch()
     torch.manual_seed(0)
     trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0),
                          options={"graph_optimizations": {**ALL_OFF, "tied_embedding_gradient": tied_pass},
                                   "graph": {"gradient_source": "torch"}, "batch": {"gradient_accumulation_steps": 2}})
-    expected = {}
-    for half in (tuple(b[:, :5] for b in batch), tuple(b[:, 5:] for b in batch)):
-        _, _, probs, branch = trainer.train_step(*half)
-        for name, value in _reference_grads(model, half, [probs != 0, branch != 0]).items():
-            expected[name] = expected.get(name, 0) + value
+    for window in range(2):
+        expected = {}
+        halves = (tuple(b[:, :5] for b in batch), tuple(b[:, 5:] for b in batch))
+        for half in halves if window == 0 else halves[::-1]:
+            _, _, probs, branch = trainer.train_step(*half)
+            for name, value in _reference_grads(model, half, [probs != 0, branch != 0]).items():
+                expected[name] = expected.get(name, 0) + value
+        _assert_close({w: g.numpy().copy() for w, g in trainer._engine.accumulated.items()}, expected)
     assert bool(tied_embedding.host_table_rows(trainer._graphs.gradient)) == tied_pass
-    _assert_close({w: g.numpy().copy() for w, g in trainer._engine.accumulated.items()}, expected)
+    assert trainer._engine.accumulated_flat is trainer._engine.grads_flat
 
 
 def test_small_table_gradients_unit():

@@ -19,6 +19,7 @@ import torch
 from ..model_desc import ModelDescription
 from ..optim.config import _OptimizerConfig
 from . import cache as graph_cache
+from .names import ACCUMULATOR_SUFFIX, GRAD_SUFFIX
 
 
 @dataclass
@@ -182,11 +183,23 @@ class GradientSource(ABC):
 
     #: the value of ``graph.gradient_source`` that selects it
     name: str = ""
-    #: gradient accumulation happens inside the gradient graph (else the engine sums micro-batches)
+    #: gradient accumulation happens inside the gradient graph (else the engine sums micro-batches
+    #: in a buffer of their own); ``accumulation_io`` says how the graph's interface changes
     accumulates_in_graph: bool = False
     #: the eval graph comes from a trace of its own, built only when needed (``build_eval``), so a
     #: signature that is only evaluated needs no gradient graph (else ``build`` makes both at once)
     builds_eval_apart: bool = False
+
+    def accumulation_io(self, trained: list[str]) -> tuple[set[str], str]:
+        """The inputs an accumulating gradient graph (``job.accumulate``) reads besides the others,
+        and the suffix of each trained weight's output.
+
+        Here: each weight's ``ACCUMULATOR_SUFFIX`` input, and its ``GRAD_SUFFIX`` output returning
+        that input plus the micro-batch's gradient (``onnx_graph.sum_into_inputs``). The engine binds
+        both to the weight's gradient buffer, so the run adds into it, and zeroes the buffer before
+        an accumulation window's first micro-batch.
+        """
+        return {w + ACCUMULATOR_SUFFIX for w in trained}, GRAD_SUFFIX
 
     @abstractmethod
     def trace(self, job: GraphJob, sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:

@@ -9,7 +9,8 @@ GRAD_SUFFIX = "_grad"
 LOSS_SCALE_INPUT = "__loss_scale"
 RESET_INPUT = "__lazy_reset_grad"
 
-# Gradient accumulation inside the graph: the accumulator input and the flag output of each weight.
+# Gradient accumulation inside the graph: each weight's accumulator input (its gradient buffer) and, where an
+# operator adds into it in place (the onnxruntime source), that operator's flag output.
 ACCUMULATOR_SUFFIX = "_grad.accumulation.buffer"
 ACCUMULATED_FLAG_SUFFIX = "_grad.accumulation.out"
 

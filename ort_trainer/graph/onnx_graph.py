@@ -98,6 +98,104 @@ def eval_part(model: onnx.ModelProto, outputs: list[str], mask_inputs: Collectio
     return result
 
 
+def sum_into_inputs(model: onnx.ModelProto, accumulators: dict[str, str]) -> int:
+    """Make each output ``name`` of ``accumulators`` return its accumulator input plus its value, in place.
+
+    ``{output: input}``: every input is new, of its output's type and shape. Bound to the same buffer
+    as its output, each input makes a run add into that buffer. A value that a ``Gemm`` without
+    ``C`` computes (through ``Identity`` nodes and ``Transpose`` pairs that cancel, read by nothing
+    else) takes the input as its ``C`` (``beta`` 1): the product is added into the buffer with no
+    temporary of the weight's size. Any other value is renamed ``name + ".summand"`` (in subgraphs
+    too) and an ``Add`` of the input and it returns the output. ONNX Runtime's kernels read each
+    element of ``C`` or of the ``Add``'s operands before they write it (its CPU ``Gemm`` copies ``C``
+    into ``Y``, a copy onto itself here, then adds the product; the CUDA one likewise with cuBLAS),
+    so sharing the buffer is sound. Returns how many went into a ``Gemm``.
+    """
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    refused = sorted(name for name in accumulators if name in inputs)
+    if refused:
+        raise ValueError(f"outputs {refused} are graph inputs: there is no value to add to their accumulators")
+    outputs = {o.name: o for o in graph.output}
+    for name, accumulator in accumulators.items():
+        added = copy.deepcopy(outputs[name])
+        added.name = accumulator
+        graph.input.append(added)
+    folded = _fold_into_products(graph, accumulators)
+    rest = {name: accumulator for name, accumulator in accumulators.items() if name not in folded}
+    renamed = {name: name + ".summand" for name in rest}
+    _rename_values(graph, renamed)
+    for entry in [*graph.initializer, *graph.value_info]:
+        entry.name = renamed.get(entry.name, entry.name)
+    graph.node.extend(helper.make_node("Add", [accumulator, renamed[name]], [name], name=f"accumulate_{name}")
+                      for name, accumulator in rest.items())
+    return len(folded)
+
+
+def _fold_into_products(graph: onnx.GraphProto, accumulators: dict[str, str]) -> set[str]:
+    """Give each output of ``accumulators`` that a ``Gemm`` without ``C`` computes (see
+    ``sum_into_inputs``) its accumulator as ``C``; returns those outputs."""
+    nodes = list(graph.node)  # one set of message objects: nodes are told apart by identity below
+    producer = {out: node for node in nodes for out in node.output}
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for name in _outer_names(graph) - set(readers):
+        readers[name] = 1  # read by a subgraph only
+    graph_outputs = {o.name for o in graph.output}
+    folded, dropped, gone = set(), set(), set()  # gone: the names of values no longer computed
+    for name, accumulator in accumulators.items():
+        if readers.get(name):
+            continue  # the graph reads the value itself: it must stay the micro-batch's own
+        chain, value, transposes = [], name, 0
+        while value in producer and producer[value].op_type in ("Identity", "Transpose"):
+            node = producer[value]
+            if node.op_type == "Transpose":
+                perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+                if perm != [1, 0]:
+                    break
+                transposes += 1
+            chain.append(node)
+            value = node.input[0]
+            if readers.get(value, 0) != 1 or value in graph_outputs:
+                break
+        gemm = producer.get(value)
+        if (gemm is None or (gemm.domain, gemm.op_type) not in (("", "Gemm"), ("ai.onnx", "Gemm"))
+                or any(gemm.input[2:]) or transposes % 2
+                or (chain and (readers.get(value, 0) != 1 or value in graph_outputs))):
+            continue
+        del gemm.input[2:]
+        gemm.input.append(accumulator)
+        kept = [a for a in gemm.attribute if a.name != "beta"]
+        del gemm.attribute[:]
+        gemm.attribute.extend([*kept, helper.make_attribute("beta", 1.0)])
+        gone.update(node.output[0] for node in chain)
+        gone.add(gemm.output[0])
+        gemm.output[0] = name
+        dropped.update(id(node) for node in chain)
+        folded.add(name)
+    kept = [node for node in nodes if id(node) not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    annotations = [info for info in graph.value_info if info.name not in gone - {*folded}]
+    del graph.value_info[:]
+    graph.value_info.extend(annotations)
+    return folded
+
+
+def _rename_values(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
+    """Rename what nodes of ``graph`` and of its subgraphs read and write, in place."""
+    for node in graph.node:
+        for field in (node.input, node.output):
+            for i, name in enumerate(field):
+                if name in renamed:
+                    field[i] = renamed[name]
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                _rename_values(sub, renamed)
+
+
 def _dropout_bypasses(nodes, mask_inputs: set[str]) -> dict[str, str]:
     """``{output: input}`` of what is the identity in eval mode: every ``Dropout`` (its first
     output is its input) and every ``Mul`` of a value by one of ``mask_inputs``."""
@@ -243,4 +341,4 @@ def dangling_names(graph: onnx.GraphProto, outer: Collection[str] = ()) -> list[
 
 
 __all__ = ["build_inference_graph", "compacted", "dangling_names", "drop_outputs", "eval_part", "io_signature",
-           "largest_tensors", "module_of", "specialize", "value_info"]
+           "largest_tensors", "module_of", "specialize", "sum_into_inputs", "value_info"]

@@ -23,8 +23,8 @@ from .._temporaries import save_model
 from ..optim.config import LambConfig
 from . import cache as graph_cache
 from .export.torchscript import export_order
-from .job import GraphJob, Prepared, Traced
-from .names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
+from .job import GradientSource, GraphJob, Prepared, Traced
+from .names import GRAD_SUFFIX, LOSS_SCALE_INPUT
 from .onnx_graph import io_signature, value_info
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
 from .passes.dropout import host_mask_inputs
@@ -115,7 +115,8 @@ def build_training_graphs(
     input_dtypes = sample_dtypes(job, sample_inputs)
     started = time.perf_counter()
     dims = dims or None
-    accumulate = job.accumulate and source.accumulates_in_graph
+    # the source whose accumulation interface the graphs have, or None (they accumulate nothing)
+    accumulating = source if job.accumulate and source.accumulates_in_graph else None
     traced = forward if forward is not None and forward.serves(dims) else None
     op_record = None
     symbolic = dims is None and any(isinstance(d, str) for io in job.desc.inputs for d in io.shape)
@@ -126,7 +127,7 @@ def build_training_graphs(
     record = None if op_record is None else job.record_cache_key(op_record.key, input_dtypes, dims, outputs)
     eval_is_training = op_record is not None and op_record.eval_is_training
     if record is not None:
-        linked = _load_linked(store, record, job, input_dtypes, accumulate)
+        linked = _load_linked(store, record, job, input_dtypes, accumulating)
         if linked is not None:
             key, models, meta = linked
             _warn_untrained(meta.get("trainable", meta["trained"]), meta["trained"])
@@ -142,7 +143,7 @@ def build_training_graphs(
     trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
     prepared = source.prepare(job, traced, dims, outputs, input_dtypes)
     cached = store.load(key, validate=lambda models, meta: _entry_problems(models, meta, prepared, trainable,
-                                                                           accumulate))
+                                                                           accumulating))
     if cached is not None:
         models, meta = cached
         if record is not None:
@@ -181,7 +182,7 @@ def build_training_graphs(
 
 
 def _load_linked(store: graph_cache.GraphCache, record: str, job: GraphJob, input_dtypes: dict[str, str],
-                 accumulate: bool) -> tuple[str, dict[str, onnx.ModelProto], dict] | None:
+                 accumulating: GradientSource | None) -> tuple[str, dict[str, onnx.ModelProto], dict] | None:
     """The entry a trace linked to ``record`` (a ``GraphJob.record_cache_key``), checked as a hit
     by trace is, against its own metadata; None when there is none (the caller then traces)."""
     key = store.linked(record)
@@ -195,7 +196,7 @@ def _load_linked(store: graph_cache.GraphCache, record: str, job: GraphJob, inpu
             return ["meta.json's 'inputs' disagrees with the batch"]
         readable = {name: None for name in [*meta["weights"], *job.desc.input_names, LOSS_SCALE_INPUT]}
         prepared = Prepared({"outputs": meta["outputs"], "inputs": meta["inputs"]}, readable)
-        return _entry_problems(models, meta, prepared, meta.get("trainable", meta["trained"]), accumulate)
+        return _entry_problems(models, meta, prepared, meta.get("trainable", meta["trained"]), accumulating)
 
     cached = store.load(key, validate=problems)
     return None if cached is None else (key, *cached)
@@ -208,11 +209,12 @@ def _warn_untrained(trainable: list[str], trained: list[str]) -> None:
 
 
 def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Prepared, trainable: list[str],
-                    accumulate: bool) -> list[str]:
+                    accumulating: GradientSource | None) -> list[str]:
     """What makes a cache entry unusable for the program just traced (empty when it is sound).
 
     ``prepared.expected`` holds the metadata fields the traced program determines; the graphs'
-    inputs and outputs must be those the source derives from it.
+    inputs and outputs must be those the source derives from it (with ``accumulating``'s
+    ``accumulation_io`` where the graphs accumulate).
     """
     if sorted(models) not in (["eval", "gradient"], ["gradient"]):
         return [f"it holds the graphs {sorted(models)}, not gradient (and eval)"]
@@ -237,8 +239,9 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
     # the gradient graph may only read what the engine feeds, with the traced program's types
     inputs = prepared.gradient_inputs
     suffix, fed = GRAD_SUFFIX, set(inputs) | set(host_mask_inputs(models["gradient"]))
-    if accumulate:
-        suffix, fed = ACCUMULATED_FLAG_SUFFIX, fed | {w + ACCUMULATOR_SUFFIX for w in trained} | {RESET_INPUT}
+    if accumulating is not None:
+        added, suffix = accumulating.accumulation_io(trained)
+        fed |= added
     graphs = [models["gradient"].graph] + ([models["eval"].graph] if eval_io and prepared.eval_io is None else [])
     wrong = sorted({i.name for graph in graphs for i in graph.input
                     if i.name not in fed or (inputs.get(i.name) is not None and value_info(i) != inputs[i.name])})

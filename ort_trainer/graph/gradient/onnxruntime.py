@@ -21,7 +21,7 @@ from .. import cache as graph_cache
 from ..export.input_checks import find_input_constraints
 from ..export.torchscript import export_torch
 from ..job import Built, GradientSource, GraphJob, Prepared, Traced
-from ..names import LOSS_SCALE_INPUT
+from ..names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from ..onnx_graph import io_signature, specialize, value_info
 from ..passes import forward as rewrites
 from ..passes.buffers import expose_running_statistics
@@ -38,6 +38,12 @@ class OnnxRuntimeGradientSource(GradientSource):
 
     name = "onnxruntime"
     accumulates_in_graph = True
+
+    def accumulation_io(self, trained: list[str]) -> tuple[set[str], str]:
+        """``InPlaceAccumulatorV2`` adds into each ``ACCUMULATOR_SUFFIX`` input and returns a flag
+        (``ACCUMULATED_FLAG_SUFFIX``); ``RESET_INPUT`` makes it overwrite instead
+        (``ort_builder.add_gradient_accumulation``)."""
+        return {w + ACCUMULATOR_SUFFIX for w in trained} | {RESET_INPUT}, ACCUMULATED_FLAG_SUFFIX
 
     def trace(self, job: GraphJob, sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
         """Export (or copy) the forward graph, make it trainable, run the user's hook, and move
