@@ -173,7 +173,9 @@ class TorchGradientSource(GradientSource):
         logger.debug("joint graph rewrites: %s", passes.apply_joint_passes(gradient, job.passes or {}))
         meta = joint.meta
         if job.accumulate:  # the run adds each gradient into its buffer (``accumulation_io``)
-            sum_into_inputs(gradient, {w + GRAD_SUFFIX: w + ACCUMULATOR_SUFFIX for w in meta["trained"]})
+            folded = sum_into_inputs(gradient, {w + GRAD_SUFFIX: w + ACCUMULATOR_SUFFIX for w in meta["trained"]})
+            logger.debug("accumulation: %d of %d gradients added by their Gemm, the others by an Add", folded,
+                         len(meta["trained"]))
         return Built(compacted(gradient), None, list(meta["trained"]), dict(meta["buffer_updates"]),
                      program["constraints"], weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
 
