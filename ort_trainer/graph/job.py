@@ -19,7 +19,6 @@ import torch
 from ..model_desc import ModelDescription
 from ..optim.config import _OptimizerConfig
 from . import cache as graph_cache
-from .names import ACCUMULATOR_SUFFIX, GRAD_SUFFIX
 
 
 @dataclass
@@ -192,14 +191,9 @@ class GradientSource(ABC):
 
     def accumulation_io(self, trained: list[str]) -> tuple[set[str], str]:
         """The inputs an accumulating gradient graph (``job.accumulate``) reads besides the others,
-        and the suffix of each trained weight's output.
-
-        Here: each weight's ``ACCUMULATOR_SUFFIX`` input, and its ``GRAD_SUFFIX`` output returning
-        that input plus the micro-batch's gradient (``onnx_graph.sum_into_inputs``). The engine binds
-        both to the weight's gradient buffer, so the run adds into it, and zeroes the buffer before
-        an accumulation window's first micro-batch.
-        """
-        return {w + ACCUMULATOR_SUFFIX for w in trained}, GRAD_SUFFIX
+        and the suffix of each trained weight's output (``names``); asked only of a source that
+        ``accumulates_in_graph``."""
+        raise NotImplementedError(f"the {self.name!r} gradient source does not accumulate inside its graph")
 
     @abstractmethod
     def trace(self, job: GraphJob, sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:

@@ -144,6 +144,10 @@ def _fold_into_products(graph: onnx.GraphProto, accumulators: dict[str, str]) ->
     for name in _outer_names(graph) - set(readers):
         readers[name] = 1  # read by a subgraph only
     graph_outputs = {o.name for o in graph.output}
+
+    def private(value: str) -> bool:  # read by one node alone, and not returned
+        return readers.get(value, 0) == 1 and value not in graph_outputs
+
     folded, dropped, gone = set(), set(), set()  # gone: the names of values no longer computed
     for name, accumulator in accumulators.items():
         if readers.get(name):
@@ -158,12 +162,11 @@ def _fold_into_products(graph: onnx.GraphProto, accumulators: dict[str, str]) ->
                 transposes += 1
             chain.append(node)
             value = node.input[0]
-            if readers.get(value, 0) != 1 or value in graph_outputs:
+            if not private(value):
                 break
         gemm = producer.get(value)
         if (gemm is None or (gemm.domain, gemm.op_type) not in (("", "Gemm"), ("ai.onnx", "Gemm"))
-                or any(gemm.input[2:]) or transposes % 2
-                or (chain and (readers.get(value, 0) != 1 or value in graph_outputs))):
+                or any(gemm.input[2:]) or transposes % 2 or (chain and not private(value))):
             continue
         del gemm.input[2:]
         gemm.input.append(accumulator)
@@ -178,7 +181,7 @@ def _fold_into_products(graph: onnx.GraphProto, accumulators: dict[str, str]) ->
     kept = [node for node in nodes if id(node) not in dropped]
     del graph.node[:]
     graph.node.extend(kept)
-    annotations = [info for info in graph.value_info if info.name not in gone - {*folded}]
+    annotations = [info for info in graph.value_info if info.name not in gone - folded]
     del graph.value_info[:]
     graph.value_info.extend(annotations)
     return folded

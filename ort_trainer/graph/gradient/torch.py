@@ -38,6 +38,13 @@ class TorchGradientSource(GradientSource):
     accumulates_in_graph = True
     builds_eval_apart = True
 
+    def accumulation_io(self, trained: list[str]) -> tuple[set[str], str]:
+        """Each weight's ``ACCUMULATOR_SUFFIX`` input, and its ``GRAD_SUFFIX`` output returning that
+        input plus the micro-batch's gradient (``onnx_graph.sum_into_inputs``). The engine binds both
+        to the weight's gradient buffer, so the run adds into it, and zeroes the buffer before an
+        accumulation window's first micro-batch."""
+        return {w + ACCUMULATOR_SUFFIX for w in trained}, GRAD_SUFFIX
+
     def trace(self, job: GraphJob, sample_inputs: Sequence[np.ndarray], dims: dict[str, int] | None) -> Traced:
         """``torch.export`` of the model (an ONNX model converted first) with its loss: of exactly
         the sample's shapes when ``dims`` are given (a static graph builds several times faster
