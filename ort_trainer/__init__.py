@@ -3,6 +3,7 @@
 The public surface (api.md section 1)::
 
     from ort_trainer import ORTTrainer, ORTTrainerOptions, TrainStepInfo, IODescription, ModelDescription
+    from ort_trainer import StepError  # an ONNX Runtime error inside a step, in the user's terms
     from ort_trainer.optim import SGDConfig, AdamConfig, LambConfig, lr_scheduler
     from ort_trainer.amp import LossScaler, DynamicLossScaler
 """
@@ -19,6 +20,7 @@ from . import _logging  # noqa: E402, F401  (configures logging before ONNX Runt
 from . import amp, optim  # noqa: E402
 from .model_desc import IODescription, ModelDescription  # noqa: E402
 from .options import ORTTrainerOptions  # noqa: E402
+from ._run_errors import StepError  # noqa: E402
 from .trainer import ORTTrainer, TrainStepInfo  # noqa: E402
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "ModelDescription",
     "ORTTrainer",
     "ORTTrainerOptions",
+    "StepError",
     "TrainStepInfo",
     "amp",
     "optim",

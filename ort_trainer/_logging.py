@@ -16,7 +16,6 @@ LOGGER_NAME = "ort_trainer"
 logger = logging.getLogger(LOGGER_NAME)
 
 # ONNX Runtime severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
-_ORT_SEVERITY = {logging.DEBUG: 1, logging.INFO: 3, logging.WARNING: 3, logging.ERROR: 3, logging.CRITICAL: 4}
 
 
 def _configure_from_env() -> None:
@@ -38,9 +37,12 @@ def _configure_from_env() -> None:
 
 
 def ort_severity() -> int:
-    """Return the ONNX Runtime log severity matching the ``ort_trainer`` logger's level."""
+    """Return the ONNX Runtime log severity matching the ``ort_trainer`` logger's level: its INFO
+    lines at DEBUG, its warnings and errors at INFO, else only fatal ones. An error of a run reaches
+    the caller as an exception that says more (``_run_errors.StepError``), so ONNX Runtime's own
+    line for it stays off stderr unless logging asks for it."""
     level = logger.getEffectiveLevel()
-    return 1 if level <= logging.DEBUG else 3
+    return 1 if level <= logging.DEBUG else 2 if level <= logging.INFO else 4
 
 
 _configure_from_env()

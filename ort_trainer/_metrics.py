@@ -73,7 +73,7 @@ class MetricsLog:
         text = "".join(json.dumps(r) + "\n" for r in kept)
         if text.encode() == self.path.read_bytes():
             return
-        atomic_write(self.path, lambda temporary: Path(temporary).write_text(text))
+        atomic_write(self.path, lambda temporary: Path(temporary).write_text(text), what="writing the metrics log")
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one record as one line, written whole."""

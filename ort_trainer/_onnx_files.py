@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ._interrupt import stop_if_interrupted
 from ._temporaries import atomic_write
 
 #: the largest model written as one file: protobuf refuses messages of 2 GiB; the margin leaves room
@@ -80,7 +81,7 @@ def save_with_weights(model: onnx.ModelProto, path: str | os.PathLike, weights: 
     if external_data:
         _save_external(model, Path(path), weights, sizes, read)
     else:
-        atomic_write(path, lambda temporary: _write_inline(model, temporary, weights, read))
+        atomic_write(path, lambda temporary: _write_inline(model, temporary, weights, read), what="save_as_onnx")
     return external_data
 
 
@@ -123,6 +124,7 @@ def save_while_building(build: Callable[[], tuple[onnx.ModelProto, list[str]]], 
                 writer.start()
                 try:
                     built.extend(build())
+                    stop_if_interrupted()  # Ctrl-C during the build: stop before the rest is written
                 except BaseException:
                     writer.stop_asked.set()
                     raise
@@ -135,7 +137,7 @@ def save_while_building(build: Callable[[], tuple[onnx.ModelProto, list[str]]], 
                 _write_weights(out, [name for name in names if name not in chosen], read)
                 out.write(model.SerializeToString())
         try:
-            atomic_write(path, write)
+            atomic_write(path, write, what="save_as_onnx")
             return False
         except _Rewrite:
             pass
@@ -185,6 +187,8 @@ def _write_weights(out, names: Iterable[str], read: WeightReader, stop: threadin
     for name in names:
         if stop is not None and stop.is_set():
             return
+        if threading.current_thread() is threading.main_thread():
+            stop_if_interrupted()  # Ctrl-C: stop here, and no file is written
         _write_initializer(out, name, np.ascontiguousarray(read(name)))
 
 
@@ -243,6 +247,7 @@ def _save_external(model: onnx.ModelProto, path: Path, weights: Mapping[str, tup
     def write_data(temporary: str) -> None:
         with open(temporary, "wb") as out:
             for name in weights:
+                stop_if_interrupted()  # Ctrl-C: stop here, and neither file is written
                 out.seek(offsets[name])
                 value = np.ascontiguousarray(read(name))
                 if value.nbytes != sizes[name]:
@@ -253,9 +258,10 @@ def _save_external(model: onnx.ModelProto, path: Path, weights: Mapping[str, tup
     def write_model(temporary: str) -> None:
         with open(temporary, "wb") as out:
             out.write(located.SerializeToString())
-        atomic_write(data, write_data)  # the model is complete: now the data, then the model
+        atomic_write(data, write_data, what="save_as_onnx")  # the model is complete: now the data, then the model
 
-    atomic_write(path, write_model)
+    # once the data is in place, its model follows it whatever happens (Ctrl-C is raised after)
+    atomic_write(path, write_model, what="save_as_onnx", stop_before_move=False)
 
 
 __all__ = ["INLINE_LIMIT", "data_path", "save_while_building", "save_with_weights"]

@@ -20,8 +20,8 @@ from . import checkpoint
 from ._logging import logger
 from ._state_checks import (IncomingState, IncompatibleKeys, SHARED_OPTIMIZER_STATE, WeightSpec, accumulated_problems,
                             as_array, as_count, dtype_family, loss_scaler_problems, lr_scheduler_problems,
-                            optimizer_problems, parse_train_step_info, parse_trainer_options, trial_load,
-                            weight_problems)
+                            optimizer_problems, parse_train_step_info, parse_trainer_options, problems_report,
+                            trial_load, weight_problems)
 from .graph.optimizer import state_names
 from .optim.config import LambConfig
 
@@ -139,6 +139,10 @@ class _StateMixin:
         return engine.optimizer_states(full)
 
     # ---- what a state must look like --------------------------------------------------------------
+    def _weight_count(self) -> int:
+        """How many weights a full state of this trainer holds (a report's summary counts against it)."""
+        return sum(spec.required for spec in self._weight_specs(pytorch_format=False).values())
+
     def _weight_specs(self, pytorch_format: bool) -> dict[str, WeightSpec]:
         """Every weight name a state may hold, with its shape, dtype family and whether it is required.
 
@@ -244,7 +248,7 @@ class _StateMixin:
             problems += self._check_values(incoming)
         if problems:
             raise ValueError("load_state_dict: the state does not fit this trainer; nothing was changed:\n  "
-                             + "\n  ".join(problems))
+                             + problems_report(problems, self._weight_count()))
         self._apply(incoming)
         return left_out
 
@@ -347,6 +351,10 @@ class _StateMixin:
             FileNotFoundError: the directory does not exist.
             TypeError: ``user_dict`` is not plain data (every offending entry named) and
                 ``allow_pickle`` is False.
+            OSError: the write failed (a full disk): the message names the file; nothing is left
+                under ``path``.
+            KeyboardInterrupt: Ctrl-C during the save: no file is written, or the file is whole
+                when the signal came after its last array.
         """
         path = os.fspath(path)
         if os.path.exists(path):
@@ -396,8 +404,9 @@ class _StateMixin:
             The last file's ``user_dict``.
 
         Raises:
-            CheckpointError (a ``ValueError``): a file is missing, truncated, corrupted or unsafe,
-                or its state does not fit this trainer; every problem is named and nothing is changed.
+            CheckpointError (a ``ValueError``): a file is missing (or a directory), truncated,
+                corrupted or unsafe, or its state does not fit this trainer; every problem is named,
+                after a summary when there are many, and nothing is changed.
         """
         if not paths:
             raise TypeError("load_checkpoint needs at least one path")
@@ -433,7 +442,7 @@ class _StateMixin:
             problems += self._check_values(incoming)
         if problems:
             raise checkpoint.CheckpointError(f"load_checkpoint: {where} does not fit this trainer; nothing was "
-                                             "changed:\n  " + "\n  ".join(problems))
+                                             "changed:\n  " + problems_report(problems, self._weight_count()))
         user = files[-1].user_dict(allow_pickle)
         self._apply(incoming)
         if left_out.missing_keys or left_out.unexpected_keys:

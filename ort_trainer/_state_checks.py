@@ -98,6 +98,42 @@ class IncomingState:
         self.counts = {k: v.read() if isinstance(v, checkpoint.StoredArray) else v for k, v in self.counts.items()}
 
 
+_SUMMARY_SHAPES = 5  # shape mismatches the summary of a long report quotes
+
+
+def problems_report(problems: list[str], expected_weights: int) -> str:
+    """The problems of a state that does not fit, led by a summary: the counts of each kind and the
+    first shape mismatches (what tells another model's checkpoint from an older version of this
+    one), then every problem, shape and dtype mismatches first.
+
+    Args:
+        problems: the messages of the checks in this module.
+        expected_weights: how many weights the trainer has (the summary says how many are missing
+            of them).
+    """
+    shapes = [p for p in problems if ": shape " in p or ": dtype " in p]
+    missing = [p for p in problems if p.startswith("missing weight ")]
+    unexpected = [p for p in problems if p.startswith("unexpected weight ")]
+    others = [p for p in problems if p not in shapes and p not in missing and p not in unexpected]
+    ordered = shapes + missing + unexpected + others
+    if len(problems) <= 3:
+        return "\n  ".join(ordered)
+    counts = [f"{len(missing)} of the model's {expected_weights} weights missing" if missing else "",
+              f"{len(unexpected)} unexpected weights" if unexpected else "",
+              f"{len(shapes)} shape or dtype mismatches" if shapes else "",
+              f"{len(others)} other problems" if others else ""]
+    summary = f"{len(problems)} problems: " + ", ".join(c for c in counts if c)
+    differing = len(missing) + len({p.split(":")[0] for p in shapes if p.startswith("weight ")})
+    if differing > expected_weights // 2:
+        summary += f" ({differing} of the {expected_weights} weights are missing or of another shape: a checkpoint " \
+                   "of another model, or of another size of this one?)"
+    lines = [summary]
+    if shapes:
+        lines.append("first mismatches: " + "; ".join(shapes[:_SUMMARY_SHAPES]))
+    lines.append("all problems, mismatches first:")
+    return "\n  ".join(lines + ["  " + p for p in ordered])
+
+
 def shape_problems(where: str, value: Any, shape: tuple, kind: str) -> list[str]:
     """Problems of a value (array or ``StoredArray``) that must have ``shape`` and a ``kind`` dtype."""
     problems = []

@@ -10,6 +10,7 @@ leaves the temporary behind; the next write into the same directory removes it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Callable
 
 import onnx
 
+from ._interrupt import interruptible_save, stop_if_interrupted
 from ._logging import logger
 
 # A temporary older than this is stale whatever wrote it (a live writer keeps touching its file).
@@ -116,7 +118,8 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
     return removed
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None], replace: bool = True) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], replace: bool = True,
+                 what: str = "writing", stop_before_move: bool = True) -> None:
     """Write the file ``path`` whole or not at all.
 
     Stale temporaries of earlier interrupted writes in the directory are removed first; then
@@ -124,34 +127,89 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], replace:
     flushed to disk and moved into place. The temporary is removed whatever happens, so a
     failed write leaves nothing behind, and never touches a file already at ``path``.
 
+    Ctrl-C during the write is held (``_interrupt.interruptible_save``): ``write`` stops at its
+    next ``stop_if_interrupted``, or the temporary is dropped before it would move into place,
+    and ``KeyboardInterrupt`` reaches the caller; one arriving after the move is raised once the
+    file is whole.
+
     Args:
         path: the final file; its directory must exist.
         write: writes the whole file to the path it is given.
         replace: True replaces a file at ``path`` atomically; False never replaces one (the file
             is linked into place, and ``FileExistsError`` is raised if one appeared meanwhile).
+        what: the operation, for error messages (``"save_checkpoint"``).
+        stop_before_move: Ctrl-C during ``write`` drops the temporary; False moves it into place
+            anyway (``write`` put another file in place that needs this one) and raises after.
 
     Raises:
         FileExistsError: ``replace`` is False and ``path`` exists.
+        OSError: the write failed (a full disk...): the message names ``path`` and ``what``; the
+            error number is the system's.
+        KeyboardInterrupt: Ctrl-C arrived during the write.
     """
     path = Path(path)
-    remove_stale_temporaries(path.parent)
-    descriptor, temporary = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
-    os.close(descriptor)
-    try:
-        write(temporary)
-        with open(temporary, "rb+") as written:
-            os.fsync(written.fileno())
-        if replace:
-            os.replace(temporary, path)
-        else:
-            os.link(temporary, path)  # link, not rename: fails instead of replacing a file that appeared
-    finally:
+    with interruptible_save():
+        remove_stale_temporaries(path.parent)
         try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
+            descriptor, temporary = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp",
+                                                     dir=path.parent)
+        except OSError as exc:
+            raise _explained(exc, path, what) from exc
+        os.close(descriptor)
+        try:
+            write(temporary)
+            if stop_before_move:
+                stop_if_interrupted()  # the last moment at which nothing is in place yet
+            with open(temporary, "rb+") as written:
+                os.fsync(written.fileno())
+            if replace:
+                os.replace(temporary, path)
+            else:
+                os.link(temporary, path)  # link, not rename: fails instead of replacing a file that appeared
+        except FileExistsError:
+            raise
+        except (OSError, RuntimeError) as exc:
+            explained = _explained(exc, path, what)
+            if explained is exc:
+                raise
+            raise explained from exc
+        finally:
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                pass
+
+
+def _explained(exc: BaseException, path: Path, what: str) -> BaseException:
+    """``exc`` as an ``OSError`` of the system's error number that names the path and the operation
+    (the system names the temporary, if anything; h5py raises a ``RuntimeError`` with the number in
+    its message); ``exc`` itself when it says so already, or is no system error."""
+    if getattr(exc, "explained", False):
+        return exc  # a nested write's (save_as_onnx's data file)
+    code = getattr(exc, "errno", None)
+    if code is None:
+        found = re.search(r"errno = (\d+)", str(exc))
+        if found is None:
+            return exc
+        code = int(found.group(1))
+    reason = os.strerror(code) if code else str(exc)
+    advice = ""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        advice = f": the file system of {str(path.parent)!r} is full: free space there or write elsewhere"
+    elif code == errno.EFBIG:
+        advice = ": the file is larger than the file system or the process's file size limit allows"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = f": {str(path.parent)!r} is not writable"
+    message = f"{what}: could not write {str(path)!r}: {reason}{advice}; nothing was written there"
+    kind = type(exc) if isinstance(exc, OSError) else OSError
+    try:
+        error = kind(code, message) if code else kind(message)
+    except TypeError:  # an OSError subclass with a constructor of its own
+        error = OSError(code, message)
+    error.explained = True
+    return error
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """``onnx.save`` through ``atomic_write``: a graph file is there whole, or not changed at all."""
-    atomic_write(path, lambda temporary: onnx.save(model, temporary))
+    atomic_write(path, lambda temporary: onnx.save(model, temporary), what="saving an ONNX graph")

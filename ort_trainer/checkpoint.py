@@ -41,6 +41,7 @@ import numpy as np
 
 from ._checkpoint_schema import _SCHEMA, _USER, _USERBLOCK, _string_attribute, _walk
 from ._logging import logger
+from ._interrupt import stop_if_interrupted
 from ._temporaries import atomic_write
 from ._user_dict import SCALAR_TAG, array_references, decode_user_dict, encode_user_dict
 
@@ -118,6 +119,7 @@ def write(path: str | os.PathLike, content: dict[str, Any], allow_pickle: bool =
     def write_file(temporary: str) -> None:
         with h5py.File(temporary, "w", userblock_size=_USERBLOCK) as handle:
             for name, array in arrays.items():
+                stop_if_interrupted()  # Ctrl-C: stop here, and no file is written
                 handle.create_dataset(name, data=array)
             for key, value in attrs.items():
                 handle.attrs[key] = value
@@ -127,7 +129,7 @@ def write(path: str | os.PathLike, content: dict[str, Any], allow_pickle: bool =
             written.write(digest)
 
     try:
-        atomic_write(path, write_file, replace=False)
+        atomic_write(path, write_file, replace=False, what="save_checkpoint")
     except FileExistsError:
         raise FileExistsError(f"save_checkpoint: {str(path)!r} already exists; choose a new path") from None
 
@@ -285,6 +287,8 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     """
     h5py = _h5py()
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"load_checkpoint: {str(path)!r} is a directory; give the checkpoint file in it")
     if not path.is_file():
         raise CheckpointError(f"load_checkpoint: {str(path)!r} does not exist")
     file = open(path, "rb")  # kept open by the CheckpointFile: its arrays are read from it

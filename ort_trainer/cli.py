@@ -217,7 +217,8 @@ def train(config: dict, resume: bool = False, overwrite: bool = False) -> dict:
         if job.kind == "lm" and config["export"]["sample_tokens"]:
             text = sample_onnx(out / "model.onnx", config["export"]["prompt"], config["export"]["sample_tokens"],
                                config["model"]["block_size"], seed=config["seed"])
-            atomic_write(out / "samples.txt", lambda temporary: Path(temporary).write_text(text))
+            atomic_write(out / "samples.txt", lambda temporary: Path(temporary).write_text(text),
+                         what="writing samples")
             summary["files"].append("samples.txt")
             summary["sample"] = text
     return summary
@@ -243,7 +244,7 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     if train or evals:
         ax.legend()
     fig.tight_layout()
-    atomic_write(png, lambda temporary: fig.savefig(temporary, dpi=100, format="png"))
+    atomic_write(png, lambda temporary: fig.savefig(temporary, dpi=100, format="png"), what="plotting the loss")
     plt.close(fig)
 
 

@@ -29,10 +29,10 @@ import onnxruntime as ort
 import torch
 
 from ._logging import ort_severity
+from ._run_errors import StepError
 from .devices import Device, make_device
-from .dropout_masks import HostDropoutMasks
-from .graph.names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
-from .graph.passes.tied_embedding import host_table_rows
+from ._signature_sessions import SessionSet
+from .graph.names import LOSS_SCALE_INPUT, RESET_INPUT
 from .optim.config import _OptimizerConfig
 from .sessions import Sessions
 from .update import OptimizerUpdate, update_class
@@ -57,95 +57,6 @@ def _fill(target: torch.Tensor, value, dtype: np.dtype, start: int = 0, stop: in
         return
     flat = np.ascontiguousarray(value, dtype=dtype).reshape(-1)[start:stop]
     target.copy_(torch.from_numpy(flat).view(target.shape))
-
-
-_RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                         "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
-
-
-def _draws_random_numbers(graph: onnx.GraphProto) -> bool:
-    """Whether a node of ``graph`` (or of a subgraph) draws from ONNX Runtime's random generator."""
-    for node in graph.node:
-        if node.op_type in _RANDOM_OPS:
-            return True
-        for attr in node.attribute:
-            subgraphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
-            if any(_draws_random_numbers(g) for g in subgraphs):
-                return True
-    return False
-
-
-class _SessionSet:
-    """Gradient and eval sessions of one shape signature, with their per-parity bindings: each made
-    when a step first needs it (a signature only evaluated never makes its gradient session)."""
-
-    def __init__(self, engine: "Engine", gradient: Callable[[], onnx.ModelProto],
-                 eval_model: Callable[[], onnx.ModelProto]):
-        self._engine, self._gradient_model, self._eval_model = engine, gradient, eval_model
-        self._eval: tuple | None = None
-        self.training: _GradientSession | None = None
-
-    def make_training(self) -> None:
-        """Make the gradient session and its bindings, unless made already."""
-        if self.training is None:
-            self.training = _GradientSession(self._engine, self._gradient_model())
-
-    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str], list[str]]:
-        """The eval session, its per-parity bindings, its input names and the description's outputs
-        it returns, made on first use (the eval graph itself may be built only then)."""
-        if self._eval is None:
-            model = self._eval_model()
-            outputs = _described_outputs(self._engine, model)
-            session = self._engine.sessions.make_session(model)
-            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, outputs))
-            self._eval = session, bindings, {i.name for i in session.get_inputs()}, outputs
-        return self._eval
-
-
-def _described_outputs(engine: "Engine", model: onnx.ModelProto) -> list[str]:
-    """The description's outputs ``model`` returns, in description order (a graph built for fewer
-    fetches returns fewer)."""
-    produced = {o.name for o in model.graph.output}
-    return [n for n in engine.output_names if n in produced]
-
-
-class _GradientSession:
-    """The gradient session of one shape signature, with its per-parity bindings to the engine's
-    weights, gradient buffers and scratch buffers."""
-
-    def __init__(self, engine: "Engine", gradient: onnx.ModelProto):
-        self.output_names = _described_outputs(engine, gradient)
-        self.gradient = engine.sessions.make_session(gradient)
-        self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
-        # tied embeddings (the tied_embedding_gradient pass): {weight: (row index, rows)}, the lookup's
-        # rows that forward_backward adds into the weight's gradient after the run
-        self.table_rows = {name[:-len(GRAD_SUFFIX)]: pair for name, pair in host_table_rows(gradient).items()}
-        self.gradient_outputs = self.output_names + [name for pair in self.table_rows.values() for name in pair]
-        # get_outputs() lists outputs in first-binding order: the description's outputs go first
-        # ONNX Runtime's training BatchNorm kernel writes the running statistics it reads in
-        # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
-        self.grad_bindings = engine.per_parity(
-            lambda p: engine._bind_weights(self.gradient, p, self.gradient_outputs, engine.buffer_inputs))
-        # an accumulating graph (``GradientSource.accumulation_io``) reads each gradient buffer as an
-        # input and adds into it: with an operator, reset by an input, or through its output bound to
-        # the same buffer (the engine zeroes the buffers at a window's start)
-        self.accumulates = any(w + ACCUMULATOR_SUFFIX in self.gradient_inputs for w in engine.grads)
-        self.resets_in_graph = RESET_INPUT in self.gradient_inputs
-        self.draws_random_numbers = _draws_random_numbers(gradient.graph)
-        self.dropout_masks = HostDropoutMasks(gradient)  # Dropouts whose masks the host draws
-        device = engine.placement
-        for binding in {id(b): b for b in self.grad_bindings}.values():
-            for w, buffer in engine.grads.items():
-                if self.accumulates:
-                    engine.sessions.bind_buffer(self.gradient, binding, w + ACCUMULATOR_SUFFIX, buffer)
-                if self.resets_in_graph:  # the operator adds into the buffer in place and returns a flag
-                    device.bind_fresh_output(binding, w + ACCUMULATED_FLAG_SUFFIX)
-                else:  # the graph writes the gradient (or the sum) straight into the buffer
-                    device.bind_output(binding, w + GRAD_SUFFIX, buffer)
-            # Forward-updated buffers (BatchNorm statistics) land in scratch buffers; the trainer
-            # commits them once the whole step has succeeded (``Engine.commit_buffers``).
-            for buffer_name, output in engine.buffer_updates.items():
-                device.bind_output(binding, output, engine.buffer_scratch[buffer_name])
 
 
 class Engine:
@@ -278,8 +189,8 @@ class Engine:
         else:
             self.accumulated_flat, self.accumulated = self.grads_flat, self.grads
         self._graph_provider = graph_provider
-        self._session_sets: dict[Hashable, _SessionSet] = {}
-        self._current: _SessionSet | None = None
+        self._session_sets: dict[Hashable, SessionSet] = {}
+        self._current: SessionSet | None = None
         self.update: OptimizerUpdate = update(self, optimizer_spec.graph, optimizer_config, grad_norm_clip)
 
     # ---- set-up helpers -------------------------------------------------------------------
@@ -326,7 +237,7 @@ class Engine:
         sessions = self._session_sets.get(signature)
         if sessions is None:
             gradient, eval_model = self._graph_provider(signature)
-            sessions = self._session_sets[signature] = _SessionSet(self, gradient, eval_model)
+            sessions = self._session_sets[signature] = SessionSet(self, gradient, eval_model)
         if training:
             sessions.make_training()
         self._current = sessions
@@ -365,8 +276,14 @@ class Engine:
             extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
         elif sessions.accumulates and reset:
             self.grads_flat.zero_()
-        outputs = self._run(sessions.gradient, binding, {**feeds, **extra, **masks}, sessions.gradient_inputs,
-                            sessions.gradient_outputs)
+        try:
+            outputs = self._run(sessions.gradient, binding, {**feeds, **extra, **masks}, sessions.gradient_inputs,
+                                sessions.gradient_outputs, data=feeds)
+        except StepError as exc:
+            if sessions.accumulates and not reset:  # the run adds into the window's sums as it goes
+                exc.args = (f"{exc} The gradients this accumulation window summed so far may hold part of this "
+                            "micro-batch: resume from the last checkpoint.",)
+            raise
         for weight, (index, rows) in sessions.table_rows.items():  # in place, as PyTorch's AccumulateGrad
             gradient = self.grads[weight]
             gradient.index_add_(0, outputs.pop(index), outputs.pop(rows).to(gradient.dtype))
@@ -376,7 +293,7 @@ class Engine:
         """Run the eval graph with the current weights. Returns the outputs by name."""
         self.sessions.begin_run(training=False)  # first: the eval session may be made now
         session, bindings, inputs, outputs = self._require_sessions().evaluation()
-        return self._run(session, bindings[self.parity], feeds, inputs, outputs)
+        return self._run(session, bindings[self.parity], feeds, inputs, outputs, data=feeds)
 
     def commit_buffers(self) -> list[str]:
         """Write the last step's new buffer values (BatchNorm statistics) into the buffers.
@@ -392,22 +309,25 @@ class Engine:
                 self.fixed_tensors[name].copy_(scratch)
         return rejected
 
-    def _require_sessions(self) -> _SessionSet:
+    def _require_sessions(self) -> SessionSet:
         if self._current is None:
             raise RuntimeError("Engine.select(signature) must be called before running a step")
         return self._current
 
     def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, feeds: dict[str, np.ndarray],
-             inputs: set[str], outputs: list[str]) -> dict[str, torch.Tensor]:
+             inputs: set[str], outputs: list[str], data: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run ``binding`` with the ``feeds`` that are among ``inputs``; returns ``outputs``, the
-        first ones bound, by name."""
+        first ones bound, by name. An ONNX Runtime error is raised as a ``StepError`` naming the
+        shapes of the step's ``data`` inputs and the failing node's module."""
         device = self.placement
         for name, value in feeds.items():
             if name in inputs:
                 device.bind_feed(binding, name, value)
         self.sessions.before_run(binding)
+        training = session is getattr(self._current.training, "gradient", None)
         try:
-            session.run_with_iobinding(binding)
+            self.sessions.run(session, binding, "the training step (forward and backward)" if training else
+                              "the evaluation", data, training)
             values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
             # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
             return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(outputs, values)}

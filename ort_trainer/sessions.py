@@ -13,6 +13,7 @@ import onnxruntime as ort
 import torch
 
 from ._logging import logger
+from ._run_errors import ONNXRUNTIME_ERRORS, explain, node_modules
 from .devices import Device
 
 
@@ -35,13 +36,27 @@ class Sessions:
         self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see bind_buffer
         self._rebinds: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by id(binding)
         self._phase: tuple[bool | None, int] = (None, 0)  # (training, runs) of the engine's current phase
+        self._modules: dict[int, dict[str, str]] = {}  # by id(session): its nodes' modules (``explain``)
 
     def make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
         """A session of ``model`` with these session options and execution providers, once the
         device has found nothing in the graph it cannot run (``Device.check_graph``)."""
         self.placement.check_graph(model)
-        return ort.InferenceSession(model.SerializeToString(), self.options, providers=self._providers,
-                                    disabled_optimizers=self._disabled_optimizers)
+        session = ort.InferenceSession(model.SerializeToString(), self.options, providers=self._providers,
+                                       disabled_optimizers=self._disabled_optimizers)
+        self._modules[id(session)] = node_modules(model)
+        return session
+
+    def run(self, session: ort.InferenceSession, binding: ort.IOBinding, what: str, feeds: dict,
+            training: bool) -> None:
+        """Run ``binding`` on ``session``. ONNX Runtime's error is raised as a ``StepError`` that says
+        ``what`` failed, names the shapes of ``feeds`` (the step's inputs) and the module of the
+        failing node (``_run_errors.explain``; ``training``: accumulation is advice that fits)."""
+        try:
+            session.run_with_iobinding(binding)
+        except (RuntimeError, MemoryError) + ONNXRUNTIME_ERRORS as exc:
+            raise explain(exc, what, feeds, self._modules.get(id(session), {}), training,
+                          gpu=self.placement.torch_device.type == "cuda") from exc
 
     def bind_buffer(self, session: ort.InferenceSession, binding: ort.IOBinding, name: str,
                     tensor: torch.Tensor) -> None:

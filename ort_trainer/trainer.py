@@ -27,7 +27,7 @@ from .amp.kernels import missing_kernels_explained
 from .devices import device_class, host_array, host_dtype, host_threads, torch_threads
 from .distributed import make_communicator
 from .engine import Engine
-from .graph.export.input_checks import check_inputs
+from .graph.export.input_checks import BatchChecks
 from .graph.gradient import make_gradient_source
 from .graph.job import GraphJob
 from .graph.onnx_graph import build_inference_graph
@@ -138,12 +138,14 @@ class ORTTrainer(_StateMixin):
         self._allreduce_micro_batches = self._comm is not None and window > 1 and not dist.allreduce_post_accumulation
         self._host_accumulation = window > 1 and (self._allreduce_micro_batches or not source.accumulates_in_graph)
         self._zero_counts: list[int] | None = None
+        self._building_for: tuple | None = None  # (feeds, training) while ``_ready`` may build graphs
         self._shapes = ShapeGraphs(self._job, opts.graph_optimizations.shape_specialization,
-                                   opts.graph_optimizations.max_shape_graphs)
+                                   opts.graph_optimizations.max_shape_graphs, check_batch=self._check_building)
         self._engine: Engine | None = None
         self._inputs = StepInputs(self.model_desc)
         self._dtypes_of: tuple | None = None  # (graphs, the input dtypes they take)
         self._fetched_of: tuple | None = None  # _fetch_plan's
+        self._checks: dict[int, tuple[dict, BatchChecks]] = {}  # id(constraints) -> (constraints, their checks)
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
@@ -158,11 +160,15 @@ class ORTTrainer(_StateMixin):
         return self._shapes.first
 
     # ---- building -----------------------------------------------------------------------------
-    def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
-        """Build the first graphs (``ShapeGraphs.build_first``) and the engine around them."""
+    def _build(self, sample_inputs: Sequence[np.ndarray], training: bool = True, check: bool = False) -> None:
+        """Build the first graphs (``ShapeGraphs.build_first``) and the engine around them; with
+        ``check``, the sample is a user's batch, checked against the graphs' input rules as soon
+        as they are known (after the trace, before the build)."""
+        feeds = dict(zip(self.model_desc.input_names, sample_inputs))
+        check_batch = (lambda constraints: self._check_batch(feeds, training, constraints)) if check else None
         if self._comm is not None and self._comm.rank != 0:
             self._comm.barrier()  # rank 0 builds and caches the graph; the others then load it
-        graphs = self._shapes.build_first(sample_inputs, self._outputs_key())
+        graphs = self._shapes.build_first(sample_inputs, self._outputs_key(), check_batch)
         if self._comm is not None and self._comm.rank == 0:
             self._comm.barrier()
         trained = graphs.meta["trained"]
@@ -210,11 +216,22 @@ class ORTTrainer(_StateMixin):
         return self._fetch_plan()[2]
 
     def _ready(self, feeds: dict[str, np.ndarray], training: bool = True) -> Engine:
-        with self._kernels_explained():  # sessions are made here, before the step changes anything
-            if self._engine is None:
-                self._build([feeds[name] for name in self.model_desc.input_names])
-            self._engine.select(self._shapes.signature(feeds, self._outputs_key()), training)
+        # sessions are made here, before the step changes anything; the graphs of a new shape are
+        # checked against the batch between their trace and their build (``_check_building``)
+        self._building_for = (feeds, training)
+        try:
+            with self._kernels_explained():
+                if self._engine is None:
+                    self._build([feeds[name] for name in self.model_desc.input_names], training, check=True)
+                self._engine.select(self._shapes.signature(feeds, self._outputs_key()), training)
+        finally:
+            self._building_for = None
         return self._engine
+
+    def _check_building(self, constraints: dict) -> None:
+        """``ShapeGraphs``' check of graphs about to be built: the batch ``_ready`` builds them for."""
+        if self._building_for is not None:
+            self._check_batch(*self._building_for, constraints)
 
     def _kernels_explained(self):
         """Mixed precision: a half-precision kernel ONNX Runtime lacks is a ``MissingKernelError``."""
@@ -273,11 +290,15 @@ class ORTTrainer(_StateMixin):
             tensors: the tensor itself when there is one.
 
         Raises:
-            ValueError: for missing, unknown or misshapen inputs. TypeError: for a wrong dtype.
+            ValueError: for missing, unknown or misshapen inputs, and values PyTorch refuses (a label
+                or token id out of range, a sequence longer than the position table), before
+                anything runs. TypeError: for a wrong dtype.
+            StepError: ONNX Runtime failed inside the step (out of memory...); the message names the
+                inputs' shapes and the module, and the trainer's state is as before the step.
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
+        self._check_batch(feeds, training=True)  # before a new shape's graph is built
         engine = self._ready(feeds)
-        self._check_batch(feeds, training=True)
         info = self._train_step_info
         window = self.options.batch.gradient_accumulation_steps
         scaler = self.options.mixed_precision.loss_scaler
@@ -310,18 +331,25 @@ class ORTTrainer(_StateMixin):
         state = np.random.SeedSequence([self._seed, rank, self._train_step_info.step]).generate_state(1, np.uint64)
         return int(state[0] >> np.uint64(1))  # ONNX Runtime takes a signed 64-bit seed
 
-    def _check_batch(self, feeds: dict[str, np.ndarray], training: bool) -> None:
-        """Refuse values PyTorch would refuse (negative labels, one value per BatchNorm channel...).
+    def _check_batch(self, feeds: dict[str, np.ndarray], training: bool, constraints: dict | None = None) -> None:
+        """Refuse values PyTorch would refuse (labels out of range, positions past the table, one
+        value per BatchNorm channel...): the rules of ``constraints``, by default those that hold
+        for the batch's shapes (``ShapeGraphs.constraints_for``).
 
         Raises:
             ValueError: listing every problem, before anything runs.
         """
-        constraints = self._graphs.meta.get("input_constraints") if self._graphs is not None else None
+        if constraints is None:
+            constraints = self._shapes.constraints_for(feeds)
         if not constraints:
             return
+        known = self._checks.get(id(constraints))
+        if known is None or known[0] is not constraints:
+            known = self._checks[id(constraints)] = (constraints, BatchChecks(constraints))
+        checks = known[1]
         # the symbols' sizes only where a rule reads them (BatchNorm's, in training)
-        symbols = dict(self._shapes.symbol_sizes(feeds)) if training and constraints.get("batchnorm") else {}
-        problems = check_inputs(constraints, feeds, symbols, training)
+        symbols = dict(self._shapes.symbol_sizes(feeds)) if training and checks.needs_symbols else {}
+        problems = checks.problems(feeds, symbols, training)
         if problems:
             raise ValueError("bad inputs:\n  " + "\n  ".join(problems))
 
@@ -356,11 +384,11 @@ class ORTTrainer(_StateMixin):
     def eval_step(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor | list[torch.Tensor]:
         """Run the forward pass with Dropout off and BatchNorm in inference mode; no state changes.
 
-        Takes and returns the same as ``train_step``.
+        Takes and returns the same as ``train_step``, and raises the same errors.
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
-        engine = self._ready(feeds, training=False)
         self._check_batch(feeds, training=False)
+        engine = self._ready(feeds, training=False)
         with self._kernels_explained():  # the eval session is made on the first evaluation
             return self._select_outputs(engine.evaluate(feeds))
 
@@ -416,6 +444,10 @@ class ORTTrainer(_StateMixin):
             FileNotFoundError: when the directory of ``path`` does not exist.
             RuntimeError: before the graph is built.
             ValueError: ``external_data=False`` for a model over 2 GB.
+            OSError: the write failed (a full disk): the message names the file; a file already at
+                ``path`` is left as it was.
+            KeyboardInterrupt: Ctrl-C during the save: no file is written, or the file is whole
+                when the signal came after its last weight.
         """
         path = Path(path)
         if not path.parent.is_dir():

@@ -205,7 +205,8 @@ class GraphUpdate(OptimizerUpdate):
         binding.bind_output(GRAD_NORM, "cpu")
         binding.bind_output(WEIGHTS_FINITE, "cpu")
         engine.sessions.before_run(binding)
-        self._session.run_with_iobinding(binding)
+        engine.sessions.run(self._session, binding, "the optimizer update (the ONNX optimizer graph)", {},
+                            training=False)
         produced = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
         result = StepResult(bool(produced[0].numpy()), float(produced[1].numpy()), bool(produced[2].numpy()))
         self._committable = result.all_finite

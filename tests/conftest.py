@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated graph cache per test session, deterministic seeds; the ``cuda`` marker.
+"""Shared fixtures: an isolated graph cache per test session, deterministic seeds, Python's own SIGINT
+handler (``python_sigint_handler``); the ``cuda`` marker.
 
 ``OMP_NUM_THREADS=N`` runs torch and every ONNX Runtime session the tests make with N intra-op
 threads (sums change order with the thread count: ``make test-tolerances`` runs both 1 and 2);
@@ -6,6 +7,7 @@ threads (sums change order with the thread count: ``make test-tolerances`` runs 
 """
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -61,3 +63,13 @@ def _seed():
     torch.manual_seed(0)
     np.random.seed(0)
     yield
+
+
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test: a process started in the background by a
+    non-interactive shell inherits SIGINT ignored (POSIX), and Python then installs none, so a
+    Ctrl-C could not be sent to it at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

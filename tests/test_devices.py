@@ -12,7 +12,8 @@ import torch
 from onnx import TensorProto, helper
 
 from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, clone, mlm_batch, mlm_loss, mlp_batch
-from ort_trainer import ORTTrainer, ORTTrainerOptions, _runtime, devices, engine as engine_module
+from ort_trainer import ORTTrainer, ORTTrainerOptions, _runtime, _signature_sessions, devices
+from ort_trainer import engine as engine_module
 from ort_trainer.graph.onnx_graph import largest_tensors
 from ort_trainer.optim import AdamConfig
 from ort_trainer.sessions import Sessions
@@ -431,11 +432,11 @@ def test_the_step_seed_is_drawn_only_for_graphs_that_draw_random_numbers(monkeyp
     graphs with one (also inside an If branch) reseed before every run."""
     drop = helper.make_node("Dropout", ["x", "r", "t"], ["y"])
     plain = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [], [])
-    assert not engine_module._draws_random_numbers(plain)
-    assert engine_module._draws_random_numbers(helper.make_graph([drop], "g", [], []))
+    assert not _signature_sessions._draws_random_numbers(plain)
+    assert _signature_sessions._draws_random_numbers(helper.make_graph([drop], "g", [], []))
     branch = helper.make_graph([drop], "b", [], [])
     nested = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=plain)
-    assert engine_module._draws_random_numbers(helper.make_graph([nested], "g", [], []))
+    assert _signature_sessions._draws_random_numbers(helper.make_graph([nested], "g", [], []))
 
     seeds = []
     monkeypatch.setattr(ort, "set_seed", seeds.append)

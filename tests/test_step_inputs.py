@@ -9,7 +9,8 @@ from models import MLP, MLP_DESC, mlp_batch
 from ort_trainer import ORTTrainer
 from ort_trainer._inputs import StepInputs, to_numpy
 from ort_trainer.amp.kernels import MissingKernelError, missing_kernels_explained
-from ort_trainer.graph.export.input_checks import _out_of_range, check_inputs
+from ort_trainer.graph.export.index_rules import out_of_range
+from ort_trainer.graph.export.input_checks import check_inputs
 from ort_trainer.model_desc import parse_model_desc
 from ort_trainer.optim import SGDConfig
 
@@ -26,12 +27,13 @@ def test_the_one_comparison_range_check_flags_what_the_two_comparisons_did(dtype
                                                                        endpoint=True)])
     wide = values.astype(object)  # Python ints: no wrap-around in the reference
     expected = np.array([v < 0 or (high is not None and v >= high) for v in wide])
-    np.testing.assert_array_equal(_out_of_range(values, high), expected)
-    np.testing.assert_array_equal(_out_of_range(values.reshape(-1, 1)[::2], high), expected.reshape(-1, 1)[::2])
+    np.testing.assert_array_equal(out_of_range(values, 0, high), expected)
+    np.testing.assert_array_equal(out_of_range(values.reshape(-1, 1)[::2], 0, high), expected.reshape(-1, 1)[::2])
 
 
 def test_the_label_check_keeps_ignore_index_and_reports_each_other_value():
-    constraints = {"indices": {"labels": [{"high": 5, "ignore": -100, "what": "cross-entropy"}]}}
+    constraints = {"indices": [{"steps": [{"op": "input", "name": "labels"}], "index": 0, "low": 0, "high": 5,
+                                "ignore": -100, "what": "cross-entropy"}]}
     fine = {"labels": np.array([0, 4, -100, 3], dtype=np.int64)}
     assert check_inputs(constraints, fine, {}, training=True) == []
     bad = {"labels": np.array([0, -100, -7, 5, 9], dtype=np.int64)}

@@ -250,16 +250,6 @@ def _interrupt_after(obj, name):
     return original
 
 
-@pytest.fixture
-def python_sigint_handler():
-    """Python's own SIGINT handler for the test: a process started in the background by a
-    non-interactive shell inherits SIGINT ignored (POSIX), and Python then installs none, so a
-    Ctrl-C could not be sent to it at all."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.parametrize("where", ["update.step", "forward_backward"])
 def test_ctrl_c_inside_train_step_applies_the_step_whole(where, python_sigint_handler):
     model = MLP()
@@ -290,7 +280,7 @@ def test_ctrl_c_inside_train_step_applies_the_step_whole(where, python_sigint_ha
 def test_the_torch_source_reads_the_checks_off_the_traced_program(dynamic):
     pytest.importorskip("onnxscript", reason="the torch gradient source exports with onnxscript")
     from ort_trainer.graph.gradient import autograd
-    from ort_trainer.graph.export.input_checks import find_program_constraints
+    from ort_trainer.graph.export.program_checks import find_program_constraints
     from ort_trainer.model_desc import parse_model_desc
 
     def constraints(model, desc, loss, batch, dims):
@@ -299,17 +289,23 @@ def test_the_torch_source_reads_the_checks_off_the_traced_program(dynamic):
         return find_program_constraints(traced.program, desc.input_names, traced._job["weight_of"],
                                         {io.name: list(io.shape) for io in desc.inputs}, None if dynamic else dims)
 
+    def summary(found):
+        return [(r["what"], r["steps"], r["index"], r["low"], r["high"], r["ignore"]) for r in found["indices"]]
+
     # a static trace's sizes are named by the symbol of that size, so the checks serve every shape
     found = constraints(_BatchNormMLP(), MLP_DESC, CE, mlp_batch(torch.Generator().manual_seed(0)), {"batch": 8})
-    assert found == {"indices": {"label": [{"high": 5, "ignore": -100, "what": "classes of the cross-entropy in "
-                                            "the loss function"}]},
-                     "batchnorm": [{"module": "norm", "shape": ["batch", 16]}]}
+    label = [{"op": "input", "name": "label"}]
+    assert summary(found) == [("classes of the cross-entropy in the loss function", label, 0, 0, 5, -100)]
+    assert found["batchnorm"] == [{"module": "norm", "shape": ["batch", 16]}]
     found = constraints(TinyEncoder(), ENCODER_DESC, mlm_loss, mlm_batch(torch.Generator().manual_seed(0)),
                         {"batch": 4, "seq": 12})
-    assert found == {"indices": {
-        "ids": [{"high": 50, "ignore": None, "what": "rows of 'embed.weight' (embedding lookup in embed)"}],
-        "labels": [{"high": 50, "ignore": -100, "what": "classes of the cross-entropy in the loss function"}]},
-        "batchnorm": []}
+    ids, labels = [{"op": "input", "name": "ids"}], [{"op": "input", "name": "labels"}]
+    positions = [*ids, {"op": "size", "x": {"ref": 0}, "dim": 1}, {"op": "arange", "start": 0, "end": {"ref": 1}, "step": 1}]
+    assert summary(found) == [
+        ("rows of 'embed.weight' (embedding lookup in embed)", ids, 0, 0, 50, None),
+        ("rows of 'position.weight' (embedding lookup in position)", positions, 2, 0, 64, None),  # arange(seq)
+        ("classes of the cross-entropy in the loss function", labels, 0, 0, 50, -100)]
+    assert found["batchnorm"] == []
 
 
 def test_an_onnx_model_with_its_loss_refuses_an_out_of_range_label():

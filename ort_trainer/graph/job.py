@@ -170,7 +170,6 @@ class Built:
     eval: onnx.ModelProto | None
     trained: list[str]
     buffer_updates: dict[str, str]
-    input_constraints: dict
     #: ``{weight: [shape, dtype]}`` and ``{weight: [torch keys]}`` of the weights the graphs read,
     #: where only building tells (else ``Prepared.expected`` has them)
     weights: dict | None = None
@@ -221,6 +220,12 @@ class GradientSource(ABC):
     def prepare(self, job: GraphJob, traced: Traced, dims: dict[str, int] | None, outputs: tuple | None,
                 input_dtypes: dict[str, str]) -> Prepared:
         """What the graphs for this specialisation must look like; writes the forward debug dump."""
+
+    @abstractmethod
+    def input_constraints(self, job: GraphJob, traced: Traced) -> dict:
+        """What a batch must satisfy for PyTorch to take it (``export.input_checks``): index rules
+        and BatchNorm shapes, read off the trace before any build rewrites it, so that the pipeline
+        can check the first batch before the build (seconds at real size) starts."""
 
     @abstractmethod
     def build(self, job: GraphJob, traced: Traced, prepared: Prepared) -> Built:

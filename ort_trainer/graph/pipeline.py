@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -88,6 +88,7 @@ def build_training_graphs(
     graph_cache_store: graph_cache.GraphCache | None = None,
     forward: Traced | None = None,
     outputs: tuple | None = None,
+    check_batch: Callable[[dict], None] | None = None,
 ) -> TrainingGraphs:
     """Build (or load from the cache) the training graphs of ``job``.
 
@@ -102,6 +103,9 @@ def build_training_graphs(
             trace where it serves ``dims`` (None, or a static trace of other sizes: trace now).
         outputs: the description outputs this graph returns besides the loss (None: all). Leaving
             outputs out lets passes such as ``sparse_labels`` skip work nobody reads.
+        check_batch: called with the graphs' input constraints (``export.input_checks``) as soon as
+            they are known: after the trace and before the build, or on a cache hit; it raises to
+            refuse the batch the graphs are built for, before seconds of building.
 
     Returns:
         The graphs, loaded from the cache when an entry for exactly this traced program and these
@@ -130,6 +134,8 @@ def build_training_graphs(
         linked = _load_linked(store, record, job, input_dtypes, accumulating)
         if linked is not None:
             key, models, meta = linked
+            if check_batch is not None:
+                check_batch(meta.get("input_constraints") or {})
             _warn_untrained(meta.get("trainable", meta["trained"]), meta["trained"])
             logger.info("reused the cached training graph %s (%.2f s, found by its operator record: no export) "
                         "from %s", key[:16], time.perf_counter() - started, store.root)
@@ -139,6 +145,9 @@ def build_training_graphs(
     if traced is None:
         traced = source.trace(job, sample_inputs, dims)
         traced.eval_is_training = eval_is_training
+    constraints = source.input_constraints(job, traced)
+    if check_batch is not None:
+        check_batch(constraints)
     key = job.cache_key(traced, input_dtypes, dims, outputs)
     trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
     prepared = source.prepare(job, traced, dims, outputs, input_dtypes)
@@ -167,7 +176,7 @@ def build_training_graphs(
         **prepared.expected,
         "trained": built.trained,
         "buffer_updates": built.buffer_updates,
-        "input_constraints": built.input_constraints,
+        "input_constraints": constraints,
         "gradient_source": source.name,
         "trainable": trainable,
     }

@@ -32,6 +32,8 @@ class ShapeGraphs:
         job: what to build.
         specialize: ``graph_optimizations.shape_specialization``.
         max_graphs: ``graph_optimizations.max_shape_graphs``.
+        check_batch: called with the input constraints of graphs of a new shape between their trace
+            and their build (``build_training_graphs``); it raises to refuse the batch they are for.
 
     Attributes:
         first: the first graphs built (the engine's layout comes from them), or None.
@@ -39,7 +41,8 @@ class ShapeGraphs:
         specialised: the shapes that have static-shape graphs.
     """
 
-    def __init__(self, job: GraphJob, specialize: bool, max_graphs: int):
+    def __init__(self, job: GraphJob, specialize: bool, max_graphs: int,
+                 check_batch: Callable[[dict], None] | None = None):
         self.job = job
         self.desc: ModelDescription = job.desc
         self.specialize = specialize
@@ -53,6 +56,9 @@ class ShapeGraphs:
         self._sample_inputs: list[np.ndarray] = []
         self._fallback_logged = False
         self._by_signature: dict[tuple | None, TrainingGraphs] = {}  # the training graphs built, by signature
+        # the input constraints of each traced shape (``()``: symbolic), exact for the batches its graphs run
+        self._constraints: dict[tuple, dict] = {}
+        self._check_batch = check_batch
 
     def synthetic_inputs(self, dtypes: dict[str, np.dtype] | None = None,
                          sizes: dict[str, int] | None = None) -> list[np.ndarray]:
@@ -78,14 +84,18 @@ class ShapeGraphs:
                     sizes[dim] = int(size)
         return tuple(sorted(sizes.items()))
 
-    def build_first(self, sample_inputs: Sequence[np.ndarray], outputs: tuple | None) -> TrainingGraphs:
+    def build_first(self, sample_inputs: Sequence[np.ndarray], outputs: tuple | None,
+                    check_batch: Callable[[dict], None] | None = None) -> TrainingGraphs:
         """Build (or load) the first graphs: those of the sample's shapes with ``specialize`` (static
         graphs build several times faster than symbolic ones on the torch source), else symbolic;
-        the symbolic graphs are built only when something needs them."""
+        the symbolic graphs are built only when something needs them. ``check_batch`` gets the
+        input constraints before the build (``build_training_graphs``)."""
         feeds = dict(zip(self.desc.input_names, sample_inputs))
         shape = self.symbol_sizes(feeds) if self.specialize else ()
-        graphs = build_training_graphs(self.job, sample_inputs, dims=dict(shape) or None, outputs=outputs)
+        graphs = build_training_graphs(self.job, sample_inputs, dims=dict(shape) or None, outputs=outputs,
+                                       check_batch=check_batch)
         self.first = graphs
+        self._constraints[shape] = graphs.meta.get("input_constraints") or {}
         self._first_signature = (shape, outputs)
         self._sample_inputs = list(sample_inputs)
         self._traces[shape] = graphs.forward
@@ -153,7 +163,9 @@ class ShapeGraphs:
             forward = self.first.forward
         dtypes = {name: array.dtype for name, array in zip(self.desc.input_names, self._sample_inputs)}
         samples = self.synthetic_inputs(dtypes, dict(shape)) if shape else self._sample_inputs
-        graphs = build_training_graphs(self.job, samples, dims=dict(shape) or None, forward=forward, outputs=outputs)
+        graphs = build_training_graphs(self.job, samples, dims=dict(shape) or None, forward=forward, outputs=outputs,
+                                       check_batch=self._check_batch)
+        self._constraints.setdefault(shape, graphs.meta.get("input_constraints") or {})
         if graphs.forward is not None:  # None: found in the cache without a trace
             self._traces.setdefault(shape if graphs.forward.dims else (), graphs.forward)
         if graphs.meta["trained"] != self.first.meta["trained"]:
@@ -163,6 +175,16 @@ class ShapeGraphs:
             # verdict on eval mode holds (a reused trace takes no record of its own)
             graphs.eval_is_training = graphs.eval_is_training or self.first.eval_is_training
         return graphs
+
+    def constraints_for(self, feeds: dict[str, np.ndarray]) -> dict | None:
+        """The input constraints that hold for these inputs: those of the graphs of their shape once
+        traced (exact for it), else of the symbolic graphs, else the first graphs' (whose rules
+        that hold for their own shapes only are then skipped: ``BatchChecks``); None before any."""
+        if len(self._constraints) <= 1:
+            return next(iter(self._constraints.values()), None)
+        shape = self.symbol_sizes(feeds) if self.specialize else ()
+        found = self._constraints.get(shape) or self._constraints.get(())
+        return found if found is not None else self.first.meta.get("input_constraints")
 
     def full_signature(self, feeds: dict[str, np.ndarray]) -> tuple | None:
         """The signature of graphs returning every output for these inputs' shapes."""

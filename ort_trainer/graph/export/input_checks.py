@@ -1,32 +1,39 @@
-"""Input checks PyTorch would make, read off the forward graph once and applied to every batch.
+"""Input checks PyTorch would make, read off the graph once and applied to every batch.
 
 ONNX operators accept inputs that PyTorch rejects: ``Gather`` takes a negative index as counting
 from the end, so label −3 trains as class C−3 and token id −1 as the last embedding row; a
 training-mode ``BatchNormalization`` over one value per channel divides by zero and leaves the
-running variance NaN for good. PyTorch raises for both. ``find_input_constraints`` records, from
-the forward graph before any rewrite, which integer inputs index what (embedding rows, classes of
-a cross-entropy) and the shape of every training-mode BatchNorm input in terms of the
-description's symbols; ``check_inputs`` then tests a batch against them in microseconds and
+running variance NaN for good. PyTorch raises for both. The rules come from the graph: for every
+operator that indexes with an integer tensor, the computation from the batch to that index
+(``index_rules``); for every training-mode BatchNorm, its input shape in terms of the
+description's symbols. ``BatchChecks`` then tests a batch against them in microseconds and
 returns every violation, before any state changes.
 
-The torch gradient source has no forward ONNX graph: ``find_program_constraints`` reads the same
-facts off its ``torch.export`` program (``aten.embedding`` indices, ``aten.cross_entropy_loss`` /
-``nll_loss`` targets, training-mode ``aten.batch_norm`` inputs), in the same format.
+``find_input_constraints`` reads them off an ONNX forward graph (the ``onnxruntime`` gradient
+source's export, or an ONNX model with its loss); ``program_checks.find_program_constraints``
+off the ``torch`` source's ``torch.export`` program, in the same format.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
+from ..._logging import logger
 from ..onnx_graph import module_of
+from . import index_rules
+from .index_rules import Untranslatable
 
-# ops whose output holds (a subset of) the index values of input 0, unchanged
-_PASS_THROUGH = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Expand", "Slice",
-                 "Gather", "Cast"}
+_INLINE_CONSTANT_ELEMENTS = 1 << 16
 _LOSSES = {"SoftmaxCrossEntropyLoss": "cross-entropy", "NegativeLogLikelihoodLoss": "negative log-likelihood loss"}
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Equal": "eq", "Less": "lt", "LessOrEqual": "le",
+           "Greater": "gt", "GreaterOrEqual": "ge", "And": "and", "Or": "or", "Xor": "xor", "Max": "maximum",
+           "Min": "minimum", "BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor"}
+_UNARY = {"Neg": "neg", "Abs": "abs", "Not": "not", "BitwiseNot": "bitwise_not"}
 
 
 def _dims(value_info: onnx.ValueInfoProto) -> list | None:
@@ -36,249 +43,366 @@ def _dims(value_info: onnx.ValueInfoProto) -> list | None:
             for d in value_info.type.tensor_type.shape.dim]
 
 
-def _int_attr(node: onnx.NodeProto, name: str) -> int | None:
+def _attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     for attr in node.attribute:
         if attr.name == name:
-            return int(onnx.helper.get_attribute_value(attr))
-    return None
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+class _Graph:
+    """What every rule of one ONNX graph needs: producers, constants, shapes and symbols."""
+
+    def __init__(self, model: onnx.ModelProto, data_inputs: list[str]):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        except Exception:  # shape inference only sharpens the checks
+            inferred = model
+        graph = inferred.graph
+        self.graph = graph
+        self.data_inputs = [i.name for i in graph.input if i.name in data_inputs]
+        self.shapes = {v.name: _dims(v) for v in [*graph.input, *graph.value_info, *graph.output]}
+        self.types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+        self.shapes.update({i.name: list(i.dims) for i in graph.initializer})
+        self.initializers = {i.name: i for i in graph.initializer}
+        self.weights = set(self.initializers) | {i.name for i in graph.input if i.name not in data_inputs}
+        self.producer = {out: node for node in graph.node for out in node.output if out}
+        self.symbol_at: dict[str, tuple[str, int]] = {}
+        for name in self.data_inputs:
+            for axis, dim in enumerate(self.shapes.get(name) or []):
+                if isinstance(dim, str):
+                    self.symbol_at.setdefault(dim, (name, axis))
+
+
+_INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
+                  onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
+# ops that only move or repeat values: the last of an index's chain leave the values checked unchanged
+_LAYOUT = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Expand"}
+
+
+def _checked_value(graph: _Graph, name: str) -> str:
+    """The value whose elements are those of index ``name``, before the layout ops and integer casts
+    that end its chain."""
+    while True:
+        node = graph.producer.get(name)
+        if node is None or not (node.op_type in _LAYOUT or (
+                node.op_type == "Cast" and graph.types.get(node.input[0]) in _INTEGER_TYPES
+                and _attribute(node, "to") in _INTEGER_TYPES)):
+            return name
+        name = node.input[0]
+
+
+class _Rule:
+    """The steps of one rule, built back from its index operand."""
+
+    def __init__(self, graph: _Graph):
+        self.g = graph
+        self.steps: list[dict] = []
+        self._done: dict[str, dict] = {}
+
+    def add(self, step: dict) -> dict:
+        self.steps.append(step)
+        return {"ref": len(self.steps) - 1}
+
+    def size(self, dim: Any) -> Any:
+        """An operand for a dimension of shape inference: a number, a symbol's size, or None."""
+        if isinstance(dim, int) or dim is None:
+            return dim
+        if dim not in self.g.symbol_at:
+            return None
+        source, axis = self.g.symbol_at[dim]
+        return self.add({"op": "size", "x": self.value(source), "dim": axis})
+
+    def constant(self, name: str) -> np.ndarray:
+        """The value of ``name`` when the graph fixes it (an initializer or a ``Constant``)."""
+        if name in self.g.initializers and name not in self.g.data_inputs:
+            return numpy_helper.to_array(self.g.initializers[name])
+        node = self.g.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            return _constant_value(node)
+        raise Untranslatable(f"{name!r} is not a constant")
+
+    def shape(self, name: str) -> dict:
+        """The shape of ``name`` as a 1-D operand: read off the value where the steps compute it,
+        else from shape inference's sizes, else through an embedding lookup (``Gather`` of a
+        table: the indices' shape and the row's)."""
+        try:
+            return self.add({"op": "shape", "x": self.value(name)})
+        except Untranslatable:
+            dims = [self.size(d) for d in self.g.shapes.get(name) or [None]]
+            if all(d is not None for d in dims):
+                return self.add({"op": "vector", "items": dims})
+            node = self.g.producer.get(name)
+            table = self.g.shapes.get(node.input[0]) if node is not None and node.op_type == "Gather" else None
+            if not table or node.input[0] not in self.g.weights or not all(isinstance(d, int) for d in table):
+                raise
+            axis = int(_attribute(node, "axis", 0) or 0) % len(table)
+            parts = [self.add({"op": "const", "value": table[:axis], "dtype": "int64"}), self.shape(node.input[1]),
+                     self.add({"op": "const", "value": table[axis + 1:], "dtype": "int64"})]
+            return self.add({"op": "concat", "xs": parts, "axis": 0})
+
+    def value(self, name: str) -> dict:
+        if name not in self._done:
+            self._done[name] = self._value(name)
+        return self._done[name]
+
+    def _value(self, name: str) -> dict:
+        g = self.g
+        if name in g.data_inputs:
+            return self.add({"op": "input", "name": name})
+        if name in g.initializers:
+            array = numpy_helper.to_array(g.initializers[name])
+            if array.dtype.kind not in "iub" or array.size > _INLINE_CONSTANT_ELEMENTS:
+                raise Untranslatable(f"{name!r} (a weight)")
+            return self.add({"op": "const", "value": array.tolist(), "dtype": str(array.dtype)})
+        node = g.producer.get(name)
+        if node is None:
+            raise Untranslatable(f"{name!r} (a weight)")
+        op, ins = node.op_type, list(node.input)
+        if op == "Constant":
+            array = _constant_value(node)
+            return self.add({"op": "const", "value": array.tolist(), "dtype": str(array.dtype)})
+        if op == "Identity":
+            return self.value(ins[0])
+        if op == "Cast":
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(_attribute(node, "to"))
+            return self.add({"op": "cast", "x": self.value(ins[0]), "dtype": str(dtype)})
+        if op == "Reshape":
+            return self.add({"op": "reshape", "x": self.value(ins[0]), "shape": self.value(ins[1]),
+                             "zeros_copy": not _attribute(node, "allowzero", 0)})
+        if op == "Flatten":
+            return self.add({"op": "flatten", "x": self.value(ins[0]), "axis": _attribute(node, "axis", 1)})
+        if op in ("Squeeze", "Unsqueeze"):
+            axes = _attribute(node, "axes")
+            axes = [int(a) for a in (self.constant(ins[1]).reshape(-1) if len(ins) > 1 and ins[1] else axes or [])]
+            rank = len(g.shapes.get(node.output[0] if op == "Unsqueeze" else ins[0]) or [])
+            if any(a < 0 for a in axes) and not rank:
+                raise Untranslatable(f"{op} of unknown rank")
+            axes = [a % rank if a < 0 else a for a in axes]
+            return self.add({"op": op.lower(), "x": self.value(ins[0]), "axes": axes or None})
+        if op == "Transpose":
+            perm = _attribute(node, "perm")
+            return self.add({"op": "transpose", "x": self.value(ins[0]), "perm": list(perm) if perm else None})
+        if op == "Expand":
+            return self.add({"op": "expand", "x": self.value(ins[0]), "shape": self.value(ins[1])})
+        if op == "Slice":
+            axes = self.value(ins[3]) if len(ins) > 3 and ins[3] else list(range(len(self.constant(ins[1]))))
+            steps = self.value(ins[4]) if len(ins) > 4 and ins[4] else None
+            return self.add({"op": "slice", "x": self.value(ins[0]), "axes": axes, "starts": self.value(ins[1]),
+                             "ends": self.value(ins[2]), "steps": steps})
+        if op == "Gather":
+            return self.add({"op": "take", "x": self.value(ins[0]), "indices": self.value(ins[1]),
+                             "axis": int(_attribute(node, "axis", 0))})
+        if op == "Pad":
+            if _attribute(node, "mode", b"constant") not in (b"constant", "constant") or (len(ins) > 3 and ins[3]):
+                raise Untranslatable("Pad other than constant padding of every axis")
+            value = self.value(ins[2]) if len(ins) > 2 and ins[2] else 0
+            return self.add({"op": "pad", "x": self.value(ins[0]), "pads": self.value(ins[1]), "layout": "onnx",
+                             "value": value})
+        if op == "Where":
+            return self.add({"op": "where", "cond": self.value(ins[0]), "x": self.value(ins[1]),
+                             "y": self.value(ins[2])})
+        if op in _BINARY and len(ins) == 2:
+            return self.add({"op": "binary", "fn": _BINARY[op], "a": self.value(ins[0]), "b": self.value(ins[1])})
+        if op == "Mod" and not _attribute(node, "fmod", 0):
+            return self.add({"op": "binary", "fn": "remainder", "a": self.value(ins[0]), "b": self.value(ins[1])})
+        if op in _UNARY:
+            return self.add({"op": "unary", "fn": _UNARY[op], "x": self.value(ins[0])})
+        if op == "Concat":
+            return self.add({"op": "concat", "xs": [self.value(i) for i in ins], "axis": _attribute(node, "axis")})
+        if op == "Shape":
+            shape = self.shape(ins[0])
+            start, end = _attribute(node, "start", 0), _attribute(node, "end")
+            if start == 0 and end is None:
+                return shape
+            return self.add({"op": "slice", "x": shape, "axes": [0], "starts": [start],
+                             "ends": [2**63 - 1 if end is None else end]})
+        if op == "ConstantOfShape":
+            fill = _attribute(node, "value")
+            array = numpy_helper.to_array(fill) if fill is not None else np.zeros(1, np.float32)
+            return self.add({"op": "full", "shape": self.value(ins[0]), "value": array.reshape(-1)[0].item(),
+                             "dtype": str(array.dtype)})
+        if op == "Range":
+            return self.add({"op": "arange", "start": self.value(ins[0]), "end": self.value(ins[1]),
+                             "step": self.value(ins[2])})
+        raise Untranslatable(f"{op} node {node.name!r}")
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray:
+    for attr in node.attribute:
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name in ("value_int", "value_ints"):
+            return np.asarray(onnx.helper.get_attribute_value(attr), dtype=np.int64)
+    raise Untranslatable(f"Constant node {node.name!r}")
+
+
+def _index_operands(node: onnx.NodeProto, graph: _Graph) -> list[dict]:
+    """What ``node`` indexes with: ``[{"index", "high", "low", "ignore", "what"}]`` (empty: nothing)."""
+    module, shapes = module_of(node.name), graph.shapes
+    if node.op_type == "Gather" and len(node.input) > 1:
+        axis = int(_attribute(node, "axis", 0) or 0)
+        table = shapes.get(node.input[0]) or []
+        high = table[axis] if len(table) > axis else None
+        if node.input[0] in graph.weights:
+            return [{"index": node.input[1], "high": high if isinstance(high, int) else None, "low": 0,
+                     "ignore": None, "what": f"rows of {node.input[0]!r} (embedding lookup in {module})"}]
+        return [{"index": node.input[1], "high": high, "low": "-high", "ignore": None,
+                 "what": f"positions along dimension {axis} of a Gather in {module}"}]
+    if node.op_type in ("GatherElements", "ScatterElements") and len(node.input) > 1:
+        axis = int(_attribute(node, "axis", 0) or 0)
+        data = shapes.get(node.input[0]) or []
+        return [{"index": node.input[1], "high": data[axis] if len(data) > axis else None, "low": "-high",
+                 "ignore": None, "what": f"positions along dimension {axis} of a {node.op_type} in {module}"}]
+    if node.op_type in _LOSSES and len(node.input) > 1:
+        scores = shapes.get(node.input[0]) or []
+        classes = scores[1] if len(scores) > 1 else None
+        ignore = _attribute(node, "ignore_index")
+        return [{"index": node.input[1], "high": classes if isinstance(classes, int) else None, "low": 0,
+                 "ignore": None if ignore is None else int(ignore),
+                 "what": f"classes of the {_LOSSES[node.op_type]} in {module}"}]
+    return []
 
 
 def find_input_constraints(model: onnx.ModelProto, data_inputs: list[str]) -> dict[str, Any]:
-    """What each batch must satisfy to be valid for PyTorch, from the forward graph.
+    """What each batch must satisfy to be valid for PyTorch, from an ONNX forward graph.
 
     Args:
         model: the forward graph (weights as initializers or graph inputs, with shapes).
         data_inputs: names of the description's inputs.
 
     Returns:
-        A JSON-able dict: ``indices`` ``{input: [{"high", "ignore", "what"}]}`` (valid values are
-        ``0 <= v < high``, or ``v == ignore``; ``high`` None when unknown) and ``batchnorm``
+        A JSON-able dict: ``indices``, a list of ``index_rules`` rules, and ``batchnorm``
         ``[{"module", "shape"}]`` (the input shape of each training-mode BatchNorm, a dimension
         being an int, a description symbol, or None when unknown).
     """
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # shape inference only sharpens the checks
-        inferred = model
-    graph = inferred.graph
-    shapes = {v.name: _dims(v) for v in [*graph.input, *graph.value_info, *graph.output]}
-    shapes.update({i.name: list(i.dims) for i in graph.initializer})
-    weights = {i.name for i in graph.initializer} | {i.name for i in graph.input if i.name not in data_inputs}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-
-    indices: dict[str, list[dict]] = {}
-    for source in data_inputs:
-        found: list[dict] = []
-        frontier, seen = [source], {source}
-        while frontier:
-            value = frontier.pop()
-            for node in consumers.get(value, []):
-                slot = list(node.input).index(value)
-                if node.op_type == "Gather" and slot == 1 and node.input[0] in weights:
-                    axis = _int_attr(node, "axis") or 0
-                    table = shapes.get(node.input[0]) or []
-                    high = table[axis] if len(table) > axis and isinstance(table[axis], int) else None
-                    found.append({"high": high, "ignore": None,
-                                  "what": f"rows of {node.input[0]!r} (embedding lookup in {module_of(node.name)})"})
-                elif node.op_type in _LOSSES and slot == 1:
-                    scores = shapes.get(node.input[0]) or []
-                    high = scores[1] if len(scores) > 1 and isinstance(scores[1], int) else None
-                    found.append({"high": high, "ignore": _int_attr(node, "ignore_index"),
-                                  "what": f"classes of the {_LOSSES[node.op_type]} in {module_of(node.name)}"})
-                elif node.op_type in _PASS_THROUGH and slot == 0:
-                    for out in node.output:
-                        if out and out not in seen:
-                            seen.add(out)
-                            frontier.append(out)
-        if found:
-            indices[source] = found
-
-    batchnorm = []
-    for node in graph.node:
-        if node.op_type == "BatchNormalization" and _int_attr(node, "training_mode") == 1:
-            batchnorm.append({"module": module_of(node.name), "shape": shapes.get(node.input[0])})
-    return {"indices": indices, "batchnorm": batchnorm}
+    graph = _Graph(model, data_inputs)
+    rules, seen = [], set()
+    for node in graph.graph.node:
+        for operand in _index_operands(node, graph):
+            rule = _Rule(graph)
+            try:
+                high = rule.size(operand["high"]) if operand["high"] is not None else None
+                index = rule.value(_checked_value(graph, operand["index"]))
+            except (Untranslatable, TypeError, ValueError, IndexError, KeyError) as exc:
+                logger.debug("the %s goes unchecked: its index is computed by %s", operand["what"], exc)
+                continue
+            if not any(step["op"] == "input" for step in rule.steps):
+                continue  # indices the graph fixes itself
+            if operand["low"] == "-high" and high is None:
+                continue  # any value may count from an end of unknown size
+            found = index_rules.compact({"what": operand["what"], "steps": rule.steps, "index": index["ref"],
+                                         "low": operand["low"], "high": high, "ignore": operand["ignore"]})
+            key = json.dumps(found, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                rules.append(found)
+    batchnorm = [{"module": module_of(node.name), "shape": graph.shapes.get(node.input[0])}
+                 for node in graph.graph.node
+                 if node.op_type == "BatchNormalization" and _attribute(node, "training_mode", 0) == 1]
+    return {"indices": rules, "batchnorm": batchnorm}
 
 
-def _out_of_range(values: np.ndarray, high: int | None) -> np.ndarray:
-    """Where integer ``values`` are negative, or ``high`` or more: one comparison where there is a
-    bound, as a negative value read unsigned is above any index (every step checks its labels; each
-    NumPy call costs microseconds on a batch of labels)."""
-    if high is None:
-        return values < 0
-    if values.dtype.kind == "i":
-        values = values.view(values.dtype.str.replace("i", "u"))  # "<i8" -> "<u8"
-    return values >= high
+class BatchChecks:
+    """The checks of one set of constraints, ready to run on every batch.
+
+    A rule that reads only the inputs' shapes (positions made by ``arange``) is checked once per
+    set of shapes. A rule of a static trace that holds for its traced shapes only (``shapes``) is
+    skipped for others: the graphs of another shape come from a trace of their own, whose rules
+    are checked before they are built. A rule that cannot be evaluated for a batch is skipped with
+    a log line, once: the check is a guard, never a reason to stop.
+
+    Args:
+        constraints: ``find_input_constraints``'s or ``find_program_constraints``'s result.
+    """
+
+    def __init__(self, constraints: dict[str, Any]):
+        rules = constraints.get("indices") or []
+        if isinstance(rules, dict):  # a graph cache entry of an earlier format
+            rules = []
+        self.value_rules = [r for r in rules if index_rules.reads_values(r)]
+        self.shape_rules = [r for r in rules if not index_rules.reads_values(r)]
+        # the common rule, an input as it comes with fixed bounds, checked in one comparison per step
+        self._direct = [(r["steps"][0]["name"], 0 if r.get("low") != "-high" else -r["high"], r["high"], r)
+                        for r in self.value_rules
+                        if len(r["steps"]) == 1 and not isinstance(r.get("high"), dict) and "shapes" not in r]
+        self._evaluated = [r for r in self.value_rules if not any(r is d[-1] for d in self._direct)]
+        self.batchnorm = constraints.get("batchnorm") or []
+        self._by_shapes: dict[tuple, list[str]] = {}
+        self._failed: set[str] = set()
+
+    @property
+    def needs_symbols(self) -> bool:
+        """Whether ``problems`` reads the symbol sizes (BatchNorm's rule)."""
+        return bool(self.batchnorm)
+
+    @staticmethod
+    def _holds(rule: dict, feeds: dict[str, np.ndarray]) -> bool:
+        """Whether ``rule`` serves a batch of these shapes (``shapes``: those of its trace only)."""
+        shapes = rule.get("shapes")
+        return shapes is None or all(list(np.shape(feeds.get(n))) == s for n, s in shapes.items())
+
+    def _violations(self, rule: dict, feeds: dict[str, np.ndarray]) -> str | None:
+        try:
+            return index_rules.violations(rule, feeds)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run must not stop training
+            if rule["what"] not in self._failed:
+                self._failed.add(rule["what"])
+                logger.info("could not check the %s for inputs of shapes %s (%s); it goes unchecked", rule["what"],
+                            {n: list(a.shape) for n, a in feeds.items()}, exc)
+            return None
+
+    def problems(self, feeds: dict[str, np.ndarray], symbols: dict[str, int], training: bool) -> list[str]:
+        """Every way these inputs break the constraints (empty when they are valid).
+
+        Args:
+            feeds: the batch, by input name.
+            symbols: the size of each symbolic dimension in this batch (read by BatchNorm's rule).
+            training: check the training-only rules too (BatchNorm's more-than-one-value rule).
+        """
+        found = []
+        for name, low, high, rule in self._direct:
+            values = feeds.get(name)
+            if values is not None and values.dtype.kind in "iu" and np.count_nonzero(
+                    index_rules.out_of_range(values, low, high)):
+                found.append(self._violations(rule, feeds))  # the ignore index may explain them all
+        found += [self._violations(rule, feeds) for rule in self._evaluated if self._holds(rule, feeds)]
+        found = [p for p in found if p]
+        if self.shape_rules:
+            shapes = tuple((name, array.shape) for name, array in feeds.items())
+            if shapes not in self._by_shapes:
+                self._by_shapes[shapes] = [p for p in (self._violations(r, feeds) for r in self.shape_rules
+                                                       if self._holds(r, feeds)) if p]
+            found += self._by_shapes[shapes]
+        problems = found
+        if training:
+            problems += _batchnorm_problems(self.batchnorm, symbols)
+        return problems
+
+
+def _batchnorm_problems(batchnorm: list[dict], symbols: dict[str, int]) -> list[str]:
+    problems = []
+    for bn in batchnorm:
+        shape = bn["shape"]
+        if not shape or len(shape) < 2:
+            continue
+        resolved = [symbols.get(d) if isinstance(d, str) else d for d in shape]
+        if any(d is None for d in [resolved[0], *resolved[2:]]):
+            continue
+        count = int(np.prod([resolved[0], *resolved[2:]]))
+        if count <= 1:
+            problems.append(
+                f"BatchNorm in module {bn['module']} gets {count} value per channel (input shape {resolved}): "
+                "PyTorch refuses this in training ('Expected more than 1 value per channel') because the "
+                "batch variance is undefined; use a batch of at least 2, or drop the last incomplete batch")
+    return problems
 
 
 def check_inputs(constraints: dict[str, Any], feeds: dict[str, np.ndarray], symbols: dict[str, int],
                  training: bool) -> list[str]:
-    """Every way these inputs break the constraints (empty when they are valid).
-
-    Args:
-        constraints: ``find_input_constraints``'s result.
-        feeds: the batch, by input name.
-        symbols: the size of each symbolic dimension in this batch.
-        training: check the training-only rules too (BatchNorm's more-than-one-value rule).
-    """
-    problems = []
-    for name, rules in (constraints.get("indices") or {}).items():
-        values = feeds.get(name)
-        if values is None or values.size == 0 or values.dtype.kind not in "iu":
-            continue
-        for rule in rules:
-            high, ignore = rule["high"], rule["ignore"]
-            bad = _out_of_range(values, high)
-            if not np.count_nonzero(bad):  # the common case: one comparison, one count
-                continue
-            if ignore is not None:
-                bad &= values != ignore
-                if not np.count_nonzero(bad):
-                    continue
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            valid = f"0..{high - 1}" if high is not None else "non-negative"
-            if ignore is not None:
-                valid += f", or {ignore} (ignore_index)"
-            problems.append(
-                f"input {name!r}: value {int(values[where])} at index {list(where)} is out of range for the "
-                f"{rule['what']}: valid values are {valid} ({int(bad.sum())} invalid value(s) in this batch); "
-                "PyTorch raises for these too: fix or filter the batch")
-    if training:
-        for bn in constraints.get("batchnorm") or []:
-            shape = bn["shape"]
-            if not shape or len(shape) < 2:
-                continue
-            resolved = [symbols.get(d) if isinstance(d, str) else d for d in shape]
-            if any(d is None for d in [resolved[0], *resolved[2:]]):
-                continue
-            count = int(np.prod([resolved[0], *resolved[2:]]))
-            if count <= 1:
-                problems.append(
-                    f"BatchNorm in module {bn['module']} gets {count} value per channel (input shape {resolved}): "
-                    "PyTorch refuses this in training ('Expected more than 1 value per channel') because the "
-                    "batch variance is undefined; use a batch of at least 2, or drop the last incomplete batch")
-    return problems
+    """Every way these inputs break the constraints (empty when they are valid): ``BatchChecks``
+    made for one batch."""
+    return BatchChecks(constraints).problems(feeds, symbols, training)
 
 
-# ATen ops whose output holds (a subset of) the values of argument 0, unchanged
-_FX_PASS_THROUGH = {"view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
-                    "t", "expand", "slice", "select", "clone", "contiguous", "alias", "detach", "_to_copy", "to",
-                    "lift_fresh_copy", "index_select", "index", "narrow", "repeat", "unflatten", "movedim"}
-# loss ops: (what, position of the target, position of ignore_index, its default)
-_FX_LOSSES = {"cross_entropy_loss": ("cross-entropy", 1, 4, -100),
-              **{op: ("negative log-likelihood loss", 1, 4, -100)
-                 for op in ("nll_loss", "nll_loss_nd", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward")}}
-# batch-norm ops: position of the ``training`` flag
-_FX_BATCH_NORMS = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5,
-                   "_native_batch_norm_legit_functional": 5, "cudnn_batch_norm": 5, "_batch_norm_impl_index": 5}
-
-
-def _op_name(node: Any) -> str | None:
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) if node.op == "call_function" else None
-
-
-def _fx_module(node: Any) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
-    if path == "model":
-        return "<top-level forward>"
-    return path[len("model."):] if path.startswith("model.") else "the loss function"
-
-
-def _argument(node: Any, position: int, name: str, default: Any) -> Any:
-    if len(node.args) > position:
-        return node.args[position]
-    return node.kwargs.get(name, default)
-
-
-def find_program_constraints(program: Any, data_inputs: list[str], weight_of: dict[str, str],
-                             symbols: dict[str, list], dims: dict[str, int] | None = None) -> dict[str, Any]:
-    """``find_input_constraints`` for a ``torch.export`` program (training mode, before decomposition).
-
-    Args:
-        program: the ``ExportedProgram``; its user inputs are the description's inputs, in order
-            (a trailing extra input, such as the loss scale, is ignored).
-        data_inputs: names of the description's inputs.
-        weight_of: ``{parameter or buffer fqn: weight name}`` as the graphs name weights.
-        symbols: ``{input: description shape}``: symbolic sizes of the traced shapes are named by
-            these symbols.
-        dims: the symbol sizes of a static trace (None for a symbolic one). The checks serve
-            every batch shape, so a BatchNorm input size equal to exactly one symbol's size is
-            taken as that symbol, and one equal to several as unknown.
-
-    Returns:
-        The same dict as ``find_input_constraints``.
-    """
-    import torch
-    from torch.export.graph_signature import InputKind
-
-    specs = program.graph_signature.input_specs
-    users = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
-    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    weight_nodes = {s.arg.name: weight_of.get(s.target, s.target) for s in specs
-                    if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
-    named: dict[str, str] = {}  # sympy expression of a traced size -> description symbol
-    for input_name, placeholder in zip(data_inputs, users):
-        value = placeholders[placeholder].meta.get("val")
-        for dim, size in zip(symbols.get(input_name, []), getattr(value, "shape", [])):
-            if isinstance(dim, str) and isinstance(size, torch.SymInt):
-                named.setdefault(str(size.node.expr), dim)
-
-    def shape_of(node: Any) -> list | None:
-        value = node.meta.get("val") if hasattr(node, "meta") else None
-        if not isinstance(value, torch.Tensor):
-            return None
-        return [named.get(str(size.node.expr)) if isinstance(size, torch.SymInt) else int(size)
-                for size in value.shape]
-
-    def symbolic_shape_of(node: Any) -> list | None:
-        shape = shape_of(node)
-        if shape is None or not dims:
-            return shape
-        result = []
-        for size in shape:
-            matches = [symbol for symbol, value in dims.items() if value == size]
-            result.append(size if not matches else matches[0] if len(matches) == 1 else None)
-        return result
-
-    indices: dict[str, list[dict]] = {}
-    for input_name, placeholder in zip(data_inputs, users):
-        found: list[dict] = []
-        frontier, seen = [placeholders[placeholder]], {placeholders[placeholder]}
-        while frontier:
-            value = frontier.pop()
-            for node in value.users:
-                op = _op_name(node)
-                if op == "embedding" and len(node.args) > 1 and node.args[1] is value:
-                    table = node.args[0]
-                    rows = (shape_of(table) or [None])[0]
-                    weight = weight_nodes.get(getattr(table, "name", None), getattr(table, "name", "?"))
-                    found.append({"high": rows if isinstance(rows, int) else None, "ignore": None,
-                                  "what": f"rows of {weight!r} (embedding lookup in {_fx_module(node)})"})
-                elif op in _FX_LOSSES and len(node.args) > _FX_LOSSES[op][1] and node.args[_FX_LOSSES[op][1]] is value:
-                    what, _, position, default = _FX_LOSSES[op]
-                    scores = shape_of(node.args[0]) or []
-                    classes = scores[1] if len(scores) > 1 else (scores[0] if len(scores) == 1 else None)
-                    ignore = _argument(node, position, "ignore_index", default)
-                    found.append({"high": classes if isinstance(classes, int) else None,
-                                  "ignore": int(ignore) if isinstance(ignore, int) else None,
-                                  "what": f"classes of the {what} in {_fx_module(node)}"})
-                elif op in _FX_PASS_THROUGH and node.args and node.args[0] is value and node not in seen:
-                    seen.add(node)
-                    frontier.append(node)
-        if found:
-            indices[input_name] = found
-
-    batchnorm = []
-    for node in program.graph.nodes:
-        op = _op_name(node)
-        if op in _FX_BATCH_NORMS and _argument(node, _FX_BATCH_NORMS[op], "training", False) is True:
-            batchnorm.append({"module": _fx_module(node), "shape": symbolic_shape_of(node.args[0])})
-    return {"indices": indices, "batchnorm": batchnorm}
-
-
-__all__ = ["check_inputs", "find_input_constraints", "find_program_constraints"]
+__all__ = ["BatchChecks", "check_inputs", "find_input_constraints"]

@@ -266,6 +266,10 @@ def _dynamic_axes(desc: ModelDescription) -> dict[str, dict[int, str]]:
 
 def _explain_export_failure(exc: Exception, wrapper: torch.nn.Module, args: tuple) -> str:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, IndexError):  # the exporter runs the model on the first batch: PyTorch refused it
+        return (f"the model raised IndexError ({message}) on the first batch, which the ONNX export runs through it: "
+                "an index input (a label, a token id, or a sequence longer than the position table) is out of "
+                "range for the model; fix the batch")
     match = re.search(r"(aten::\w+|prim::\w+)", str(exc))
     if not match:
         return f"ONNX export of the model failed: {message}"

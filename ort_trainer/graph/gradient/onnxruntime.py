@@ -68,12 +68,14 @@ class OnnxRuntimeGradientSource(GradientSource):
         inputs[LOSS_SCALE_INPUT] = [[], "float32"]
         return Prepared(expected, inputs, io_signature(forward.graph), forward)
 
+    def input_constraints(self, job: GraphJob, traced: Traced) -> dict:
+        """Read off the exported forward graph, before any rewrite."""
+        return find_input_constraints(traced.program, job.desc.input_names)
+
     def build(self, job: GraphJob, traced: Traced, prepared: Prepared) -> Built:
         """Eval graph, BatchNorm statistics as outputs, the builder's backward, the gradient rewrites."""
         forward = prepared.state
         trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
-        # what PyTorch would refuse in a batch, read off the graph before any rewrite
-        constraints = find_input_constraints(traced.program, job.desc.input_names)
         eval_model = build_eval_graph(forward)
         buffer_updates = expose_running_statistics(forward, set(traced.torch_keys) - set(trainable))
         gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, prepared.expected["outputs"],
@@ -83,7 +85,7 @@ class OnnxRuntimeGradientSource(GradientSource):
         logger.debug("gradient graph rewrites: %s", rewrites.apply_gradient_passes(gradient, job.passes or {}, ranks))
         if job.accumulate:
             add_gradient_accumulation(gradient, trained)
-        return Built(gradient, eval_model, trained, buffer_updates, constraints)
+        return Built(gradient, eval_model, trained, buffer_updates)
 
 
 def _forward_graph(job: GraphJob, sample_inputs: Sequence[np.ndarray]) -> tuple[onnx.ModelProto, dict, list, dict]:

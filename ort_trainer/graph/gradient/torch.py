@@ -22,7 +22,8 @@ from ..._logging import logger
 from ..._temporaries import save_model
 from .. import passes
 from ..export import op_record
-from ..export.input_checks import find_input_constraints, find_program_constraints
+from ..export.input_checks import find_input_constraints
+from ..export.program_checks import find_program_constraints
 from ..export.torchscript import ExportError
 from ..job import Built, GradientSource, GraphJob, OpRecord, Prepared, Traced
 from ..names import ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT
@@ -149,20 +150,25 @@ class TorchGradientSource(GradientSource):
         readable = {name: None for name in [*traced.torch_keys, *desc.input_names, LOSS_SCALE_INPUT]}
         return Prepared(expected, readable, None, {"dims": dims, "outputs": returned, "wanted": wanted})
 
-    def build(self, job: GraphJob, traced: Traced, prepared: Prepared) -> Built:
-        """The joint graphs, built once per trace and set of returned outputs (a shape specialisation
-        fixes their input dims); a second set of outputs traces the model again."""
-        program, returned = traced.program, prepared.state["outputs"]
-        built = program["built"] = program["built"] or {}
+    def input_constraints(self, job: GraphJob, traced: Traced) -> dict:
+        """Read off the ``torch.export`` program once per trace, before a build rewrites it (an ONNX
+        model's own graph tells more than its conversion: its loss is one operator there)."""
+        program = traced.program
         if "constraints" not in program:
-            # what PyTorch would refuse in a batch, read off the trace before a build rewrites it (an
-            # ONNX model's own graph tells more than its conversion: its loss is one operator there)
             if isinstance(job.model, onnx.ModelProto):
                 program["constraints"] = find_input_constraints(job.model, job.desc.input_names)
             else:
                 program["constraints"] = find_program_constraints(
                     program["traced"].program, job.desc.input_names, program["traced"]._job["weight_of"],
                     {io.name: list(io.shape) for io in job.desc.inputs}, traced.dims)
+        return program["constraints"]
+
+    def build(self, job: GraphJob, traced: Traced, prepared: Prepared) -> Built:
+        """The joint graphs, built once per trace and set of returned outputs (a shape specialisation
+        fixes their input dims); a second set of outputs traces the model again."""
+        program, returned = traced.program, prepared.state["outputs"]
+        built = program["built"] = program["built"] or {}
+        self.input_constraints(job, traced)  # before the build consumes the trace
         if tuple(returned) not in built:
             traced_model = program["traced"]
             if built:  # building consumed the trace
@@ -184,7 +190,7 @@ class TorchGradientSource(GradientSource):
             logger.debug("accumulation: %d of %d gradients added by their Gemm, the others by an Add", folded,
                          len(meta["trained"]))
         return Built(compacted(gradient), None, list(meta["trained"]), dict(meta["buffer_updates"]),
-                     program["constraints"], weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
+                     weights=dict(meta["weights"]), torch_keys=dict(meta["torch_keys"]))
 
     def build_eval(self, job: GraphJob, traced: Traced, prepared: Prepared) -> onnx.ModelProto:
         """The eval-mode trace translated (~1.5 s for the BERT-like model, so only once an
