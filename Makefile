@@ -81,8 +81,9 @@ test-tolerances: $(STAMP)
 test-legacy: $(LEGACY_STAMP)
 	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS)
 
-# ort_trainer vs eager PyTorch at GPT-2 small, BERT-base, a 656 M-weight GPT-2 and a 1024-wide MLP (step, peak RSS,
-# cold and warm builds, save_as_onnx); writes docs/benchmarks_real.md (about 40 minutes and 16 GB)
+# ort_trainer vs eager PyTorch and torch.compile at GPT-2 small, BERT-base, a 656 M-weight GPT-2 and a 1024-wide MLP
+# (step, peak RSS, cold and warm builds, save_as_onnx); writes docs/benchmarks_real/<CPU kind>.md and lists it in
+# docs/benchmarks_real.md (about 60 minutes and 16 GB on 2 cores)
 bench-real: $(STAMP)
 	$(PY) benchmarks/real_sizes.py
 

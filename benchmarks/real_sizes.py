@@ -1,5 +1,7 @@
-"""ort_trainer against eager PyTorch at the sizes users train: GPT-2 small, BERT-base, a GPT-2
-over protobuf's 2 GB limit, and a compute-bound MLP. Writes docs/benchmarks_real.md.
+"""ort_trainer against eager PyTorch and torch.compile at the sizes users train: GPT-2 small, BERT-base, a
+GPT-2 over protobuf's 2 GB limit, and a compute-bound MLP. Writes docs/benchmarks_real/<CPU kind>.md (the
+CPU named in its header: vendor, microarchitecture, the instruction-set extensions that pick GEMM kernels;
+``host.py``) and lists it in docs/benchmarks_real.md.
 
 Run: ``make bench-real`` (or ``python benchmarks/real_sizes.py [--models gpt2,bert,gpt2-656m,mlp-1024]``).
 Random-init Hugging Face models, dropout 0 (``mlp-1024``: 1024-1024-1024-10 with ReLUs, batch 128,
@@ -12,6 +14,8 @@ process, one implementation each, the order alternating from round to round:
   later rounds find the graph in that cache (**warm**);
 - each process times ``--steps`` training steps after its first and reports its peak resident
   memory (``ru_maxrss``, the whole process); the losses of both implementations are compared;
+- the first rounds (``COMPILE_ROUNDS``) add a ``torch.compile(model)`` process (inductor), trained as
+  eager is: its first step compiles, its steps are timed after it; it is not evaluated;
 - each process then evaluates 4 batches: eager's model in eval mode under ``torch.no_grad()``
   (the loss and the logits); ort_trainer's ``eval_step`` first with the training loop's
   ``fetches = ["loss"]`` (its first call is its eval graph's first use after the training graph was
@@ -40,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -49,6 +52,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import host
+from real_sizes_report import LOSS_STEPS, page, table, write_index
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +75,9 @@ DEFAULT_ROUNDS = 2
 # of which the first start from an empty graph cache (a cold build each), at least one round left warm: a single cold
 # build's time is the host's speed in that minute as much as the build's
 COLD_ROUNDS = {"gpt2": 2, "bert": 2, "mlp-1024": 2}
-LOSS_STEPS = 10  # losses compared with eager's
+# torch.compile processes per row, in the first rounds: each first step compiles for about a minute on 2 cores
+COMPILE_ROUNDS = {"gpt2": 3, "bert": 3, "mlp-1024": 3}
+DEFAULT_COMPILE_ROUNDS = 1
 EVAL_CALLS = 4  # evaluations per process after training: the first (ort_trainer: its graph's first use) and 3 timed,
 EVAL_SECONDS = 1.0  # or more, cycling the batches, until the timed ones add up to this (the MLP's ~4 ms calls: ~250)
 
@@ -218,6 +226,7 @@ def worker(args) -> dict:
     # at most 11 distinct batches, taken in turn (the MLP's 200 steps would otherwise hold 105 MB of them)
     distinct = [batch_of() for _ in range(min(args.steps, 10) + 1)]
     batches = [distinct[0]] + [distinct[1 + i % (len(distinct) - 1)] for i in range(args.steps)]
+    forward = torch.compile(model) if args.impl == "compile" else model  # inductor, torch's default backend
     if args.impl == "ort":
         from ort_trainer import ORTTrainer
         from ort_trainer.optim import AdamConfig
@@ -242,7 +251,7 @@ def worker(args) -> dict:
 
         def step(inputs):
             optimizer.zero_grad(set_to_none=True)
-            loss = eager_loss(args.model, model, inputs)
+            loss = eager_loss(args.model, forward, inputs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -258,6 +267,8 @@ def worker(args) -> dict:
         losses.append(step(inputs))
         seconds.append(time.perf_counter() - started)
     report = {"first_s": first, "step_s": seconds, "losses": losses, "peak_mb": _peak_mb(), "host_gflops": gflops}
+    if args.impl == "compile":  # training only: its eval mode would compile again
+        return report
     if args.impl == "ort":
         report["graph_s"] = graph_s[0]
         evaluate = trainer.eval_step  # with the training loop's fetches: the loss
@@ -316,15 +327,17 @@ def _spawn(model: str, impl: str, steps: int, cache: str, save: bool = False) ->
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, rounds: int, steps: int, cold_rounds: int = 1) -> dict:
-    """Alternating rounds of fresh ort_trainer and eager processes for one row; the first ``cold_rounds``
-    ort_trainer processes start from an empty graph cache, the later ones also time a first save."""
-    runs = {"ort": [], "eager": []}
+def measure(model: str, rounds: int, steps: int, cold_rounds: int = 1, compile_rounds: int = 0) -> dict:
+    """Rounds of fresh ort_trainer, eager and (in the first ``compile_rounds``) torch.compile processes for
+    one row, their order turning from round to round; the first ``cold_rounds`` ort_trainer processes
+    start from an empty graph cache, the later ones also time a first save."""
+    runs = {"ort": [], "eager": [], "compile": []}
     with tempfile.TemporaryDirectory() as cache:
         runs["ceiling"] = _spawn(model, "ceiling", 0, cache)
         for number in range(rounds):
-            order = ("ort", "eager") if number % 2 == 0 else ("eager", "ort")
-            for impl in order:
+            impls = ["ort", "eager"] + (["compile"] if number < compile_rounds else [])
+            turn = number % len(impls)
+            for impl in impls[turn:] + impls[:turn]:
                 cold = impl == "ort" and number < cold_rounds
                 if cold:
                     shutil.rmtree(cache)
@@ -353,13 +366,17 @@ def row(model: str, runs: dict, cold_rounds: int = 1) -> dict:
         values = [run[key][0] if first else run[key] for run in runs if key in run]
         return statistics.median(values) if values else None
 
+    compiled = runs.get("compile") or []
     return {
+        "compile_first_s": median(compiled, "first_s"), "compile_first_range": [run["first_s"] for run in compiled],
+        "compile_step_s": statistics.median(s for run in compiled for s in run["step_s"]) if compiled else None,
+        "compile_peak_mb": max((r["peak_mb"] for r in compiled), default=None),
         "model": model, "size": "{}×{}".format(*SIZES[model][:2]), "loss_rel_diff": loss_error,
         "cold_s": median(cold, "first_s"), "cold_range": [run["first_s"] for run in cold],
         "warm_s": median(ort, "first_s"), "warm_graph_s": median(ort, "graph_s"),
         "ort_step_s": ort_step, "eager_step_s": eager_step, "speedup": eager_step / ort_step,
         "round_speedups": round_speedups,
-        "host_gflops": [run["host_gflops"] for run in cold + ort + eager if "host_gflops" in run],
+        "host_gflops": [run["host_gflops"] for run in cold + ort + eager + compiled if "host_gflops" in run],
         # the processes that built the graphs also imported torch's export stack (~130 MB that a process
         # loading them from the cache does without), so their peak is reported apart
         "ort_peak_cold_mb": max(r["peak_mb"] for r in cold),
@@ -381,58 +398,26 @@ def row(model: str, runs: dict, cold_rounds: int = 1) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
-    def number(value, fmt):
-        return "—" if value is None else format(value, fmt)
-
-    def span(values: list[float], fmt: str) -> str:  # " (least–most)" of two samples or more
-        return f" ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else ""
-
-    def spread(value, values: list[float]):  # a median, with the samples' range where there are several
-        return number(value, ".1f") + ("" if value is None else span(values, ".1f"))
-
-    lines = [f"| model | B×S | losses vs eager (max rel., first {LOSS_STEPS}) | first step, cold cache s "
-             "| first step, warm cache s (graph ready) "
-             "| step ort / eager s | speed-up (rounds' range) | host GEMM GFLOP/s (range) "
-             "| GFLOP/s ort / eager / GEMM peak | speed-up ceiling "
-             "| peak RSS ort cold build / warm build / eager MB | ratio cold / warm | save_as_onnx s "
-             "| peak before / after save MB "
-             "| first eval_step (loss) after a cold / warm build s | first eval_step, every output, after a cold build s "
-             "| eval_step, every output, ort / eager no_grad s (speed-up) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['size']} | {r['loss_rel_diff']:.1e} | {spread(r['cold_s'], r['cold_range'])} "
-            f"| {number(r['warm_s'], '.1f')} ({number(r['warm_graph_s'], '.2f')}) "
-            f"| {r['ort_step_s']:.3g} / {r['eager_step_s']:.3g} | {r['speedup']:.2f}×{span(r['round_speedups'], '.2f')} "
-            f"| {number(statistics.median(r['host_gflops']) if r['host_gflops'] else None, '.0f')}{span(r['host_gflops'], '.0f')} "
-            f"| {r['gflop'] / r['ort_step_s']:.3g} / {r['gflop'] / r['eager_step_s']:.3g} / {r['gemm_gflops']:.3g} "
-            f"| {r['gemm_gflops'] * r['eager_step_s'] / r['gflop']:.2f}× "
-            f"| {r['ort_peak_cold_mb']:.0f} / {number(r['ort_peak_warm_mb'], '.0f')} / {r['eager_peak_mb']:.0f} "
-            f"| {r['ort_peak_cold_mb'] / r['eager_peak_mb']:.2f} / "
-            f"{number(r['ort_peak_warm_mb'] and r['ort_peak_warm_mb'] / r['eager_peak_mb'], '.2f')} "
-            f"| {spread(r['save_s'], r['save_range'])} "
-            f"| {number(r['presave_peak_mb'], '.0f')} / {number(r['save_peak_mb'], '.0f')} "
-            f"| {r['first_eval_cold_s']:.2f} / {number(r['first_eval_warm_s'], '.2f')} | {r['first_eval_all_cold_s']:.2f} "
-            f"| {r['ort_eval_s']:.3g} / {r['eager_eval_s']:.3g} ({r['eager_eval_s'] / r['ort_eval_s']:.2f}×) |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", default="gpt2", choices=sorted(SIZES))
-    parser.add_argument("--impl", choices=["ort", "eager", "ceiling"], default="ort")
+    parser.add_argument("--impl", choices=["ort", "eager", "compile", "ceiling"], default="ort")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--models", default="gpt2,bert,gpt2-656m,mlp-1024")
     parser.add_argument("--rounds", type=int, default=0,
                         help=f"fresh processes per implementation and model (0: the row's, {ROUNDS}, "
                              f"else {DEFAULT_ROUNDS})")
+    parser.add_argument("--compile-rounds", type=int, default=-1,
+                        help=f"torch.compile processes per model, in the first rounds (-1: the row's, "
+                             f"{COMPILE_ROUNDS}, else {DEFAULT_COMPILE_ROUNDS}; 0: none)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per process (0: the row's default)")
     parser.add_argument("--batch", type=int, default=0, help="batch size of every row (0: the row's)")
     parser.add_argument("--seq", type=int, default=0,
                         help="sequence length of every row, the MLP's input features (0: the row's)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_real.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the page to write (default: docs/benchmarks_real/<CPU kind>.md, listed in "
+                             "docs/benchmarks_real.md)")
     args = parser.parse_args()
     problems = [f"--{name} must be positive (0: the row's), got {value}"
                 for name, value in (("batch", args.batch), ("seq", args.seq)) if value < 0]
@@ -447,45 +432,25 @@ def main() -> None:
         args.steps = args.steps or SIZES[args.model][2]
         print(json.dumps(worker(args)))
         return
-    rows, rounds = [], {}
+    rows, rounds, compile_rounds = [], {}, {}
     for model in models:
         rounds[model] = args.rounds or ROUNDS.get(model, DEFAULT_ROUNDS)
+        compile_rounds[model] = min(rounds[model], args.compile_rounds if args.compile_rounds >= 0
+                                    else COMPILE_ROUNDS.get(model, DEFAULT_COMPILE_ROUNDS))
         cold = max(1, min(COLD_ROUNDS.get(model, 1), rounds[model] - 1))  # at least one warm round where there are 2
-        rows.append(row(model, measure(model, rounds[model], args.steps or SIZES[model][2], cold), cold))
-    import onnxruntime
-    import torch
-
+        rows.append(row(model, measure(model, rounds[model], args.steps or SIZES[model][2], cold,
+                                       compile_rounds[model]), cold))
     command = f"python benchmarks/real_sizes.py --models {args.models}"
     command += f" --rounds {args.rounds}" if args.rounds else ""
+    command += f" --compile-rounds {args.compile_rounds}" if args.compile_rounds >= 0 else ""
     command += "".join(f" --{name} {value}" for name, value in (("batch", args.batch), ("seq", args.seq)) if value)
-    text = (f"# Real-size benchmark\n\n`{command}` (rounds: "
-            + ", ".join(f"{model} {count}" for model, count in rounds.items()) + ")"
-            f" on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
-            f"onnxruntime {onnxruntime.__version__}; {time.strftime('%Y-%m-%d')}.\n\n"
-            "Speed-up: eager's median step over ort_trainer's. Cold first step: the median over the first rounds' "
-            "ort_trainer processes, each starting from an empty graph cache (the range in brackets where there are "
-            "several). Peak RSS: the whole process's; ort_trainer's the most over the processes that built the "
-            "graphs (they also import torch's export stack) and the most over the processes that found them in the "
-            "cache, eager's the most over rounds. save_as_onnx: each warm process's first save, pointed at an empty "
-            "graph cache (the model's first save ever: it imports torch's export stack and exports the symbolic "
-            "eval graph), the median (the range in brackets); the peak before it (after training and evaluating) "
-            "and after it, the most over those processes. "
-            "The warm first step is a new process finding the graph in the on-disk cache; graph ready: the part of "
-            "it that found and loaded the graph (the rest makes the engine's buffers and sessions and runs the step). "
-            "GFLOP/s: the step's "
-            "matrix-product FLOPs (torch's flop counter, forward and backward) per second of step; GEMM peak: the best "
-            "float32 matrix-product rate torch or ONNX Runtime reached on this machine at the row's layer shapes; "
-            "host GEMM: torch's rate at the row's largest layer shape, timed by every training process just before "
-            "its first step (the median and range over the processes: the host's speed drifts from minute to "
-            "minute); the speed-up's range is the rounds' own ratios, each of two processes run back to back; "
-            "speed-up ceiling: that peak over eager's rate, the most a step of nothing but matrix products at the "
-            "peak could gain over eager. Evaluation: eager's forward under no_grad in eval mode; ort_trainer's eval_step "
-            "first with the loop's fetches (the loss), its first call the eval graph's first use in a process whose "
-            "training graph was built (cold) or found in the cache (warm), then with every output (fetches = [], "
-            "graphs of their own: the first call after the cold build, then the timed ones). The timed evaluations "
-            f"of a process: {EVAL_CALLS - 1} or more, until they add up to {EVAL_SECONDS:g} s (a few milliseconds "
-            "each: hundreds), the median over the processes of the row.\n\n" + table(rows) + "\n")
-    args.out.write_text(text)
+    cpu = host.describe()
+    text = page(command, rounds, compile_rounds, cpu, rows, EVAL_CALLS, EVAL_SECONDS)
+    out = args.out or ROOT / "docs" / "benchmarks_real" / f"{cpu['kind']}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    if args.out is None:  # the index of the results per CPU kind
+        write_index(ROOT / "docs" / "benchmarks_real.md", out.parent)
     print(table(rows))
 
 

@@ -38,11 +38,11 @@ def _configure_from_env() -> None:
 
 def ort_severity() -> int:
     """Return the ONNX Runtime log severity matching the ``ort_trainer`` logger's level: its INFO
-    lines at DEBUG, its warnings and errors at INFO, else only fatal ones. An error of a run reaches
+    lines (and warnings) at DEBUG, its errors at INFO, else only fatal ones. An error of a run reaches
     the caller as an exception that says more (``_run_errors.StepError``), so ONNX Runtime's own
     line for it stays off stderr unless logging asks for it."""
     level = logger.getEffectiveLevel()
-    return 1 if level <= logging.DEBUG else 2 if level <= logging.INFO else 4
+    return 1 if level <= logging.DEBUG else 3 if level <= logging.INFO else 4
 
 
 _configure_from_env()

@@ -223,8 +223,9 @@ def test_the_real_size_benchmark_reports_the_median_and_range_of_cold_builds_and
     assert (figures["warm_s"], figures["ort_peak_warm_mb"], figures["save_s"], figures["save_peak_mb"]) == (6.0, 210, 4.5,
                                                                                                            211)
     cells = [cell.strip() for cell in real_sizes.table([figures]).splitlines()[-1].strip("|").split("|")]
-    assert (cells[3], cells[12], cells[13]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)", "210 / 211")
-    assert cells[7] == "—"  # no process timed the host's GEMM
+    assert (cells[3], cells[14], cells[15]) == ("14.0 (12.0–16.0)", "4.5 (4.0–5.5)", "210 / 211")
+    assert cells[9] == "—"  # no process timed the host's GEMM
+    assert (cells[5], cells[6], cells[8]) == ("—", "1 / 1 / —", "—")  # no torch.compile process
 
 
 def test_the_real_size_benchmark_gives_each_rounds_speed_up_and_the_hosts_gemm_rate(monkeypatch):
@@ -247,8 +248,8 @@ def test_the_real_size_benchmark_gives_each_rounds_speed_up_and_the_hosts_gemm_r
     assert sorted(figures["host_gflops"]) == [140.0, 150.0, 190.0, 195.0, 198.0, 200.0]
     cells = [cell.strip() for cell in real_sizes.table([figures]).splitlines()[-1].strip("|").split("|")]
     # the pooled medians: ort_trainer's 6 steps 2.15, eager's 5 steps 3.3
-    assert cells[6] == f"{3.3 / 2.15:.2f}× (1.13–1.43)"
-    assert cells[7] == "192 (140–200)"
+    assert cells[7] == f"{3.3 / 2.15:.2f}× (1.13–1.43)"
+    assert cells[9] == "192 (140–200)"
 
 
 def test_the_real_size_benchmark_takes_sizes_and_refuses_bad_ones_all_at_once(monkeypatch):
@@ -271,24 +272,67 @@ def test_the_real_size_benchmark_takes_sizes_and_refuses_bad_ones_all_at_once(mo
     assert "--batch must be positive" in done.stderr and "unknown ['gtp2']" in done.stderr
 
 
-def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
-    """``make bench-real``'s script, at a size that runs in a minute: every column filled, the
-    losses of both implementations equal to float32 roundoff; ``--seq`` sets the row's sequence length,
-    in every process."""
+_SAPPHIRE_RAPIDS = """processor	: 0
+vendor_id	: GenuineIntel
+cpu family	: 6
+model		: 143
+model name	: Intel(R) Xeon(R) Platinum 8488C
+flags		: fpu sse avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+
+processor	: 1
+vendor_id	: GenuineIntel
+"""
+
+
+def test_the_benchmark_names_the_cpu_kind_and_the_extensions_that_pick_gemm_kernels(monkeypatch, tmp_path):
+    """``benchmarks/host.py``: the vendor's microarchitecture from /proc/cpuinfo's numbers, the extensions
+    it has and lacks; ``real_sizes_report.write_index`` lists each kind's page."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import host
+    import real_sizes_report
+
+    cpu = host.describe(_SAPPHIRE_RAPIDS)
+    assert (cpu["kind"], cpu["model"]) == ("intel-sapphire-rapids", "Intel(R) Xeon(R) Platinum 8488C")
+    assert cpu["isa"] == ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+                          "amx_bf16", "amx_int8"]
+    assert host.sentence(cpu).endswith("amx_int8; without amx_fp16")
+    zen4 = host.describe(_SAPPHIRE_RAPIDS.replace("GenuineIntel", "AuthenticAMD").replace(": 6\n", ": 25\n")
+                         .replace(": 143", ": 17").replace(" avx512_fp16 amx_bf16 amx_tile amx_int8", ""))
+    assert zen4["kind"] == "amd-zen4" and host.sentence(zen4).endswith("; without avx512_fp16, AMX")
+    unknown = host.describe(_SAPPHIRE_RAPIDS.replace(": 143", ": 200"))
+    assert unknown["kind"] == "intel-family6-model200" and unknown["microarchitecture"] is None
+    pages = tmp_path / "benchmarks_real"
+    pages.mkdir()
+    (pages / "amd-zen4.md").write_text("# Real-size benchmark: AMD EPYC (amd-zen4)\n\n`cmd` (rounds: gpt2 5) on AMD "
+                                       "EPYC (...), 2 cores; avx2; torch 2.13.0+cpu, onnxruntime 1.31.1; 2026-11-28.\n")
+    real_sizes_report.write_index(tmp_path / "index.md", pages)
+    assert ("- [AMD EPYC (amd-zen4)](benchmarks_real/amd-zen4.md): AMD EPYC (...), 2 cores; avx2; torch 2.13.0+cpu, "
+            "onnxruntime 1.31.1, 2026-11-28") in (tmp_path / "index.md").read_text()
+
+
+def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path, monkeypatch):
+    """``make bench-real``'s script, at a size that runs in a minute: every column filled, torch.compile's
+    among them, the CPU named; the losses of ort_trainer and eager equal to float32 roundoff; ``--seq``
+    sets the row's sequence length, in every process."""
     pytest.importorskip("transformers")
     import subprocess
     import sys
 
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import host
+
     out = tmp_path / "real.md"
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_sizes.py"), "--models", "gpt2-tiny",
-                           "--rounds", "2", "--seq", "24", "--out", str(out)], capture_output=True, text=True,
-                          timeout=900)
+                           "--rounds", "2", "--compile-rounds", "1", "--seq", "24", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
-    assert "`python benchmarks/real_sizes.py --models gpt2-tiny --rounds 2 --seq 24`" in text
+    assert "`python benchmarks/real_sizes.py --models gpt2-tiny --rounds 2 --compile-rounds 1 --seq 24`" in text
+    assert f"({host.describe()['kind']})" in text.splitlines()[0]  # the CPU kind in the title
+    assert f" on {host.sentence(host.describe())}; torch " in text  # the CPU, its extensions, in the header
     (row,) = [line for line in text.splitlines() if line.startswith("| gpt2-tiny")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert len(cells) == 17 and "—" not in cells, row
+    assert len(cells) == 19 and "—" not in cells, row
     assert cells[1] == "2×24"  # the row's batch, the sequence asked for
     # 3 Adam steps of a 2-layer GPT-2 of width 32 in float32 on both sides: sums of at most 4·32
     # terms in another order, carried through the weights once per step: steps_bound(3, 128) =
@@ -298,27 +342,30 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path):
     assert float(cells[2]) <= steps_bound(3, length=128)
     warm, ready = cells[4].rstrip(")").split(" (")
     assert 0 <= float(ready) <= float(warm) + 0.05  # found in the cache within the warm first step (rounded to 0.1 s)
-    speedup, rounds = cells[6].rstrip(")").split("× (")  # the pooled speed-up, the two rounds' own
+    assert float(cells[5]) > 0  # torch.compile's first step: the compilation
+    assert all(float(x) > 0 for x in cells[6].split(" / "))  # ort_trainer's, eager's and torch.compile's steps
+    speedup, rounds = cells[7].rstrip(")").split("× (")  # the pooled speed-up, the two rounds' own
     low, high = (float(x) for x in rounds.split("–"))
     assert 0 < low <= high and float(speedup) > 0
-    host, host_range = cells[7].rstrip(")").split(" (")  # the host's GEMM rate in the 4 training processes
-    assert float(host) > 0 and all(float(x) > 0 for x in host_range.split("–"))
-    ort_rate, eager_rate, peak = (float(x) for x in cells[8].split(" / "))
-    assert 0 < ort_rate and 0 < eager_rate and 0 < peak  # the arithmetic ceiling: FLOP rates and the GEMM peak
-    assert float(cells[9].rstrip("×")) > 0
-    cold_mb, warm_mb, eager_mb = (float(x) for x in cells[10].split(" / "))  # peak RSS after a cold, a warm build
-    assert 0 < cold_mb and 0 < warm_mb and 0 < eager_mb
-    cold_ratio, warm_ratio = (float(x) for x in cells[11].split(" / "))
+    assert float(cells[8].rstrip("×")) > 0  # against torch.compile
+    rate, rate_range = cells[9].rstrip(")").split(" (")  # the host's GEMM rate in the 5 training processes
+    assert float(rate) > 0 and all(float(x) > 0 for x in rate_range.split("–"))
+    ort_rate, eager_rate, compile_rate, peak = (float(x) for x in cells[10].split(" / "))
+    assert 0 < ort_rate and 0 < eager_rate and 0 < compile_rate and 0 < peak  # FLOP rates and the GEMM peak
+    assert float(cells[11].rstrip("×")) > 0
+    cold_mb, warm_mb, eager_mb, compile_mb = (float(x) for x in cells[12].split(" / "))  # peak RSS
+    assert 0 < cold_mb and 0 < warm_mb and 0 < eager_mb and 0 < compile_mb
+    cold_ratio, warm_ratio = (float(x) for x in cells[13].split(" / "))
     # each ratio printed to 0.01 (±0.005) from unrounded peaks, the peaks to 1 MB (±0.5 each): the
     # rounded figures' ratio is off by at most 0.005 + 0.5·(1 + ratio) / eager, under this for ratios < 3
     slack = 0.01 + 2 / eager_mb
     assert abs(cold_ratio - cold_mb / eager_mb) <= slack and abs(warm_ratio - warm_mb / eager_mb) <= slack
-    assert float(cells[12]) > 0  # a save time (one warm round: one save, no range)
-    before, after = (float(x) for x in cells[13].split(" / "))  # the peak before and after it
+    assert float(cells[14]) > 0  # a save time (one warm round: one save, no range)
+    before, after = (float(x) for x in cells[15].split(" / "))  # the peak before and after it
     assert 0 < before <= after
-    assert all(float(x) > 0 for x in cells[14].split(" / "))  # the first evaluation, after a cold and a warm build
-    assert float(cells[15]) > 0  # the first evaluation of every output
-    times, speedup = cells[16].rstrip("×)").split(" (")
+    assert all(float(x) > 0 for x in cells[16].split(" / "))  # the first evaluation, after a cold and a warm build
+    assert float(cells[17]) > 0  # the first evaluation of every output
+    times, speedup = cells[18].rstrip("×)").split(" (")
     assert all(float(x) > 0 for x in times.split(" / ")) and float(speedup) > 0
 
 

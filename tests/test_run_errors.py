@@ -137,3 +137,19 @@ def test_a_batch_too_large_for_memory_fails_with_the_size_and_advice_and_the_tra
     assert "for inputs of shapes x [32768, 16] float32, label [32768] int64" in done.stdout
     assert "exact after the failure" in done.stdout
     assert "[E:onnxruntime" not in done.stderr
+
+
+def test_onnx_runtime_logs_only_what_the_library_logger_asks_for():
+    """Fatal lines only by default (a run's error line is in the StepError); errors at INFO; its
+    warnings and INFO lines at DEBUG."""
+    import logging
+
+    from ort_trainer._logging import logger, ort_severity
+
+    before = logger.level
+    try:
+        for level, severity in [(logging.WARNING, 4), (logging.INFO, 3), (logging.DEBUG, 1)]:
+            logger.setLevel(level)
+            assert ort_severity() == severity
+    finally:
+        logger.setLevel(before)
