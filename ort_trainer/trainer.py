@@ -160,15 +160,13 @@ class ORTTrainer(_StateMixin):
         return self._shapes.first
 
     # ---- building -----------------------------------------------------------------------------
-    def _build(self, sample_inputs: Sequence[np.ndarray], training: bool = True, check: bool = False) -> None:
-        """Build the first graphs (``ShapeGraphs.build_first``) and the engine around them; with
-        ``check``, the sample is a user's batch, checked against the graphs' input rules as soon
-        as they are known (after the trace, before the build)."""
-        feeds = dict(zip(self.model_desc.input_names, sample_inputs))
-        check_batch = (lambda constraints: self._check_batch(feeds, training, constraints)) if check else None
+    def _build(self, sample_inputs: Sequence[np.ndarray]) -> None:
+        """Build the first graphs (``ShapeGraphs.build_first``) and the engine around them; a user's
+        batch (``_ready``'s) is checked against the graphs' input rules as soon as they are known,
+        after the trace and before the build (``_check_building``)."""
         if self._comm is not None and self._comm.rank != 0:
             self._comm.barrier()  # rank 0 builds and caches the graph; the others then load it
-        graphs = self._shapes.build_first(sample_inputs, self._outputs_key(), check_batch)
+        graphs = self._shapes.build_first(sample_inputs, self._outputs_key())
         if self._comm is not None and self._comm.rank == 0:
             self._comm.barrier()
         trained = graphs.meta["trained"]
@@ -222,14 +220,15 @@ class ORTTrainer(_StateMixin):
         try:
             with self._kernels_explained():
                 if self._engine is None:
-                    self._build([feeds[name] for name in self.model_desc.input_names], training, check=True)
+                    self._build([feeds[name] for name in self.model_desc.input_names])
                 self._engine.select(self._shapes.signature(feeds, self._outputs_key()), training)
         finally:
             self._building_for = None
         return self._engine
 
     def _check_building(self, constraints: dict) -> None:
-        """``ShapeGraphs``' check of graphs about to be built: the batch ``_ready`` builds them for."""
+        """``ShapeGraphs``' check of graphs about to be built: the batch ``_ready`` builds them for
+        (none at construction, whose synthetic batch needs none)."""
         if self._building_for is not None:
             self._check_batch(*self._building_for, constraints)
 

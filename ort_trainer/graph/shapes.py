@@ -32,8 +32,9 @@ class ShapeGraphs:
         job: what to build.
         specialize: ``graph_optimizations.shape_specialization``.
         max_graphs: ``graph_optimizations.max_shape_graphs``.
-        check_batch: called with the input constraints of graphs of a new shape between their trace
-            and their build (``build_training_graphs``); it raises to refuse the batch they are for.
+        check_batch: called with the input constraints of graphs about to be built (the first ones,
+            or those of a new shape) between their trace and their build (``build_training_graphs``);
+            it raises to refuse the batch they are for.
 
     Attributes:
         first: the first graphs built (the engine's layout comes from them), or None.
@@ -84,16 +85,14 @@ class ShapeGraphs:
                     sizes[dim] = int(size)
         return tuple(sorted(sizes.items()))
 
-    def build_first(self, sample_inputs: Sequence[np.ndarray], outputs: tuple | None,
-                    check_batch: Callable[[dict], None] | None = None) -> TrainingGraphs:
+    def build_first(self, sample_inputs: Sequence[np.ndarray], outputs: tuple | None) -> TrainingGraphs:
         """Build (or load) the first graphs: those of the sample's shapes with ``specialize`` (static
         graphs build several times faster than symbolic ones on the torch source), else symbolic;
-        the symbolic graphs are built only when something needs them. ``check_batch`` gets the
-        input constraints before the build (``build_training_graphs``)."""
+        the symbolic graphs are built only when something needs them."""
         feeds = dict(zip(self.desc.input_names, sample_inputs))
         shape = self.symbol_sizes(feeds) if self.specialize else ()
         graphs = build_training_graphs(self.job, sample_inputs, dims=dict(shape) or None, outputs=outputs,
-                                       check_batch=check_batch)
+                                       check_batch=self._check_batch)
         self.first = graphs
         self._constraints[shape] = graphs.meta.get("input_constraints") or {}
         self._first_signature = (shape, outputs)

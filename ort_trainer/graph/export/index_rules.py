@@ -46,6 +46,7 @@ _UNARY: dict[str, Callable] = {"neg": np.negative, "abs": np.abs, "not": np.logi
 # results that hold no element of an input (a mask, a comparison): no position to report
 _PREDICATES = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "not"}
 NO_SOURCE = -1  # the provenance of an element the graph made itself (a pad value, an arange)
+INLINE_CONSTANT_ELEMENTS = 1 << 16  # integer constants up to this size (BERT's position ids) go into a rule
 
 
 class Untranslatable(Exception):
@@ -387,5 +388,5 @@ def _source(rule: dict, feeds: dict[str, np.ndarray], first: tuple) -> tuple[str
     return None
 
 
-__all__ = ["NO_SOURCE", "Untranslatable", "compact", "evaluate", "operand_refs", "out_of_range", "reads_values",
-           "violations"]
+__all__ = ["INLINE_CONSTANT_ELEMENTS", "NO_SOURCE", "Untranslatable", "compact", "evaluate", "operand_refs",
+           "out_of_range", "reads_values", "violations"]

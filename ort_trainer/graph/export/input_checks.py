@@ -28,7 +28,6 @@ from ..onnx_graph import module_of
 from . import index_rules
 from .index_rules import Untranslatable
 
-_INLINE_CONSTANT_ELEMENTS = 1 << 16
 _LOSSES = {"SoftmaxCrossEntropyLoss": "cross-entropy", "NegativeLogLikelihoodLoss": "negative log-likelihood loss"}
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Equal": "eq", "Less": "lt", "LessOrEqual": "le",
            "Greater": "gt", "GreaterOrEqual": "ge", "And": "and", "Or": "or", "Xor": "xor", "Max": "maximum",
@@ -152,7 +151,7 @@ class _Rule:
             return self.add({"op": "input", "name": name})
         if name in g.initializers:
             array = numpy_helper.to_array(g.initializers[name])
-            if array.dtype.kind not in "iub" or array.size > _INLINE_CONSTANT_ELEMENTS:
+            if array.dtype.kind not in "iub" or array.size > index_rules.INLINE_CONSTANT_ELEMENTS:
                 raise Untranslatable(f"{name!r} (a weight)")
             return self.add({"op": "const", "value": array.tolist(), "dtype": str(array.dtype)})
         node = g.producer.get(name)

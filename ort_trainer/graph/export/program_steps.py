@@ -23,7 +23,6 @@ from . import index_rules
 from .index_rules import Untranslatable
 
 _INT64_MAX = 2**63 - 1
-_INLINE_CONSTANT_ELEMENTS = 1 << 16  # integer buffers up to this size (BERT's position ids) become constants
 
 # ops that only move or repeat values: the last of an index's chain leave the values checked unchanged
 _LAYOUT = {"view", "reshape", "_unsafe_view", "view_copy", "flatten", "unflatten", "squeeze", "unsqueeze",
@@ -221,7 +220,8 @@ class _Steps:
             if node.name in p.inputs:
                 return self.add({"op": "input", "name": p.inputs[node.name]})
             tensor = p.constants.get(node.name)
-            if tensor is None or tensor.dtype.is_floating_point or tensor.numel() > _INLINE_CONSTANT_ELEMENTS:
+            if tensor is None or tensor.dtype.is_floating_point or \
+                    tensor.numel() > index_rules.INLINE_CONSTANT_ELEMENTS:
                 raise Untranslatable(f"{p.parameters.get(node.name, node.name)} (a weight or a large buffer)")
             return self.add({"op": "const", "value": tensor.tolist(), "dtype": str(tensor.dtype).split(".")[-1]})
         op = op_name(node)
