@@ -74,10 +74,12 @@ def _index_operands(node: Any, op: str, program: ProgramFacts) -> list[dict]:
         return [] if classes < 0 else [{"index": args[0], "high": classes, "low": 0, "ignore": None,
                                         "what": f"classes of the one_hot in {module}"}]
     if op == "index" and len(args) > 1:
+        # an index may count from the end: with no traced size there is no range to check (as on ONNX graphs)
         shape = program.shape(args[0]) or []
-        return [{"index": index, "high": shape[axis] if axis < len(shape) else None, "low": "-high", "ignore": None,
+        return [{"index": index, "high": shape[axis], "low": "-high", "ignore": None,
                  "sized": True, "what": f"positions along dimension {axis} of an indexing in {module}"}
-                for axis, index in enumerate(args[1]) if is_node(index) and is_integer(program.dtype(index))]
+                for axis, index in enumerate(args[1])
+                if is_node(index) and is_integer(program.dtype(index)) and axis < len(shape)]
     return []
 
 
