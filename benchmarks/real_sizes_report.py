@@ -34,8 +34,8 @@ def table(rows: list[dict]) -> str:
     def spread(value, values: list[float]):  # a median, with the samples' range where there are several
         return number(value, ".1f") + ("" if value is None else span(values, ".1f"))
 
-    def rate(step_s):
-        return None if step_s is None else r["gflop"] / step_s
+    def rate(row: dict, step_s):  # the step's matrix-product GFLOP per second
+        return None if step_s is None else row["gflop"] / step_s
 
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for r in rows:
@@ -49,7 +49,8 @@ def table(rows: list[dict]) -> str:
             f"| {number(compile_s and compile_s / r['ort_step_s'], '.2f')}{'×' if compile_s else ''} "
             f"| {number(statistics.median(r['host_gflops']) if r['host_gflops'] else None, '.0f')}"
             f"{span(r['host_gflops'], '.0f')} "
-            f"| {rate(r['ort_step_s']):.3g} / {rate(r['eager_step_s']):.3g} / {number(rate(compile_s), '.3g')} "
+            f"| {rate(r, r['ort_step_s']):.3g} / {rate(r, r['eager_step_s']):.3g} "
+            f"/ {number(rate(r, compile_s), '.3g')} "
             f"/ {r['gemm_gflops']:.3g} "
             f"| {r['gemm_gflops'] * r['eager_step_s'] / r['gflop']:.2f}× "
             f"| {r['ort_peak_cold_mb']:.0f} / {number(r['ort_peak_warm_mb'], '.0f')} / {r['eager_peak_mb']:.0f} "

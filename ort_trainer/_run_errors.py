@@ -18,7 +18,7 @@ from .graph.onnx_graph import module_of
 
 _NODE = re.compile(r"running (?P<op>\w+) node\. Name:'(?P<node>[^']*)'(?: Status Message: (?P<message>.*))?", re.S)
 _ALLOCATION = re.compile(r"Failed to allocate memory (?:for requested buffer )?of size (?P<bytes>\d+)|"
-                         r"out of memory|bad_alloc|std::bad_alloc", re.I)
+                         r"out of memory|bad_alloc", re.I)
 
 
 class StepError(RuntimeError):

@@ -251,14 +251,13 @@ def compact(rule: dict) -> dict:
     for i, step in enumerate(steps):
         if step["op"] == "input" or any(ref in variable for ref in operand_refs(step)):
             variable.add(i)
-    run = _Run([], {}, provenance=False)
+    run = _Run(steps, {}, provenance=False)  # evaluates the constant steps one by one, in order
     folded = []
     for i, step in enumerate(steps):
         if i in variable:
             folded.append(step)
             run.values.append(None)
             continue
-        run.steps = steps
         value, _ = run.evaluate(step)
         run.values.append(value)
         array = np.asarray(value)

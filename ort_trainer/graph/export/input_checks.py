@@ -319,13 +319,19 @@ class BatchChecks:
         rules = constraints.get("indices") or []
         if isinstance(rules, dict):  # a graph cache entry of an earlier format
             rules = []
-        self.value_rules = [r for r in rules if index_rules.reads_values(r)]
-        self.shape_rules = [r for r in rules if not index_rules.reads_values(r)]
-        # the common rule, an input as it comes with fixed bounds, checked in one comparison per step
-        self._direct = [(r["steps"][0]["name"], 0 if r.get("low") != "-high" else -r["high"], r["high"], r)
-                        for r in self.value_rules
-                        if len(r["steps"]) == 1 and not isinstance(r.get("high"), dict) and "shapes" not in r]
-        self._evaluated = [r for r in self.value_rules if not any(r is d[-1] for d in self._direct)]
+        self.value_rules, self.shape_rules = [], []
+        self._direct, self._evaluated = [], []  # the value rules, split by how a step checks them
+        for r in rules:
+            if not index_rules.reads_values(r):
+                self.shape_rules.append(r)
+                continue
+            self.value_rules.append(r)
+            if len(r["steps"]) == 1 and not isinstance(r.get("high"), dict) and "shapes" not in r:
+                # the common rule, an input as it comes with fixed bounds: one comparison per step
+                low = -r["high"] if r.get("low") == "-high" and r["high"] is not None else 0  # as ``violations``
+                self._direct.append((r["steps"][0]["name"], low, r["high"], r))
+            else:
+                self._evaluated.append(r)
         self.batchnorm = constraints.get("batchnorm") or []
         self._by_shapes: dict[tuple, list[str]] = {}
         self._failed: set[str] = set()
