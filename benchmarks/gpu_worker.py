@@ -200,6 +200,8 @@ def run(args) -> dict:
     result = {"model": args.model, "impl": args.impl, "precision": args.precision, "device": args.device,
               "versions": f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}",
               "batch": len(batches[0][0]), "tokens": tokens, "params": n_params}
+    if args.impl == "ort" and json.loads(args.ort_optimizations):
+        result["ort_optimizations"] = json.loads(args.ort_optimizations)  # an A/B's setting, kept with its row
     try:
         if args.impl == "ort":
             step = _ort_step(model, desc, args.device, args.precision, json.loads(args.ort_optimizations))

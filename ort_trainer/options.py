@@ -236,6 +236,13 @@ _SCHEMA: dict[str, _Field] = {
         "BERT-base 2445 -> 2412 MB, GPT-2 small 2923 -> 2789 MB), at the cost of re-running those nodes once per "
         "step (gradient source 'torch' only)"
     ),
+    "graph_optimizations.aligned_products": _Field(
+        _BOOL, False, "matrix products with a static dimension of 1024 or more that is not a multiple of 8 (a "
+        "50257- or 30522-word vocabulary's language-model head, forward and backward) computed on operands padded "
+        "with zeros to a multiple of 64, the result sliced back: the 16-byte aligned rows that Hopper's tensor-core "
+        "kernels need. The same values; off by default until a GPU measurement shows it wins there (on the CPU it "
+        "only adds copies) (gradient source 'torch' only)"
+    ),
     "graph_optimizations.unfused_skip_layer_norm": _Field(
         _BOOL, True, "on the CPU, ONNX Runtime's SkipLayerNormFusion is turned off: its SkipLayerNormalization "
         "kernel took 0.7 ms per [1024, 256] against 0.2 ms for the Add and LayerNormalization it replaces (the "

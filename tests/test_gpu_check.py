@@ -134,3 +134,45 @@ def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": "false"})
     assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr
     assert not (tmp_path / "prefix").exists()
+
+
+def test_the_gemm_probe_runs_every_backend_and_they_agree(tmp_path):
+    """``benchmarks/gpu_probe.py`` at toy size on the CPU: every backend computes every product, and each
+    equals torch's (the padded one too: its padding multiplies zeros)."""
+    import gpu_probe  # benchmarks/gpu_probe.py
+
+    results = tmp_path / "probe.jsonl"
+    assert gpu_probe.main(["--device", "cpu", "--precisions", "fp32", "--tokens", "48", "--hidden", "32",
+                           "--widths", "257,264", "--repeat", "2", "--results", str(results)]) == 0
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    cases = [row for row in rows if "backend" in row]
+    assert len(cases) == 2 * len(gpu_probe.PRODUCTS) * len(gpu_probe.BACKENDS)
+    assert not [row for row in cases if "error" in row]
+    # float32 sums of 32 (dx: 257 or 264) products of N(0, 1) values in another order: each within a few
+    # hundred float32 roundings of |sum| ≈ 20 (2^-24 · 20 · 300 ≈ 4e-4)
+    assert max(row["max_abs_vs_first"] for row in cases) < 4e-4
+    assert {(row["backend"], row["product"], row["n"]) for row in cases} == {
+        (b, p, n) for b in gpu_probe.BACKENDS for p in gpu_probe.PRODUCTS for n in (257, 264)}
+    assert "process" in rows[-1]
+
+
+def test_the_lever_run_measures_the_probe_and_each_setting(tmp_path):
+    """``benchmarks/gpu_levers.sh`` on the CPU at toy size: the probe's lines, then ort_trainer with the
+    lever off and on, each setting's rows in its own file and carrying the setting."""
+    env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache"), "GPU_PYTHON": sys.executable,
+           "DEVICE": "cpu", "MODELS": "gpt2-tiny", "PRECISIONS": "fp32", "ROUNDS": "1",
+           "PROBE_ARGS": "--tokens 32 --hidden 16 --widths 257 --precisions fp32 --repeat 2"}
+    out = tmp_path / "levers"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_levers.sh"), str(out), "aligned_products"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
+    assert {row["backend"] for row in probe if "backend" in row} == {"torch", "ort-matmul", "ort-gemm",
+                                                                      "ort-fusedmatmul", "ort-padded"}
+    for setting in ("false", "true"):
+        rows = [json.loads(line) for line in (out / f"aligned_products-{setting}.jsonl").read_text().splitlines()]
+        timed = [row for row in rows if row.get("phase") == "time"]
+        assert [(row["impl"], row["model"]) for row in timed] == [("ort", "gpt2-tiny")], rows
+        assert not [row for row in rows if "error" in row], rows
+        assert timed[0]["ort_optimizations"] == {"aligned_products": setting == "true"}
+        assert (out / f"aligned_products-{setting}.md").exists()

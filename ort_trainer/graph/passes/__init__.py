@@ -12,8 +12,8 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   powers), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
   gradient written in place), ``dropout.py``, ``copies.py`` (tensor sequences, output reshapes,
   column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient), ``recompute.py``
-  (2-D transposes folded into Gemm, then activations' values recomputed in the backward; last: they
-  read the others' graph);
+  (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
+  the others' graph), ``aligned.py`` (products on operands padded to aligned widths; last);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
@@ -30,7 +30,7 @@ from __future__ import annotations
 import onnx
 
 from ..onnx_graph import dangling_names
-from . import copies, dropout, embedding, forward, recompute, softmax, tied_embedding
+from . import aligned, copies, dropout, embedding, forward, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -47,7 +47,7 @@ _JOINT = (
     ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
     ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
     ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
-    ("activation_recompute", recompute.activation_recompute))
+    ("activation_recompute", recompute.activation_recompute), ("aligned_products", aligned.aligned_products))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("sequences", copies.sequence_reads),

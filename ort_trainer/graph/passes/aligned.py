@@ -1,0 +1,185 @@
+"""``aligned_products``: matrix products on operands padded to aligned widths.
+
+A GPT-2 vocabulary is 50257 words wide and BERT's 30522: the language-model head's three products
+(the forward ``x · Wᵀ``, the backward ``dY · W`` and ``dYᵀ · x``) read or write a matrix whose rows
+are 100514 (60044) bytes apart in half precision, not a multiple of 16. Hopper's tensor-core kernels
+(TMA) need 16-byte aligned rows; cuBLAS then falls back to older kernels (the ``cutlass_75 …
+s1688gemm`` kernels of the GPU profile, in eager PyTorch as in ONNX Runtime). nanoGPT pads its
+vocabulary to 50304 for this; inductor pads the operands of each product (``pad_mm``).
+
+Here each product's dimensions are padded as inductor does, inside the graph: a dimension M, K or N
+of at least ``MIN_DIMENSION`` elements that is not a multiple of ``ALIGNMENT`` and that some operand
+(or the result) holds as its contiguous axis is padded with zeros to a multiple of ``PAD_TO``:
+
+- K (the summed one): both operands padded; the extra products are zeros, the result unchanged;
+- N: ``B`` padded, the result's extra columns sliced off;
+- M (only where ``A`` is transposed, as in ``dYᵀ · x``: its contiguous axis): ``A`` padded, the
+  result's extra rows sliced off.
+
+A ``Pad`` is put on the tensor a chain of 2-D ``Transpose`` nodes starts from (its axes permuted),
+below the transposes, so that ONNX Runtime's ``MatmulTransposeFusion`` still folds them into the
+product; one tensor padded alike for several products is padded once (the head's ``dY``, read by both
+of its backward products, and the weight, read by the forward and ``dY · W``). The values the user
+sees are unchanged: every padded element multiplies a zero, every sliced-off one is dropped. The cost:
+the padded copies (the head's ``dY`` and logits once each per step, the weight twice).
+
+``MatMul`` (``A`` of any rank ≥ 2, ``B`` a matrix), ``Gemm`` without a bias input and
+``com.microsoft.FusedMatMul`` of 2-D operands are rewritten; products with dynamic dimensions or a
+batched ``B`` are left alone.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from ._graph import _ONNX_DOMAINS, _Graph, _attrs, _elem_types, _is, _keep
+
+ALIGNMENT = 8  # 16 bytes of float16 / bfloat16 (32 of float32)
+PAD_TO = 64
+MIN_DIMENSION = 1024  # padding costs at most 64 / 1024 = 6 % more work; smaller products are left alone
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+
+
+def _padded(size) -> int | None:
+    """The padded size of a dimension that needs it, else None."""
+    if not isinstance(size, int) or size < MIN_DIMENSION or size % ALIGNMENT == 0:
+        return None
+    return -(-size // PAD_TO) * PAD_TO
+
+
+def _product(node: onnx.NodeProto, g: _Graph) -> tuple[bool, bool] | None:
+    """``(transA, transB)`` of a product this pass rewrites, else None."""
+    if node.domain in _ONNX_DOMAINS and node.op_type == "MatMul":
+        flags = (False, False)
+    elif node.domain in _ONNX_DOMAINS and node.op_type == "Gemm" and len(node.input) == 2:
+        attrs = _attrs(node)
+        if attrs.get("alpha", 1.0) != 1.0:
+            return None
+        flags = (bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0)))
+    elif node.domain == "com.microsoft" and node.op_type == "FusedMatMul":
+        attrs = _attrs(node)
+        if attrs.get("transBatchA", 0) or attrs.get("transBatchB", 0):
+            return None
+        flags = (bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0)))
+    else:
+        return None
+    a, b = (g.shapes.get(name) for name in node.input[:2])
+    out = g.shapes.get(node.output[0])
+    if a is None and b is not None and out is not None and node.op_type == "MatMul" and len(b) == 2:
+        a = g.shapes[node.input[0]] = [*out[:-1], b[0]]  # a value a pass made (output_reshape's view)
+    if a is None or b is None or len(b) != 2 or len(a) < 2 or (len(a) != 2 and (node.op_type != "MatMul")):
+        return None
+    return flags
+
+
+def aligned_products(model: onnx.ModelProto) -> int:
+    """Pad the unaligned dimensions of every product (see the module docstring), in place; returns
+    how many products changed."""
+    graph = model.graph
+    g = _Graph(model)
+    types = _elem_types(model)
+    before: dict[int, list[onnx.NodeProto]] = {}
+    after: dict[int, list[onnx.NodeProto]] = {}
+    pads: dict[tuple, str] = {}  # (tensor, pads) -> its padded copy; (transposed copy, depth) -> itself
+    count = 0
+    for node in graph.node:
+        flags = _product(node, g)
+        if flags is None or types.get(node.output[0]) not in _FLOATS:
+            continue
+        trans_a, trans_b = flags
+        a_shape, b_shape = g.shapes[node.input[0]], g.shapes[node.input[1]]
+        m = a_shape[-1] if trans_a else a_shape[-2]
+        k = a_shape[-2] if trans_a else a_shape[-1]
+        n = b_shape[0] if trans_b else b_shape[1]
+        # how each operand lies in memory once ONNX Runtime folds the transposes that feed the product
+        stored_a = trans_a != (len(_transposes(node.input[0], g)) % 2 == 1)
+        stored_b = trans_b != (len(_transposes(node.input[1], g)) % 2 == 1)
+        # the contiguous axis of A is K (M when stored transposed), of B N (K when stored transposed), of
+        # the result N
+        new_m = _padded(m) if stored_a and len(a_shape) == 2 else None
+        new_k = _padded(k) if (not stored_a or stored_b) else None
+        new_n = _padded(n)
+        if not (new_m or new_k or new_n):
+            continue
+        a_extra, b_extra = [0] * len(a_shape), [0, 0]
+        if new_k:
+            a_extra[-2 if trans_a else -1] = new_k - k
+            b_extra[1 if trans_b else 0] = new_k - k
+        if new_m:
+            a_extra[-1 if trans_a else -2] = new_m - m
+        if new_n:
+            b_extra[0 if trans_b else 1] = new_n - n
+        node.input[0], node.input[1] = (
+            _pad(name, extra, g, pads, before.setdefault(id(node), [])) if any(extra) else name
+            for name, extra in ((node.input[0], a_extra), (node.input[1], b_extra)))
+        slices = ([(len(a_shape) - 1, n)] if new_n else []) + ([(0, m)] if new_m else [])
+        if slices:
+            after[id(node)] = _slice_back(node, slices)
+        count += 1
+    if count:
+        _keep(model, set(), before=before, after=after)
+        _drop_unread_transposes(model, g.outputs)
+    return count
+
+
+def _transposes(name: str, g: _Graph) -> list[onnx.NodeProto]:
+    """The chain of 2-D ``Transpose`` nodes that ``name`` comes out of, the last one first."""
+    chain = []
+    while True:
+        producer = g.producer.get(name)
+        if producer is None or not _is(producer, "Transpose") or _attrs(producer).get("perm") != [1, 0]:
+            return chain
+        chain.append(producer)
+        name = producer.input[0]
+
+
+def _pad(name: str, extra: list[int], g: _Graph, pads: dict, nodes: list[onnx.NodeProto]) -> str:
+    """``name`` padded with ``extra`` zeros at the end of each axis: the ``Pad`` on the tensor its chain of
+    2-D transposes starts from, the transposes repeated on the padded copy (new nodes appended to
+    ``nodes``; a tensor padded alike before is reused); returns the padded tensor's name."""
+    chain = _transposes(name, g)
+    source = chain[-1].input[0] if chain else name
+    source_extra = tuple(extra[::-1] if len(chain) % 2 else extra)
+    padded = pads.get((source, source_extra))
+    if padded is None:
+        padded = pads[(source, source_extra)] = f"{source}/aligned_pad_{'_'.join(map(str, source_extra))}"
+        amounts = [0] * len(source_extra) + list(source_extra)
+        nodes.append(helper.make_node("Constant", [], [f"{padded}/pads"], value=helper.make_tensor(
+            f"{padded}/pads", onnx.TensorProto.INT64, [len(amounts)], amounts)))
+        nodes.append(helper.make_node("Pad", [source, f"{padded}/pads"], [padded], name=padded))
+    for depth in range(1, len(chain) + 1):  # the transposes again, on the padded copy (once per copy)
+        transposed = f"{padded}/transposed{depth}"
+        if (transposed, depth) not in pads:
+            pads[(transposed, depth)] = transposed
+            nodes.append(helper.make_node("Transpose", [padded], [transposed], perm=[1, 0], name=transposed))
+        padded = transposed
+    return padded
+
+
+def _slice_back(node: onnx.NodeProto, slices: list[tuple[int, int]]) -> list[onnx.NodeProto]:
+    """The product now writes ``<output>/aligned``; the nodes that slice ``<output>`` out of it (each
+    ``(axis, size)`` of ``slices`` cut back to ``size``)."""
+    result = node.output[0]
+    node.output[0] = f"{result}/aligned"
+    name = f"{result}/aligned_slice"
+    axes, ends = zip(*slices)
+    constants = [helper.make_node("Constant", [], [f"{name}/{what}"], value=helper.make_tensor(
+        f"{name}/{what}", onnx.TensorProto.INT64, [len(axes)], values))
+        for what, values in (("starts", [0] * len(axes)), ("ends", list(ends)), ("axes", list(axes)))]
+    return [*constants, helper.make_node("Slice", [node.output[0], *(c.output[0] for c in constants)], [result],
+                                         name=name)]
+
+
+def _drop_unread_transposes(model: onnx.ModelProto, outputs: set[str]) -> None:
+    """Remove the transposes (and their chains) that nothing reads any more."""
+    graph = model.graph
+    while True:
+        read = {name for n in graph.node for name in n.input} | outputs
+        unread = [n for n in graph.node if _is(n, "Transpose") and n.output[0] not in read]
+        if not unread:
+            return
+        _keep(model, {id(n) for n in unread})
+
+
+__all__ = ["aligned_products"]
