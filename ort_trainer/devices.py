@@ -218,6 +218,9 @@ class Device:
     #: whether training graphs for this device take their dropout masks as inputs the host draws
     #: (``graph_optimizations.host_dropout_masks``)
     host_dropout_masks = False
+    #: whether sessions load ONNX Runtime's optimized graphs that an earlier process saved
+    #: (``_optimized_graphs.py``): only where they are known to load back and run alike
+    reuses_optimized_graphs = False
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -319,6 +322,8 @@ class CPUDevice(Device):
     kind = "cpu"
     #: ONNX Runtime's CPU Dropout draws 4.6 ns per element on one thread, NumPy ~1.5 (dropout_masks.py)
     host_dropout_masks = True
+    #: the CPU provider's optimized graphs load back with optimizations off and run bit-equal (tests/test_optimized_graphs.py)
+    reuses_optimized_graphs = True
 
     def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
         return [("CPUExecutionProvider", dict(provider_options or {}))]

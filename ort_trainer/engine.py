@@ -29,9 +29,11 @@ import onnxruntime as ort
 import torch
 
 from ._logging import ort_severity
+from ._optimized_graphs import OptimizedGraphs
 from ._run_errors import StepError
 from .devices import Device, make_device
 from ._signature_sessions import SessionSet
+from .graph.cache import cache_dir
 from .graph.names import LOSS_SCALE_INPUT, RESET_INPUT
 from .optim.config import _OptimizerConfig
 from .sessions import Sessions
@@ -136,8 +138,11 @@ class Engine:
                 self._session_options.intra_op_num_threads = intra_op_threads
         if deterministic:
             self._session_options.use_deterministic_compute = True
+        # ONNX Runtime's optimized graphs reused across processes: with the engine's own session options only
+        optimized_root = cache_dir() if session_options is None and self.placement.reuses_optimized_graphs else None
         self.sessions = Sessions(self.placement, self._session_options, self._providers,
-                                 self.placement.disabled_optimizers(unfused_skip_layer_norm))
+                                 self.placement.disabled_optimizers(unfused_skip_layer_norm),
+                                 OptimizedGraphs(optimized_root / ".optimized") if optimized_root else None)
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import torch
 
 from ._logging import logger
+from ._optimized_graphs import OptimizedGraphs
 from ._run_errors import ONNXRUNTIME_ERRORS, explain, node_modules
 from .devices import Device
 
@@ -25,11 +26,14 @@ class Sessions:
         options: the session options every session gets.
         providers: the execution providers and their options.
         disabled_optimizers: ONNX Runtime graph optimizers turned off.
+        optimized: where sessions find the optimized graphs earlier processes saved, and save theirs
+            (``_optimized_graphs.py``); None: every session optimizes its graph.
     """
 
     def __init__(self, placement: Device, options: ort.SessionOptions, providers: list,
-                 disabled_optimizers: list[str]):
+                 disabled_optimizers: list[str], optimized: OptimizedGraphs | None = None):
         self.placement = placement
+        self._optimized = optimized
         self.options = options
         self._providers = providers
         self._disabled_optimizers = disabled_optimizers
@@ -44,8 +48,12 @@ class Sessions:
         """A session of ``model`` with these session options and execution providers, once the
         device has found nothing in the graph it cannot run (``Device.check_graph``)."""
         self.placement.check_graph(model)
-        session = ort.InferenceSession(model.SerializeToString(), self.options, providers=self._providers,
-                                       disabled_optimizers=self._disabled_optimizers)
+        if self._optimized is not None:
+            session = self._optimized.session(model.SerializeToString(), self.options, self._providers,
+                                              self._disabled_optimizers)
+        else:
+            session = ort.InferenceSession(model.SerializeToString(), self.options, providers=self._providers,
+                                           disabled_optimizers=self._disabled_optimizers)
         self._models[id(session)] = model
         return session
 

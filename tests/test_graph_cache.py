@@ -447,7 +447,8 @@ def test_a_failed_store_leaves_no_temporary_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(graph_cache.onnx, "save", disk_full)
     monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
     losses, _ = _train(_seeded(MLP)(), torch.nn.functional.cross_entropy)
-    assert list(tmp_path.iterdir()) == []
+    # ONNX Runtime's optimized graphs (.optimized/, written by ONNX Runtime, not onnx.save) are no graph entry
+    assert [p for p in tmp_path.iterdir() if p.name != ".optimized"] == []
     assert losses == _fresh(_seeded(MLP), torch.nn.functional.cross_entropy, monkeypatch, tmp_path)
 
 
