@@ -299,7 +299,9 @@ def test_bfloat16_on_the_cpu_is_a_clear_error_that_changes_nothing():
         assert message.startswith("mixed_precision.dtype='bfloat16' on device 'cpu': ONNX Runtime's CPU execution "
                                   "provider has no bfloat16 kernel for ")
         assert "(opset " in message and "; node '" in message
-        assert message.endswith("use dtype 'float16' or device 'cuda'")
+        # float16 is no way out on the CPU (no faster than float32 there): the fix is fp32 or a GPU
+        assert "use none of AVX512-BF16, AMX or AVX512-FP16" in message
+        assert message.endswith("train in fp32 on the CPU (mixed_precision.enabled=False), or use device 'cuda'")
         op = message.split("kernel for ")[1].split(" ")[0]
         assert op in {n.op_type for n in trainer._graphs.gradient.graph.node}
         assert trainer._train_step_info.step == 0 and trainer._train_step_info.optimization_step == 0

@@ -39,9 +39,14 @@ def missing_kernel_error(exc: BaseException, dtype: str, device: str) -> Missing
     op, opset, node = found.groups()
     provider = "CPU" if device == "cpu" else "CUDA"
     other = "float16" if dtype == "bfloat16" else "bfloat16"
-    if device == "cpu":
-        fix = f"use dtype '{other}' or device 'cuda'" if dtype == "bfloat16" else \
-            "use device 'cuda', or train in fp32 on the CPU (mixed_precision.enabled=False)"
+    if device == "cpu" and dtype == "bfloat16":
+        # docs/performance.md, "Half precision on the CPU": MLAS has no x86 kernel that uses AVX512-BF16, AMX or
+        # AVX512-FP16, and its float16 products run no faster than float32
+        fix = ("no ONNX Runtime CPU kernel multiplies bfloat16 (its x86 matrix products use none of AVX512-BF16, "
+               "AMX or AVX512-FP16; float16 runs at float32's speed there): train in fp32 on the CPU "
+               "(mixed_precision.enabled=False), or use device 'cuda'")
+    elif device == "cpu":
+        fix = "use device 'cuda', or train in fp32 on the CPU (mixed_precision.enabled=False)"
     else:
         fix = f"use dtype '{other}', or train in fp32 (mixed_precision.enabled=False)"
     return MissingKernelError(
