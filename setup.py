@@ -44,8 +44,10 @@ setup(
         "mpi": ["mpi4py>=3.1", "mpich"],
         "examples": ["scikit-learn>=1.3"],
         "hf": ["transformers>=4.40"],
+        # logging.tensorboard of the command line (torch.utils.tensorboard writes with its event writer)
+        "tensorboard": ["tensorboard>=2.14"],
         "bench": ["transformers>=4.40", "matplotlib>=3.7"],
-        "dev": ["pytest>=7", "scikit-learn>=1.3", "transformers>=4.40"],
+        "dev": ["pytest>=7", "scikit-learn>=1.3", "transformers>=4.40", "tensorboard>=2.14"],
     },
     entry_points={"console_scripts": ["ort-trainer=ort_trainer.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "train": {"max_steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 50, "eval_batches": 4,
               "checkpoint_every": 0},
     "export": {"onnx": True, "sample_tokens": 200, "prompt": "def "},
+    "logging": {"tensorboard": False},
     "options": {},
 }
 
@@ -207,6 +208,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> dict:
             node[parts[-1]] = value
     config = _check(raw, DEFAULTS, "", problems)
     problems += _combination_problems(config, problems)
+    if config["logging"]["tensorboard"] is True:
+        from ._tensorboard import tensorboard_problem
+
+        problems += [problem for problem in [tensorboard_problem()] if problem]
     if isinstance(config.get("options"), dict) and "lr_scheduler" not in config["options"]:
         from .options import ORTTrainerOptions
 

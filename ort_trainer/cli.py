@@ -35,6 +35,7 @@ import numpy as np
 from ._cli_config import DEFAULTS, ConfigError, load_config
 from ._logging import logger
 from ._metrics import MetricsLog, read_metrics
+from ._tensorboard import TensorBoardLog
 from ._temporaries import atomic_write
 
 __all__ = ["DEFAULTS", "ConfigError", "export", "load_config", "main", "make_trainer", "plot_metrics",
@@ -151,8 +152,6 @@ def train(config: dict, resume: bool = False, overwrite: bool = False) -> dict:
             (without ``resume`` or ``overwrite``), for ``resume`` without a fitting checkpoint, and
             for ``resume`` with ``overwrite``. All before anything is trained or written.
     """
-    from tqdm import tqdm
-
     out = Path(config["output_dir"])
     checkpoints = out / "checkpoints"
     earlier = _earlier_run(out, checkpoints, resume, overwrite)
@@ -177,6 +176,31 @@ def train(config: dict, resume: bool = False, overwrite: bool = False) -> dict:
         metrics.resume(info.step)
     elif metrics is not None:
         metrics.start()
+    board = TensorBoardLog(out / "tensorboard", info.step if resume else None) \
+        if main_rank and config["logging"]["tensorboard"] else None
+    try:
+        return _train_loop(config, trainer, job, mpi, metrics, board)
+    finally:
+        if board is not None:
+            board.close()
+
+
+def _train_loop(config: dict, trainer, job, mpi, metrics: MetricsLog | None, board) -> dict:
+    """``train``'s steps, evaluations, checkpoints and final files (see ``train``)."""
+    from tqdm import tqdm
+
+    out = Path(config["output_dir"])
+    checkpoints = out / "checkpoints"
+    main_rank = mpi.world_rank == 0
+    info = trainer._train_step_info
+    scaler = trainer.options.mixed_precision.loss_scaler if trainer.options.mixed_precision.enabled else None
+
+    def log(record: dict) -> None:
+        if metrics is not None:
+            metrics.append(record)
+        if board is not None:
+            board.record(record)
+
     train_cfg = config["train"]
     scheduler = trainer.options.lr_scheduler
     trainer._train_step_info.fetches = ["loss"]
@@ -193,15 +217,15 @@ def train(config: dict, resume: bool = False, overwrite: bool = False) -> dict:
         if done % train_cfg["log_every"] == 0 or done == train_cfg["max_steps"]:
             elapsed = time.perf_counter() - started
             record = {"step": done, "loss": loss, "lr": lr, "samples_per_s": window_samples / max(elapsed, 1e-9)}
-            if metrics is not None:
-                metrics.append(record)
+            if scaler is not None:
+                record["loss_scale"] = float(scaler.loss_scale)
+            log(record)
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.0f}")
             started, window_samples = time.perf_counter(), 0
         if train_cfg["eval_every"] and (done % train_cfg["eval_every"] == 0 or done == train_cfg["max_steps"]):
             eval_loss = float(np.mean([float(trainer.eval_step(*job.eval_batch(i)))  # fetches: the loss
                                        for i in range(train_cfg["eval_batches"])]))
-            if metrics is not None:
-                metrics.append({"step": done, "eval_loss": eval_loss})
+            log({"step": done, "eval_loss": eval_loss})
         if train_cfg["checkpoint_every"] and done % train_cfg["checkpoint_every"] == 0:
             trainer.save_checkpoint(checkpoints / f"step_{done:07d}.h5", user_dict={"config": config})
         progress.update(1)

@@ -118,7 +118,7 @@ def test_yaml_problems_exit_2_with_one_line_and_no_traceback(tmp_path, capsys):
         (tmp_path / "nope.yaml", f"ort-trainer: config file '{tmp_path / 'nope.yaml'}' does not exist; pass a YAML "
                                  "config such as configs/digits_mlp.yaml\n"),
         (listed, f"ort-trainer: {listed}: expected a mapping of sections (output_dir, seed, model, data, optimizer, "
-                 "lr_scheduler, train, export, options) at the top level, got a list\n"),
+                 "lr_scheduler, train, export, logging, options) at the top level, got a list\n"),
     ]:
         assert _main(capsys, "train", config) == (2, "", expected)
 
