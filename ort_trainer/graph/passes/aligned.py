@@ -52,10 +52,8 @@ def _product(node: onnx.NodeProto, g: _Graph) -> tuple[bool, bool] | None:
     """``(transA, transB)`` of a product this pass rewrites, else None."""
     if node.domain in _ONNX_DOMAINS and node.op_type == "MatMul":
         flags = (False, False)
-    elif node.domain in _ONNX_DOMAINS and node.op_type == "Gemm" and len(node.input) == 2:
+    elif node.domain in _ONNX_DOMAINS and node.op_type == "Gemm" and len(node.input) == 2:  # no C: none to pad
         attrs = _attrs(node)
-        if attrs.get("alpha", 1.0) != 1.0:
-            return None
         flags = (bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0)))
     elif node.domain == "com.microsoft" and node.op_type == "FusedMatMul":
         attrs = _attrs(node)
