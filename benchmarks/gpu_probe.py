@@ -14,7 +14,7 @@ V = 50257 and 50304 (the next multiple of 64), with two aligned products of the 
   writes);
 - ``ort-fusedmatmul``: ``com.microsoft.FusedMatMul`` (what ONNX Runtime's ``MatmulTransposeFusion`` writes);
 - ``ort-padded``: ``Gemm`` on operands whose N is padded with zeros to a multiple of 64 inside the graph
-  (``Pad``), the result sliced back to N (``Slice``): what a padded vocabulary costs and gains in all,
+  (``Concat`` with zeros), the result sliced back to N (``Slice``): what a padded vocabulary costs and gains in all,
   copies included. Equal to the unpadded product (the padding multiplies zeros).
 
 Each case: the median of ``--repeat`` timed runs (CUDA events around each; ONNX Runtime's runs bound
@@ -93,10 +93,15 @@ def _padded_product(product, m, k, n, elem, a_shape, b_shape, trans_a, trans_b) 
     pads = {"fwd": {"B": [0, 0, extra, 0]}, "dx": {"A": [0, 0, 0, extra], "B": [0, 0, extra, 0]},
             "dw": {"A": [0, 0, 0, extra]}}[product]
     nodes, names = [], {"A": "A", "B": "B"}
-    for name, amounts in pads.items():
-        nodes.append(helper.make_node("Constant", [], [f"{name}_pads"], value=helper.make_tensor(
-            f"{name}_pads_value", TensorProto.INT64, [4], amounts)))
-        nodes.append(helper.make_node("Pad", [name, f"{name}_pads"], [f"{name}_padded"]))
+    shapes = {"A": list(a_shape), "B": list(b_shape)}
+    item = {TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.FLOAT: 4}[elem]
+    for name, amounts in pads.items():  # zeros concatenated, as graph_optimizations.aligned_products does
+        axis = 1 if amounts[3] else 0
+        zeros_shape = list(shapes[name])
+        zeros_shape[axis] = amounts[2 + axis]
+        nodes.append(helper.make_node("Constant", [], [f"{name}_zeros"], value=helper.make_tensor(
+            f"{name}_zeros_value", elem, zeros_shape, b"\0" * (item * zeros_shape[0] * zeros_shape[1]), raw=True)))
+        nodes.append(helper.make_node("Concat", [name, f"{name}_zeros"], [f"{name}_padded"], axis=axis))
         names[name] = f"{name}_padded"
     out_shape = {"fwd": (m, n), "dx": (m, k), "dw": (n, k)}[product]
     gemm_out = "Y" if product == "dx" else "Y_padded"

@@ -16,12 +16,14 @@ of at least ``MIN_DIMENSION`` elements that is not a multiple of ``ALIGNMENT`` a
 - M (only where ``A`` is transposed, as in ``dYᵀ · x``: its contiguous axis): ``A`` padded, the
   result's extra rows sliced off.
 
-A ``Pad`` is put on the tensor a chain of 2-D ``Transpose`` nodes starts from (its axes permuted),
+The zeros are concatenated (``Concat`` with a constant of zeros: ``Concat`` and ``Slice`` have CUDA
+kernels for every type, where the CUDA ``Pad`` read in ONNX Runtime's sources registers float32, float64
+and float16 only) to the tensor a chain of 2-D ``Transpose`` nodes starts from (its axes permuted),
 below the transposes, so that ONNX Runtime's ``MatmulTransposeFusion`` still folds them into the
 product; one tensor padded alike for several products is padded once (the head's ``dY``, read by both
 of its backward products, and the weight, read by the forward and ``dY · W``). The values the user
 sees are unchanged: every padded element multiplies a zero, every sliced-off one is dropped. The cost:
-the padded copies (the head's ``dY`` and logits once each per step, the weight twice).
+a padded copy of the head's weight and of ``dY`` per step, and the logits sliced out of the wider product.
 
 ``MatMul`` (``A`` of any rank ≥ 2, ``B`` a matrix), ``Gemm`` without a bias input and
 ``com.microsoft.FusedMatMul`` of 2-D operands are rewritten; products with dynamic dimensions or a
@@ -29,6 +31,8 @@ batched ``B`` are left alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import onnx
 from onnx import helper
@@ -38,7 +42,9 @@ from ._graph import _ONNX_DOMAINS, _Graph, _attrs, _elem_types, _is, _keep
 ALIGNMENT = 8  # 16 bytes of float16 / bfloat16 (32 of float32)
 PAD_TO = 64
 MIN_DIMENSION = 1024  # padding costs at most 64 / 1024 = 6 % more work; smaller products are left alone
-_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+_ITEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2,
+               onnx.TensorProto.DOUBLE: 8}
+_FLOATS = tuple(_ITEM_BYTES)
 
 
 def _padded(size) -> int | None:
@@ -108,9 +114,10 @@ def aligned_products(model: onnx.ModelProto) -> int:
             a_extra[-1 if trans_a else -2] = new_m - m
         if new_n:
             b_extra[0 if trans_b else 1] = new_n - n
+        elem = types[node.output[0]]
         node.input[0], node.input[1] = (
-            _pad(name, extra, g, pads, before.setdefault(id(node), [])) if any(extra) else name
-            for name, extra in ((node.input[0], a_extra), (node.input[1], b_extra)))
+            _pad(name, shape, elem, extra, g, pads, before.setdefault(id(node), [])) if any(extra) else name
+            for name, shape, extra in ((node.input[0], a_shape, a_extra), (node.input[1], b_shape, b_extra)))
         slices = ([(len(a_shape) - 1, n)] if new_n else []) + ([(0, m)] if new_m else [])
         if slices:
             after[id(node)] = _slice_back(node, slices)
@@ -132,20 +139,31 @@ def _transposes(name: str, g: _Graph) -> list[onnx.NodeProto]:
         name = producer.input[0]
 
 
-def _pad(name: str, extra: list[int], g: _Graph, pads: dict, nodes: list[onnx.NodeProto]) -> str:
-    """``name`` padded with ``extra`` zeros at the end of each axis: the ``Pad`` on the tensor its chain of
-    2-D transposes starts from, the transposes repeated on the padded copy (new nodes appended to
-    ``nodes``; a tensor padded alike before is reused); returns the padded tensor's name."""
+def _pad(name: str, shape: list[int], elem: int, extra: list[int], g: _Graph, pads: dict,
+         nodes: list[onnx.NodeProto]) -> str:
+    """``name`` (of ``shape`` and element type ``elem``) with ``extra`` zeros after the end of each axis: a
+    ``Concat`` with zeros on the tensor its chain of 2-D transposes starts from (see the module docstring),
+    the transposes repeated on the padded copy (new
+    nodes appended to ``nodes``; a tensor padded alike before is reused); returns the padded tensor's name."""
     chain = _transposes(name, g)
     source = chain[-1].input[0] if chain else name
-    source_extra = tuple(extra[::-1] if len(chain) % 2 else extra)
+    odd = len(chain) % 2
+    source_extra = tuple(extra[::-1] if odd else extra)
     padded = pads.get((source, source_extra))
     if padded is None:
         padded = pads[(source, source_extra)] = f"{source}/aligned_pad_{'_'.join(map(str, source_extra))}"
-        amounts = [0] * len(source_extra) + list(source_extra)
-        nodes.append(helper.make_node("Constant", [], [f"{padded}/pads"], value=helper.make_tensor(
-            f"{padded}/pads", onnx.TensorProto.INT64, [len(amounts)], amounts)))
-        nodes.append(helper.make_node("Pad", [source, f"{padded}/pads"], [padded], name=padded))
+        current, current_shape = source, list(shape[::-1] if odd else shape)
+        for axis, amount in enumerate(source_extra):
+            if not amount:
+                continue
+            zeros_shape = [*current_shape[:axis], amount, *current_shape[axis + 1:]]
+            zeros = f"{padded}/zeros{axis}"
+            nodes.append(helper.make_node("Constant", [], [zeros], value=helper.make_tensor(
+                zeros, elem, zeros_shape, b"\0" * (_ITEM_BYTES[elem] * math.prod(zeros_shape)), raw=True)))
+            current_shape[axis] += amount
+            out = padded if sum(1 for a in source_extra[axis + 1:] if a) == 0 else f"{padded}/axis{axis}"
+            nodes.append(helper.make_node("Concat", [current, zeros], [out], axis=axis, name=out))
+            current = out
     for depth in range(1, len(chain) + 1):  # the transposes again, on the padded copy (once per copy)
         transposed = f"{padded}/transposed{depth}"
         if (transposed, depth) not in pads:
