@@ -20,7 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "output_dir": "outputs/run",
     "seed": 0,
     "model": {"type": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64, "dropout": 0.0,
-              "hidden": 128},
+              "hidden": 128, "path": "", "task": "causal-lm"},
     "data": {"name": "stdlib", "max_bytes": 1_000_000, "validation_fraction": 0.1, "mask_probability": 0.15},
     "optimizer": {"type": "adam", "lr": 1e-3, "lambda_coef": 0.01, "no_decay": ["bias", "ln", "norm"]},
     "lr_scheduler": {"type": "cosine", "warmup": 0.05},
@@ -37,7 +37,8 @@ class ConfigError(ValueError):
 
 
 CHOICES = {
-    "model.type": ("gpt", "hf_gpt2", "hf_bert", "mlp"),
+    "model.type": ("gpt", "hf_gpt2", "hf_bert", "hf", "mlp"),
+    "model.task": ("causal-lm", "masked-lm", "sequence-classification"),
     "data.name": ("stdlib", "digits"),
     "optimizer.type": ("adam", "lamb", "sgd"),
     "lr_scheduler.type": ("none", "constant", "cosine", "linear", "poly"),
@@ -140,7 +141,13 @@ def _combination_problems(config: dict, problems: list[str]) -> list[str]:
     if data["name"] == "stdlib" and model["type"] == "mlp":
         found.append("model.type=mlp does not fit data.name=stdlib: use data.name=digits "
                      "(or model.type gpt, hf_gpt2 or hf_bert)")
-    if model["type"] != "mlp" and not bad & {"model.n_head", "model.n_embd"} and model["n_embd"] % model["n_head"]:
+    if model["type"] == "hf" and not model["path"].strip():
+        found.append("model.type=hf needs model.path: the directory of a model saved with save_pretrained")
+    if model["type"] == "hf" and model["task"] == "sequence-classification":
+        found.append("model.task=sequence-classification needs labelled examples, which ort-trainer cannot read "
+                     "yet (data.name is stdlib or digits): use model.task=causal-lm or masked-lm")
+    if model["type"] not in ("mlp", "hf") and not bad & {"model.n_head", "model.n_embd"} and \
+            model["n_embd"] % model["n_head"]:
         found.append(f"model.n_embd={model['n_embd']} must be a multiple of model.n_head={model['n_head']}")
     return found
 

@@ -235,6 +235,9 @@ def _train_loop(config: dict, trainer, job, mpi, metrics: MetricsLog | None, boa
         return summary
     plot_metrics(out / "metrics.jsonl", out / "loss.png")
     summary["files"] += ["metrics.jsonl", "loss.png"]
+    if job.save is not None:
+        job.save(trainer, out / "hf_model")
+        summary["files"].append("hf_model")
     if config["export"]["onnx"]:
         trainer.save_as_onnx(out / "model.onnx")
         summary["files"].append("model.onnx")

@@ -28,7 +28,9 @@ class Job:
         train_batch: ``step -> tuple of arrays`` (this rank's micro-batch).
         eval_batch: ``index -> tuple of arrays`` from held-out data.
         samples_per_batch: examples in one micro-batch.
-        kind: ``"lm"`` (text generation after export) or ``"classifier"``.
+        kind: ``"lm"`` (text generation after export), ``"mlm"``, ``"classifier"`` or ``"pretrained"``
+            (a model from a local directory: written back with ``save`` after training).
+        save: ``save(trainer, directory)`` writes the trained model as its own format (None: no such format).
     """
 
     model: torch.nn.Module
@@ -38,6 +40,7 @@ class Job:
     eval_batch: Callable[[int], tuple]
     samples_per_batch: int
     kind: str
+    save: Callable | None = None
 
 
 def _rng(seed: int, step: int, rank: int, stream: int) -> np.random.Generator:
@@ -65,8 +68,10 @@ def build_job(config: dict, rank: int = 0) -> Job:
         return _digits_job(model_cfg, seed, rank, batch)
     if data_cfg["name"] != "stdlib":
         raise ValueError(f"data.name: expected 'stdlib' or 'digits', got {data_cfg['name']!r}")
+    if kind == "hf":
+        return _pretrained_job(config, rank)
     if kind not in ("gpt", "hf_gpt2", "hf_bert"):
-        raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert or mlp, got {kind!r}")
+        raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert, hf or mlp, got {kind!r}")
     train_ids, val_ids = token_splits(data_cfg["max_bytes"], data_cfg["validation_fraction"])
     length = model_cfg["block_size"]
     splits = (("training", train_ids), ("validation", val_ids))
@@ -110,6 +115,48 @@ def build_job(config: dict, rank: int = 0) -> Job:
 
     return Job(model, desc, None, lambda s: hf_batch(train_ids, s, 0), lambda i: hf_batch(val_ids, i, 1),
                batch, "lm" if kind == "hf_gpt2" else "mlm")
+
+
+def _pretrained_job(config: dict, rank: int) -> Job:
+    """A pretrained model from ``model.path`` trained on the corpus tokenized with its own tokenizer."""
+    from .hf_local import load_pretrained, save_pretrained
+    from .text import stdlib_corpus
+
+    model_cfg, data_cfg, seed = config["model"], config["data"], config["seed"]
+    batch, length, task = config["train"]["batch_size"], model_cfg["block_size"], model_cfg["task"]
+    model, tokenizer = load_pretrained(model_cfg["path"], task)
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if positions and length > positions:
+        raise ValueError(f"model.block_size={length} is longer than the {positions} positions of the model in "
+                         f"{model_cfg['path']}: use model.block_size <= {positions}")
+    if task == "masked-lm" and tokenizer.mask_token_id is None:
+        raise ValueError(f"model.task=masked-lm needs a tokenizer with a mask token; the one in {model_cfg['path']} "
+                         "has none (set tokenizer.mask_token and save it again), or use model.task=causal-lm")
+    ids = np.asarray(tokenizer(stdlib_corpus(data_cfg["max_bytes"]), add_special_tokens=False,
+                               verbose=False)["input_ids"], dtype=np.int64)
+    cut = int(len(ids) * (1.0 - data_cfg["validation_fraction"]))
+    splits = (("training", ids[:cut]), ("validation", ids[cut:]))
+    short = [f"the {part} split has {len(part_ids)} tokens" for part, part_ids in splits if len(part_ids) < length + 2]
+    if short:
+        raise ValueError(f"model.block_size={length} needs at least {length + 2} tokens per split, but "
+                         f"{' and '.join(short)}: raise data.max_bytes or lower model.block_size")
+    vocab = model.config.vocab_size
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+                       ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+    probability, mask_id = data_cfg["mask_probability"], tokenizer.mask_token_id
+
+    def batch_of(source: np.ndarray, step: int, stream: int) -> tuple:
+        window = _windows(source, batch, length, _rng(seed, step, rank, stream))[:, :-1]
+        attention = np.ones_like(window)
+        if task == "causal-lm":  # the model shifts the labels itself
+            return window, attention, window.copy()
+        chosen = _rng(seed, step, rank, stream + 10).random(window.shape) < probability
+        return np.where(chosen, mask_id, window), attention, np.where(chosen, window, -100)
+
+    return Job(model, desc, None, lambda s: batch_of(splits[0][1], s, 0), lambda i: batch_of(splits[1][1], i, 1),
+               batch, "pretrained", save=lambda trainer, directory: save_pretrained(trainer, model, tokenizer,
+                                                                                  directory))
 
 
 def _hf_model(kind: str, cfg: dict, vocab: int, length: int) -> torch.nn.Module:

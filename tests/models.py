@@ -154,3 +154,35 @@ def tiny_gpt2(n_layer: int = 2, dropout: float = 0.0, vocab: int = VOCAB, seq: i
                        ("labels", ["batch", "seq"])],
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
     return model, desc
+
+
+def save_tiny_pretrained(directory, task: str = "causal-lm"):
+    """Save a tiny Hugging Face model for ``task`` (``causal-lm``: GPT-2, ``masked-lm``: BERT; 2 layers of
+    width 32, 32 positions) and a byte-level BPE tokenizer of 300 tokens trained on the spot on a slice
+    of the bundled corpus, both with ``save_pretrained`` into ``directory``: what ``model.type=hf``
+    loads, built offline. Returns ``directory``. Skips the test without transformers."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    tokenizers = pytest.importorskip("tokenizers")
+    from ort_trainer.text import stdlib_corpus
+
+    special = ["[UNK]"] + (["[MASK]"] if task == "masked-lm" else [])
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train_from_iterator([stdlib_corpus(60000)], tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]",
+                                                     **({"mask_token": "[MASK]"} if task == "masked-lm" else {}))
+    torch.manual_seed(0)
+    if task == "causal-lm":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from ort_trainer.cli import ConfigError, load_config
+from models import save_tiny_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -34,7 +35,10 @@ def _records(out):
 def test_every_shipped_config_trains(tmp_path, config):
     if "hf_" in config.stem:
         pytest.importorskip("transformers", reason="needs the hf extra")
-    result = _cli("train", config, f"output_dir={tmp_path}", *SHORT)
+    extra = []
+    if config.stem == "finetune_local":  # its model.path is the user's: a tiny model saved here stands in
+        extra = [f"model.path={save_tiny_pretrained(tmp_path / 'pretrained')}", "model.block_size=16"]
+    result = _cli("train", config, f"output_dir={tmp_path}", *SHORT, *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     records = _records(tmp_path)
     assert [r["step"] for r in records if "loss" in r] == [2, 4]
@@ -45,6 +49,8 @@ def test_every_shipped_config_trains(tmp_path, config):
     assert "logits" in [o.name for o in session.get_outputs()]  # (and the loss, for models that return it)
     if (tmp_path / "samples.txt").exists():
         assert len((tmp_path / "samples.txt").read_text()) >= 12
+    if config.stem == "finetune_local":
+        assert (tmp_path / "hf_model" / "config.json").is_file() and (tmp_path / "hf_model" / "tokenizer.json").is_file()
 
 
 def test_resume_continues_the_step_count_and_export_rebuilds_the_model(tmp_path):
