@@ -21,7 +21,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": {"type": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64, "dropout": 0.0,
               "hidden": 128, "path": "", "task": "causal-lm"},
-    "data": {"name": "stdlib", "max_bytes": 1_000_000, "validation_fraction": 0.1, "mask_probability": 0.15},
+    "data": {"name": "stdlib", "files": "", "max_bytes": 1_000_000, "validation_fraction": 0.1,
+             "mask_probability": 0.15},
     "optimizer": {"type": "adam", "lr": 1e-3, "lambda_coef": 0.01, "no_decay": ["bias", "ln", "norm"]},
     "lr_scheduler": {"type": "cosine", "warmup": 0.05},
     "train": {"max_steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 50, "eval_batches": 4,
@@ -39,7 +40,7 @@ class ConfigError(ValueError):
 CHOICES = {
     "model.type": ("gpt", "hf_gpt2", "hf_bert", "hf", "mlp"),
     "model.task": ("causal-lm", "masked-lm", "sequence-classification"),
-    "data.name": ("stdlib", "digits"),
+    "data.name": ("stdlib", "text", "digits"),
     "optimizer.type": ("adam", "lamb", "sgd"),
     "lr_scheduler.type": ("none", "constant", "cosine", "linear", "poly"),
 }
@@ -138,8 +139,10 @@ def _combination_problems(config: dict, problems: list[str]) -> list[str]:
     if data["name"] == "digits" and model["type"] != "mlp":
         found.append(f"model.type={model['type']} does not fit data.name=digits: use model.type=mlp "
                      "(or data.name=stdlib for the language models)")
-    if data["name"] == "stdlib" and model["type"] == "mlp":
-        found.append("model.type=mlp does not fit data.name=stdlib: use data.name=digits "
+    if data["name"] == "text" and not data["files"].strip():
+        found.append("data.name=text needs data.files: a glob of your text files, e.g. data.files='corpus/*.txt'")
+    if data["name"] in ("stdlib", "text") and model["type"] == "mlp":
+        found.append(f"model.type=mlp does not fit data.name={data['name']}: use data.name=digits "
                      "(or model.type gpt, hf_gpt2 or hf_bert)")
     if model["type"] == "hf" and not model["path"].strip():
         found.append("model.type=hf needs model.path: the directory of a model saved with save_pretrained")

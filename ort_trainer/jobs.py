@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from . import zoo
-from .text import ByteTokenizer, token_splits
+from .text import ByteTokenizer
+from .user_data import corpus_ids
 
 
 @dataclass
@@ -66,13 +67,15 @@ def build_job(config: dict, rank: int = 0) -> Job:
         if kind != "mlp":
             raise ValueError(f"data.name=digits needs model.type=mlp, got {kind!r}")
         return _digits_job(model_cfg, seed, rank, batch)
-    if data_cfg["name"] != "stdlib":
-        raise ValueError(f"data.name: expected 'stdlib' or 'digits', got {data_cfg['name']!r}")
+    if data_cfg["name"] not in ("stdlib", "text"):
+        raise ValueError(f"data.name: expected 'stdlib', 'text' or 'digits', got {data_cfg['name']!r}")
     if kind == "hf":
         return _pretrained_job(config, rank)
     if kind not in ("gpt", "hf_gpt2", "hf_bert"):
         raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert, hf or mlp, got {kind!r}")
-    train_ids, val_ids = token_splits(data_cfg["max_bytes"], data_cfg["validation_fraction"])
+    ids = corpus_ids(data_cfg, ByteTokenizer().encode, "bytes")
+    cut = int(len(ids) * (1.0 - data_cfg["validation_fraction"]))
+    train_ids, val_ids = ids[:cut], ids[cut:]
     length = model_cfg["block_size"]
     splits = (("training", train_ids), ("validation", val_ids))
     short = [f"the {part} split has {len(ids)} bytes" for part, ids in splits if len(ids) < length + 2]
@@ -120,7 +123,6 @@ def build_job(config: dict, rank: int = 0) -> Job:
 def _pretrained_job(config: dict, rank: int) -> Job:
     """A pretrained model from ``model.path`` trained on the corpus tokenized with its own tokenizer."""
     from .hf_local import load_pretrained, save_pretrained
-    from .text import stdlib_corpus
 
     model_cfg, data_cfg, seed = config["model"], config["data"], config["seed"]
     batch, length, task = config["train"]["batch_size"], model_cfg["block_size"], model_cfg["task"]
@@ -132,8 +134,8 @@ def _pretrained_job(config: dict, rank: int) -> Job:
     if task == "masked-lm" and tokenizer.mask_token_id is None:
         raise ValueError(f"model.task=masked-lm needs a tokenizer with a mask token; the one in {model_cfg['path']} "
                          "has none (set tokenizer.mask_token and save it again), or use model.task=causal-lm")
-    ids = np.asarray(tokenizer(stdlib_corpus(data_cfg["max_bytes"]), add_special_tokens=False,
-                               verbose=False)["input_ids"], dtype=np.int64)
+    ids = corpus_ids(data_cfg, lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"],
+                     f"{type(tokenizer).__name__} {tokenizer.name_or_path} {len(tokenizer)}")
     cut = int(len(ids) * (1.0 - data_cfg["validation_fraction"]))
     splits = (("training", ids[:cut]), ("validation", ids[cut:]))
     short = [f"the {part} split has {len(part_ids)} tokens" for part, part_ids in splits if len(part_ids) < length + 2]
