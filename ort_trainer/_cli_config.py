@@ -21,8 +21,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": {"type": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64, "dropout": 0.0,
               "hidden": 128, "path": "", "task": "causal-lm"},
-    "data": {"name": "stdlib", "files": "", "max_bytes": 1_000_000, "validation_fraction": 0.1,
-             "mask_probability": 0.15},
+    "data": {"name": "stdlib", "files": "", "path": "", "text": "text", "label": "label", "max_bytes": 1_000_000,
+             "validation_fraction": 0.1, "mask_probability": 0.15},
     "optimizer": {"type": "adam", "lr": 1e-3, "lambda_coef": 0.01, "no_decay": ["bias", "ln", "norm"]},
     "lr_scheduler": {"type": "cosine", "warmup": 0.05},
     "train": {"max_steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 50, "eval_batches": 4,
@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 CHOICES = {
     "model.type": ("gpt", "hf_gpt2", "hf_bert", "hf", "mlp"),
     "model.task": ("causal-lm", "masked-lm", "sequence-classification"),
-    "data.name": ("stdlib", "text", "digits"),
+    "data.name": ("stdlib", "text", "jsonl", "csv", "digits"),
     "optimizer.type": ("adam", "lamb", "sgd"),
     "lr_scheduler.type": ("none", "constant", "cosine", "linear", "poly"),
 }
@@ -141,14 +141,21 @@ def _combination_problems(config: dict, problems: list[str]) -> list[str]:
                      "(or data.name=stdlib for the language models)")
     if data["name"] == "text" and not data["files"].strip():
         found.append("data.name=text needs data.files: a glob of your text files, e.g. data.files='corpus/*.txt'")
-    if data["name"] in ("stdlib", "text") and model["type"] == "mlp":
+    if data["name"] in ("stdlib", "text", "jsonl", "csv") and model["type"] == "mlp":
         found.append(f"model.type=mlp does not fit data.name={data['name']}: use data.name=digits "
                      "(or model.type gpt, hf_gpt2 or hf_bert)")
     if model["type"] == "hf" and not model["path"].strip():
         found.append("model.type=hf needs model.path: the directory of a model saved with save_pretrained")
-    if model["type"] == "hf" and model["task"] == "sequence-classification":
-        found.append("model.task=sequence-classification needs labelled examples, which ort-trainer cannot read "
-                     "yet (data.name is stdlib or digits): use model.task=causal-lm or masked-lm")
+    labelled = data["name"] in ("jsonl", "csv")
+    classifying = model["type"] == "hf" and model["task"] == "sequence-classification"
+    if labelled and not data["path"].strip():
+        found.append(f"data.name={data['name']} needs data.path: the file of your labelled examples")
+    if labelled and not classifying:
+        found.append(f"data.name={data['name']} holds labelled examples: use model.type=hf with "
+                     "model.task=sequence-classification (or data.name=text for a language model)")
+    if classifying and not labelled:
+        found.append("model.task=sequence-classification needs labelled examples: data.name=jsonl or csv, with "
+                     "data.path, data.text and data.label")
     if model["type"] not in ("mlp", "hf") and not bad & {"model.n_head", "model.n_embd"} and \
             model["n_embd"] % model["n_head"]:
         found.append(f"model.n_embd={model['n_embd']} must be a multiple of model.n_head={model['n_head']}")

@@ -223,9 +223,7 @@ def _train_loop(config: dict, trainer, job, mpi, metrics: MetricsLog | None, boa
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.0f}")
             started, window_samples = time.perf_counter(), 0
         if train_cfg["eval_every"] and (done % train_cfg["eval_every"] == 0 or done == train_cfg["max_steps"]):
-            eval_loss = float(np.mean([float(trainer.eval_step(*job.eval_batch(i)))  # fetches: the loss
-                                       for i in range(train_cfg["eval_batches"])]))
-            log({"step": done, "eval_loss": eval_loss})
+            log({"step": done, **_evaluate(trainer, job, train_cfg["eval_batches"])})
         if train_cfg["checkpoint_every"] and done % train_cfg["checkpoint_every"] == 0:
             trainer.save_checkpoint(checkpoints / f"step_{done:07d}.h5", user_dict={"config": config})
         progress.update(1)
@@ -249,6 +247,27 @@ def _train_loop(config: dict, trainer, job, mpi, metrics: MetricsLog | None, boa
             summary["files"].append("samples.txt")
             summary["sample"] = text
     return summary
+
+
+def _evaluate(trainer, job, batches: int) -> dict:
+    """``{"eval_loss"}`` over ``batches`` held-out batches, and ``"eval_accuracy"`` for a classifier (the share
+    of examples whose largest logit is their label; the batch's last array holds the labels)."""
+    if job.kind != "classifier":
+        return {"eval_loss": float(np.mean([float(trainer.eval_step(*job.eval_batch(i)))  # fetches: the loss
+                                            for i in range(batches)]))}
+    info = trainer._train_step_info
+    fetches, info.fetches = info.fetches, ["loss", "logits"]
+    try:
+        losses, right, seen = [], 0, 0
+        for i in range(batches):
+            inputs = job.eval_batch(i)
+            loss, logits = trainer.eval_step(*inputs)
+            losses.append(float(loss))
+            right += int((np.argmax(np.asarray(logits), axis=-1) == np.asarray(inputs[-1])).sum())
+            seen += len(inputs[-1])
+    finally:
+        info.fetches = fetches
+    return {"eval_loss": float(np.mean(losses)), "eval_accuracy": right / max(seen, 1)}
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> None:

@@ -1,6 +1,6 @@
 """A pretrained Hugging Face model and its tokenizer from a local directory, for the command line.
 
-``model: {type: hf, path: DIR, task: causal-lm | masked-lm}`` loads ``DIR`` with ``from_pretrained``
+``model: {type: hf, path: DIR, task: causal-lm | masked-lm | sequence-classification}`` loads ``DIR`` with ``from_pretrained``
 (``local_files_only``: never the network) and, after training, writes the trained weights back as a
 directory the same ``from_pretrained`` loads (``OUTPUT_DIR/hf_model``: ``save_pretrained`` of the model
 and of its tokenizer), beside the ONNX export.
@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-TASKS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM"}
+TASKS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+         "sequence-classification": "AutoModelForSequenceClassification"}
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -53,6 +54,12 @@ def load_pretrained(path: str | Path, task: str) -> tuple[Any, Any]:
                          f"{str(exc).splitlines()[0]}") from exc
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # a training step returns no key/value cache
+    if tokenizer.pad_token is None and (tokenizer.eos_token or tokenizer.unk_token):
+        # GPT-2's tokenizer has no padding token: padded examples (classification) use its end (or unknown) token,
+        # and the model finds each example's last token by it
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if getattr(model.config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 

@@ -8,6 +8,7 @@ sees exactly the batches the uninterrupted run would have seen.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -67,10 +68,10 @@ def build_job(config: dict, rank: int = 0) -> Job:
         if kind != "mlp":
             raise ValueError(f"data.name=digits needs model.type=mlp, got {kind!r}")
         return _digits_job(model_cfg, seed, rank, batch)
-    if data_cfg["name"] not in ("stdlib", "text"):
-        raise ValueError(f"data.name: expected 'stdlib', 'text' or 'digits', got {data_cfg['name']!r}")
     if kind == "hf":
         return _pretrained_job(config, rank)
+    if data_cfg["name"] not in ("stdlib", "text"):
+        raise ValueError(f"data.name: expected 'stdlib', 'text' or 'digits', got {data_cfg['name']!r}")
     if kind not in ("gpt", "hf_gpt2", "hf_bert"):
         raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert, hf or mlp, got {kind!r}")
     ids = corpus_ids(data_cfg, ByteTokenizer().encode, "bytes")
@@ -127,10 +128,13 @@ def _pretrained_job(config: dict, rank: int) -> Job:
     model_cfg, data_cfg, seed = config["model"], config["data"], config["seed"]
     batch, length, task = config["train"]["batch_size"], model_cfg["block_size"], model_cfg["task"]
     model, tokenizer = load_pretrained(model_cfg["path"], task)
+    saving = lambda trainer, directory: save_pretrained(trainer, model, tokenizer, directory)  # noqa: E731
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if positions and length > positions:
         raise ValueError(f"model.block_size={length} is longer than the {positions} positions of the model in "
                          f"{model_cfg['path']}: use model.block_size <= {positions}")
+    if task == "sequence-classification":
+        return _classification_job(config, rank, model, tokenizer, saving)
     if task == "masked-lm" and tokenizer.mask_token_id is None:
         raise ValueError(f"model.task=masked-lm needs a tokenizer with a mask token; the one in {model_cfg['path']} "
                          "has none (set tokenizer.mask_token and save it again), or use model.task=causal-lm")
@@ -157,8 +161,41 @@ def _pretrained_job(config: dict, rank: int) -> Job:
         return np.where(chosen, mask_id, window), attention, np.where(chosen, window, -100)
 
     return Job(model, desc, None, lambda s: batch_of(splits[0][1], s, 0), lambda i: batch_of(splits[1][1], i, 1),
-               batch, "pretrained", save=lambda trainer, directory: save_pretrained(trainer, model, tokenizer,
-                                                                                  directory))
+               batch, "pretrained", save=saving)
+
+
+def _classification_job(config: dict, rank: int, model, tokenizer, saving) -> Job:
+    """Labelled examples (``data.name`` jsonl or csv) for a sequence classifier, a validation split of them."""
+    from .user_data import cached, class_numbers, encoded_examples, labelled_examples
+
+    data_cfg, seed = config["data"], config["seed"]
+    batch, length = config["train"]["batch_size"], config["model"]["block_size"]
+    texts, labels, lines = labelled_examples(data_cfg)
+    num_labels = model.config.num_labels
+    classes = class_numbers(labels, lines, num_labels, dict(model.config.label2id or {}))
+    tokenizer_id = f"{type(tokenizer).__name__} {tokenizer.name_or_path} {len(tokenizer)} {tokenizer.pad_token_id}"
+    arrays = cached([Path(data_cfg["path"]).expanduser()], [tokenizer_id, length, data_cfg["text"], data_cfg["label"]],
+                    lambda: dict(zip(("ids", "mask"), encoded_examples(texts, tokenizer, length))))
+    order = np.random.default_rng([seed, 99]).permutation(len(texts))  # the split: the same for every rank
+    held = max(1, int(round(len(order) * data_cfg["validation_fraction"])))
+    if len(order) - held < batch:
+        raise ValueError(f"train.batch_size={batch} is more than the {len(order) - held} training examples of "
+                         f"{data_cfg['path']} ({held} held out for validation): lower train.batch_size")
+    train_rows, val_rows = order[held:], order[:held]
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", num_labels])]}
+
+    def rows(chosen):
+        return arrays["ids"][chosen], arrays["mask"][chosen], classes[chosen]
+
+    def train_batch(step):
+        return rows(train_rows[_rng(seed, step, rank, 0).choice(len(train_rows), size=batch, replace=False)])
+
+    def eval_batch(index):
+        start = (index * batch) % len(val_rows)
+        return rows(val_rows[start:start + batch])
+
+    return Job(model, desc, None, train_batch, eval_batch, batch, "classifier", save=saving)
 
 
 def _hf_model(kind: str, cfg: dict, vocab: int, length: int) -> torch.nn.Module:

@@ -157,7 +157,8 @@ def tiny_gpt2(n_layer: int = 2, dropout: float = 0.0, vocab: int = VOCAB, seq: i
 
 
 def save_tiny_pretrained(directory, task: str = "causal-lm"):
-    """Save a tiny Hugging Face model for ``task`` (``causal-lm``: GPT-2, ``masked-lm``: BERT; 2 layers of
+    """Save a tiny Hugging Face model for ``task`` (``causal-lm``: GPT-2, ``masked-lm``: BERT,
+    ``sequence-classification``: GPT-2 with 3 classes named neg, neutral, pos; 2 layers of
     width 32, 32 positions) and a byte-level BPE tokenizer of 300 tokens trained on the spot on a slice
     of the bundled corpus, both with ``save_pretrained`` into ``directory``: what ``model.type=hf``
     loads, built offline. Returns ``directory``. Skips the test without transformers."""
@@ -174,10 +175,14 @@ def save_tiny_pretrained(directory, task: str = "causal-lm"):
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]",
                                                      **({"mask_token": "[MASK]"} if task == "masked-lm" else {}))
     torch.manual_seed(0)
+    gpt2 = dict(vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     if task == "causal-lm":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2))
+    elif task == "sequence-classification":
+        names = ["neg", "neutral", "pos"]
+        model = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+            **gpt2, num_labels=3, id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)}))
     else:
         model = transformers.BertForMaskedLM(transformers.BertConfig(
             vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -272,6 +272,7 @@ def test_a_job_that_does_not_fit_its_data_says_which_key_to_change(monkeypatch):
                                          r"validation split has 10 bytes .* raise data.max_bytes or lower "
                                          r"model.block_size"):
         build_job(config)
-    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if scikit-learn were not installed
+    for name in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):  # as if scikit-learn were not installed
+        monkeypatch.setitem(sys.modules, name, None)  # (its submodules too: an earlier test may have imported them)
     with pytest.raises(ImportError, match=r'data.name=digits needs scikit-learn: pip install -e ".\[examples\]"'):
         build_job(load_config(DIGITS))

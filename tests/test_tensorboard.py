@@ -27,7 +27,11 @@ def test_the_run_writes_loss_learning_rate_speed_and_evaluation(tmp_path):
     config = load_config(DIGITS, [f"output_dir={tmp_path}", *SHORT])
     summary = train(config)
     scalars = _scalars(tmp_path / "tensorboard")
-    assert set(scalars) == {"train/loss", "train/learning_rate", "train/samples_per_s", "eval/loss"}
+    # the digits job is a classifier: its evaluations report accuracy too
+    assert set(scalars) == {"train/loss", "train/learning_rate", "train/samples_per_s", "eval/loss", "eval/accuracy"}
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [value for _, value in scalars["eval/accuracy"]] == pytest.approx(
+        [r["eval_accuracy"] for r in records if "eval_accuracy" in r], rel=2 ** -23)
     assert [step for step, _ in scalars["train/loss"]] == [2, 4, 6]
     assert [step for step, _ in scalars["eval/loss"]] == [3, 6]
     # float32 in the event file: the float64 loss of metrics.jsonl rounded once (2^-24 relative)

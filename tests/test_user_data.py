@@ -40,7 +40,7 @@ def test_the_tokens_are_cached_beside_the_data_until_a_file_changes(tmp_path, mo
     corpus = _corpus(tmp_path / "corpus")
     data = {"name": "text", "files": str(corpus / "*.txt"), "max_bytes": 10 ** 6}
     first = user_data.corpus_ids(data, lambda text: list(text.encode()), "bytes")
-    assert len(list((corpus / user_data.CACHE_FOLDER).glob("tokens-*.npy"))) == 1
+    assert len(list((corpus / user_data.CACHE_FOLDER).glob("tokens-*.npz"))) == 1
 
     def no_tokenizing(*args):
         raise AssertionError("tokenized again")
@@ -56,7 +56,7 @@ def test_the_tokens_are_cached_beside_the_data_until_a_file_changes(tmp_path, mo
     assert changed.tolist() != first.tolist()
     another_tokenizer = user_data.corpus_ids(data, lambda text: [b % 7 for b in text.encode()], "mod 7")
     assert another_tokenizer.max() < 7
-    assert len(list((corpus / user_data.CACHE_FOLDER).glob("tokens-*.npy"))) == 3
+    assert len(list((corpus / user_data.CACHE_FOLDER).glob("tokens-*.npz"))) == 3
 
 
 def test_a_pretrained_tokenizer_reads_the_files(tmp_path):
@@ -71,8 +71,8 @@ def test_a_pretrained_tokenizer_reads_the_files(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained, local_files_only=True)
     expected = [t for i in range(3) for t in tokenizer((corpus / f"part{i}.txt").read_text() + "\n",
                                                        add_special_tokens=False)["input_ids"]]
-    cached = list((corpus / user_data.CACHE_FOLDER).glob("tokens-*.npy"))
-    assert len(cached) == 1 and np.load(cached[0]).tolist() == expected
+    cached = list((corpus / user_data.CACHE_FOLDER).glob("tokens-*.npz"))
+    assert len(cached) == 1 and np.load(cached[0])["ids"].tolist() == expected
     ids, _, labels = job.train_batch(0)
     assert ids.max() < len(tokenizer) and (labels == ids).all()  # causal-lm: the model shifts them itself
 

@@ -151,7 +151,10 @@ def eval_graph_of(job: GraphJob, graphs: TrainingGraphs, outputs: list[str]) -> 
         return None
     graph = graphs.gradient.graph
     typed = {v.name for v in [*graph.output, *graph.value_info] if v.type.tensor_type.elem_type}
-    if not set(outputs) <= typed:
+    # a name the graph computes: a value_info entry alone may outlive its node (GPT2ForSequenceClassification's
+    # returned `logits`, a gather of the classifier's scores, kept no node of that name once unfetched)
+    produced = {name for node in graph.node for name in node.output} | {o.name for o in graph.output}
+    if not set(outputs) <= typed & produced:
         return None
     model = eval_part(graphs.gradient, outputs, host_mask_inputs(graphs.gradient))
     if (job.passes or {}).get("gelu"):  # its forward kept what the backward reads: one kernel now
