@@ -191,3 +191,21 @@ def save_tiny_pretrained(directory, task: str = "causal-lm"):
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def eager_training(job, config: dict) -> tuple[torch.nn.Module, list[float]]:
+    """A copy of a command-line job's Hugging Face model trained in eager PyTorch as the command line trains
+    it with ``optimizer.lambda_coef=0`` and no schedule (AdamW, the gradient norm clipped at 1), on the job's
+    batches for ``train.max_steps`` steps: ``(model, losses)``."""
+    eager = copy.deepcopy(job.model)
+    optimizer = torch.optim.AdamW(eager.parameters(), lr=config["optimizer"]["lr"], weight_decay=0.0)
+    losses = []
+    for step in range(config["train"]["max_steps"]):
+        ids, mask, labels = (torch.from_numpy(a) for a in job.train_batch(step))
+        optimizer.zero_grad()
+        loss = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return eager, losses

@@ -2,7 +2,6 @@
 examples of the user's, checked, tokenized (truncated to the block size, padded) and cached beside the
 data; the losses equal eager PyTorch's, evaluation reports accuracy, and bad examples are named."""
 
-import copy
 import csv
 import json
 import logging
@@ -14,7 +13,7 @@ import torch
 from ort_trainer.cli import ConfigError, load_config, read_metrics, train
 from ort_trainer.jobs import build_job
 
-from models import save_tiny_pretrained
+from models import eager_training, save_tiny_pretrained
 from tolerances import steps_bound
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -60,17 +59,7 @@ def test_labelled_examples_train_as_eager_pytorch_and_report_accuracy(tmp_path, 
     with caplog.at_level(logging.INFO, logger="ort_trainer"):
         job = build_job(config)
     assert any("longer than model.block_size=16 tokens and were truncated" in r.getMessage() for r in caplog.records)
-    eager = copy.deepcopy(job.model)
-    optimizer = torch.optim.AdamW(eager.parameters(), lr=config["optimizer"]["lr"], weight_decay=0.0)
-    expected = []
-    for step in range(3):
-        ids, mask, labels = (torch.from_numpy(a) for a in job.train_batch(step))
-        optimizer.zero_grad()
-        loss = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
-        optimizer.step()
-        expected.append(float(loss.detach()))
+    eager, expected = eager_training(job, config)
     summary = train(config)
     # float32 sums of ≤ 300 terms in another order over 3 steps (test_hf_local.py's bound)
     np.testing.assert_allclose(summary["losses"], expected, rtol=steps_bound(3, length=300))

@@ -3,7 +3,6 @@
 trained on the corpus tokenized with that tokenizer, and written back as a directory
 ``from_pretrained`` loads."""
 
-import copy
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from ort_trainer.cli import ConfigError, load_config, train
 from ort_trainer.jobs import build_job
-from models import save_tiny_pretrained
+from models import eager_training, save_tiny_pretrained
 from tolerances import steps_bound
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -39,17 +38,7 @@ def test_a_saved_model_trains_as_eager_pytorch_and_is_written_back(tmp_path, tas
     config = load_config(None, [f"output_dir={tmp_path}", "model.type=hf", f"model.path={source}",
                                 f"model.task={task}", "optimizer.lambda_coef=0", *SHORT])
     job = build_job(config)
-    eager = copy.deepcopy(job.model)
-    optimizer = torch.optim.AdamW(eager.parameters(), lr=config["optimizer"]["lr"], weight_decay=0.0)
-    expected = []
-    for step in range(config["train"]["max_steps"]):
-        ids, mask, labels = (torch.from_numpy(a) for a in job.train_batch(step))
-        optimizer.zero_grad()
-        loss = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
-        optimizer.step()
-        expected.append(float(loss.detach()))
+    eager, expected = eager_training(job, config)
     summary = train(config)
     assert "hf_model" in summary["files"]
     # float32 sums of ≤ 300 terms (the vocabulary) in another order, over 3 steps: steps_bound(3, length=300)
