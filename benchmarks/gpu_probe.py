@@ -90,15 +90,13 @@ def _padded_product(product, m, k, n, elem, a_shape, b_shape, trans_a, trans_b) 
     """``Gemm`` of the operands with N padded to a multiple of ``PAD_TO``; the result sliced back to N."""
     extra = -n % PAD_TO
     # the N axis of each stored operand: fwd's W[N, K] (rows), dx's and dw's dY[M, N] (columns)
-    pads = {"fwd": {"B": [0, 0, extra, 0]}, "dx": {"A": [0, 0, 0, extra], "B": [0, 0, extra, 0]},
-            "dw": {"A": [0, 0, 0, extra]}}[product]
+    axes = {"fwd": {"B": 0}, "dx": {"A": 1, "B": 0}, "dw": {"A": 1}}[product]
     nodes, names = [], {"A": "A", "B": "B"}
     shapes = {"A": list(a_shape), "B": list(b_shape)}
     item = {TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.FLOAT: 4}[elem]
-    for name, amounts in pads.items():  # zeros concatenated, as graph_optimizations.aligned_products does
-        axis = 1 if amounts[3] else 0
+    for name, axis in axes.items():  # zeros concatenated, as graph_optimizations.aligned_products does
         zeros_shape = list(shapes[name])
-        zeros_shape[axis] = amounts[2 + axis]
+        zeros_shape[axis] = extra
         nodes.append(helper.make_node("Constant", [], [f"{name}_zeros"], value=helper.make_tensor(
             f"{name}_zeros_value", elem, zeros_shape, b"\0" * (item * zeros_shape[0] * zeros_shape[1]), raw=True)))
         nodes.append(helper.make_node("Concat", [name, f"{name}_zeros"], [f"{name}_padded"], axis=axis))

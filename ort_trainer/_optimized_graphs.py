@@ -13,10 +13,11 @@ optimization level, the disabled optimizers and this host's CPU (model and featu
 
 Files live under ``<graph cache>/.optimized/`` (``ORT_TRAINER_CACHE_DIR``; a dot name, as the graph
 cache's ``.links/``: no graph entry; ``off`` turns this off with the graph cache), are written to a
-temporary name and renamed into place, so a reader never sees half a file. A file ONNX Runtime refuses to load is removed and its key marked ``.refused``: that graph is
-optimized in each process, as without this cache. Sessions made with the user's own session options
-never use it (what else they set is not known), nor do devices whose optimized graphs are not known to
-load back (``Device.reuses_optimized_graphs``: the CPU only).
+temporary name and renamed into place, so a reader never sees half a file. A file ONNX Runtime refuses
+to load is removed and its key marked ``.refused``: that graph is optimized in each process, as without
+this cache. Sessions made with the user's own session options never use it (what else they set is not
+known), nor do devices whose optimized graphs are not known to load back
+(``Device.reuses_optimized_graphs``: the CPU only).
 """
 
 from __future__ import annotations
@@ -86,17 +87,20 @@ class OptimizedGraphs:
                 with contextlib.suppress(OSError):
                     path.unlink()
                     refused.touch()
-        if refused.exists() or not self._writable():
+        def optimized() -> ort.InferenceSession:  # the graph optimized here, as without this cache
             return ort.InferenceSession(data, options, providers=providers, disabled_optimizers=disabled)
+
+        if refused.exists() or not self._writable():
+            return optimized()
         handle, temporary = tempfile.mkstemp(prefix=f".{key[:12]}-", suffix=".onnx", dir=self.root)
         os.close(handle)
         try:
             try:
                 with _saved_to(options, temporary):
-                    session = ort.InferenceSession(data, options, providers=providers, disabled_optimizers=disabled)
+                    session = optimized()
             except Exception:  # noqa: BLE001 - saving failed (or the graph itself): without saving, as before
                 logger.debug("ONNX Runtime could not save its optimized graph; optimizing without saving")
-                return ort.InferenceSession(data, options, providers=providers, disabled_optimizers=disabled)
+                return optimized()
             if os.path.getsize(temporary):
                 _in_session_order(temporary, data)
                 os.replace(temporary, path)

@@ -322,7 +322,8 @@ class CPUDevice(Device):
     kind = "cpu"
     #: ONNX Runtime's CPU Dropout draws 4.6 ns per element on one thread, NumPy ~1.5 (dropout_masks.py)
     host_dropout_masks = True
-    #: the CPU provider's optimized graphs load back with optimizations off and run bit-equal (tests/test_optimized_graphs.py)
+    #: the CPU provider's optimized graphs load back with optimizations off and run bit-equal
+    #: (tests/test_optimized_graphs.py)
     reuses_optimized_graphs = True
 
     def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:

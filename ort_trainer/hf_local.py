@@ -1,9 +1,9 @@
 """A pretrained Hugging Face model and its tokenizer from a local directory, for the command line.
 
-``model: {type: hf, path: DIR, task: causal-lm | masked-lm | sequence-classification}`` loads ``DIR`` with ``from_pretrained``
-(``local_files_only``: never the network) and, after training, writes the trained weights back as a
-directory the same ``from_pretrained`` loads (``OUTPUT_DIR/hf_model``: ``save_pretrained`` of the model
-and of its tokenizer), beside the ONNX export.
+``model: {type: hf, path: DIR, task: causal-lm | masked-lm | sequence-classification}`` loads ``DIR``
+with ``from_pretrained`` (``local_files_only``: never the network) and, after training, writes the
+trained weights back as a directory the same ``from_pretrained`` loads (``OUTPUT_DIR/hf_model``:
+``save_pretrained`` of the model and of its tokenizer), beside the ONNX export.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ def load_pretrained(path: str | Path, task: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def tokenizer_id(tokenizer) -> str:
+    """What names ``tokenizer`` in the token caches' keys (``user_data.cached``): its class, name or path,
+    vocabulary size and padding token."""
+    return f"{type(tokenizer).__name__} {tokenizer.name_or_path} {len(tokenizer)} {tokenizer.pad_token_id}"
+
+
 def save_pretrained(trainer, model, tokenizer, directory: Path) -> None:
     """Write ``trainer``'s weights into ``model`` and save it and ``tokenizer`` under ``directory``.
 
@@ -74,4 +80,4 @@ def save_pretrained(trainer, model, tokenizer, directory: Path) -> None:
     tokenizer.save_pretrained(str(directory))
 
 
-__all__ = ["TASKS", "load_pretrained", "missing", "save_pretrained"]
+__all__ = ["TASKS", "load_pretrained", "missing", "save_pretrained", "tokenizer_id"]

@@ -74,16 +74,8 @@ def build_job(config: dict, rank: int = 0) -> Job:
         raise ValueError(f"data.name: expected 'stdlib', 'text' or 'digits', got {data_cfg['name']!r}")
     if kind not in ("gpt", "hf_gpt2", "hf_bert"):
         raise ValueError(f"model.type: expected gpt, hf_gpt2, hf_bert, hf or mlp, got {kind!r}")
-    ids = corpus_ids(data_cfg, ByteTokenizer().encode, "bytes")
-    cut = int(len(ids) * (1.0 - data_cfg["validation_fraction"]))
-    train_ids, val_ids = ids[:cut], ids[cut:]
     length = model_cfg["block_size"]
-    splits = (("training", train_ids), ("validation", val_ids))
-    short = [f"the {part} split has {len(ids)} bytes" for part, ids in splits if len(ids) < length + 2]
-    if short:
-        raise ValueError(f"model.block_size={length} needs at least {length + 2} bytes of text per split, but "
-                         f"{' and '.join(short)} (data.max_bytes={data_cfg['max_bytes']}, data.validation_fraction="
-                         f"{data_cfg['validation_fraction']}): raise data.max_bytes or lower model.block_size")
+    train_ids, val_ids = _lm_splits(corpus_ids(data_cfg, ByteTokenizer().encode, "bytes"), data_cfg, length, "bytes")
     vocab = ByteTokenizer.vocab_size
     torch.manual_seed(seed)
 
@@ -103,30 +95,54 @@ def build_job(config: dict, rank: int = 0) -> Job:
         return Job(model, desc, zoo.lm_loss, lambda s: lm_batch(train_ids, s, 0), lambda i: lm_batch(val_ids, i, 1),
                    batch, "lm")
     model = _hf_model(kind, model_cfg, vocab, length)
+    # byte 0 serves as hf_bert's [MASK] token
+    return _hf_lm_job(model, vocab, (train_ids, val_ids), config, rank, "lm" if kind == "hf_gpt2" else "mlm",
+                      mask_id=None if kind == "hf_gpt2" else 0)
+
+
+def _lm_splits(ids: np.ndarray, data_cfg: dict, length: int, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(training, validation)`` ids of a language model's text: the last ``data.validation_fraction`` held
+    out. Raises ValueError when a split is too short for one window of ``length`` + 1 (``unit``: bytes or
+    tokens)."""
+    cut = int(len(ids) * (1.0 - data_cfg["validation_fraction"]))
+    splits = (("training", ids[:cut]), ("validation", ids[cut:]))
+    short = [f"the {part} split has {len(part_ids)} {unit}" for part, part_ids in splits if len(part_ids) < length + 2]
+    if short:
+        raise ValueError(f"model.block_size={length} needs at least {length + 2} {unit} of text per split, but "
+                         f"{' and '.join(short)} (data.max_bytes={data_cfg['max_bytes']}, data.validation_fraction="
+                         f"{data_cfg['validation_fraction']}): raise data.max_bytes or lower model.block_size")
+    return splits[0][1], splits[1][1]
+
+
+def _hf_lm_job(model, vocab: int, splits: tuple[np.ndarray, np.ndarray], config: dict, rank: int, kind: str,
+               mask_id: int | None, save: Callable | None = None) -> Job:
+    """A Hugging Face language model's job on windows of ``splits``, its loss inside the model: causal
+    (``mask_id`` None: the labels are the ids, which the model shifts itself) or masked (``data.mask_probability``
+    of the ids replaced by ``mask_id`` and labelled, the rest labelled -100)."""
+    seed, batch, length = config["seed"], config["train"]["batch_size"], config["model"]["block_size"]
+    probability = config["data"]["mask_probability"]
     desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
                        ("labels", ["batch", "seq"])],
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
-    probability = data_cfg["mask_probability"]
 
-    def hf_batch(source, step, stream):
-        ids = windows(source, step, stream)[:, :-1]
-        mask = np.ones_like(ids)
-        if kind == "hf_gpt2":  # the model shifts the labels itself
-            return ids, mask, ids.copy()
+    def batch_of(source: np.ndarray, step: int, stream: int) -> tuple:
+        ids = _windows(source, batch, length, _rng(seed, step, rank, stream))[:, :-1]
+        attention = np.ones_like(ids)
+        if mask_id is None:
+            return ids, attention, ids.copy()
         chosen = _rng(seed, step, rank, stream + 10).random(ids.shape) < probability
-        labels = np.where(chosen, ids, -100)
-        return np.where(chosen, 0, ids), mask, labels  # byte 0 serves as the [MASK] token
+        return np.where(chosen, mask_id, ids), attention, np.where(chosen, ids, -100)
 
-    return Job(model, desc, None, lambda s: hf_batch(train_ids, s, 0), lambda i: hf_batch(val_ids, i, 1),
-               batch, "lm" if kind == "hf_gpt2" else "mlm")
+    return Job(model, desc, None, lambda s: batch_of(splits[0], s, 0), lambda i: batch_of(splits[1], i, 1), batch,
+               kind, save=save)
 
 
 def _pretrained_job(config: dict, rank: int) -> Job:
     """A pretrained model from ``model.path`` trained on the corpus tokenized with its own tokenizer."""
-    from .hf_local import load_pretrained, save_pretrained
+    from .hf_local import load_pretrained, save_pretrained, tokenizer_id
 
-    model_cfg, data_cfg, seed = config["model"], config["data"], config["seed"]
-    batch, length, task = config["train"]["batch_size"], model_cfg["block_size"], model_cfg["task"]
+    model_cfg, data_cfg = config["model"], config["data"]
+    length, task = model_cfg["block_size"], model_cfg["task"]
     model, tokenizer = load_pretrained(model_cfg["path"], task)
     saving = lambda trainer, directory: save_pretrained(trainer, model, tokenizer, directory)  # noqa: E731
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
@@ -139,33 +155,14 @@ def _pretrained_job(config: dict, rank: int) -> Job:
         raise ValueError(f"model.task=masked-lm needs a tokenizer with a mask token; the one in {model_cfg['path']} "
                          "has none (set tokenizer.mask_token and save it again), or use model.task=causal-lm")
     ids = corpus_ids(data_cfg, lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"],
-                     f"{type(tokenizer).__name__} {tokenizer.name_or_path} {len(tokenizer)}")
-    cut = int(len(ids) * (1.0 - data_cfg["validation_fraction"]))
-    splits = (("training", ids[:cut]), ("validation", ids[cut:]))
-    short = [f"the {part} split has {len(part_ids)} tokens" for part, part_ids in splits if len(part_ids) < length + 2]
-    if short:
-        raise ValueError(f"model.block_size={length} needs at least {length + 2} tokens per split, but "
-                         f"{' and '.join(short)}: raise data.max_bytes or lower model.block_size")
-    vocab = model.config.vocab_size
-    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                       ("labels", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
-    probability, mask_id = data_cfg["mask_probability"], tokenizer.mask_token_id
-
-    def batch_of(source: np.ndarray, step: int, stream: int) -> tuple:
-        window = _windows(source, batch, length, _rng(seed, step, rank, stream))[:, :-1]
-        attention = np.ones_like(window)
-        if task == "causal-lm":  # the model shifts the labels itself
-            return window, attention, window.copy()
-        chosen = _rng(seed, step, rank, stream + 10).random(window.shape) < probability
-        return np.where(chosen, mask_id, window), attention, np.where(chosen, window, -100)
-
-    return Job(model, desc, None, lambda s: batch_of(splits[0][1], s, 0), lambda i: batch_of(splits[1][1], i, 1),
-               batch, "pretrained", save=saving)
+                     tokenizer_id(tokenizer))
+    return _hf_lm_job(model, model.config.vocab_size, _lm_splits(ids, data_cfg, length, "tokens"), config, rank,
+                      "pretrained", None if task == "causal-lm" else tokenizer.mask_token_id, save=saving)
 
 
 def _classification_job(config: dict, rank: int, model, tokenizer, saving) -> Job:
     """Labelled examples (``data.name`` jsonl or csv) for a sequence classifier, a validation split of them."""
+    from .hf_local import tokenizer_id
     from .user_data import cached, class_numbers, encoded_examples, labelled_examples
 
     data_cfg, seed = config["data"], config["seed"]
@@ -173,8 +170,8 @@ def _classification_job(config: dict, rank: int, model, tokenizer, saving) -> Jo
     texts, labels, lines = labelled_examples(data_cfg)
     num_labels = model.config.num_labels
     classes = class_numbers(labels, lines, num_labels, dict(model.config.label2id or {}))
-    tokenizer_id = f"{type(tokenizer).__name__} {tokenizer.name_or_path} {len(tokenizer)} {tokenizer.pad_token_id}"
-    arrays = cached([Path(data_cfg["path"]).expanduser()], [tokenizer_id, length, data_cfg["text"], data_cfg["label"]],
+    arrays = cached([Path(data_cfg["path"]).expanduser()],
+                    [tokenizer_id(tokenizer), length, data_cfg["text"], data_cfg["label"]],
                     lambda: dict(zip(("ids", "mask"), encoded_examples(texts, tokenizer, length))))
     order = np.random.default_rng([seed, 99]).permutation(len(texts))  # the split: the same for every rank
     held = max(1, int(round(len(order) * data_cfg["validation_fraction"])))

@@ -48,11 +48,11 @@ class Sessions:
         """A session of ``model`` with these session options and execution providers, once the
         device has found nothing in the graph it cannot run (``Device.check_graph``)."""
         self.placement.check_graph(model)
+        data = model.SerializeToString()
         if self._optimized is not None:
-            session = self._optimized.session(model.SerializeToString(), self.options, self._providers,
-                                              self._disabled_optimizers)
+            session = self._optimized.session(data, self.options, self._providers, self._disabled_optimizers)
         else:
-            session = ort.InferenceSession(model.SerializeToString(), self.options, providers=self._providers,
+            session = ort.InferenceSession(data, self.options, providers=self._providers,
                                            disabled_optimizers=self._disabled_optimizers)
         self._models[id(session)] = model
         return session

@@ -49,8 +49,8 @@ def matching_files(pattern: str) -> list[Path]:
     if len(empty) == len(files):
         raise ValueError(f"data.files={pattern!r}: all {len(files)} matching file(s) are empty")
     if empty:
-        logger.warning("data.files=%r: %d of %d files are empty and add no text (%s%s)", pattern, len(empty),
-                       len(files), ", ".join(str(f) for f in empty[:3]), ", ..." if len(empty) > 3 else "")
+        logger.warning("data.files=%r: %d of %d files are empty and add no text (%s)", pattern, len(empty),
+                       len(files), _listed(empty, 3))
     return [f for f in files if f not in empty]
 
 
@@ -157,7 +157,7 @@ def labelled_examples(data_cfg: dict) -> tuple[list[str], list, list[int]]:
             texts.append(row[text_key])
             labels.append(row[label_key])
             lines.append(number)
-    found = [f"{len(numbers)} line(s) {kind} (line {', '.join(map(str, numbers[:5]))}{', ...' if len(numbers) > 5 else ''})"
+    found = [f"{len(numbers)} line(s) {kind} (line {_listed(numbers)})"
              for kind, numbers in problems.items() if numbers]
     if found:
         raise ValueError(f"data.path={str(path)!r}: " + "; ".join(found))
@@ -182,8 +182,8 @@ def class_numbers(labels: list, lines: list[int], num_labels: int, label2id: dic
             numbers.append(value)
     if bad:
         names = f" or one of {sorted(label2id)}" if label2id else ""
-        raise ValueError(f"{len(bad)} label(s) the model cannot take: {', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}; "
-                         f"it has {num_labels} classes: use 0..{num_labels - 1}{names}")
+        raise ValueError(f"{len(bad)} label(s) the model cannot take: {_listed(bad)}; it has {num_labels} classes: "
+                         f"use 0..{num_labels - 1}{names}")
     return np.asarray(numbers, dtype=np.int64)
 
 
@@ -208,4 +208,10 @@ def encoded_examples(texts: list[str], tokenizer, length: int) -> tuple[np.ndarr
     return ids, mask
 
 
-__all__ = ["CACHE_FOLDER", "cached", "class_numbers", "corpus_ids", "encoded_examples", "labelled_examples", "matching_files"]
+def _listed(items: list, most: int = 5) -> str:
+    """The first ``most`` of ``items``, comma-separated, with ``...`` for the rest."""
+    return ", ".join(map(str, items[:most])) + (", ..." if len(items) > most else "")
+
+
+__all__ = ["CACHE_FOLDER", "cached", "class_numbers", "corpus_ids", "encoded_examples", "labelled_examples",
+           "matching_files"]

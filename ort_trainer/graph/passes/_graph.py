@@ -150,6 +150,18 @@ def _redirect(model: onnx.ModelProto, renamed: dict[str, str], removed: set[int]
     return identities
 
 
+def _drop_unread_transposes(model: onnx.ModelProto, outputs: set[str]) -> None:
+    """Remove the ``Transpose`` nodes nothing reads any more (a pass redirected their readers), a
+    chain's last first; ``outputs``: the graph's output names (read by the caller)."""
+    graph = model.graph
+    while True:
+        read = {name for n in graph.node for name in n.input} | outputs
+        unread = [n for n in graph.node if _is(n, "Transpose") and n.output[0] not in read]  # held: ids stay
+        if not unread:
+            return
+        _keep(model, {id(n) for n in unread})
+
+
 def _sole_consumer(g: _Graph, name: str) -> onnx.NodeProto | None:
     readers = g.consumers.get(name, [])
     if len(readers) != 1 or name in g.outputs or list(readers[0].input).count(name) != 1:

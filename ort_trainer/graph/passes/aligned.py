@@ -37,7 +37,7 @@ import math
 import onnx
 from onnx import helper
 
-from ._graph import _ONNX_DOMAINS, _Graph, _attrs, _elem_types, _is, _keep
+from ._graph import _ONNX_DOMAINS, _Graph, _attrs, _drop_unread_transposes, _elem_types, _is, _keep
 
 ALIGNMENT = 8  # 16 bytes of float16 / bfloat16 (32 of float32)
 PAD_TO = 64
@@ -143,8 +143,8 @@ def _pad(name: str, shape: list[int], elem: int, extra: list[int], g: _Graph, pa
          nodes: list[onnx.NodeProto]) -> str:
     """``name`` (of ``shape`` and element type ``elem``) with ``extra`` zeros after the end of each axis: a
     ``Concat`` with zeros on the tensor its chain of 2-D transposes starts from (see the module docstring),
-    the transposes repeated on the padded copy (new
-    nodes appended to ``nodes``; a tensor padded alike before is reused); returns the padded tensor's name."""
+    the transposes repeated on the padded copy (new nodes appended to ``nodes``; a tensor padded alike
+    before is reused); returns the padded tensor's name."""
     chain = _transposes(name, g)
     source = chain[-1].input[0] if chain else name
     odd = len(chain) % 2
@@ -185,17 +185,6 @@ def _slice_back(node: onnx.NodeProto, slices: list[tuple[int, int]]) -> list[onn
         for what, values in (("starts", [0] * len(axes)), ("ends", list(ends)), ("axes", list(axes)))]
     return [*constants, helper.make_node("Slice", [node.output[0], *(c.output[0] for c in constants)], [result],
                                          name=name)]
-
-
-def _drop_unread_transposes(model: onnx.ModelProto, outputs: set[str]) -> None:
-    """Remove the transposes (and their chains) that nothing reads any more."""
-    graph = model.graph
-    while True:
-        read = {name for n in graph.node for name in n.input} | outputs
-        unread = [n for n in graph.node if _is(n, "Transpose") and n.output[0] not in read]
-        if not unread:
-            return
-        _keep(model, {id(n) for n in unread})
 
 
 __all__ = ["aligned_products"]

@@ -52,7 +52,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..names import LOSS_SCALE_INPUT
-from ._graph import _ONNX_DOMAINS, _Graph, _elem_types, _is, _keep
+from ._graph import _ONNX_DOMAINS, _Graph, _drop_unread_transposes, _elem_types, _is, _keep
 
 _ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Erf", "Sigmoid", "Tanh"}
 _TRANSCENDENTAL = {"Erf", "Sigmoid", "Tanh"}
@@ -152,12 +152,8 @@ def transposed_products(model: onnx.ModelProto) -> int:
         node.attribute.extend([*kept, *(helper.make_attribute(k, v) for k, v in sorted(flags.items()) if v)])
         node.op_type = "Gemm"
         count += 1
-    while count:  # the Transposes nothing reads any more (a chain's last first)
-        read = {name for n in graph.node for name in n.input} | g.outputs
-        unread = [n for n in graph.node if _is(n, "Transpose") and n.output[0] not in read]  # held: ids stay
-        if not unread:
-            break
-        _keep(model, {id(n) for n in unread})
+    if count:
+        _drop_unread_transposes(model, g.outputs)
     return count
 
 
