@@ -1,7 +1,8 @@
 # `make run` trains the bundled main job (a small GPT on the Python standard library's source,
-# then text sampled from its ONNX export); `make test` runs the test suite.
-# Both create .venv on first use (torch==2.13.0 first, then this package with its extras) and
-# are idempotent: the install step re-runs only when setup.py or the runtime changes.
+# then text sampled from its ONNX export); `make test` runs the test suite; `make docs` builds the
+# documentation site with the API reference into site/.
+# Each creates .venv on first use (torch==2.13.0 first, then this package with its extras) and
+# is idempotent: the install step re-runs only when setup.py or the runtime changes.
 #
 # Every ONNX Runtime distribution installs the same `onnxruntime` module, so each environment holds
 # exactly one: .venv the one of RUNTIME (an extra of setup.py: cpu, cuda or training), .venv-legacy
@@ -36,7 +37,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels install install-legacy clean
+.PHONY: run test test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels docs install install-legacy clean
 
 install: $(STAMP)
 
@@ -59,6 +60,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
+
+# the documentation site with the API reference generated from the docstrings (mkdocs.yml), into
+# site/; any warning is an error: a docstring that cannot be rendered, a public name without one, a
+# broken link between pages (tests/test_docs_build.py runs the same build in `make test`)
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
 
 # the slow tests: a GPT-2 of 656 M weights (2.6 GB, over protobuf's 2 GB limit) trains, saves as ONNX
 # with external data and resumes from a checkpoint within its training memory (about 10 minutes and
@@ -119,4 +126,4 @@ gpu-wheels:
 	PYTHON=$(PYTHON) benchmarks/gpu_wheels.sh .gpu-wheels
 
 clean:
-	rm -rf $(VENV) $(LEGACY_VENV) build *.egg-info
+	rm -rf $(VENV) $(LEGACY_VENV) build site *.egg-info

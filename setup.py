@@ -15,6 +15,8 @@ CURRENT_ORT = "1.31.*"  # the release the project is tested on
 TRAINING_ORT = "1.19.2"
 ONNXSCRIPT = "onnxscript>=0.7"  # torch.onnx.export(dynamo=True): the torch gradient source
 ONNX2FX = "onnx2fx==0.0.1"  # ONNX models with their loss, as torch modules (needs onnx >= 1.19.1)
+# `make docs`: the API reference from the docstrings (in dev too: the test suite builds it)
+DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mkdocstrings-python>=1.16"]
 
 setup(
     name="ort_trainer",
@@ -47,7 +49,8 @@ setup(
         # logging.tensorboard of the command line (torch.utils.tensorboard writes with its event writer)
         "tensorboard": ["tensorboard>=2.14"],
         "bench": ["transformers>=4.40", "matplotlib>=3.7"],
-        "dev": ["pytest>=7", "scikit-learn>=1.3", "transformers>=4.40", "tensorboard>=2.14"],
+        "docs": DOCS,
+        "dev": ["pytest>=7", "scikit-learn>=1.3", "transformers>=4.40", "tensorboard>=2.14", *DOCS],
     },
     entry_points={"console_scripts": ["ort-trainer=ort_trainer.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],

@@ -1,11 +1,13 @@
 """ort_trainer: train PyTorch models with ONNX Runtime.
 
-The public surface (api.md section 1)::
+The public surface (api.md section 1):
 
     from ort_trainer import ORTTrainer, ORTTrainerOptions, TrainStepInfo, IODescription, ModelDescription
     from ort_trainer import StepError  # an ONNX Runtime error inside a step, in the user's terms
     from ort_trainer.optim import SGDConfig, AdamConfig, LambConfig, lr_scheduler
     from ort_trainer.amp import LossScaler, DynamicLossScaler
+
+``ort_trainer.__version__`` is the package's version.
 """
 
 from ._version import __version__

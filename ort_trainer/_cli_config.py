@@ -31,6 +31,49 @@ DEFAULTS: dict[str, Any] = {
     "logging": {"tensorboard": False},
     "options": {},
 }
+"""Every section and key of a config with its default; a value must have its default's type."""
+
+# One line per key of DEFAULTS: what it sets (the API reference's config-key table prints them).
+KEY_DOCS: dict[str, str] = {
+    "output_dir": "where the run writes metrics, checkpoints, the loss plot and the exported model",
+    "seed": "seeds the model's initial weights and the batches",
+    "model.type": "gpt (bundled GPT), hf_gpt2 / hf_bert (transformers models of this size), hf (a saved model "
+                  "from model.path), mlp (digits classifier)",
+    "model.n_layer": "transformer layers (gpt, hf_gpt2, hf_bert)",
+    "model.n_head": "attention heads; model.n_embd must be a multiple of it",
+    "model.n_embd": "embedding width (gpt, hf_gpt2, hf_bert)",
+    "model.block_size": "tokens per example (the sequence length)",
+    "model.dropout": "dropout probability of the bundled and hf_* models and the MLP",
+    "model.hidden": "hidden width of the mlp",
+    "model.path": "model.type=hf: the directory of a model saved with save_pretrained (nothing is downloaded)",
+    "model.task": "model.type=hf: causal-lm, masked-lm, or sequence-classification (labelled examples)",
+    "data.name": "stdlib (the Python standard library's source), text (your files), jsonl / csv (your labelled "
+                 "examples), digits (scikit-learn's digits)",
+    "data.files": "data.name=text: a glob of UTF-8 text files (~ expanded, ** recursive)",
+    "data.path": "data.name=jsonl or csv: the file of labelled examples",
+    "data.text": "data.name=jsonl or csv: the field holding an example's text",
+    "data.label": "data.name=jsonl or csv: the field holding an example's label (a class number or name)",
+    "data.max_bytes": "at most this many bytes of text are read (stdlib, text)",
+    "data.validation_fraction": "the share of the data held out for evaluation",
+    "data.mask_probability": "masked-lm (hf_bert, hf masked-lm): the share of tokens masked and labelled",
+    "optimizer.type": "adam, lamb or sgd",
+    "optimizer.lr": "the base learning rate",
+    "optimizer.lambda_coef": "weight decay (adam, lamb)",
+    "optimizer.no_decay": "name fragments: weights whose names contain one get no weight decay",
+    "lr_scheduler.type": "the learning-rate schedule after the warmup (none: a constant lr without warmup)",
+    "lr_scheduler.warmup": "the warmup's share of train.max_steps",
+    "train.max_steps": "optimizer steps of the run",
+    "train.batch_size": "examples per step (per rank under mpirun)",
+    "train.log_every": "steps between two records of metrics.jsonl",
+    "train.eval_every": "steps between two evaluations (0: none)",
+    "train.eval_batches": "validation batches of each evaluation",
+    "train.checkpoint_every": "steps between two checkpoints (0: none)",
+    "export.onnx": "write output_dir/model.onnx after training",
+    "export.sample_tokens": "language models: tokens of text sampled from model.onnx into samples.txt (0: none)",
+    "export.prompt": "language models: the text the samples start from",
+    "logging.tensorboard": "also write the scalars to output_dir/tensorboard (needs the tensorboard extra)",
+    "options": "an ORTTrainerOptions dict, key for key (the distributed ranks are set by the launcher)",
+}
 
 
 class ConfigError(ValueError):
@@ -44,6 +87,7 @@ CHOICES = {
     "optimizer.type": ("adam", "lamb", "sgd"),
     "lr_scheduler.type": ("none", "constant", "cosine", "linear", "poly"),
 }
+"""The allowed values of the keys that name a kind."""
 
 
 # value checks that go beyond the type (the type comes from DEFAULTS): path -> (test, expected)
@@ -71,6 +115,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.checkpoint_every": (lambda v: v >= 0, "an int >= 0 (0: no checkpoints)"),
     "export.sample_tokens": (lambda v: v >= 0, "an int >= 0"),
 }
+"""Each checked key's test and what it expects (the type is checked against ``DEFAULTS``)."""
 RULES.update({path: (lambda v, allowed=allowed: v in allowed, "one of " + ", ".join(allowed))
               for path, allowed in CHOICES.items()})
 

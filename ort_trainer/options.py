@@ -1,7 +1,7 @@
 """``ORTTrainerOptions``: the trainer's settings, typed and validated.
 
 Options are a nested dict with attribute access (``opts.batch.gradient_accumulation_steps``).
-Every key is declared in ``_SCHEMA`` below with its type, default, range and one line of
+Every key is declared in ``_SCHEMA`` (this module) with its type, default, range and one line of
 documentation; an unknown key, a wrong type or an out-of-range value raises one ``ValueError``
 that lists every problem with the key's path.
 """
@@ -319,7 +319,7 @@ def _type_problem(path: str, field: _Field, value: Any) -> str | None:
 class ORTTrainerOptions(_Group):
     """Settings of an ``ORTTrainer`` (api.md section 5).
 
-    Build it from a nested dict; keys left out take their defaults::
+    Build it from a nested dict; keys left out take their defaults:
 
         ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 1}, "device": {"id": "cpu"}})
 

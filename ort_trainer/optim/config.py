@@ -16,7 +16,9 @@ class DecayMode(enum.IntEnum):
     """Where Adam applies weight decay (``lambda_coef``)."""
 
     BEFORE_WEIGHT_UPDATE = 0
+    """Decay the weight before the Adam step, as ``torch.optim.AdamW`` does."""
     AFTER_WEIGHT_UPDATE = 1
+    """Decay the weight after the Adam step, as Hugging Face's former AdamW did."""
 
 
 class _OptimizerConfig:
@@ -33,6 +35,7 @@ class _OptimizerConfig:
         for key, value in hyper.items():
             problems.extend(self._check(key, value, type(self).__name__))
         self.defaults = dict(hyper)
+        """The hyper-parameters of the weights in no group: ``{name: value}``, as given to the constructor."""
         for key, value in hyper.items():
             object.__setattr__(self, key, value)
         groups = [] if params is None else params
@@ -68,6 +71,7 @@ class _OptimizerConfig:
         if problems:
             raise ValueError(f"invalid {type(self).__name__}:\n  " + "\n  ".join(problems))
         self.params = [dict(g, params=list(g["params"])) for g in groups]
+        """The parameter groups, copied: ``[{"params": [weight names], <hyper-parameter>: value, ...}]``."""
 
     def _check(self, key: str, value: Any, where: str) -> list[str]:
         types, check = self._HYPER[key]
@@ -148,6 +152,7 @@ class SGDConfig(_OptimizerConfig):
     """
 
     name = "SGDOptimizer"
+    """The optimizer's name, recorded in checkpoints (a checkpoint loads only into the same optimizer)."""
     _HYPER = {"lr": (_NUM, _non_negative)}
 
     def __init__(self, params: Sequence[dict] | None = None, lr: float = 0.001):
@@ -171,6 +176,7 @@ class AdamConfig(_OptimizerConfig):
     """
 
     name = "AdamOptimizer"
+    """The optimizer's name, recorded in checkpoints (a checkpoint loads only into the same optimizer)."""
     _HYPER = {
         "lr": (_NUM, _non_negative),
         "alpha": (_NUM, _unit),
@@ -207,13 +213,19 @@ class LambConfig(_OptimizerConfig):
 
     Args:
         params: parameter groups; a group may set any hyper-parameter below but ``max_norm_clip``.
-        lr, alpha, beta, lambda_coef, epsilon: as for Adam.
-        ratio_min, ratio_max: clamp of the trust ratio.
+        lr: learning rate.
+        alpha: beta1, the first-moment decay.
+        beta: beta2, the second-moment decay.
+        lambda_coef: weight decay.
+        ratio_min: lower clamp of the trust ratio.
+        ratio_max: upper clamp of the trust ratio.
+        epsilon: added to the denominator.
         max_norm_clip: global gradient-norm clip threshold (with ``utils.grad_norm_clip``).
         do_bias_correction: divide the moments by ``1 - alpha^t`` and ``1 - beta^t``.
     """
 
     name = "LambOptimizer"
+    """The optimizer's name, recorded in checkpoints (a checkpoint loads only into the same optimizer)."""
     _HYPER = {
         "lr": (_NUM, _non_negative),
         "alpha": (_NUM, _unit),

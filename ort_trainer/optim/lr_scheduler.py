@@ -38,10 +38,13 @@ class _LRScheduler:
         if problems:
             raise ValueError(f"invalid {name}:\n  " + "\n  ".join(problems))
         self.total_steps = total_steps
+        """``T``: the optimization steps the schedule spans."""
         self.warmup = float(warmup)
+        """The warmup's share of ``total_steps``: ``W = warmup * T``."""
         for key, (value, _) in more.items():
             setattr(self, key, float(value))
         self.base_lr: float | None = None
+        """The base learning rate of the last step (None before the first)."""
         self._last_lr: list[float] = []
 
     @property
