@@ -260,9 +260,10 @@ class Device:
         chunks: the activations are held twice. Measured on the CPU (peak RSS after 4 steps,
         fresh processes): GPT-2-like 1080 -> 866 MB, BERT-like 822 -> 694 MB, against 813 and
         764 MB for eager PyTorch; step times within the machine's noise. On an H200 with the
-        pattern on (docs/gpu.md, 2026-11-26) the process grew by 1.68 GB per GPT-2 small sample
-        at sequence 512 against eager's 0.90 GB, and the second step took 1.6-2x the later ones
-        (the block's ``cudaMalloc``): the same doubling, not yet re-measured without it on a GPU.
+        pattern on the process grew by 1.68 GB per GPT-2 small sample at sequence 512 against
+        eager's 0.90 GB, and the second step took 1.6-2x the later ones (the block's
+        ``cudaMalloc``): the same doubling. Without it, 0.75 GB per sample on an H100 against
+        eager's 0.89 (docs/gpu.md, "What has been verified on a GPU").
 
         And nodes run in the graph's own order where their inputs allow (``PRIORITY_BASED``: the
         ready node of lowest index first). ONNX Runtime's default order is a depth-first walk from

@@ -8,7 +8,7 @@ scalar loss needs no tangent: the traced backward starts from ``ones_like``), an
 ``(forward outputs, gradients)`` one flat tuple without the ``None`` gradients of the inputs that
 get none. That second trace re-runs every operator of the forward and the backward on fake
 tensors: 3-6 s of GPT-2 small's cold build on the 2-core machine, 8 s of BERT-base's
-(docs/performance.md).
+(commit 3469f31).
 
 ``flattened_in_place`` makes the same change to the traced graph itself: its placeholders minus
 the unused tangents, its outputs flattened and filtered as ``flattened_joint`` filters them. The
