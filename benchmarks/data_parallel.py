@@ -1,9 +1,10 @@
-"""Benchmark: 1 rank x 2 threads vs 2 ranks x 1 thread (mpirun) on the same training job.
+"""Benchmark: 1 rank x 2 threads vs 2 ranks x 1 thread (under mpirun, MPI; under torchrun, gloo) on
+the same training job.
 
 Run: ``python benchmarks/data_parallel.py [--steps 30] [--rounds 2]``. It launches the worker
-(this file with ``--worker``) alternately as one process and under ``mpiexec -n 2``, takes the
-median step time of each run after warm-up, prints a table and writes
-``docs/benchmarks_data_parallel.md``. The job: a 4-layer transformer encoder (hidden 128, 4 heads,
+(this file with ``--worker``) alternately as one process, under ``mpiexec -n 2`` and under
+``torchrun --standalone --nproc_per_node 2``, takes the median step time of each run after
+warm-up, prints a table and writes ``docs/benchmarks_data_parallel.md``, naming the CPU. The job: a 4-layer transformer encoder (hidden 128, 4 heads,
 vocab 2000, sequence 64), masked-LM loss, AdamW, global batch 16 split across the ranks.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -22,6 +22,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+import host  # noqa: E402
+
+# label -> (ranks, launcher)
+CONFIGURATIONS = {"1 rank x 2 threads": (1, None), "2 ranks x 1 thread, mpirun (MPI)": (2, "mpiexec"),
+                  "2 ranks x 1 thread, torchrun (gloo)": (2, "torchrun")}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -32,10 +38,10 @@ def worker(args: argparse.Namespace) -> None:
     from models import TinyEncoder, mlm_loss
 
     from ort_trainer import ORTTrainer
-    from ort_trainer.distributed import setup_onnxruntime_with_mpi
+    from ort_trainer.distributed import setup_distributed
     from ort_trainer.optim import AdamConfig
 
-    ctx = setup_onnxruntime_with_mpi(seed=0)
+    ctx = setup_distributed(seed=0)
     vocab, seq = 2000, 64
     desc = {"inputs": [("ids", ["batch", seq]), ("labels", ["batch", seq])],
             "outputs": [("loss", [], True), ("logits", ["batch", seq, vocab])]}
@@ -57,15 +63,19 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"ranks": ctx.world_size, "threads": ctx.threads, "times": times}))
 
 
-def run(label: str, ranks: int, args: argparse.Namespace) -> dict:
-    """Launch one worker run and return its report."""
+def run(label: str, ranks: int, launcher: str | None, args: argparse.Namespace) -> dict:
+    """Launch one worker run (``launcher``: ``"mpiexec"``, ``"torchrun"`` or None) and return its report."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
-    command = [sys.executable, __file__, "--worker", "--out", out, "--steps", str(args.steps),
+    command = [__file__, "--worker", "--out", out, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--global-batch", str(args.global_batch)]
-    if ranks > 1:
-        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        command = [mpiexec, "-n", str(ranks), *command]
+    program = shutil.which(launcher, path=str(Path(sys.executable).parent)) or launcher if launcher else None
+    if launcher == "mpiexec":
+        command = [program, "-n", str(ranks), sys.executable, *command]
+    elif launcher == "torchrun":  # runs the script with its own Python
+        command = [program, "--standalone", "--nproc_per_node", str(ranks), *command]
+    else:
+        command = [sys.executable, *command]
     subprocess.run(command, check=True)
     report = json.loads(Path(out).read_text())
     os.unlink(out)
@@ -87,10 +97,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    medians: dict[str, list[float]] = {"1 rank x 2 threads": [], "2 ranks x 1 thread": []}
+    medians: dict[str, list[float]] = {label: [] for label in CONFIGURATIONS}
     for _ in range(args.rounds):
-        for label, ranks in (("1 rank x 2 threads", 1), ("2 ranks x 1 thread", 2)):
-            medians[label].append(statistics.median(run(label, ranks, args)["times"]))
+        for label, (ranks, launcher) in CONFIGURATIONS.items():
+            medians[label].append(statistics.median(run(label, ranks, launcher, args)["times"]))
     rows = []
     base = statistics.median(medians["1 rank x 2 threads"])
     for label, values in medians.items():
@@ -101,7 +111,7 @@ def main() -> None:
     print(table)
     text = (
         "# Data-parallel benchmark\n\n"
-        f"`python benchmarks/data_parallel.py` on {platform.machine()} with {os.cpu_count()} cores, "
+        f"`python benchmarks/data_parallel.py` on {host.sentence(host.describe())}, "
         f"{args.rounds} alternating rounds of {args.steps} steps after {args.warmup} warm-up steps.\n"
         "Job: 4-layer transformer encoder (hidden 128, 4 heads, vocab 2000, sequence 64), masked-LM "
         f"loss, AdamW, global batch {args.global_batch}.\n\n{table}\n"

@@ -8,8 +8,8 @@ Runtime, reports test accuracy, writes ``<output-dir>/digits.onnx``, reloads it 
 Run: ``python examples/digits_classifier.py [--epochs 30] [--output-dir outputs]``. Exits with
 status 1 if the accuracy is below ``--min-accuracy`` or the exported model disagrees.
 
-Data-parallel: ``mpirun -n 2 python examples/digits_classifier.py`` runs the same job on two
-ranks, each training on its half of every batch (same global batch, same result up to float
+Data-parallel: ``torchrun --standalone --nproc_per_node 2 examples/digits_classifier.py`` or
+``mpirun -n 2 python examples/digits_classifier.py`` runs the same job on two ranks, each training on its half of every batch (same global batch, same result up to float
 rounding); rank 0 evaluates, exports and prints.
 """
 
@@ -28,7 +28,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions
-from ort_trainer.distributed import setup_onnxruntime_with_mpi
+from ort_trainer.distributed import setup_distributed
 from ort_trainer.optim import AdamConfig
 from ort_trainer.optim.lr_scheduler import CosineWarmupLRScheduler
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     """Train, evaluate, export and verify; returns the process exit status."""
     args = parse_args(argv)
     started = time.perf_counter()
-    mpi = setup_onnxruntime_with_mpi(seed=args.seed)  # rank 0 of 1 outside mpirun
+    mpi = setup_distributed(seed=args.seed)  # rank 0 of 1 outside torchrun and mpirun
     torch.manual_seed(args.seed)  # the same initial model everywhere (rank 0's is broadcast anyway)
     digits = load_digits()
     pixels = (digits.data / 16.0).astype(np.float32)

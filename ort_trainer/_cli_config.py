@@ -136,8 +136,9 @@ def _check(value: Any, default: Any, path: str, problems: list[str]) -> Any:
             distributed = value.get("distributed")
             for key in ("world_rank", "world_size", "local_rank"):
                 if isinstance(distributed, dict) and key in distributed:
-                    problems.append(f"options.distributed.{key}: set by the launcher; run `mpirun -n N ort-trainer "
-                                    "train ...` for N ranks instead")
+                    problems.append(f"options.distributed.{key}: set by the launcher; run `torchrun "
+                                    "--nproc_per_node N -m ort_trainer train ...` or `mpirun -n N ort-trainer train "
+                                    "...` for N ranks instead")
         return value
     if isinstance(default, dict):
         if not isinstance(value, dict):

@@ -9,8 +9,8 @@ default. ``options`` is an ``ORTTrainerOptions`` dict, one to one. Overrides are
 (``train.max_steps=10``, ``options.batch.gradient_accumulation_steps=2``); their values are read
 as YAML. Unknown keys, wrong types and out-of-range values are errors that name the key. A user
 error (bad config, missing file, unreadable checkpoint) exits with status 2 and one message, no
-traceback (``--debug`` shows it). Under ``mpirun -n N`` every rank trains on its own batches;
-rank 0 prints and writes.
+traceback (``--debug`` shows it). Under ``torchrun --nproc_per_node N -m ort_trainer`` or
+``mpirun -n N ort-trainer`` every rank trains on its own batches; rank 0 prints and writes.
 
 Files in ``output_dir``: ``metrics.jsonl`` (one JSON object per logged step or evaluation),
 ``loss.png`` (the loss curve), ``checkpoints/step_<N>.h5``, ``model.onnx`` and, for language
@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import logging
-import os
 import sys
 import time
 import traceback
@@ -33,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._cli_config import DEFAULTS, ConfigError, load_config
+from .distributed import launcher_rank, running_world, setup_distributed
 from ._logging import logger
 from ._metrics import MetricsLog, read_metrics
 from ._tensorboard import TensorBoardLog
@@ -74,17 +74,16 @@ def _scheduler(config: dict):
 
 
 def make_trainer(config: dict, mpi=None):
-    """The ``ORTTrainer`` and ``Job`` of a validated config (and the MPI context it used).
+    """The ``ORTTrainer`` and ``Job`` of a validated config (and the ``DistributedContext`` it used).
 
     Raises:
         ConfigError: when the job the config describes cannot be built (a data set too small for
             the batch or the block size, a missing optional dependency).
     """
-    from .distributed import setup_onnxruntime_with_mpi
     from .jobs import build_job
     from .trainer import ORTTrainer
 
-    mpi = mpi or setup_onnxruntime_with_mpi(seed=config["seed"])
+    mpi = mpi or setup_distributed(seed=config["seed"])
     try:
         job = build_job(config, mpi.world_rank)
     except (ValueError, ImportError) as exc:  # build_job's documented errors are all about the config
@@ -379,30 +378,14 @@ def _message(exc: BaseException) -> str:
     return str(exc)
 
 
-def _mpi_world():
-    """``MPI.COMM_WORLD`` when this process is one of several ranks of a running MPI job, else None."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
-        return None
-    return mpi.COMM_WORLD
-
-
-def _launcher_rank() -> int:
-    """This process's rank as the MPI launcher set it (0 outside a launcher), without starting MPI."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
-
 def _fail(message: str, status: int) -> int:
-    """Report a user error without a traceback; under mpirun, end every rank."""
-    world = _mpi_world()
+    """Report a user error without a traceback; under a launcher with several ranks, end every rank."""
+    world = running_world()
     if world is not None:
-        sys.stderr.write(f"[rank {world.Get_rank()}] ort-trainer: {message}\n")
+        sys.stderr.write(f"[rank {world.rank}] ort-trainer: {message}\n")
         sys.stderr.flush()
-        world.Abort(status)
-    if _launcher_rank() == 0:  # before MPI starts every rank meets the same error: rank 0 reports it
+        world.abort(status)
+    if launcher_rank() == 0:  # before the ranks meet, every rank meets the same error: rank 0 reports it
         sys.stderr.write(f"ort-trainer: {message}\n")
     return status
 

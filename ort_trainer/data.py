@@ -14,13 +14,15 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .distributed import current_world
+
 
 def _default_world() -> tuple[int, int]:
     try:
-        from mpi4py import MPI
-    except ImportError:
+        world = current_world()
+    except ImportError:  # no mpi4py, and not under torchrun: one rank
         return 1, 0
-    return MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    return world.size, world.rank
 
 
 class LoadBalancingDistributedSampler:
@@ -36,7 +38,7 @@ class LoadBalancingDistributedSampler:
     Args:
         dataset: a map-style dataset (``len`` and ``[i]``).
         complexity_fn: ``sample -> number``, e.g. ``len`` of a token sequence.
-        world_size, rank: default to MPI's ``COMM_WORLD`` (1 and 0 without MPI).
+        world_size, rank: default to the launcher's (``torchrun`` or ``mpirun``; 1 and 0 without one).
         shuffle: shuffle each rank's samples (and the groups) deterministically per epoch.
         group_size: order by complexity only within consecutive groups of this many samples.
         seed: shuffling seed, the same on every rank.

@@ -108,7 +108,7 @@ _SCHEMA: dict[str, _Field] = {
     "distributed.backend": _Field(
         _STR, "auto", "what moves the gradients between ranks: 'mpi' (mpi4py, host buffers), 'gloo' "
         "(torch.distributed, host buffers, or CUDA buffers through host copies: ranks sharing a GPU), 'nccl' "
-        "(torch.distributed, CUDA buffers), 'auto' ('nccl' on CUDA, else 'mpi')", _one_of(*BACKENDS)
+        "(torch.distributed, CUDA buffers), 'auto' ('nccl' on CUDA, else 'mpi' under mpirun and 'gloo' under torchrun)", _one_of(*BACKENDS)
     ),
     "lr_scheduler": _Field(
         _ANY, None, "a learning-rate scheduler from ort_trainer.optim.lr_scheduler, or None", _check_scheduler
@@ -406,7 +406,7 @@ def _cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[s
     rank, size = values["distributed.world_rank"], values["distributed.world_size"]
     if not own & {"distributed.world_rank", "distributed.world_size"} and rank >= size:
         found.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size}); "
-                     "fill both from setup_onnxruntime_with_mpi() (MPIContext.trainer_options)")
+                     "fill both from setup_distributed() (DistributedContext.trainer_options)")
     if not own & {"distributed.backend", "device.id", "distributed.world_size"}:
         problem = backend_problem(values["distributed.backend"], values["device.id"], values["distributed.world_size"])
         if problem:

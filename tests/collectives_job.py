@@ -31,7 +31,7 @@ device = args.device or ("auto" if args.backend == "nccl" else "cpu")
 device = ctx.device if device == "auto" else device
 torch.set_default_device(device)
 comm = make_communicator(args.backend, device, ctx.world_size, rank)
-report = {"class": type(comm).__name__, "backend": comm.backend, "device": device}
+report = {"class": type(comm).__name__, "backend": comm.backend, "device": device, "launcher": ctx.launcher}
 
 summed = torch.arange(1000, dtype=torch.float32) * (rank + 1)
 comm.allreduce_sum(summed, step=0)

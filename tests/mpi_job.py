@@ -1,4 +1,6 @@
-"""A data-parallel job for the MPI tests: run it plainly (1 rank) or under ``mpiexec -n 2``.
+"""A data-parallel job for the MPI tests: run it plainly (1 rank), under ``mpiexec -n 2`` or under
+``torchrun --standalone --nproc_per_node 2`` (the same script: ``setup_onnxruntime_with_mpi`` reads
+whichever launcher started it).
 
 Every rank trains the MLP on its shard of the same global batches and writes its final weights
 to ``<out>/weights_rank<r>.npz`` and a few facts to ``<out>/facts_rank<r>.json``.
@@ -91,6 +93,7 @@ np.savez(args.out / f"weights_rank{ctx.world_rank}.npz", **state["model"]["full_
 local_states = sum(a.size for a in trainer._engine.state_arrays().values())
 (args.out / f"facts_rank{ctx.world_rank}.json").write_text(json.dumps({
     "rank": ctx.world_rank, "size": ctx.world_size, "local_rank": ctx.local_rank, "threads": ctx.threads,
+    "launcher": ctx.launcher,
     "optimization_step": trainer._train_step_info.optimization_step, "local_optimizer_state_elements": int(local_states),
     "gathered_optimizer_weights": len(state["optimizer"]), "first_loss": losses[0],
     "backend": trainer._comm.backend if trainer._comm is not None else None, "device": options["device"]["id"],

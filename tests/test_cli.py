@@ -1,4 +1,5 @@
-"""The ort-trainer command line: every shipped config, the files a run writes, resume, export, mpirun."""
+"""The ort-trainer command line: every shipped config, the files a run writes, resume, export, mpirun,
+torchrun."""
 
 import json
 import shutil
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 ORT_TRAINER = shutil.which("ort-trainer", path=str(Path(sys.executable).parent))
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
 SHORT = ["train.max_steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1",
          "export.sample_tokens=12", "data.max_bytes=300000"]
 
@@ -101,6 +103,25 @@ def test_command_line_under_mpirun(tmp_path):
     assert result.stdout.count("wrote ") == 1  # rank 0 reports
     assert [r["step"] for r in _records(tmp_path) if "loss" in r] == [2, 4]
     assert (tmp_path / "model.onnx").exists() and (tmp_path / "samples.txt").exists()
+
+
+@pytest.mark.skipif(MPIEXEC is None or TORCHRUN is None, reason="needs mpiexec and torchrun: pip install -e '.[mpi]'")
+def test_command_line_under_torchrun_gives_the_losses_of_mpirun(tmp_path):
+    """The same command under ``torchrun --standalone --nproc_per_node 2 -m ort_trainer``: rank 0 alone
+    reports and writes; the logged losses equal ``mpirun -n 2``'s bit for bit (gloo and MPI both add
+    the two ranks' gradients once, a + b)."""
+    args = ["train", ROOT / "configs" / "gpt_stdlib.yaml", *SHORT, "model.n_layer=1"]
+    runs = {}
+    for name, launcher in (("torchrun", (TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "ort_trainer")),
+                           ("mpirun", (MPIEXEC, "-n", "2", sys.executable, "-m", "ort_trainer"))):
+        out = tmp_path / name
+        result = subprocess.run([*launcher, *map(str, args), f"output_dir={out}"], capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("wrote ") == 1  # rank 0 reports
+        assert (out / "model.onnx").exists()
+        runs[name] = [(r["step"], r["loss"]) for r in _records(out) if "loss" in r]
+    assert runs["torchrun"] == runs["mpirun"] and [s for s, _ in runs["torchrun"]] == [2, 4], runs
 
 
 DIGITS = ROOT / "configs" / "digits_mlp.yaml"
@@ -258,8 +279,8 @@ def test_the_metrics_reader_skips_a_torn_line_with_a_warning(tmp_path, caplog):
 def test_rank_options_are_left_to_the_launcher():
     with pytest.raises(ConfigError) as info:
         load_config(DIGITS, ["options.distributed.world_size=2", "options.distributed.world_rank=1"])
-    assert ("options.distributed.world_size: set by the launcher; run `mpirun -n N ort-trainer train ...` for N "
-            "ranks instead") in str(info.value)
+    assert ("options.distributed.world_size: set by the launcher; run `torchrun --nproc_per_node N -m ort_trainer "
+            "train ...` or `mpirun -n N ort-trainer train ...` for N ranks instead") in str(info.value)
     assert "options.distributed.world_rank: set by the launcher" in str(info.value)
 
 

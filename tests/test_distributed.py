@@ -1,6 +1,6 @@
-"""Data-parallel training with real ``mpiexec -n 2`` jobs (api.md section 8), with each backend that
-runs on the CPU: MPI and torch.distributed's gloo; and, marked ``cuda`` (``make gpu-check``), NCCL on
-two GPUs and gloo with two ranks on CUDA buffers of one GPU."""
+"""Data-parallel training with real ``mpiexec -n 2`` and ``torchrun --nproc_per_node 2`` jobs (api.md
+section 8), with each backend that runs on the CPU: MPI and torch.distributed's gloo; and, marked
+``cuda`` (``make gpu-check``), NCCL on two GPUs and gloo with two ranks on CUDA buffers of one GPU."""
 
 import functools
 import json
@@ -19,6 +19,11 @@ from tolerances import check
 JOB = Path(__file__).with_name("mpi_job.py")
 COLLECTIVES_JOB = Path(__file__).with_name("collectives_job.py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+# torchrun is torch's console script for torch.distributed.run; --standalone: one node, a free port
+TORCHRUN = [shutil.which("torchrun", path=str(Path(sys.executable).parent))
+            or shutil.which("torchrun") or sys.executable, "--standalone", "--nproc_per_node"]
+if TORCHRUN[0] == sys.executable:  # pragma: no cover - a torch install without its scripts
+    TORCHRUN[1:1] = ["-m", "torch.distributed.run"]
 
 try:
     import mpi4py  # noqa: F401
@@ -84,12 +89,19 @@ def _needs_two_ranks():
         pytest.skip(problem)
 
 
-def _run(out: Path, ranks: int, *args: str, check: bool = True, timeout: float = 300, job: Path = JOB):
-    _needs_mpi()
+def _launch(launcher: str, ranks: int) -> list[str]:
+    """The command line prefix that starts ``ranks`` processes of a Python script with ``launcher``
+    (torchrun runs the script with its own Python)."""
+    return [MPIEXEC, "-n", str(ranks), sys.executable] if launcher == "mpirun" else [*TORCHRUN, str(ranks)]
+
+
+def _run(out: Path, ranks: int, *args: str, check: bool = True, timeout: float = 300, job: Path = JOB,
+         launcher: str = "mpirun"):
+    if launcher == "mpirun":
+        _needs_mpi()
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(job), "--out", str(out), *args]
-    if ranks > 1:
-        command = [MPIEXEC, "-n", str(ranks), *command]
+    command = [str(job), "--out", str(out), *args]
+    command = _launch(launcher, ranks) + command if ranks > 1 else [sys.executable, *command]
     env = dict(os.environ)
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if check:
@@ -226,12 +238,13 @@ def test_an_error_on_one_rank_ends_the_job(tmp_path, backend):
     assert "RuntimeError: deliberate failure on rank 1 at step 3" in result.stderr, result.stderr
 
 
-def _timed(out: Path, *args: str, timeout_variable: str = "", limit: float = 120):
-    _needs_mpi()
+def _timed(out: Path, *args: str, timeout_variable: str = "", limit: float = 120, launcher: str = "mpirun"):
+    if launcher == "mpirun":
+        _needs_mpi()
     env = dict(os.environ, ORT_TRAINER_COLLECTIVE_TIMEOUT=timeout_variable) if timeout_variable else None
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "--out", str(out), *args],
+    result = subprocess.run([*_launch(launcher, 2), str(JOB), "--out", str(out), *args],
                             capture_output=True, text=True, timeout=limit, env=env)
     return result, time.monotonic() - started
 
@@ -259,11 +272,11 @@ def test_a_rank_that_leaves_its_loop_early_ends_the_job(tmp_path, backend):
                      r"its script ended after train_step 6", result.stderr), result.stderr
 
 
-def _a_killed_rank_ends_the_job(out: Path, *args: str):
+def _a_killed_rank_ends_the_job(out: Path, *args: str, launcher: str = "mpirun"):
     """Rank 1 is killed with SIGKILL at step 3 (no handler runs, no goodbye over MPI): the launcher
     must end rank 0, which waits for it in its next collective, at once rather than after the
     collective timeout; and the job must fail."""
-    result, _ = _timed(out, "--kill-at-step", "3", *args, limit=240)
+    result, _ = _timed(out, "--kill-at-step", "3", *args, limit=240, launcher=launcher)
     finished = time.time()
     assert (out / "killed_at.txt").exists(), result.stdout + result.stderr  # rank 1 reached step 3
     since_kill = finished - float((out / "killed_at.txt").read_text())
@@ -500,3 +513,123 @@ def test_a_killed_rank_on_the_gpu_ends_the_job(tmp_path):
     """2 ranks on cuda:0 with gloo; rank 1 is killed (SIGKILL) at step 3: the job fails at once."""
     _needs_two_ranks()
     _a_killed_rank_ends_the_job(tmp_path, "--device", "cuda:0", "--backend", "gloo")
+
+
+# ---- torchrun: the same job, the same results, the same failures as under mpirun ----------------------------
+@pytest.mark.parametrize("args", [(), ("--zero", "1"), ("--accumulation", "2", "--post-accumulation")],
+                         ids=["plain", "zero1", "accumulation"])
+def test_torchrun_gives_the_results_of_mpirun(tmp_path, reference, accumulated_reference, args):
+    """The same script under ``torchrun --nproc_per_node 2``: ranks, local ranks and threads from
+    torchrun's variables, gloo picked by 'auto' (there is no MPI world), and weights bitwise equal to
+    ``mpirun -n 2``'s with gloo (the same data movement: two ranks' partial sums added once); both
+    within the data-parallel bound of one rank with twice the batch."""
+    _run(tmp_path / "torchrun", 2, *args, launcher="torchrun")
+    facts = _facts(tmp_path / "torchrun")
+    assert [(f["rank"], f["size"], f["local_rank"], f["launcher"]) for f in facts] == [
+        (0, 2, 0, "torchrun"), (1, 2, 1, "torchrun")]
+    _check(tmp_path / "torchrun", accumulated_reference if "--accumulation" in args else reference, facts, "gloo")
+    _run(tmp_path / "mpirun", 2, *args, "--backend", "gloo")
+    assert [f["launcher"] for f in _facts(tmp_path / "mpirun")] == ["mpirun"] * 2
+    for rank in (0, 1):
+        torchrun, mpirun = _weights(tmp_path / "torchrun", rank), _weights(tmp_path / "mpirun", rank)
+        for name, value in mpirun.items():
+            np.testing.assert_array_equal(torchrun[name], value)
+
+
+def test_a_zero_checkpoint_written_under_torchrun_resumes_under_mpirun(tmp_path, reference):
+    """10 steps under torchrun with ZeRO stage 1, saved; 10 more under mpirun with MPI: the launcher
+    leaves no trace in the checkpoint, and the 20 steps match one rank's."""
+    ckpt = tmp_path / "ckpt.h5"
+    _run(tmp_path / "first", 2, "--zero", "1", "--steps", "10", "--save", str(ckpt), launcher="torchrun")
+    _run(tmp_path / "second", 2, "--zero", "1", "--steps", "10", "--load", str(ckpt), "--backend", "mpi")
+    _check(tmp_path / "second", reference, _facts(tmp_path / "second"), "mpi")
+
+
+def test_each_collective_on_known_values_under_torchrun(tmp_path):
+    """The gloo communicator in a torchrun world: headers and small objects through torchrun's store."""
+    _run(tmp_path, 2, "--backend", "gloo", job=COLLECTIVES_JOB, timeout=120, launcher="torchrun")
+    _check_collectives(tmp_path, "gloo")
+    assert json.loads((tmp_path / "collectives_rank0.json").read_text())["launcher"] == "torchrun"
+
+
+def test_under_torchrun_an_error_on_one_rank_ends_the_job(tmp_path):
+    result, elapsed = _timed(tmp_path, "--fail-at-step", "3", limit=60, launcher="torchrun")
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stderr)
+    assert "[rank 1] uncaught exception; aborting the torchrun job" in result.stderr, result.stderr
+    assert "RuntimeError: deliberate failure on rank 1 at step 3" in result.stderr, result.stderr
+
+
+def test_under_torchrun_a_rank_that_leaves_early_is_named(tmp_path):
+    """The exit notice goes through torchrun's store: rank 0 stops at its next all-reduce."""
+    result, elapsed = _timed(tmp_path, "--leave-at-step", "7", launcher="torchrun")
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stderr)
+    assert re.search(r"rank 0 is in allreduce_sum at train_step 7 \(collective #\d+\); rank 1 has left the job: "
+                     r"its script ended after train_step 6", result.stderr), result.stderr
+
+
+def test_under_torchrun_a_stuck_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    result, elapsed = _timed(tmp_path, "--stall-at-step", "5", timeout_variable="4", launcher="torchrun")
+    assert result.returncode != 0
+    assert 4 <= elapsed < 30, f"the job took {elapsed:.1f} s to end"
+    assert re.search(r"rank 0: waited 4 s in allreduce_sum at train_step 5 \(collective #\d+\), but rank\(s\) \[1\] "
+                     r"never arrived", result.stderr), result.stderr
+
+
+def test_under_torchrun_a_killed_rank_ends_the_job(tmp_path):
+    _a_killed_rank_ends_the_job(tmp_path, launcher="torchrun")
+
+
+def test_under_torchrun_the_mpi_backend_is_refused_with_the_fix(tmp_path):
+    result, _ = _timed(tmp_path, "--backend", "mpi", "--steps", "1", launcher="torchrun")
+    assert result.returncode != 0
+    assert ("distributed.backend: 'mpi' moves buffers between ranks that mpirun started, and torchrun started this "
+            "one; use 'gloo' on the CPU (or 'auto', which picks it under torchrun)") in result.stderr, result.stderr
+
+
+def test_the_launcher_is_read_from_the_environment():
+    from ort_trainer.comm.torchrun import environment_problem
+    from ort_trainer.distributed import launcher_of_environment, launcher_rank, resolve_backend
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert (launcher_of_environment(torchrun), launcher_rank(torchrun)) == ("torchrun", 1)
+    assert (launcher_of_environment({"PMI_RANK": "3", **torchrun}), launcher_rank({"PMI_RANK": "3"})) == ("mpirun", 3)
+    assert (launcher_of_environment({}), launcher_rank({})) == ("mpirun", 0)  # a plain process: rank 0 of 1
+    assert launcher_of_environment({"RANK": "0"}) == "mpirun"  # RANK alone is not env://
+    assert environment_problem(torchrun) is None
+    assert environment_problem({"RANK": "0", "WORLD_SIZE": "2"}) == (
+        "MASTER_ADDR, MASTER_PORT not set (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    assert environment_problem({**torchrun, "RANK": "2"}) == "RANK=2 must be below WORLD_SIZE=2"
+    assert environment_problem({**torchrun, "LOCAL_RANK": "one"}) == (
+        "LOCAL_RANK='one': expected non-negative whole numbers")
+    assert [resolve_backend("auto", device, launcher) for device in ("cpu", "cuda:0")
+            for launcher in ("mpirun", "torchrun")] == ["mpi", "gloo", "nccl", "nccl"]
+
+
+@pytest.mark.cuda
+def test_two_ranks_on_one_gpu_under_torchrun_equal_mpirun(tmp_path):
+    """torchrun's world on a GPU: 2 ranks on cuda:0 with gloo (NCCL refuses two ranks on one GPU),
+    10 steps, weights bitwise equal to the same job under mpirun."""
+    _needs_two_ranks()
+    for launcher in ("torchrun", "mpirun"):
+        _run(tmp_path / launcher, 2, "--device", "cuda:0", "--backend", "gloo", "--steps", "10", launcher=launcher)
+        assert [f["launcher"] for f in _facts(tmp_path / launcher)] == [launcher] * 2
+    for rank in (0, 1):
+        torchrun, mpirun = _weights(tmp_path / "torchrun", rank), _weights(tmp_path / "mpirun", rank)
+        for name, value in mpirun.items():
+            np.testing.assert_array_equal(torchrun[name], value)
+
+
+@pytest.mark.cuda
+def test_two_gpus_with_nccl_under_torchrun_equal_mpirun(tmp_path):
+    """NCCL's process group from torchrun's store: 2 ranks on 2 GPUs ('auto' picks NCCL), ZeRO stage 1,
+    weights bitwise equal to the same job under mpirun."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
+    _needs_two_ranks()
+    for launcher in ("torchrun", "mpirun"):
+        _run(tmp_path / launcher, 2, "--device", "auto", "--zero", "1", launcher=launcher)
+        assert [f["backend"] for f in _facts(tmp_path / launcher)] == ["nccl"] * 2
+    for rank in (0, 1):
+        torchrun, mpirun = _weights(tmp_path / "torchrun", rank), _weights(tmp_path / "mpirun", rank)
+        for name, value in mpirun.items():
+            np.testing.assert_array_equal(torchrun[name], value)

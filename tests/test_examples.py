@@ -44,11 +44,18 @@ MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec: pip install -e '.[mpi]'")
 
 
-@needs_mpi
-def test_digits_main_job_under_mpirun(tmp_path):
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_digits_main_job_on_two_ranks(tmp_path, launcher):
+    """The README's two data-parallel commands."""
+    command = {"mpirun": [MPIEXEC, "-n", "2", sys.executable], "torchrun": [TORCHRUN, "--standalone",
+                                                                           "--nproc_per_node", "2"]}[launcher]
+    if command[0] is None:
+        pytest.skip(f"needs {launcher}: pip install -e '.[mpi]'")
     result = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "examples" / "digits_classifier.py"),
-         "--output-dir", str(tmp_path), "--epochs", "20"],
+        [*command, str(ROOT / "examples" / "digits_classifier.py"), "--output-dir", str(tmp_path), "--epochs", "20"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -68,7 +75,8 @@ def test_data_parallel_benchmark_writes_its_table(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()
-    assert "| 1 rank x 2 threads |" in text and "| 2 ranks x 1 thread |" in text
+    assert all(f"| {label} |" in text for label in ("1 rank x 2 threads", "2 ranks x 1 thread, mpirun (MPI)",
+                                                      "2 ranks x 1 thread, torchrun (gloo)")), text
 
 
 def _example(name, tmp_path, *args):

@@ -1,81 +1,20 @@
-"""The collectives' interface (``Communicator``) and what keeps a job from waiting forever: a header
-exchange over MPI before each collective, with a deadline (``ORT_TRAINER_COLLECTIVE_TIMEOUT``), and
-an uncaught exception on one rank ending every rank (``install_abort_on_error``).
+"""The collectives' interface (``Communicator``), its errors, and the deadline no collective waits
+past (``ORT_TRAINER_COLLECTIVE_TIMEOUT``).
 
-The implementations live beside it (``mpi.py``, ``torch.py``); ``distributed.make_communicator``
+What the communicators need from the launcher that started the ranks (the header exchange before
+each collective, small objects, a store for ``torch.distributed``, ending the job) is a ``World``
+(``world.py``; ``mpi.MPIWorld`` under ``mpirun``, ``torchrun.TorchrunWorld`` under ``torchrun``).
+The data movers live beside it (``mpi.py``, ``torch.py``); ``distributed.make_communicator``
 picks one.
 """
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import sys
-import time
-import traceback
 from typing import Any, Callable
 
-import numpy as np
 import torch
-
-from .._logging import logger
-
-
-def _let_the_launcher_forward_output() -> None:
-    """Give mpiexec time to forward what this rank just wrote before MPI_Abort kills every rank.
-
-    The launcher relays each rank's stderr through a pipe; an abort right after the write was
-    seen to lose the whole message on a loaded machine, leaving a failed job with no reason.
-    """
-    time.sleep(0.5)
-
-
-_previous_hook = None
-
-_aborting = False  # the excepthook is ending the job (it has printed the error)
-
-
-def install_abort_on_error() -> None:
-    """Make an uncaught exception on this rank print its traceback and abort every rank.
-
-    Without it the other ranks would wait in their next collective until its timeout. In a
-    process that is not part of a multi-rank job the exception is reported as usual (no
-    ``MPI_Abort``).
-    """
-    global _previous_hook
-    if _previous_hook is not None:
-        return
-    _previous_hook = sys.excepthook
-
-    def hook(kind, value, tb):
-        global _aborting
-        world = _mpi().COMM_WORLD
-        if world.Get_size() == 1:
-            _previous_hook(kind, value, tb)
-            return
-        _aborting = True
-        try:
-            sys.stderr.write(f"[rank {world.Get_rank()}] uncaught exception; aborting the MPI job\n")
-            traceback.print_exception(kind, value, tb, file=sys.stderr)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            _let_the_launcher_forward_output()
-        finally:
-            world.Abort(1)
-
-    sys.excepthook = hook
-
-
-def _mpi():
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "distributed training needs mpi4py and an MPI library: pip install -e \".[mpi]\" "
-            "(installs mpi4py and mpich, which provides mpirun)"
-        ) from exc
-    return MPI
 
 
 TIMEOUT_VARIABLE = "ORT_TRAINER_COLLECTIVE_TIMEOUT"
@@ -117,186 +56,50 @@ class CollectiveTimeoutError(CollectiveError):
     """Some ranks did not arrive at a collective within ``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds."""
 
 
-_HEADER_TAG = 0x6F7274  # point-to-point tag of the collective headers ("ort")
-
-_OPERATIONS = ("barrier", "broadcast", "allreduce_sum", "allgather", "allgather_object", "init_process_group",
-               "exit")
-
-
-_EXIT = _OPERATIONS.index("exit")
-
-_FIX = ("Every rank must make the same train_step calls in the same order (and the same "
-        "state_dict/save_checkpoint calls): a rank that skips a batch, for example after catching its error, "
-        "or leaves its loop early, leaves the others waiting. Skip or stop on every rank together (agree with "
-        "an allreduce on a flag), or repair the data")
-
-
-def _describe(rank: int, header: np.ndarray) -> str:
-    op, sequence, step, _ = (int(v) for v in header)
-    if op == _EXIT:
-        done = f"after train_step {step}" if step >= 0 else "before its first train_step"
-        return f"rank {rank} has left the job: its script ended {done} (collective #{sequence - 1} was its last)"
-    where = f"at train_step {step}" if step >= 0 else "outside train_step"
-    return f"rank {rank} is in {_OPERATIONS[op]} {where} (collective #{sequence})"
-
-
-class _Headers:
-    """The process's side of the header exchange that precedes every collective.
-
-    One per process (all communicators share ``COMM_WORLD`` and the header tag, so they share
-    the count of collectives too).
-    """
-
-    def __init__(self, comm, mpi):
-        self.comm, self.mpi = comm, mpi
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.peers = [r for r in range(self.size) if r != self.rank]
-        self.sequence = 0
-        self.last_step = -1
-        self.failure: CollectiveError | None = None
-        self.received = np.zeros((self.size, 4), np.int64)
-        self.mine = self.received[self.rank]
-        # persistent requests on fixed buffers: each exchange only restarts them
-        self.requests = [comm.Recv_init(self.received[peer], source=peer, tag=_HEADER_TAG) for peer in self.peers]
-        self.requests += [comm.Send_init(self.mine, dest=peer, tag=_HEADER_TAG) for peer in self.peers]
-        atexit.register(self._announce_exit)
-
-    def exchange(self, operation: str, step: int | None, count: int, timeout: float) -> None:
-        """Send this rank's header to every rank and check theirs, waiting at most ``timeout`` seconds.
-
-        Raises:
-            CollectiveMismatchError: when a rank is in another collective, at another step, or has left.
-            CollectiveTimeoutError: when a rank does not arrive in time.
-        """
-        if self.failure is not None:
-            raise type(self.failure)(f"an earlier collective failed, so this {operation} cannot run: {self.failure}")
-        self.sequence += 1
-        if step is not None:
-            self.last_step = step
-        mine, received = self.mine, self.received
-        mine[:] = (_OPERATIONS.index(operation), self.sequence, -1 if step is None else step, count)
-        self.mpi.Prequest.Startall(self.requests)
-        try:
-            self._wait(self.requests, operation, step, timeout)
-        except KeyboardInterrupt:  # the exchange is half done: no later collective can match up
-            self.failure = CollectiveError(f"rank {self.rank} was interrupted in {operation}")
-            atexit.register(self._abort_at_exit)
-            raise
-        if (received != mine).any():
-            sizes_differ = (received[:, 3] != mine[3]).any() and not (received[:, 0] == _EXIT).any()
-            lines = [_describe(r, received[r]) + (f" with {int(received[r][3])} elements" if sizes_differ else "")
-                     for r in range(self.size)]
-            self.fail(CollectiveMismatchError(f"rank {self.rank}: the ranks are out of step: " + "; ".join(lines)
-                                              + f". {_FIX}"))
-
-    def _wait(self, requests: list, operation: str, step: int | None, timeout: float) -> None:
-        """Poll the header requests until all are complete, or raise after ``timeout`` seconds.
-
-        Polling, not a blocking wait, so a rank that never arrives cannot hang this one. The first
-        20 ms poll without pause (yielding the core to any other runnable process), as MPI's own
-        blocking calls do: ranks a few milliseconds apart meet with no added latency. Longer waits
-        (a graph build, a save on one rank) then pause between polls, growing to 2 ms.
-        """
-        test_all = self.mpi.Request.Testall
-        if test_all(requests):
-            return
-        now = time.monotonic()
-        spin_until, deadline = now + 0.02, now + timeout
-        pause = 1e-4
-        while not test_all(requests):
-            now = time.monotonic()
-            if now < spin_until:
-                os.sched_yield()
-                continue
-            if now > deadline:
-                # Testall leaves every request as it was when it returns False
-                missing = [self.peers[i] for i, r in enumerate(requests[:len(self.peers)]) if not r.Test()]
-                who = f"rank(s) {missing} never arrived" if missing else "the other ranks did not complete it"
-                where = f"at train_step {step}" if step is not None else "outside train_step"
-                self.fail(CollectiveTimeoutError(
-                    f"rank {self.rank}: waited {timeout:g} s in {operation} {where} (collective #{self.sequence}), "
-                    f"but {who}: a rank has crashed, is stuck, or is busy with work the others do not wait for. "
-                    f"{_FIX}. If a rank legitimately needs longer (a long evaluation or save on one rank), raise "
-                    f"{TIMEOUT_VARIABLE} (seconds, now {timeout:g})"))
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-3)
-
-    def fail(self, error: CollectiveError) -> None:
-        """Record ``error``, make sure the job cannot end with status 0, and raise it."""
-        self.failure = error
-        atexit.register(self._abort_at_exit)
-        raise error
-
-    def _abort_at_exit(self) -> None:
-        # The error was caught and the script ran on to its end: the job is still broken.
-        if _aborting:
-            return
-        logger.error("ending the MPI job after a failed collective: %s", self.failure)
-        sys.stderr.flush()
-        _let_the_launcher_forward_output()
-        self.comm.Abort(1)
-
-    def _announce_exit(self) -> None:
-        """Tell every rank this one has left, so a rank still waiting in a collective stops at once."""
-        if self.failure is not None or not self.mpi.Is_initialized() or self.mpi.Is_finalized():
-            return
-        for request in self.requests:
-            request.Free()
-        notice = np.array([_EXIT, self.sequence + 1, self.last_step, -1], np.int64)
-        requests = [self.comm.Isend(notice, dest=peer, tag=_HEADER_TAG) for peer in self.peers]
-        deadline = time.monotonic() + 5.0
-        while not self.mpi.Request.Testall(requests) and time.monotonic() < deadline:
-            time.sleep(1e-3)
-
-
-_headers: _Headers | None = None
-
-
 class Communicator:
-    """Collectives between the ranks of an ``mpirun`` job, in place on flat buffers (torch tensors).
+    """Collectives between the ranks of an ``mpirun`` or ``torchrun`` job, in place on flat buffers
+    (torch tensors).
 
-    One interface; the subclasses move the data: ``MPICommunicator`` (mpi4py, host buffers) and
-    ``TorchDistributedCommunicator`` (``torch.distributed``: NCCL for CUDA buffers, gloo for host
-    or CUDA buffers). ``make_communicator`` picks one for ``distributed.backend``. Small Python objects
-    (``allgather_object``) and ``barrier`` go over MPI with every backend.
+    One interface; the subclasses move the data: ``MPICommunicator`` (mpi4py, host buffers; under
+    ``mpirun``) and ``TorchDistributedCommunicator`` (``torch.distributed``: NCCL for CUDA buffers,
+    gloo for host or CUDA buffers; under either launcher). ``make_communicator`` picks one for
+    ``distributed.backend``. Small Python objects (``allgather_object``) and ``barrier`` go through
+    the world (MPI messages, or the ``torchrun`` store) with every backend.
 
-    Every collective first exchanges a small header over MPI with every other rank: which
-    collective it is, how many collectives this process has made, the caller's ``train_step``
-    count and the buffer size; a rank whose script ends sends a last header saying so. Ranks that
-    disagree, or a rank that has left, raise ``CollectiveMismatchError`` naming each rank's
-    collective and step; no collective waits longer than ``ORT_TRAINER_COLLECTIVE_TIMEOUT`` seconds
-    (default 600) for the others, after which ``CollectiveTimeoutError`` names the ranks that never
-    arrived. After either error every later collective raises at once, and the process ends
-    with ``MPI_Abort`` even if the error was caught.
+    Every collective first exchanges a small header with every other rank through the world:
+    which collective it is, how many collectives this process has made, the caller's
+    ``train_step`` count and the buffer size; a rank whose script ends sends a last header saying
+    so. Ranks that disagree, or a rank that has left, raise ``CollectiveMismatchError`` naming each
+    rank's collective and step; no collective waits longer than ``ORT_TRAINER_COLLECTIVE_TIMEOUT``
+    seconds (default 600) for the others, after which ``CollectiveTimeoutError`` names the ranks
+    that never arrived. After either error every later collective raises at once, and the job
+    ends (``MPI_Abort``; under ``torchrun`` this rank exits with status 1 and the launcher ends the
+    others) even if the error was caught.
 
     Args:
+        world: the ``World`` of this process (``distributed.current_world()``).
         world_size: the number of ranks ``options.distributed`` declares.
         world_rank: this process's rank ``options.distributed`` declares.
 
     Raises:
-        ValueError: when MPI disagrees with ``world_size``/``world_rank``, or the timeout variable
-            is malformed.
+        ValueError: when the launcher disagrees with ``world_size``/``world_rank``, or the timeout
+            variable is malformed.
     """
 
     backend = ""
 
-    def __init__(self, world_size: int, world_rank: int):
-        global _headers
-        MPI = _mpi()
-        self._mpi = MPI
-        self.comm = MPI.COMM_WORLD
-        if self.comm.Get_size() != world_size or self.comm.Get_rank() != world_rank:
+    def __init__(self, world, world_size: int, world_rank: int):
+        if world.size != world_size or world.rank != world_rank:
             raise ValueError(
-                f"options.distributed says rank {world_rank} of {world_size}, but MPI says rank "
-                f"{self.comm.Get_rank()} of {self.comm.Get_size()}: launch with `mpirun -n {world_size}` and fill "
-                "the options from setup_onnxruntime_with_mpi()"
+                f"options.distributed says rank {world_rank} of {world_size}, but {world.launcher} says rank "
+                f"{world.rank} of {world.size}: launch with `{world.launch_command(world_size)}` and fill the "
+                "options from setup_distributed() (DistributedContext.trainer_options)"
             )
+        self.world = world
         self.size, self.rank = world_size, world_rank
         self.timeout = collective_timeout()
-        if _headers is None:
-            _headers = _Headers(self.comm, MPI)
-        self._headers = _headers
-        install_abort_on_error()
+        self._headers = world.headers
+        world.install_abort_on_error()
 
     def _run(self, operation: str, step: int | None, count: int, call: Callable[[], Any]) -> Any:
         # The header exchange is the rendezvous, and the only wait that can be on an absent rank:
@@ -355,7 +158,7 @@ class Communicator:
 
     def allgather_object(self, value: Any, step: int | None = None) -> list:
         """Every rank's ``value`` (small picklable Python objects only), in rank order."""
-        return self._run("allgather_object", step, -1, lambda: self.comm.allgather(value))
+        return self._run("allgather_object", step, -1, lambda: self.world.allgather_object(value))
 
     def barrier(self, step: int | None = None) -> None:
         """Wait for every rank (the header exchange is itself the barrier)."""
@@ -373,4 +176,4 @@ class Communicator:
 
 
 __all__ = ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "DEFAULT_TIMEOUT_S",
-           "TIMEOUT_VARIABLE", "collective_timeout", "install_abort_on_error"]
+           "TIMEOUT_VARIABLE", "collective_timeout"]

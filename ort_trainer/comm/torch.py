@@ -1,29 +1,25 @@
 """Collectives through ``torch.distributed``: NCCL on CUDA buffers, gloo on host or CUDA buffers.
 
-The process group comes from the ranks ``mpirun`` started: rank and world size from MPI, and a
-``TCPStore`` that rank 0 serves on a port the operating system picks (no free-port race) and
-whose address it sends to the other ranks over MPI. ``MASTER_ADDR``/``MASTER_PORT``, when set,
-are used instead (a firewall that opens one port, a node whose hostname others cannot resolve).
-Each collective still starts with ``Communicator``'s header exchange over MPI, so a rank that
-left, skipped a step or hangs is reported by name and ends the job, as with the MPI backend.
+The process group comes from the ranks the launcher started, through the world's store
+(``World.make_store``): under ``mpirun`` a ``TCPStore`` that rank 0 serves and announces over MPI,
+under ``torchrun`` the launcher's own. Each collective still starts with ``Communicator``'s header
+exchange through the world, so a rank that left, skipped a step or hangs is reported by name and
+ends the job, whatever moves the data.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
-import socket
 import sys
 from datetime import timedelta
 
 import torch
 
 from .._logging import logger
-from .base import CollectiveError, Communicator
+from .base import Communicator
 
 # One process group per backend and process: a second trainer in the same job reuses it.
 _groups: dict[str, object] = {}
-_LOOPBACK = "127.0.0.1"
 
 
 def _dist():
@@ -67,19 +63,21 @@ class TorchDistributedCommunicator(Communicator):
     optimizer graph needs the whole gradient for the global norm, clipping and the all-finite check.
 
     Args:
-        world_size, world_rank: as ``options.distributed`` declares them (checked against MPI).
+        world: this process's ``World`` (the launcher's ranks and store).
+        world_size: the number of ranks ``options.distributed`` declares (checked against the world).
+        world_rank: this process's rank ``options.distributed`` declares (checked against the world).
         backend: ``"gloo"`` (host or CUDA buffers) or ``"nccl"`` (CUDA buffers).
         device: the engine's device, where every buffer must be: ``"cpu"`` (gloo), or
             ``"cuda[:N]"`` (NCCL or gloo).
 
     Raises:
-        ValueError: MPI disagrees with ``world_size``/``world_rank``, or torch.distributed was
-            already initialised by the script for another world.
+        ValueError: the launcher disagrees with ``world_size``/``world_rank``, or torch.distributed
+            was already initialised by the script for another world.
         CollectiveError: the process group could not be set up on some rank.
     """
 
-    def __init__(self, world_size: int, world_rank: int, backend: str, device: str):
-        super().__init__(world_size, world_rank)
+    def __init__(self, world, world_size: int, world_rank: int, backend: str, device: str):
+        super().__init__(world, world_size, world_rank)
         self.backend = backend
         self.device = _buffer_device(backend, device)
         _process_group(self)
@@ -158,13 +156,14 @@ def _process_group(comm: TorchDistributedCommunicator):
     if dist.is_initialized():  # the script set torch.distributed up itself: it must be this job's world
         if (dist.get_world_size(), dist.get_rank()) != (comm.size, comm.rank):
             raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                             f"{dist.get_world_size()}, but MPI says rank {comm.rank} of {comm.size}: initialise it "
-                             "from the same mpirun job, or leave it to ort_trainer")
+                             f"{dist.get_world_size()}, but {comm.world.launcher} says rank {comm.rank} of "
+                             f"{comm.size}: initialise it from the same {comm.world.launcher} job, or leave it to "
+                             "ort_trainer")
         group = dist.group.WORLD if dist.get_backend() == comm.backend else dist.new_group(
             backend=comm.backend, timeout=timeout)
         atexit.register(_groups.clear)  # the script destroys what it set up
     else:
-        store = _rendezvous(comm, timeout)
+        store = comm.world.make_store(comm.timeout)
         extra = {"device_id": comm.device} if comm.backend == "nccl" else {}
         hook = sys.excepthook
         dist.init_process_group(comm.backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout,
@@ -178,40 +177,6 @@ def _process_group(comm: TorchDistributedCommunicator):
                 comm.device)
     _groups[comm.backend] = group
     return group
-
-
-def _rendezvous(comm: TorchDistributedCommunicator, timeout: timedelta):
-    """A ``TCPStore`` served by rank 0, its address sent to the other ranks over MPI.
-
-    Raises:
-        CollectiveError: on every rank, when rank 0 could not serve the store.
-        ValueError: ``MASTER_PORT`` is not a port number.
-    """
-    dist = _dist()
-    given_host = os.environ.get("MASTER_ADDR", "").strip()
-    text = os.environ.get("MASTER_PORT", "").strip() or "0"
-    if not text.isdigit() or int(text) > 65535:
-        raise ValueError(f"MASTER_PORT={text!r}: expected a TCP port number (0-65535); unset it to let rank 0 pick "
-                         "a free port")
-    store, message = None, None
-    if comm.rank == 0:
-        try:
-            # The server listens on every interface; host is where rank 0's own client connects.
-            store = dist.TCPStore(given_host or _LOOPBACK, int(text), comm.size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            message = (given_host or socket.gethostname(), store.port, None)
-        except Exception as exc:  # every rank must hear of it, or the others would wait in bcast
-            message = (None, None, f"{type(exc).__name__}: {exc}")
-    host, port, failure = comm.comm.bcast(message, root=0)
-    if failure is not None:
-        where = f" on port {text} (MASTER_PORT)" if text != "0" else ""
-        raise CollectiveError(f"rank 0 could not serve the torch.distributed store{where}: {failure}. Unset "
-                              "MASTER_PORT (rank 0 then picks a free port) or choose a free one")
-    if comm.rank != 0:
-        if not given_host and host == socket.gethostname():
-            host = _LOOPBACK  # rank 0 is on this node
-        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=timeout)
-    return store
 
 
 def _destroy() -> None:
