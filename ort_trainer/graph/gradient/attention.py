@@ -6,8 +6,8 @@ translation), and ``at::_scaled_dot_product_attention_math`` casts float16/bfloa
 and values to float32 "for accuracy" and its result back: every ``[B, H, S, S]`` tensor of the
 attention (scores, mask added, softmax, its guard, and their gradients) is float32 and its two
 products per direction are float32 GEMMs. On an H100 that made GPT-2 small's float16 step 0.67×
-autocast's (docs/gpu.md: float32 ``sm80_xmma_gemm_f32`` products and float32 element-wise passes
-over the scores), where eager runs one fused half-precision kernel.
+autocast's (float32 ``sm80_xmma_gemm_f32`` products and float32 element-wise passes over the
+scores; the profile is in commit 6f68135), where eager runs one fused half-precision kernel.
 
 ``half_precision`` makes each such call (before autograd, on the ``torch.export`` program)
 compute what the math attention computes, in the inputs' dtype, as the attention written out in
