@@ -14,8 +14,11 @@ writes ``docs/benchmarks_gpu.md``. BERT-base MLM at batch 32 × 128 and GPT-2 sm
    Round 1's processes then profile ``--profile-steps`` more steps (``torch.profiler``: on a GPU every
    kernel of the process, ONNX Runtime's included), summed by kind of kernel: where a step goes.
 3. **Largest batch** (``--probe MODEL``): at the model's sequence length, the batch doubles from
-   ``--probe-start`` until a step runs out of GPU memory (ort_trainer and eager, fp32 unless
-   ``--probe-precisions`` says otherwise).
+   ``--probe-start`` until a step runs out of GPU memory (``--probe-impls``: ort_trainer and eager;
+   fp32 unless ``--probe-precisions`` says otherwise). With ``--batch-of-probe IMPL`` the probe runs
+   first, and the warm-up and the rounds train at the largest batch IMPL fitted (the row that fills
+   the GPU: ``--models gpt2-1024 --precisions bf16 --probe gpt2-1024 --probe-precisions bf16
+   --probe-impls eager --batch-of-probe eager``); ``--batch N`` sets the batch of the rounds directly.
 
 Every result is appended as one JSON line to ``--results`` when it arrives, so a run that is cut
 short keeps what it measured; ``--report-only`` writes the markdown from such a file. A measuring run
@@ -84,6 +87,8 @@ class Run:
 
     def __init__(self, args):
         self.args = args
+        self.batch = args.batch  # None: each model's own (gpu_worker.MODELS)
+        self.probed: dict[str, list[int]] = {}  # implementation -> the batches that trained in the probe
         self.started = time.monotonic()
         args.results.parent.mkdir(parents=True, exist_ok=True)
 
@@ -110,7 +115,7 @@ class Run:
         warm = self.args.warm_impls.split(",")
         jobs = [(m, i, p) for m, p in self.configs() for i in self.args.impls.split(",") if i in warm]
         with ThreadPoolExecutor(max(1, self.args.warm_parallel)) as pool:
-            for result in pool.map(lambda job: _spawn(self.args, *job, steps=2), jobs):
+            for result in pool.map(lambda job: _spawn(self.args, *job, steps=2, batch=self.batch), jobs):
                 self.record("warm", result)
 
     def round(self, number: int) -> None:
@@ -121,27 +126,41 @@ class Run:
                 if self.late():
                     return
                 profile = self.args.profile_steps if number == 0 else 0  # after the timed steps: timings untouched
-                self.record("time", _spawn(self.args, model, impl, precision, self.args.steps, profile=profile),
-                            round=number)
+                self.record("time", _spawn(self.args, model, impl, precision, self.args.steps, batch=self.batch,
+                                           profile=profile), round=number)
 
     def probe(self) -> None:
         """The largest batch: double it from ``--probe-start`` until a step fails (ort_trainer, eager)."""
         for precision in self.args.probe_precisions.split(","):
-            for impl in ("ort", "eager"):
+            for impl in self.args.probe_impls.split(","):
                 batch = self.args.probe_start
                 while batch <= self.args.probe_max and not self.late():
                     result = self.record("probe", _spawn(self.args, self.args.probe, impl, precision, 2, batch=batch))
                     if "error" in result:
                         break
+                    self.probed.setdefault(impl, []).append(batch)
                     batch *= 2
 
     def all(self) -> None:
-        """Warm-up, round 1, the probe, the other rounds."""
+        """Warm-up, round 1, the probe, the other rounds; with ``--batch-of-probe``, the probe first.
+
+        Raises:
+            SystemExit: ``--batch-of-probe``'s implementation trained no batch of the probe.
+        """
+        first = bool(self.args.batch_of_probe)
+        if first:
+            self.probe()
+            fitted = self.probed.get(self.args.batch_of_probe)
+            if not fitted:
+                raise SystemExit(f"--batch-of-probe {self.args.batch_of_probe}: it trained no batch from "
+                                 f"{self.args.probe_start} up; lower --probe-start")
+            self.batch = max(fitted)
+            print(f"timing at batch {self.batch}: the largest {self.args.batch_of_probe} fitted", flush=True)
         if self.args.warm_parallel:
             self.warm()
         for number in range(self.args.rounds):
             self.round(number)
-            if number == 0 and self.args.probe:
+            if number == 0 and self.args.probe and not first:
                 self.probe()
 
 
@@ -351,6 +370,10 @@ def parse(argv=None):
     parser.add_argument("--warm-impls", default="ort,compile", help="which implementations the warm-up runs")
     parser.add_argument("--probe", default="gpt2", help="model of the largest-batch probe ('' for none)")
     parser.add_argument("--probe-precisions", default="fp32")
+    parser.add_argument("--probe-impls", default="ort,eager", help="implementations the probe runs")
+    parser.add_argument("--batch-of-probe", default="", help="probe first, then time at the largest batch this "
+                        "implementation fitted (one model: the probe's)")
+    parser.add_argument("--batch", type=int, default=None, help="the batch of the rounds (default: each model's)")
     parser.add_argument("--probe-start", type=int, default=32)
     parser.add_argument("--probe-max", type=int, default=1024)
     parser.add_argument("--profile-steps", type=int, default=3, help="round 1 profiles this many more steps (0: none)")
@@ -370,6 +393,10 @@ def parse(argv=None):
 def main(argv=None) -> int:
     """Measure (unless ``--report-only``), write the page; 1 when a goal is missed, 2 when the preflight fails."""
     args = parse(argv)
+    if args.batch_of_probe and (args.models != args.probe or args.batch_of_probe not in args.probe_impls.split(",")):
+        print(f"--batch-of-probe {args.batch_of_probe!r} needs --models to be the probe's model ({args.probe!r}) and "
+              f"the implementation among --probe-impls ({args.probe_impls!r})", file=sys.stderr)
+        return 2
     if args.preflight:
         problems = preflight()
         for problem in problems:

@@ -34,7 +34,9 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 IMPLS = ("ort", "eager", "compile")
 
 # name: (batch, sequence) at which this benchmark trains it; the models are benchmarks/real_sizes.py's
-MODELS = {"bert-base": (32, 128), "gpt2": (8, 512), "bert-tiny": (4, 16), "gpt2-tiny": (4, 16)}
+# (gpt2-1024: GPT-2 small at its full context, the row that fills the GPU, timed at the batch the probe finds)
+MODELS = {"bert-base": (32, 128), "gpt2": (8, 512), "gpt2-1024": (16, 1024), "bert-tiny": (4, 16), "gpt2-tiny": (4, 16)}
+WORKLOADS = {"bert-base": "bert", "gpt2-1024": "gpt2"}  # real_sizes.workload's name where it differs
 DISTINCT_BATCHES = 4  # taken in turn
 
 
@@ -43,7 +45,7 @@ def build(name: str, batch: int | None = None):
     batches at this benchmark's batch and sequence: weights from seed 0, batches from seed 1)."""
     batch = batch or MODELS[name][0]
     seq = MODELS[name][1]
-    model, desc, batch_of = workload({"bert-base": "bert"}.get(name, name), batch=batch, seq=seq)
+    model, desc, batch_of = workload(WORKLOADS.get(name, name), batch=batch, seq=seq)
     return model, desc, [batch_of() for _ in range(DISTINCT_BATCHES)], batch * seq
 
 

@@ -120,6 +120,26 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     assert "| gpt2-tiny | 4 × 16 | fp32 | **ort_trainer** |" in text and "| gpt2-tiny | 4 × 16 | bf16 |" in text
 
 
+def test_the_row_that_fills_the_gpu_times_at_the_largest_batch_eager_fitted(tmp_path):
+    """``--batch-of-probe eager``: the probe first (eager only), then every implementation timed at the
+    largest batch eager trained (the probe's cap here), as the GPT-2 1024-token MFU row runs on a GPU."""
+    results, out = tmp_path / "results.jsonl", tmp_path / "page.md"
+    env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache")}
+    common = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "gpt2-tiny",
+              "--precisions", "fp32", "--impls", "ort,eager", "--rounds", "1", "--steps", "2", "--warmup", "1",
+              "--warm-parallel", "0", "--profile-steps", "0", "--probe", "gpt2-tiny", "--probe-impls", "eager",
+              "--probe-start", "2", "--probe-max", "4", "--results", str(results), "--out", str(out)]
+    done = subprocess.run([*common, "--batch-of-probe", "eager"], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode in (0, 1), done.stdout + done.stderr  # 1: a goal missed (toy sizes say nothing)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["phase"], r["impl"], r["batch"]) for r in lines] == [
+        ("probe", "eager", 2), ("probe", "eager", 4), ("time", "ort", 4), ("time", "eager", 4)], lines
+    assert "timing at batch 4: the largest eager fitted" in done.stdout
+    assert "| gpt2-tiny | 4 × 16 | fp32 | **ort_trainer** |" in out.read_text()
+    refused = subprocess.run([*common, "--batch-of-probe", "ort"], capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode == 2 and "among --probe-impls ('eager')" in refused.stderr, refused.stderr
+
+
 def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(tmp_path):
     """``make gpu-wheels`` runs ``benchmarks/gpu_wheels.sh``; the install script it ships refuses
     parts that do not match their checksums before it installs or removes anything."""
