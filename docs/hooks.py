@@ -70,16 +70,16 @@ def undocumented(identifier: str, package: Any) -> list[str]:
         obj = obj.members[part]
     missing: list[str] = []
 
-    def walk(item: Any, described: set[str], top: bool) -> None:
+    def walk(item: Any, described: set[str]) -> None:
         target = item.final_target if item.is_alias else item
         if not _has_docstring(target) and not (target.is_attribute and item.name in described):
             missing.append(f"{item.path} ({target.kind.value}, {target.relative_filepath}:{target.lineno})")
         if target.is_class or target.is_module:
             inner = _described_names(target) if target.is_class else set()
             for member in _rendered_members(target):
-                walk(member, inner, False)
+                walk(member, inner)
 
-    walk(obj, set(), True)
+    walk(obj, set())
     return missing
 
 
@@ -122,27 +122,19 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
-def _leaves(mapping: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for key, value in mapping.items():
-        if isinstance(value, dict) and value and key != "options":
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def config_table() -> str:
     """The ``ort-trainer train`` config keys: one row per key of ``_cli_config.DEFAULTS``."""
     from ort_trainer import _cli_config as config
 
     rows = ["| key | type | default | allowed values | meaning |", "|---|---|---|---|---|"]
-    for path, default in _leaves(config.DEFAULTS):
+    for path, default in config.leaves(config.DEFAULTS):
         kind = "mapping" if path == "options" else type(default).__name__
         allowed = config.RULES[path][1] if path in config.RULES else f"any {kind}"
         meaning = config.KEY_DOCS.get(path)
         if meaning is None:
             log.warning("config key %s has no line in ort_trainer._cli_config.KEY_DOCS", path)
         rows.append(f"| `{path}` | {kind} | {_yaml(default)} | {_cell(allowed)} | {_cell(meaning or '')} |")
-    for path in sorted(set(config.KEY_DOCS) - {path for path, _ in _leaves(config.DEFAULTS)}):
+    for path in sorted(set(config.KEY_DOCS) - {path for path, _ in config.leaves(config.DEFAULTS)}):
         log.warning("ort_trainer._cli_config.KEY_DOCS describes %s, which is not a config key", path)
     return "\n".join(rows)
 

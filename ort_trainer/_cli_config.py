@@ -12,7 +12,7 @@ import copy
 import difflib
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -63,7 +63,7 @@ KEY_DOCS: dict[str, str] = {
     "lr_scheduler.type": "the learning-rate schedule after the warmup (none: a constant lr without warmup)",
     "lr_scheduler.warmup": "the warmup's share of train.max_steps",
     "train.max_steps": "optimizer steps of the run",
-    "train.batch_size": "examples per step (per rank under mpirun)",
+    "train.batch_size": "examples per step (per rank under torchrun or mpirun)",
     "train.log_every": "steps between two records of metrics.jsonl",
     "train.eval_every": "steps between two evaluations (0: none)",
     "train.eval_batches": "validation batches of each evaluation",
@@ -74,6 +74,17 @@ KEY_DOCS: dict[str, str] = {
     "logging.tensorboard": "also write the scalars to output_dir/tensorboard (needs the tensorboard extra)",
     "options": "an ORTTrainerOptions dict, key for key (the distributed ranks are set by the launcher)",
 }
+
+
+def leaves(config: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted path, value)`` of each key of ``config`` that holds a value, as overrides name them:
+    nested sections are walked, ``options`` (an ``ORTTrainerOptions`` dict) and empty mappings are
+    values."""
+    for key, value in config.items():
+        if isinstance(value, dict) and value and key != "options":
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 class ConfigError(ValueError):

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._cli_config import DEFAULTS, ConfigError, load_config
+from ._cli_config import DEFAULTS, ConfigError, leaves, load_config
 from .distributed import launcher_rank, running_world, setup_distributed
 from ._logging import logger
 from ._metrics import MetricsLog, read_metrics
@@ -337,20 +337,10 @@ def export(checkpoint_path: str, out_path: str) -> None:
     if not isinstance(user, dict) or not isinstance(user.get("config"), dict):
         raise ConfigError(f"{checkpoint_path}: not written by `ort-trainer train` (it records no config); load it "
                           "with ORTTrainer.load_checkpoint in the script that wrote it and call save_as_onnx there")
-    trainer, _, _ = make_trainer(load_config(None, _flatten_overrides(user["config"])))
+    overrides = [f"{path}={json.dumps(value)}" for path, value in leaves(user["config"])]
+    trainer, _, _ = make_trainer(load_config(None, overrides))
     trainer.load_checkpoint(checkpoint_path)
     trainer.save_as_onnx(out_path)
-
-
-def _flatten_overrides(config: dict, prefix: str = "") -> list[str]:
-    items = []
-    for key, value in config.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and key != "options" and value:
-            items += _flatten_overrides(value, path + ".")
-        else:
-            items.append(f"{path}={json.dumps(value)}")
-    return items
 
 
 # ---- the command ------------------------------------------------------------------------------

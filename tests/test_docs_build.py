@@ -57,7 +57,7 @@ def test_every_name_the_reference_renders_has_a_docstring():
 def test_every_config_key_has_a_line_in_the_reference():
     from ort_trainer import _cli_config
 
-    keys = {path for path, _ in _hooks()._leaves(_cli_config.DEFAULTS)}
+    keys = {path for path, _ in _cli_config.leaves(_cli_config.DEFAULTS)}
     assert set(_cli_config.KEY_DOCS) == keys
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import CollectiveError, collective_timeout
+from .base import CollectiveError
 from .world import HeaderExchange, World
 
 # What torchrun (and any env:// launcher) sets for every rank; the rest have defaults.
@@ -100,6 +100,10 @@ class _StoreHeaders(HeaderExchange):
 class TorchrunWorld(World):
     """The ranks of a ``torchrun`` job (or any launcher that sets the ``env://`` variables).
 
+    Args:
+        timeout: seconds to reach the store, and that ``allgather_object`` waits for the others
+            (``ORT_TRAINER_COLLECTIVE_TIMEOUT``'s value).
+
     Raises:
         ValueError: when the ``env://`` variables are missing or malformed.
         CollectiveError: when the store at ``MASTER_ADDR:MASTER_PORT`` cannot be reached in time.
@@ -124,7 +128,7 @@ class TorchrunWorld(World):
                                   f"{timeout:g} s ({type(exc).__name__}: {exc})") from exc
         # a restarted worker group (torchrun --max-restarts) must not read the last attempt's keys
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._root = store
+        self.timeout = timeout
         self.store = torch.distributed.PrefixStore(f"ort_trainer/{attempt}/", store)
         self._last_object_key: str | None = None
 
@@ -148,7 +152,7 @@ class TorchrunWorld(World):
         self._last_object_key = f"o{sequence}/{self.rank}"
         store.set(self._last_object_key, pickle.dumps(value))
         keys = [f"o{sequence}/{r}" for r in range(self.size)]
-        store.wait(keys, timedelta(seconds=collective_timeout()))
+        store.wait(keys, timedelta(seconds=self.timeout))
         return [pickle.loads(v) for v in store.multi_get(keys)]
 
     def make_store(self, timeout: float):
