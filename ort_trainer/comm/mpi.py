@@ -71,6 +71,7 @@ class MPIWorld(World):
     """The ranks of an ``mpirun -n N`` job (a plain process is rank 0 of 1)."""
 
     launcher = "mpirun"
+    job = "MPI job"
 
     def __init__(self):
         self.mpi = mpi()

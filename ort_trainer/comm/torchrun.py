@@ -110,6 +110,7 @@ class TorchrunWorld(World):
     """
 
     launcher = "torchrun"
+    job = "torchrun job"
 
     def __init__(self, timeout: float):
         problem = environment_problem()

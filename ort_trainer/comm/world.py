@@ -136,7 +136,7 @@ class HeaderExchange:
         # The error was caught and the script ran on to its end: the job is still broken.
         if _aborting:
             return
-        logger.error("ending the %s job after a failed collective: %s", self.world.launcher, self.failure)
+        logger.error("ending the %s after a failed collective: %s", self.world.job, self.failure)
         self.world.abort(1)
 
     def _announce_exit(self) -> None:
@@ -168,6 +168,7 @@ class World:
 
     Attributes:
         launcher: ``"mpirun"`` or ``"torchrun"``.
+        job: what the messages call the job (``"MPI job"``, ``"torchrun job"``).
         rank: this process's rank.
         size: the number of ranks.
         local_rank: this process's rank among the ranks on its node.
@@ -175,6 +176,7 @@ class World:
     """
 
     launcher = ""
+    job = ""
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int):
         self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
@@ -224,8 +226,7 @@ class World:
                 return
             _aborting = True
             try:
-                sys.stderr.write(f"[rank {self.rank}] uncaught exception; aborting the "
-                                 f"{'MPI' if self.launcher == 'mpirun' else self.launcher} job\n")
+                sys.stderr.write(f"[rank {self.rank}] uncaught exception; aborting the {self.job}\n")
                 traceback.print_exception(kind, value, tb, file=sys.stderr)
                 sys.stderr.flush()
                 sys.stdout.flush()
