@@ -20,6 +20,10 @@ writes ``docs/benchmarks_gpu.md``. BERT-base MLM at batch 32 × 128 and GPT-2 sm
    the GPU: ``--models gpt2-1024 --precisions bf16 --probe gpt2-1024 --probe-precisions bf16
    --probe-impls eager --batch-of-probe eager``); ``--batch N`` sets the batch of the rounds directly.
 
+``--impls ort,ort+PASS`` A/Bs a lever in one run: ``ort+PASS[+PASS]`` is ort_trainer with those
+``graph_optimizations`` on, a row of its own in every round and profile, its ratio ort_trainer's time over
+its own (``benchmarks/gpu_levers.sh``).
+
 Every result is appended as one JSON line to ``--results`` when it arrives, so a run that is cut
 short keeps what it measured; ``--report-only`` writes the markdown from such a file. A measuring run
 starts a new file unless ``--append`` is given: then what the file holds stays, and the page is written
@@ -62,10 +66,20 @@ GOALS = {"eager": {"fp32": 1.0, "fp16": 1.2, "bf16": 1.2}, "compile": {"fp32": 1
 REFERENCE = {"fp32": "PyTorch eager fp32", "fp16": "`torch.autocast` fp16 + `GradScaler`", "bf16": "`torch.autocast` bf16"}
 
 
+def variant(impl: str) -> tuple[str, dict]:
+    """``(implementation, graph_optimizations it turns on)`` of an ``--impls`` entry: ``ort+a+b`` is
+    ort_trainer with the passes ``a`` and ``b`` on (over ``--ort-optimizations``), for an A/B of levers in
+    one run; a plain name turns nothing on."""
+    base, *levers = impl.split("+")
+    return base, {lever: True for lever in levers}
+
+
 def _spawn(args, model: str, impl: str, precision: str, steps: int, batch: int | None = None, profile: int = 0) -> dict:
-    command = [sys.executable, str(WORKER), "--model", model, "--impl", impl, "--precision", precision,
+    base, levers = variant(impl)
+    optimizations = json.dumps({**json.loads(args.ort_optimizations), **levers})
+    command = [sys.executable, str(WORKER), "--model", model, "--impl", base, "--precision", precision,
                "--device", args.device, "--steps", str(steps), "--compile-backend", args.compile_backend,
-               "--profile-steps", str(profile), "--ort-optimizations", args.ort_optimizations]
+               "--profile-steps", str(profile), "--ort-optimizations", optimizations]
     if batch:
         command += ["--batch", str(batch)]
     try:
@@ -79,7 +93,7 @@ def _spawn(args, model: str, impl: str, precision: str, steps: int, batch: int |
         oom = "out of memory" in tail.lower() or "failed to allocate" in tail.lower()
         return {"model": model, "impl": impl, "precision": precision, "batch": batch,
                 "error": f"exit {done.returncode}: {tail[-600:]}", "out_of_memory": oom}
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "impl": impl}
 
 
 class Run:
@@ -113,7 +127,7 @@ class Run:
     def warm(self) -> None:
         """Two steps of every ``--warm-impls`` configuration, ``--warm-parallel`` processes at a time."""
         warm = self.args.warm_impls.split(",")
-        jobs = [(m, i, p) for m, p in self.configs() for i in self.args.impls.split(",") if i in warm]
+        jobs = [(m, i, p) for m, p in self.configs() for i in self.args.impls.split(",") if variant(i)[0] in warm]
         with ThreadPoolExecutor(max(1, self.args.warm_parallel)) as pool:
             for result in pool.map(lambda job: _spawn(self.args, *job, steps=2, batch=self.batch), jobs):
                 self.record("warm", result)
@@ -213,6 +227,10 @@ def summarize(results: list[dict], warmup: int) -> dict:
                 cells[other]["speedup"] = cells[other]["ms"] / ort["ms"]
             if ort.get("runs") and cells.get(other, {}).get("runs"):
                 cells[other]["loss_error"] = _loss_error(ort["runs"], cells[other]["runs"])
+        for name, cell in cells.items():  # a lever's variant: ort_trainer's time over the variant's (> 1: it wins)
+            if name not in IMPLS and ort.get("ms") and cell.get("ms"):
+                cell["speedup"] = ort["ms"] / cell["ms"]
+                cell["loss_error"] = _loss_error(cell["runs"], ort["runs"])
     return table
 
 
@@ -229,7 +247,8 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
              f"Device: {', '.join(devices) or 'unknown'}; {args.versions}. Each implementation in its own process, "
              f"{len(rounds)} round(s), the order reversed every other round; {args.steps} steps per process, the first "
              f"{args.warmup} not timed. Step time: median of the timed steps, in ms. Ratio: the other's time / "
-             "ort_trainer's (> 1: ort_trainer is faster). MFU: 6 × parameters × tokens / step time / dense peak "
+             "ort_trainer's (> 1: ort_trainer is faster); on a lever's row (ort_trainer + a pass turned on), ort_trainer's "
+             "time / the row's (> 1: the lever wins). MFU: 6 × parameters × tokens / step time / dense peak "
              "(fp32 without TF32, the default of both; fp16/bf16 tensor cores). Peak memory: device memory in use by "
              "the process (CUDA context, caching allocator and ONNX Runtime's arena; on the CPU the peak resident set), MB; in brackets the peak of torch's caching allocator alone (for ort_trainer: its weights, gradients and optimizer state; the rest is ONNX Runtime's arena and the context). First step: from the model built to the first step done (graph build or compilation from the warm caches, first step). Loss error: the largest "
              f"relative difference of ort_trainer's losses over all {args.steps} steps from the other's "
@@ -240,12 +259,15 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
     missed = []
     for (model, precision), cells in table.items():
         size = next((f"{r['batch']} × {r['tokens'] // r['batch']}" for c in cells.values() for r in c["runs"]), "—")
-        for impl in IMPLS:
+        for impl in [*IMPLS, *sorted(set(cells) - set(IMPLS))]:
             cell = cells.get(impl)
             if cell is None:
                 continue
             goal = GOALS.get(impl, {}).get(precision)
             verdict, loss = "", ""
+            if impl not in IMPLS:  # a lever's variant: against ort_trainer without it
+                verdict = "lever: ort_trainer's time / this"
+                loss = _fmt(cell.get("loss_error"), "{:.1e}") + " (from ort_trainer's)"
             if goal is not None:
                 met = cell.get("speedup") is not None and cell["speedup"] >= goal
                 verdict = f"≥ {goal:.1f}×: {'met' if met else 'MISSED'}"
@@ -256,7 +278,8 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
                 loss = _fmt(error, "{:.1e}") + (f" ({tolerance:.0e}: {'ok' if error is not None and error <= tolerance else 'OVER'})"
                                                 if tolerance else "")
             name = {"ort": "**ort_trainer**", "eager": REFERENCE[precision].replace("PyTorch eager fp32", "PyTorch eager"),
-                    "compile": "`torch.compile` of the same"}[impl]
+                    "compile": "`torch.compile` of the same"}.get(impl) or "ort_trainer + " + ", ".join(
+                        f"`{lever}`" for lever in variant(impl)[1])
             lines.append(f"| {model} | {size} | {precision} | {name} | {_fmt(cell.get('ms'))} | "
                          f"{_fmt(cell.get('samples_s'), '{:.0f}')} | {_fmt(cell.get('mfu'), '{:.1%}')} | "
                          f"{_fmt(cell.get('peak_mb'), '{:.0f}')}{_fmt(cell.get('torch_mb'), ' ({:.0f})', '')} | "
@@ -362,7 +385,8 @@ def parse(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", default="bert-base,gpt2")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="implementations (ort, eager, compile); ort+PASS[+PASS] "
+                        "is ort_trainer with those graph_optimizations on: levers A/B in one run (ort,ort+half_precision_loss)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="steps per process, the losses of all compared")
     parser.add_argument("--warmup", type=int, default=5, help="of those, not timed")

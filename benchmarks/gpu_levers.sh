@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
-#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (aligned_products)]
+#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (aligned_products,half_precision_loss)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
 #    (and two aligned products of the step) in torch and ONNX Runtime: kernel names, ms, TFLOP/s.
-# 2. For each lever in LEVERS (comma-separated graph_optimizations names): ort_trainer's GPT-2 small and
-#    BERT-base steps in fp16 and bf16 with the lever off and on, alternating, 2 rounds, round 1 profiled
-#    (benchmarks/gpu.py --impls ort, --append: OUT/LEVER-false.jsonl and OUT/LEVER-true.jsonl, each with its page).
+# 2. ort_trainer's GPT-2 small and BERT-base steps in fp16 and bf16, without the levers and with each one
+#    (LEVERS: comma-separated graph_optimizations names; a+b turns two on together), every setting once
+#    per round in alternating order, 2 rounds, round 1 profiled by kind of kernel (benchmarks/gpu.py
+#    --impls ort,ort+LEVER,...: OUT/levers.jsonl and its page OUT/levers.md).
 # Each part writes its JSON lines as they come (a run cut short keeps what it measured). DEADLINE (seconds,
 # default 600) stops starting new processes; the lever part is skipped when the probe used it up.
 # DEVICE, MODELS, PRECISIONS, ROUNDS and PROBE_ARGS change what runs (make test runs it on the CPU at toy size).
 set -uo pipefail
 out=${1:-docs/gpu_levers}
-levers=${2:-aligned_products}
+levers=${2:-aligned_products,half_precision_loss}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}
@@ -20,19 +21,21 @@ started=$(date +%s)
 mkdir -p "$out"
 # shellcheck disable=SC2086  # PROBE_ARGS: several arguments
 "$python" benchmarks/gpu_probe.py --device "$device" ${PROBE_ARGS:-} --results "$out/probe.jsonl" > "$out/probe.md"
+impls=ort
+off=""  # every lever named, off: each row carries the whole setting
 for lever in ${levers//,/ }; do
-    for round in $(seq "${ROUNDS:-2}"); do
-        for setting in false true; do
-            left=$((deadline - ($(date +%s) - started)))
-            if [ "$left" -le 30 ]; then
-                echo "gpu_levers: deadline reached before $lever=$setting, round $round" >&2
-                exit 0
-            fi
-            "$python" benchmarks/gpu.py --device "$device" --models "${MODELS:-gpt2,bert-base}" \
-                --precisions "${PRECISIONS:-fp16,bf16}" --impls ort --rounds 1 \
-                --warm-parallel 4 --probe '' --profile-steps $((round == 1 ? 3 : 0)) --deadline "$left" --append \
-                --ort-optimizations "{\"$lever\": $setting}" --results "$out/$lever-$setting.jsonl" --out "$out/$lever-$setting.md" \
-                || true  # exit 1 means a goal missed: the A/B goes on
-        done
+    impls="$impls,ort+$lever"
+    for pass in ${lever//+/ }; do
+        off="$off${off:+, }\"$pass\": false"
     done
 done
+left=$((deadline - ($(date +%s) - started)))
+if [ "$left" -le 30 ]; then
+    echo "gpu_levers: deadline reached after the probe; no lever measured" >&2
+    exit 0
+fi
+"$python" benchmarks/gpu.py --device "$device" --models "${MODELS:-gpt2,bert-base}" \
+    --precisions "${PRECISIONS:-fp16,bf16}" --impls "$impls" --warm-impls ort --rounds "${ROUNDS:-2}" \
+    --warm-parallel 4 --probe '' --profile-steps 3 --deadline "$left" --ort-optimizations "{$off}" \
+    --results "$out/levers.jsonl" --out "$out/levers.md" \
+    || true  # exit 1 means a goal missed: the page is written all the same

@@ -218,6 +218,14 @@ _SCHEMA: dict[str, _Field] = {
         "accumulated in float32 on CUDA, instead of torch's float32 decomposition between casts: four passes over the "
         "[batch, heads, seq, seq] probabilities instead of seven (gradient source 'torch' only)"
     ),
+    "graph_optimizations.half_precision_loss": _Field(
+        _BOOL, False, "under mixed precision, a float32 cross-entropy over half-precision scores (autocast's, and "
+        "Hugging Face's logits.float()) computed in the scores' dtype: log-softmax and softmax kernels that "
+        "accumulate in float32 and round once, instead of five float32 copies of the [tokens, vocabulary] scores "
+        "(GPT-2 small at 8 x 512: 823 MB each, one of them held from the forward to the backward). Each row's "
+        "log-probability is rounded to the half dtype before the mean. Off by default until a GPU measurement "
+        "shows it wins (gradient source 'torch' only)"
+    ),
     "graph_optimizations.column_sums": _Field(
         _BOOL, True, "sums over the leading axes of a static-shape tensor (bias and LayerNorm weight gradients) as a "
         "matrix product by ones, which ONNX Runtime's CPU kernels run in about half the time of ReduceSum "

@@ -177,22 +177,27 @@ def test_the_gemm_probe_runs_every_backend_and_they_agree(tmp_path):
 
 
 def test_the_lever_run_measures_the_probe_and_each_setting(tmp_path):
-    """``benchmarks/gpu_levers.sh`` on the CPU at toy size: the probe's lines, then ort_trainer with the
-    lever off and on, each setting's rows in its own file and carrying the setting."""
+    """``benchmarks/gpu_levers.sh`` on the CPU at toy size: the probe's lines, then ort_trainer without the
+    levers and with each one, in one run: every row carries its whole setting, and the page has a row per
+    lever with its ratio to ort_trainer without it."""
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache"), "GPU_PYTHON": sys.executable,
            "DEVICE": "cpu", "MODELS": "gpt2-tiny", "PRECISIONS": "fp32", "ROUNDS": "1",
            "PROBE_ARGS": "--tokens 32 --hidden 16 --widths 257 --precisions fp32 --repeat 2"}
     out = tmp_path / "levers"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_levers.sh"), str(out), "aligned_products"],
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_levers.sh"), str(out),
+                           "aligned_products,half_precision_loss"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     probe = [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
     assert {row["backend"] for row in probe if "backend" in row} == {"torch", "ort-matmul", "ort-gemm",
                                                                       "ort-fusedmatmul", "ort-padded"}
-    for setting in ("false", "true"):
-        rows = [json.loads(line) for line in (out / f"aligned_products-{setting}.jsonl").read_text().splitlines()]
-        timed = [row for row in rows if row.get("phase") == "time"]
-        assert [(row["impl"], row["model"]) for row in timed] == [("ort", "gpt2-tiny")], rows
-        assert not [row for row in rows if "error" in row], rows
-        assert timed[0]["ort_optimizations"] == {"aligned_products": setting == "true"}
-        assert (out / f"aligned_products-{setting}.md").exists()
+    rows = [json.loads(line) for line in (out / "levers.jsonl").read_text().splitlines()]
+    assert not [row for row in rows if "error" in row], rows
+    timed = {row["impl"]: row for row in rows if row.get("phase") == "time"}
+    assert set(timed) == {"ort", "ort+aligned_products", "ort+half_precision_loss"}, rows
+    assert {impl: row["ort_optimizations"] for impl, row in timed.items()} == {
+        "ort": {"aligned_products": False, "half_precision_loss": False},
+        "ort+aligned_products": {"aligned_products": True, "half_precision_loss": False},
+        "ort+half_precision_loss": {"aligned_products": False, "half_precision_loss": True}}
+    page = (out / "levers.md").read_text()
+    assert "| ort_trainer + `aligned_products` |" in page and "| ort_trainer + `half_precision_loss` |" in page

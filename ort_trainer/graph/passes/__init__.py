@@ -11,14 +11,16 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   ``apply_joint_passes``): ``joint.py`` (cross-entropy backward, identity transposes, integer
   powers), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
   gradient written in place), ``dropout.py``, ``copies.py`` (tensor sequences, output reshapes,
-  column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient), ``recompute.py``
+  column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient), ``loss.py`` (a
+  mixed-precision cross-entropy in the half dtype), ``recompute.py``
   (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
   the others' graph), ``aligned.py`` (products on operands padded to aligned widths; last);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
   Runtime runs as its ONNX function body: 80-85 ms against 3-4 ms for ``LogSoftmax`` and a gather
-  on 1024 x 8000 scores) and ``copies.erf_gelu_order`` for ``gelu``.
+  on 1024 x 8000 scores), ``loss.half_precision_loss`` (its forward half) and ``copies.erf_gelu_order``
+  for ``gelu``.
 
 ``_graph.py`` holds what they share (``_Graph``: producers, consumers, constants, shapes). The
 passes know ONNX and the graphs' naming conventions (``graph/names.py``) only: the gradient
@@ -30,7 +32,7 @@ from __future__ import annotations
 import onnx
 
 from ..onnx_graph import dangling_names
-from . import aligned, copies, dropout, embedding, forward, recompute, softmax, tied_embedding
+from . import aligned, copies, dropout, embedding, forward, loss, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -46,11 +48,12 @@ _JOINT = (
     ("dropout_gradient", dropout.dropout_gradient),
     ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
     ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
-    ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
+    ("half_precision_loss", loss.half_precision_loss), ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
     ("activation_recompute", recompute.activation_recompute), ("aligned_products", aligned.aligned_products))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
-_EVAL = (("cross_entropy", forward.cross_entropy_forward), ("sequences", copies.sequence_reads),
+_EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),
+         ("sequences", copies.sequence_reads),
          ("output_reshape", copies.output_reshapes), ("safe_softmax", softmax.safe_softmax),
          ("gelu", copies.erf_gelu_order))
 EVAL_PASSES = tuple(name for name, _ in _EVAL)
