@@ -226,6 +226,12 @@ _SCHEMA: dict[str, _Field] = {
         "log-probability is rounded to the half dtype before the mean. Off by default until a GPU measurement "
         "shows it wins (gradient source 'torch' only)"
     ),
+    "graph_optimizations.half_precision_bias_gradient": _Field(
+        _BOOL, False, "under mixed precision, a half-precision product's bias gradient (torch's float32 sum over the "
+        "rows of the half output's gradient, cast back to the half dtype) as one half-precision MatMul by ones, "
+        "which accumulates in float32 and rounds once: no float32 copy of the gradient (GPT-2 small at 8 x 512: "
+        "113 MB a layer). Off by default until a GPU measurement shows it wins (gradient source 'torch' only)"
+    ),
     "graph_optimizations.column_sums": _Field(
         _BOOL, True, "sums over the leading axes of a static-shape tensor (bias and LayerNorm weight gradients) as a "
         "matrix product by ones, which ONNX Runtime's CPU kernels run in about half the time of ReduceSum "

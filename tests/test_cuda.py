@@ -164,17 +164,18 @@ MIXED_TOLERANCE = {("mlp", "float16"): 3e-3, ("mlp", "bfloat16"): 1e-2,
                    ("encoder", "float16"): 1e-3, ("encoder", "bfloat16"): 1e-2}
 
 
-@pytest.mark.parametrize("half_loss", [False, True], ids=["float32-loss", "half_precision_loss"])
+@pytest.mark.parametrize("half_loss", [False, True], ids=["defaults", "half_precision_loss+bias_gradient"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", MODELS)
 def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, half_loss, record_property):
     """50 AdamW steps in mixed precision: losses within MIXED_TOLERANCE (relative) of PyTorch eager
     under ``torch.autocast("cuda", dtype)`` with a ``GradScaler`` for float16 (none for bfloat16),
     the loss scale step for step GradScaler's, float32 master weights. With
-    ``graph_optimizations.half_precision_loss`` too: each row's log-probability one rounding more
-    (u of its size, averaged over the rows of the mean) and the scores' gradient two, well inside the
-    same tolerance; the bfloat16 runs are its only check of bfloat16 values (the CPU has no bfloat16
-    softmax)."""
+    ``graph_optimizations.half_precision_loss`` and ``half_precision_bias_gradient`` too: each row's
+    log-probability one rounding more (u of its size, averaged over the rows of the mean), the scores'
+    gradient two, the bias gradients summed in another order before their one rounding: well inside the
+    same tolerance; the bfloat16 runs are their only check of bfloat16 values (the CPU has no bfloat16
+    softmax or product)."""
     from ort_trainer.amp import DynamicLossScaler
 
     make, desc, loss_fn, batch, lr = MODELS[name]
@@ -185,7 +186,8 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
     mixed = {"enabled": True, "dtype": dtype, **({"loss_scaler": scaler} if scaler else {})}
     trainer = ORTTrainer(model, desc, AdamConfig(lr=lr), loss_fn=loss_fn,
                          options={**CUDA, "utils": {"grad_norm_clip": False}, "mixed_precision": mixed,
-                                  "graph_optimizations": {"half_precision_loss": half_loss}})
+                                  "graph_optimizations": {"half_precision_loss": half_loss,
+                                                          "half_precision_bias_gradient": half_loss}})
     optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.0)
     grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 8, growth_interval=10, enabled=scaler is not None)
     gen = torch.Generator().manual_seed(5)
@@ -211,3 +213,5 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
     assert all(t.dtype == torch.float32 for t in trainer._engine.weights_flat)
     rewritten = [n for n in trainer._graphs.gradient.graph.node if n.name.endswith("/half_loss/LogSoftmax")]
     assert len(rewritten) == (1 if half_loss else 0)
+    summed = [n for n in trainer._graphs.gradient.graph.node if n.name.endswith("/half_column_sums/MatMul")]
+    assert bool(summed) == half_loss

@@ -11,8 +11,8 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   ``apply_joint_passes``): ``joint.py`` (cross-entropy backward, identity transposes, integer
   powers), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
   gradient written in place), ``dropout.py``, ``copies.py`` (tensor sequences, output reshapes,
-  column sums), ``softmax.py`` (masked softmax, a float16 softmax's gradient), ``loss.py`` (a
-  mixed-precision cross-entropy in the half dtype), ``recompute.py``
+  column sums, half-precision bias gradients), ``softmax.py`` (masked softmax, a float16 softmax's
+  gradient), ``loss.py`` (a mixed-precision cross-entropy in the half dtype), ``recompute.py``
   (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
   the others' graph), ``aligned.py`` (products on operands padded to aligned widths; last);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
@@ -48,7 +48,9 @@ _JOINT = (
     ("dropout_gradient", dropout.dropout_gradient),
     ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
     ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
-    ("half_precision_loss", loss.half_precision_loss), ("column_sums", copies.column_sums), ("transposed_products", recompute.transposed_products),
+    ("half_precision_loss", loss.half_precision_loss),
+    ("half_precision_bias_gradient", copies.half_column_sums), ("column_sums", copies.column_sums),
+    ("transposed_products", recompute.transposed_products),
     ("activation_recompute", recompute.activation_recompute), ("aligned_products", aligned.aligned_products))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
