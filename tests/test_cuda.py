@@ -164,10 +164,11 @@ MIXED_TOLERANCE = {("mlp", "float16"): 3e-3, ("mlp", "bfloat16"): 1e-2,
                    ("encoder", "float16"): 1e-3, ("encoder", "bfloat16"): 1e-2}
 
 
+@pytest.mark.parametrize("loss_only", [False, True], ids=["all-outputs", "loss-only"])
 @pytest.mark.parametrize("half_loss", [False, True], ids=["defaults", "half_precision_loss+bias_gradient"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", MODELS)
-def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, half_loss, record_property):
+def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, half_loss, loss_only, record_property):
     """50 AdamW steps in mixed precision: losses within MIXED_TOLERANCE (relative) of PyTorch eager
     under ``torch.autocast("cuda", dtype)`` with a ``GradScaler`` for float16 (none for bfloat16),
     the loss scale step for step GradScaler's, float32 master weights. With
@@ -175,7 +176,8 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
     log-probability one rounding more (u of its size, averaged over the rows of the mean), the scores'
     gradient two, the bias gradients summed in another order before their one rounding: well inside the
     same tolerance; the bfloat16 runs are their only check of bfloat16 values (the CPU has no bfloat16
-    softmax or product)."""
+    softmax or product). With only the loss fetched, the encoder's head projects its labelled rows alone
+    (``sparse_labels`` inside the autocast region), whose selection's gradient is added in float32."""
     from ort_trainer.amp import DynamicLossScaler
 
     make, desc, loss_fn, batch, lr = MODELS[name]
@@ -188,13 +190,16 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
                          options={**CUDA, "utils": {"grad_norm_clip": False}, "mixed_precision": mixed,
                                   "graph_optimizations": {"half_precision_loss": half_loss,
                                                           "half_precision_bias_gradient": half_loss}})
+    if loss_only:
+        trainer._train_step_info.fetches = ["loss"]
     optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.0)
     grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 8, growth_interval=10, enabled=scaler is not None)
     gen = torch.Generator().manual_seed(5)
     ours, theirs, our_scales, their_scales = [], [], [], []
     for _ in range(50):
         inputs, label = batch(gen)
-        ours.append(trainer.train_step(inputs, label)[0].item())
+        outputs = trainer.train_step(inputs, label)
+        ours.append((outputs if loss_only else outputs[0]).item())
         optimizer.zero_grad()
         with torch.autocast("cuda", dtype=half):
             loss = loss_fn(reference(inputs.cuda()), label.cuda())

@@ -307,3 +307,60 @@ def test_no_row_labelled_on_the_onnxruntime_source_trains_nothing_and_survives(s
     (line,) = [l for l in result.stdout.splitlines() if l.startswith("RESULT")]
     _, loss, largest, gathered = line.split()
     assert float(loss) == 0.0 and float(largest) == 0.0 and gathered == str(sparse)
+
+
+# Mixed precision (float16) against float64 PyTorch, relative to each gradient's largest element: the
+# model's chain of float16 roundings, each u16 of its value: forward 6 (the embeddings cast for the dense
+# layer, dense, GELU, back, the head's input cast, the head; LayerNorm and the loss run in float32), backward
+# 18 (the logits' gradient, the head's two products, back's and dense's two each, the GELU's backward's ~4,
+# three bias sums, the casts between the float32 islands): 24·u16 = 1.2e-2. The pass changes which rows the
+# head multiplies, not how a row is rounded. Observed (worst gradient, pass on or off): 1.06e-3, 11x under.
+HALF_BOUND = 24 * 2.0 ** -11
+
+
+def _gathered_projection(graph: onnx.GraphProto) -> bool:
+    """A MatMul/Gemm reads, through Casts, a Gather of rows chosen by NonZero (the labelled rows)."""
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def from_nonzero(name, depth=0):
+        node = producer.get(name)
+        return node is not None and depth <= 10 and (
+            node.op_type == "NonZero" or any(from_nonzero(i, depth + 1) for i in node.input))
+
+    for node in graph.node:
+        if node.op_type in ("MatMul", "Gemm"):
+            source = producer.get(node.input[0])
+            while source is not None and source.op_type == "Cast":
+                source = producer.get(source.input[0])
+            if source is not None and source.op_type == "Gather" and from_nonzero(source.input[1]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("linear_head", [False, True], ids=["tied-matmul-head", "linear-head"])
+def test_torch_pass_applies_under_mixed_precision_and_matches_float64_pytorch(linear_head, record_property):
+    """float16 mixed precision (the model traced under autocast: one ``wrap_with_autocast`` region holding
+    the head and the loss): with only the loss fetched the head projects the labelled rows alone, and
+    the loss and gradients, pass on and off, are within HALF_BOUND of float64 PyTorch's."""
+    if not _runtime.has_onnxscript():
+        pytest.skip("the 'torch' gradient source exports with onnxscript")
+    from ort_trainer.amp import DynamicLossScaler
+
+    model, batch = MaskedLM(linear_head), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    errors = {}
+    for sparse in (True, False):
+        options = {"graph_optimizations": {"sparse_labels": sparse}, "graph": {"gradient_source": "torch"},
+                   "utils": {"grad_norm_clip": False},
+                   "mixed_precision": {"enabled": True, "dtype": "float16", "loss_scaler":
+                                       DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)}}
+        trainer = ORTTrainer(copy.deepcopy(model), DESC, SGDConfig(lr=0.0), options=options)
+        trainer._train_step_info.fetches = ["loss"]
+        loss, grads = _step(trainer, batch)
+        errors[sparse] = {"loss": abs(loss - expected_loss) / abs(expected_loss), **{
+            name: float(np.abs(grads[name] - value).max()) / max(float(np.abs(value).max()), 1e-12)
+            for name, value in expected.items()}}
+        for name, error in errors[sparse].items():
+            check(error, HALF_BOUND, (sparse, name))
+        assert _gathered_projection(_fetch_graph(trainer).graph) is sparse
+    record_property("errors", {sparse: max(e.values()) for sparse, e in errors.items()})

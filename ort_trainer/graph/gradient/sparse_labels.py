@@ -18,6 +18,13 @@ rows contribute exactly zero to the loss and to every gradient, and the mean div
 count of labelled rows, so loss and gradients are unchanged (PyTorch's by construction). The row
 count is data-dependent: the graph carries it as a runtime size (ONNX ``NonZero``).
 
+Under mixed precision the model and loss are traced as one ``wrap_with_autocast`` call whose
+submodule holds them: the pass looks inside it (``_autocast_regions``), and ``drop_outputs`` returns
+an empty tensor from the region in place of an output nothing reads any more, so the logits are no
+longer the region's output. Half-precision rows are selected in float32 and cast back (exact both
+ways): the selection's gradient is a scatter-add, which ONNX Runtime has no float16 CPU kernel for
+and runs for bfloat16 on CUDA with its float16 kernel (chosen by element size), adding wrong values.
+
 The rows are padded further (row 0 again, labelled ``ignore_index``) to ``bucket_rows(n + 1)``:
 four sizes per power of two. ONNX Runtime's arena grows by a new region whenever a tensor is
 larger than any free block, and keeps it; with one size per labelled count, the vocabulary-sized
@@ -28,6 +35,7 @@ average) are projected, the largest sizes repeat, and the growth stops after a f
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -72,6 +80,8 @@ def drop_outputs(program: Any, positions: Sequence[int]) -> None:
         specs[position].arg.name = empty.name
         output.args = (tuple(values),)
         _erase_dead(graph, old)
+    for region, module in _autocast_regions(program):
+        _drop_unread_region_outputs(region, module)
 
 
 def applies(program: Any, dropped: Sequence[int]) -> bool:
@@ -85,13 +95,28 @@ def applies(program: Any, dropped: Sequence[int]) -> bool:
             if source not in live:
                 live.add(source)
                 stack.append(source)
-    losses = [n for n in program.graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]
-    outputs = set(kept)
+    outputs = {node: 1 for node in kept}
 
     def uses(node: torch.fx.Node) -> int:
-        return sum(1 for u in node.users if u in live) + (node in outputs)
+        return sum(1 for u in node.users if u in live) + outputs.get(node, 0)
 
-    return any(_match(loss, uses) is not None for loss in losses)
+    for region, module in _autocast_regions(program):
+        if region not in live:
+            continue
+        read = {u.args[1] for u in region.users if u in live and u.target is operator.getitem}
+        # inside: what the region's read outputs need (each position counts as a use)
+        returned = [v for i, v in enumerate(module.graph.output_node().args[0]) if i in read]
+        stack = [v for v in returned if isinstance(v, torch.fx.Node) and v not in live]
+        live.update(stack)
+        for value in returned:
+            if isinstance(value, torch.fx.Node):
+                outputs[value] = outputs.get(value, 0) + 1
+        while stack:
+            for source in stack.pop().all_input_nodes:
+                if source not in live:
+                    live.add(source)
+                    stack.append(source)
+    return any(_match(loss, uses) is not None for loss in _losses(program))
 
 
 def sparse_labels(program: Any) -> int:
@@ -104,12 +129,13 @@ def sparse_labels(program: Any) -> int:
     smoothing or ``reduction="none"``, or the view does more than flatten the projection's leading
     dimensions.
     """
-    graph = program.graph
-    count = 0
-    for loss in [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]:
+    count, changed = 0, set()
+    for loss in _losses(program):
         match = _match(loss, lambda node: len(node.users))
         if match is None:
             continue
+        graph = loss.graph
+        changed.add(graph)
         hidden, projection, views, ignore_index = match
         labels = loss.args[1]
         width = hidden.meta["val"].shape[-1]
@@ -122,7 +148,16 @@ def sparse_labels(program: Any) -> int:
             # Gemm refuses K = 0), and up to bucket_rows(n + 1) in all
             padded, picked_labels = _padded_to_bucket(graph, rows, kept, labels, ignore_index)
             flat = graph.call_function(_aten.reshape.default, (hidden, [-1, width]))
-            env = {hidden: graph.call_function(_aten.index_select.default, (flat, 0, padded))}
+            half = _value(hidden).dtype if _value(hidden).dtype in (torch.float16, torch.bfloat16) else None
+            if half is not None:
+                # selected in float32, then cast back: the selection's gradient is a scatter-add, which
+                # ONNX Runtime runs in float16 on no CPU and runs bfloat16 as float16 on CUDA (its kernel
+                # is picked by element size); the casts are exact both ways
+                flat = graph.call_function(_aten._to_copy.default, (flat,), {"dtype": torch.float32})
+            selected = graph.call_function(_aten.index_select.default, (flat, 0, padded))
+            if half is not None:
+                selected = graph.call_function(_aten._to_copy.default, (selected,), {"dtype": half})
+            env = {hidden: selected}
             for node in projection:  # matmul first, then the bias adds
                 env[node] = graph.call_function(node.target, *torch.fx.node.map_arg(
                     (node.args, node.kwargs), lambda value: env.get(value, value)))
@@ -132,7 +167,10 @@ def sparse_labels(program: Any) -> int:
                 graph.erase_node(node)
         count += 1
     if count:
-        graph.lint()
+        for module in program.graph_module.modules():
+            if isinstance(module, torch.fx.GraphModule) and module.graph in changed:
+                module.graph.lint()
+                module.recompile()
         program.graph_module.recompile()
         logger.debug("sparse_labels: %d projection(s) before a cross-entropy now run on the labelled rows only",
                      count)
@@ -228,6 +266,52 @@ def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int]
             or out is None or out.shape[-1] != score_value.shape[-1]:
         return None  # the view must keep the class dimension last and flatten the rest
     return hidden, projection[::-1], views, int(ignore_index)
+
+
+def _losses(program: Any) -> list[torch.fx.Node]:
+    """The cross-entropy calls of the program and of its autocast regions (a model traced under
+    ``torch.autocast`` is one ``wrap_with_autocast`` call whose submodule holds the model and loss)."""
+    graphs = [program.graph, *(module.graph for _, module in _autocast_regions(program))]
+    return [n for graph in graphs for n in graph.nodes
+            if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]
+
+
+def _autocast_regions(program: Any) -> list[tuple[torch.fx.Node, torch.fx.GraphModule]]:
+    """``(call, submodule)`` of each ``wrap_with_autocast`` call of the program's top graph."""
+    regions = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_autocast" \
+                and len(node.args) > 4 and isinstance(node.args[4], torch.fx.Node) and node.args[4].op == "get_attr":
+            module = getattr(program.graph_module, node.args[4].target, None)
+            if isinstance(module, torch.fx.GraphModule):
+                regions.append((node, module))
+    return regions
+
+
+def _drop_unread_region_outputs(region: torch.fx.Node, module: torch.fx.GraphModule) -> None:
+    """Return an empty tensor in place of each output of an autocast region that nothing reads any
+    more (``drop_outputs`` left its ``getitem`` without readers), so that what only it needed becomes
+    dead code inside the region, as ``drop_outputs`` does outside."""
+    unread = [u for u in list(region.users) if u.target is operator.getitem and not u.users]
+    if not unread:
+        return
+    graph = module.graph
+    output = graph.output_node()
+    values = list(output.args[0])
+    old_values = []
+    for getter in unread:
+        position = getter.args[1]
+        with graph.inserting_before(output):
+            empty = graph.call_function(_aten.zeros.default, ([0],), {"dtype": torch.float32})
+        empty.meta["val"] = torch.empty(0)
+        old_values.append(values[position])
+        values[position] = empty
+        region.graph.erase_node(getter)
+    output.args = (tuple(values),)
+    for old in old_values:
+        _erase_dead(graph, old)
+    graph.lint()
+    module.recompile()
 
 
 def _is_call(node: Any) -> bool:

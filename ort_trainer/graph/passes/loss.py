@@ -75,6 +75,17 @@ def half_precision_loss(model: onnx.ModelProto) -> int:
         half, widening, gathers, backward = found
         prefix = f"{log_softmax.name or log_softmax.output[0]}/half_loss"
         placed = _rewrite(prefix, half, types[half], widening, log_softmax, gathers, backward)
+        # Shape readers of the float32 scores or log-probabilities (a runtime row count is read off them)
+        # read the half value of the same shape instead: the cast's input, each new Reshape's output
+        same = {widening[0].output[0]: half}
+        for node, new in placed:
+            if any(node is n for n in widening[1:]):
+                same[node.output[0]] = new[0].output[0]
+            elif node is log_softmax:
+                same[node.output[0]] = new[0].input[0]
+        for name, value in same.items():
+            for shape in _shapes_of(g, name):
+                shape.input[0] = value
         for node, new in placed:
             before.setdefault(id(node), []).extend(new)
         dead |= {id(n) for n in [*widening, log_softmax, *gathers, *(backward[1] if backward else [])]}
@@ -158,7 +169,7 @@ def _match(g: _Graph, types: dict[str, int], log_softmax: onnx.NodeProto) -> tup
     gathers = [n for n in readers if _is(n, "GatherElements") and n.input[0] == log_softmax.output[0]
                and _attrs(n).get("axis", 0) % (axis + 1) == axis]
     exps = [n for n in readers if _is(n, "Exp")]
-    if len(gathers) + len(exps) != len(readers) or len(exps) > 1:
+    if len(gathers) + len(exps) + len(_shapes_of(g, log_softmax.output[0])) != len(readers) or len(exps) > 1:
         return None
     backward = _match_backward(g, types, exps[0], axis, types[half]) if exps else None
     if exps and backward is None:
@@ -172,7 +183,9 @@ def _chain_back(g: _Graph, types: dict[str, int], reader: onnx.NodeProto) -> lis
     chain: list[onnx.NodeProto] = []
     name = reader.input[0]
     while True:
-        if _sole_consumer(g, name) is not (chain[0] if chain else reader):
+        others = [n for n in g.consumers.get(name, []) if n not in _shapes_of(g, name)]
+        if name in g.outputs or len(others) != 1 or others[0] is not (chain[0] if chain else reader) \
+                or list(others[0].input).count(name) != 1:
             return None
         node = g.producer.get(name)
         if node is None or not (_is(node, "Reshape") or _is(node, "Cast")):
@@ -182,6 +195,12 @@ def _chain_back(g: _Graph, types: dict[str, int], reader: onnx.NodeProto) -> lis
             widens = _attrs(node).get("to") == TensorProto.FLOAT and types.get(node.input[0]) in _HALF
             return chain if widens else None
         name = node.input[0]
+
+
+def _shapes_of(g: _Graph, name: str) -> list[onnx.NodeProto]:
+    """The ``Shape`` nodes reading ``name`` (the row count of a runtime size is read off the scores):
+    the rewrite points them at the half-precision value of the same shape."""
+    return [n for n in g.consumers.get(name, []) if _is(n, "Shape")]
 
 
 def _match_backward(g: _Graph, types: dict[str, int], exp: onnx.NodeProto, axis: int, dtype: int) -> tuple | None:
