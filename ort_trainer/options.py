@@ -242,6 +242,12 @@ _SCHEMA: dict[str, _Field] = {
         "Runtime does not fuse it into a node it runs last: each weight gradient is computed where the backward "
         "reaches it and the layer input it reads is freed there (gradient source 'torch' only)"
     ),
+    "graph_optimizations.half_precision_transposed_products": _Field(
+        _BOOL, False, "transposed_products for the float16 and bfloat16 MatMul nodes of a mixed-precision graph: "
+        "ONNX Runtime's own fusion of them (FusedMatMul, CUDA's too) runs last, so every half weight gradient waited "
+        "for the end of the backward and kept its layer's input alive until then. Off by default until a GPU "
+        "measurement shows it wins (gradient source 'torch' only)"
+    ),
     "graph_optimizations.activation_recompute": _Field(
         _BOOL, True, "an activation's values that the backward reads (a GELU's x/sqrt(2), Phi and output) "
         "recomputed in the backward from its input, so the forward keeps one [batch, seq, 4 x hidden] tensor per "

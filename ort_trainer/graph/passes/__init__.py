@@ -51,6 +51,7 @@ _JOINT = (
     ("half_precision_loss", loss.half_precision_loss),
     ("half_precision_bias_gradient", copies.half_column_sums), ("column_sums", copies.column_sums),
     ("transposed_products", recompute.transposed_products),
+    ("half_precision_transposed_products", recompute.half_transposed_products),
     ("activation_recompute", recompute.activation_recompute), ("aligned_products", aligned.aligned_products))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph

@@ -54,8 +54,8 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
 # (passes/aligned.py)
 JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_gradient", "sequences",
                      "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "half_precision_loss",
-                     "half_precision_bias_gradient", "column_sums",
-                     "transposed_products", "activation_recompute", "aligned_products")
+                     "half_precision_bias_gradient", "column_sums", "transposed_products",
+                     "half_precision_transposed_products", "activation_recompute", "aligned_products")
 # the "torch" source's rewrite of the traced program before autograd (gradient/attention.py)
 TRACE_PASSES = ("half_precision_attention",)
 GRADIENT_PASSES += JOINT_COPY_PASSES + TRACE_PASSES

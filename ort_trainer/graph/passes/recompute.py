@@ -60,6 +60,7 @@ _SUFFIX = "/recompute"
 # between an attention's scores product and its probabilities: scale, mask, safe softmax, reshapes, casts
 _ATTENTION_CHAIN = {"Mul", "Div", "Add", "Sub", "Where", "Reshape", "Cast"}
 _GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+_HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 def activation_recompute(model: onnx.ModelProto) -> int:
@@ -103,17 +104,18 @@ def activation_recompute(model: onnx.ModelProto) -> int:
     return len(plans)
 
 
-def transposed_products(model: onnx.ModelProto) -> int:
-    """Fold each 2-D ``Transpose`` that a ``MatMul`` or ``Gemm`` reads into the product (``Gemm``'s
-    ``transA`` / ``transB``), in place; returns how many products changed.
+def transposed_products(model: onnx.ModelProto, matmul_types: tuple = _GEMM_TYPES) -> int:
+    """Fold each 2-D ``Transpose`` that a ``MatMul`` (of ``matmul_types``) or ``Gemm`` reads into the
+    product (``Gemm``'s ``transA`` / ``transB``), in place; returns how many products changed.
 
     ONNX Runtime makes the same fusion (``FusedMatMul``, ``GemmTransposeFusion``), but its fused
     nodes come last in the order its sessions run nodes in (``ExecutionOrder.PRIORITY_BASED``: the
     ready node first in the node list, and nodes an optimizer adds are appended to it): a weight's
     gradient ``MatMul(Transpose(dY), x)``, which nothing else waits for, then ran at the very end
     of the backward, and every layer's input ``x`` stayed alive until then. Written as ``Gemm`` here
-    they run where the backward reaches them. A product of a tensor of another rank, or of another type
-    than float32 / float64, is left alone.
+    they run where the backward reaches them. A product of a tensor of another rank, or a ``MatMul``
+    of another type than float32 / float64, is left alone (``half_transposed_products`` takes the half
+    ones).
     """
     graph = model.graph
     g = _Graph(model)
@@ -138,9 +140,11 @@ def transposed_products(model: onnx.ModelProto) -> int:
         if sources == [None, None]:
             continue
         if node.op_type == "MatMul":
-            if any(len(g.shapes.get(name) or ()) != 2 or types.get(name) not in _GEMM_TYPES for name in node.input):
-                continue  # a batched product, a type left as it was (half precision), or ranks unknown
+            if any(len(g.shapes.get(name) or ()) != 2 or types.get(name) not in matmul_types for name in node.input):
+                continue  # a batched product, a type left to another call, or ranks unknown
             flags = {"transA": 0, "transB": 0}
+        elif matmul_types is _HALF_TYPES:
+            continue  # the float32 call's (transposed_products): it folds every Gemm
         else:
             flags = {a.name: a.i for a in node.attribute if a.name in ("transA", "transB")}
         for position, (source, flag) in enumerate(zip(sources, ("transA", "transB"))):
@@ -155,6 +159,18 @@ def transposed_products(model: onnx.ModelProto) -> int:
     if count:
         _drop_unread_transposes(model, g.outputs)
     return count
+
+
+def half_transposed_products(model: onnx.ModelProto) -> int:
+    """``transposed_products`` for the float16 and bfloat16 ``MatMul`` nodes of a mixed-precision graph
+    (``half_precision_transposed_products``); returns how many products changed.
+
+    ONNX Runtime's CUDA provider fuses a ``Transpose`` read by a ``MatMul`` into a ``FusedMatMul`` too,
+    and its fused node runs last as on the CPU: every weight gradient of the half backward waited for
+    the end of the step, and with it every layer's input it reads. ``Gemm`` has float16 kernels on the
+    CPU and CUDA and bfloat16 ones on CUDA (the CPU multiplies no bfloat16 at all).
+    """
+    return transposed_products(model, _HALF_TYPES)
 
 
 def _op_types(model: onnx.ModelProto) -> dict[tuple[str, str], str]:
