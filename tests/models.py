@@ -209,3 +209,24 @@ def eager_training(job, config: dict) -> tuple[torch.nn.Module, list[float]]:
         optimizer.step()
         losses.append(float(loss.detach()))
     return eager, losses
+
+
+def assert_float32_untouched(model, desc, batch, switch: str, loss_fn=None) -> None:
+    """One float32 SGD step (lr 0, torch gradient source) with ``graph_optimizations[switch]`` on and off:
+    a mixed-precision pass must leave float32 training alone, the same graph nodes and bitwise the same
+    gradients."""
+    import numpy as np
+
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import SGDConfig
+
+    graphs, grads = [], []
+    for on in (True, False):
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), loss_fn=loss_fn,
+                             options={"graph": {"gradient_source": "torch"}, "graph_optimizations": {switch: on}})
+        trainer.train_step(*batch)
+        graphs.append([n.op_type for n in trainer._graphs.gradient.graph.node])
+        grads.append({w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
+    assert graphs[0] == graphs[1]
+    for name, grad in grads[0].items():
+        np.testing.assert_array_equal(grad, grads[1][name])

@@ -20,7 +20,7 @@ from ort_trainer.graph import passes
 from ort_trainer.graph.gradient import attention
 from ort_trainer.optim import SGDConfig
 
-from models import tiny_gpt2
+from models import assert_float32_untouched, tiny_gpt2
 from test_safe_softmax_pass import BATCH, DESC, HEADS, SEQ, TinyAttention, _batch, _padding_mask
 from tolerances import FLOAT16, check
 
@@ -148,18 +148,7 @@ def test_float16_attention_is_the_exact_attention_within_float16_rounding(causal
 
 def test_the_pass_is_off_for_float32_and_leaves_it_bit_equal():
     """fp32 training never takes the rewrite: the graph and gradients with the flag on and off are the same."""
-    model, batch = TinyAttention(False), _batch(_padding_mask())
-    graphs, grads = [], []
-    for on in (True, False):
-        trainer = ORTTrainer(copy.deepcopy(model), DESC, SGDConfig(lr=0.0),
-                             options={"graph": {"gradient_source": "torch"},
-                                      "graph_optimizations": {"half_precision_attention": on}})
-        trainer.train_step(*batch)
-        graphs.append([n.op_type for n in trainer._graphs.gradient.graph.node])
-        grads.append({w: g.numpy().copy() for w, g in trainer._engine.grads.items()})
-    assert graphs[0] == graphs[1]
-    for name, grad in grads[0].items():
-        np.testing.assert_array_equal(grad, grads[1][name])
+    assert_float32_untouched(TinyAttention(False), DESC, _batch(_padding_mask()), "half_precision_attention")
 
 
 def test_hugging_face_gpt2_trains_and_evaluates_in_float16_attention():

@@ -89,33 +89,32 @@ def applies(program: Any, dropped: Sequence[int]) -> bool:
     ``dropped`` are gone (``drop_outputs``); reads the program without changing it."""
     output = program.graph.output_node()
     kept = [v for i, v in enumerate(output.args[0]) if i not in set(dropped) and isinstance(v, torch.fx.Node)]
-    live, stack = set(kept), list(kept)
-    while stack:
-        for source in stack.pop().all_input_nodes:
-            if source not in live:
-                live.add(source)
-                stack.append(source)
-    outputs = {node: 1 for node in kept}
+    live: set[torch.fx.Node] = set()
+    outputs: dict[torch.fx.Node, int] = {}  # each returned position counts as a use
 
-    def uses(node: torch.fx.Node) -> int:
-        return sum(1 for u in node.users if u in live) + outputs.get(node, 0)
-
-    for region, module in _autocast_regions(program):
-        if region not in live:
-            continue
-        read = {u.args[1] for u in region.users if u in live and u.target is operator.getitem}
-        # inside: what the region's read outputs need (each position counts as a use)
-        returned = [v for i, v in enumerate(module.graph.output_node().args[0]) if i in read]
-        stack = [v for v in returned if isinstance(v, torch.fx.Node) and v not in live]
-        live.update(stack)
-        for value in returned:
-            if isinstance(value, torch.fx.Node):
-                outputs[value] = outputs.get(value, 0) + 1
+    def returned(values: list) -> None:
+        """Mark ``values`` returned, and live with everything they read."""
+        stack = []
+        for value in values:
+            outputs[value] = outputs.get(value, 0) + 1
+            if value not in live:
+                live.add(value)
+                stack.append(value)
         while stack:
             for source in stack.pop().all_input_nodes:
                 if source not in live:
                     live.add(source)
                     stack.append(source)
+
+    def uses(node: torch.fx.Node) -> int:
+        return sum(1 for u in node.users if u in live) + outputs.get(node, 0)
+
+    returned(kept)
+    for region, module in _autocast_regions(program):
+        if region in live:  # inside: what the region's read outputs need
+            read = {u.args[1] for u in region.users if u in live and u.target is operator.getitem}
+            returned([v for i, v in enumerate(module.graph.output_node().args[0])
+                      if i in read and isinstance(v, torch.fx.Node)])
     return any(_match(loss, uses) is not None for loss in _losses(program))
 
 

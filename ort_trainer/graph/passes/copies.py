@@ -249,40 +249,53 @@ def column_sums(model: onnx.ModelProto) -> int:
     replaced: dict[int, list[onnx.NodeProto]] = {}
     initializers: dict[str, onnx.TensorProto] = {}
     for node in model.graph.node:
-        if not _is(node, "ReduceSum") or len(node.input) != 2 or not node.output[0]:
+        if not _is(node, "ReduceSum") or not node.output[0]:
             continue
         x = node.input[0]
         shape, elem_type = g.shapes.get(x), types.get(x)
-        axes = g.const(node.input[1])
-        if (shape is None or elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE) or axes is None or axes.size == 0
-                or not all(isinstance(d, int) and d > 0 for d in shape)):
+        reduced = _leading_axes(g, node, shape)
+        if elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE) or reduced is None:
             continue
-        rank = len(shape)
-        reduced = sorted(int(a) % rank for a in axes.reshape(-1))
-        if reduced != list(range(len(reduced))) or len(reduced) == rank:
-            continue
-        keep = _attrs(node).get("keepdims", 1)
-        k, n = int(np.prod(shape[:len(reduced)])), int(np.prod(shape[len(reduced):]))
-        out_shape = [1] * len(reduced) + shape[len(reduced):] if keep else shape[len(reduced):]
-        dtype = helper.tensor_dtype_to_np_dtype(elem_type)
-        prefix = f"{node.name or node.output[0]}/column_sums"
-        names = {"ones": f"ort_trainer/column_sums/ones_{k}_{np.dtype(dtype).name}",
-                 "view": f"ort_trainer/column_sums/shape_{k}_{n}", "out": f"ort_trainer/column_sums/shape_" +
-                 "_".join(map(str, out_shape))}
-        _shared_constants(g, initializers, [(names["ones"], np.ones((1, k), dtype)),
-                                            (names["view"], np.array([k, n], np.int64)),
-                                            (names["out"], np.array(out_shape, np.int64))])
-        nodes = [helper.make_node("Reshape", [x, names["view"]], [prefix + "/view"], name=prefix + "/Reshape_in")]
-        if out_shape == [1, n]:
-            nodes.append(helper.make_node("MatMul", [names["ones"], prefix + "/view"], [node.output[0]],
-                                          name=prefix + "/MatMul"))
-        else:
-            nodes += [helper.make_node("MatMul", [names["ones"], prefix + "/view"], [prefix + "/sum"],
-                                       name=prefix + "/MatMul"),
-                      helper.make_node("Reshape", [prefix + "/sum", names["out"]], [node.output[0]],
-                                       name=prefix + "/Reshape_out")]
-        replaced[id(node)] = nodes
+        replaced[id(node)] = _sum_by_ones(g, initializers, x, shape, reduced, _attrs(node).get("keepdims", 1),
+                                          elem_type, node.output[0], f"{node.name or node.output[0]}/column_sums")
     return _replace_nodes(model, replaced, initializers)
+
+
+def _leading_axes(g: _Graph, node: onnx.NodeProto, shape: list | None) -> int | None:
+    """How many leading axes of ``shape`` (static, of the ``ReduceSum`` ``node``'s input) the node sums:
+    None unless its constant axes are the first few, and not all of them."""
+    axes = g.const(node.input[1]) if len(node.input) == 2 else None
+    if shape is None or axes is None or axes.size == 0 or not all(isinstance(d, int) and d > 0 for d in shape):
+        return None
+    reduced = sorted(int(a) % len(shape) for a in axes.reshape(-1))
+    if reduced != list(range(len(reduced))) or len(reduced) == len(shape):
+        return None
+    return len(reduced)
+
+
+def _sum_by_ones(g: _Graph, initializers: dict[str, onnx.TensorProto], x: str, shape: list, reduced: int,
+                 keepdims: int, elem_type: int, output: str, prefix: str) -> list[onnx.NodeProto]:
+    """The nodes ``output = Reshape(MatMul(ones[1, K], Reshape(x, [K, N])), out shape)`` (the last Reshape
+    left out when the output is ``[1, N]``), ``x`` of static ``shape`` summed over its ``reduced``
+    leading axes; the constants, shared by name, are queued in ``initializers``."""
+    k, n = int(np.prod(shape[:reduced])), int(np.prod(shape[reduced:]))
+    out_shape = [1] * reduced + shape[reduced:] if keepdims else shape[reduced:]
+    if elem_type == TensorProto.BFLOAT16:  # no NumPy dtype: written from floats
+        ones = f"ort_trainer/column_sums/ones_{k}_bfloat16"
+        if ones not in g.initializers and ones not in initializers:
+            initializers[ones] = helper.make_tensor(ones, elem_type, [1, k], [1.0] * k)
+    else:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+        ones = f"ort_trainer/column_sums/ones_{k}_{dtype.name}"
+        _shared_constants(g, initializers, [(ones, np.ones((1, k), dtype))])
+    view, out = f"ort_trainer/column_sums/shape_{k}_{n}", "ort_trainer/column_sums/shape_" + "_".join(map(str, out_shape))
+    _shared_constants(g, initializers, [(view, np.array([k, n], np.int64)), (out, np.array(out_shape, np.int64))])
+    total = output if out_shape == [1, n] else prefix + "/sum"
+    nodes = [helper.make_node("Reshape", [x, view], [prefix + "/view"], name=prefix + "/Reshape_in"),
+             helper.make_node("MatMul", [ones, prefix + "/view"], [total], name=prefix + "/MatMul")]
+    if total != output:
+        nodes.append(helper.make_node("Reshape", [total, out], [output], name=prefix + "/Reshape_out"))
+    return nodes
 
 
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -305,25 +318,9 @@ def half_column_sums(model: onnx.ModelProto) -> int:
         if found is None:
             continue
         widen, narrow, reduced = found
-        half, dtype = widen.input[0], types[widen.input[0]]
-        shape = g.shapes[half]
-        k, n = int(np.prod(shape[:reduced])), int(np.prod(shape[reduced:]))
-        out_shape = [1] * reduced + shape[reduced:] if _attrs(node).get("keepdims", 1) else shape[reduced:]
-        name = TensorProto.DataType.Name(dtype).lower()
-        names = {"ones": f"ort_trainer/column_sums/ones_{k}_{name}", "view": f"ort_trainer/column_sums/shape_{k}_{n}",
-                 "out": "ort_trainer/column_sums/shape_" + "_".join(map(str, out_shape))}
-        if names["ones"] not in g.initializers and names["ones"] not in initializers:
-            initializers[names["ones"]] = helper.make_tensor(names["ones"], dtype, [1, k], [1.0] * k)
-        _shared_constants(g, initializers, [(names["view"], np.array([k, n], np.int64)),
-                                            (names["out"], np.array(out_shape, np.int64))])
-        prefix = f"{node.name or node.output[0]}/half_column_sums"
-        total = narrow.output[0] if out_shape == [1, n] else prefix + "/sum"
-        nodes = [helper.make_node("Reshape", [half, names["view"]], [prefix + "/view"], name=prefix + "/Reshape_in"),
-                 helper.make_node("MatMul", [names["ones"], prefix + "/view"], [total], name=prefix + "/MatMul")]
-        if total != narrow.output[0]:
-            nodes.append(helper.make_node("Reshape", [total, names["out"]], [narrow.output[0]],
-                                          name=prefix + "/Reshape_out"))
-        before[id(node)] = nodes
+        half = widen.input[0]
+        before[id(node)] = _sum_by_ones(g, initializers, half, g.shapes[half], reduced, _attrs(node).get("keepdims", 1),
+                                        types[half], narrow.output[0], f"{node.name or node.output[0]}/half_column_sums")
         dead |= {id(widen), id(node), id(narrow)}
     if before:
         _keep(model, dead, before=before)
@@ -334,20 +331,17 @@ def half_column_sums(model: onnx.ModelProto) -> int:
 def _half_sum(g: _Graph, types: dict[str, int], node: onnx.NodeProto) -> tuple | None:
     """``(widening Cast, narrowing Cast, number of leading axes summed)`` of the pattern at the
     ``ReduceSum`` ``node``, or None."""
-    if not _is(node, "ReduceSum") or len(node.input) != 2 or _attrs(node).get("noop_with_empty_axes", 0):
+    if not _is(node, "ReduceSum") or _attrs(node).get("noop_with_empty_axes", 0):
         return None
     widen, narrow = g.producer.get(node.input[0]), _sole_consumer(g, node.output[0])
     if widen is None or narrow is None or not _is(widen, "Cast") or not _is(narrow, "Cast") \
             or _sole_consumer(g, widen.output[0]) is not node:
         return None
-    dtype, shape, axes = types.get(widen.input[0]), g.shapes.get(widen.input[0]), g.const(node.input[1])
-    if (dtype not in _HALF or _attrs(widen).get("to") != TensorProto.FLOAT or _attrs(narrow).get("to") != dtype
-            or shape is None or not all(isinstance(d, int) and d > 0 for d in shape) or axes is None or axes.size == 0):
+    dtype = types.get(widen.input[0])
+    if dtype not in _HALF or _attrs(widen).get("to") != TensorProto.FLOAT or _attrs(narrow).get("to") != dtype:
         return None
-    reduced = sorted(int(a) % len(shape) for a in axes.reshape(-1))
-    if reduced != list(range(len(reduced))) or len(reduced) == len(shape):
-        return None
-    return widen, narrow, len(reduced)
+    reduced = _leading_axes(g, node, g.shapes.get(widen.input[0]))
+    return None if reduced is None else (widen, narrow, reduced)
 
 
 __all__ = ["column_sums", "erf_gelu_order", "half_column_sums", "output_reshapes", "sequence_reads"]
