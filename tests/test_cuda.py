@@ -172,11 +172,13 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
     """50 AdamW steps in mixed precision: losses within MIXED_TOLERANCE (relative) of PyTorch eager
     under ``torch.autocast("cuda", dtype)`` with a ``GradScaler`` for float16 (none for bfloat16),
     the loss scale step for step GradScaler's, float32 master weights. With
-    ``graph_optimizations.half_precision_loss``, ``half_precision_bias_gradient`` and
-    ``half_precision_transposed_products`` too: each row's log-probability one rounding more (u of its
-    size, averaged over the rows of the mean), the scores' gradient two, the bias gradients and the
-    transposed products summed in another order before their one rounding: well inside the same tolerance; the bfloat16 runs are their only check of bfloat16 values (the CPU has no bfloat16
-    softmax or product). With only the loss fetched, the encoder's head projects its labelled rows alone
+    ``graph_optimizations.half_precision_loss``, ``half_precision_bias_gradient``,
+    ``half_precision_transposed_products`` and ``half_precision_gelu`` too: each row's log-probability one
+    rounding more (u of its size, averaged over the rows of the mean), the scores' gradient two, the bias
+    gradients and the transposed products summed in another order before their one rounding, the GELU's
+    derivative ~8 roundings in the half dtype instead of one (the encoder's ``F.gelu``): well inside the
+    same tolerance; the bfloat16 runs are their only check of bfloat16 values (the CPU has no bfloat16
+    softmax, product or element-wise kernels). With only the loss fetched, the encoder's head projects its labelled rows alone
     (``sparse_labels`` inside the autocast region), whose selection's gradient is added in float32."""
     from ort_trainer.amp import DynamicLossScaler
 
@@ -190,7 +192,8 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
                          options={**CUDA, "utils": {"grad_norm_clip": False}, "mixed_precision": mixed,
                                   "graph_optimizations": {"half_precision_loss": half_loss,
                                                           "half_precision_bias_gradient": half_loss,
-                                                          "half_precision_transposed_products": half_loss}})
+                                                          "half_precision_transposed_products": half_loss,
+                                                          "half_precision_gelu": half_loss}})
     if loss_only:
         trainer._train_step_info.fetches = ["loss"]
     optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.0)

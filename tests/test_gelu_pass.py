@@ -333,13 +333,13 @@ def test_a_backward_without_its_forward_recomputes_it(activation, monkeypatch):
     an alias of it) recomputes the forward values it needs; the forward stays as traced."""
     rewrite = torch_gelu.rewrite_joint
 
-    def aliased_then_rewritten(program):
+    def aliased_then_rewritten(program, **options):
         for node in [n for n in program.graph.nodes if n.target == torch.ops.aten.gelu.default]:
             with program.graph.inserting_before(node):
                 alias = program.graph.call_function(torch.ops.aten.alias.default, (node.args[0],))
             alias.meta["val"] = node.args[0].meta["val"]
             node.args = (alias, *node.args[1:])
-        return rewrite(program)
+        return rewrite(program, **options)
 
     monkeypatch.setattr(torch_gelu, "rewrite_joint", aliased_then_rewritten)
     monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", "off")  # the same model's graph, cached by another test

@@ -187,7 +187,8 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
-          gelu: bool = False, half_attention: bool = False, eval_is_training: bool = False) -> JointGraphs:
+          gelu: bool = False, half_gelu: bool = False, half_attention: bool = False,
+          eval_is_training: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -199,6 +200,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         gelu: run the ``gelu`` pass (``gradient/gelu.py``): GELUs written out as arithmetic become
             ``aten.gelu`` before autograd, and each GELU's forward and backward are computed
             together in the gradient graph (the eval graph is left as traced).
+        half_gelu: with ``gelu``, a float16 or bfloat16 GELU too is computed as one in its own dtype
+            (``half_precision_gelu``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         eval_is_training: the operator record found that eval mode runs the operators training mode
@@ -249,7 +252,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         raise ExportError(f"autograd could not differentiate the traced model{where}: "
                           f"{_first_line(exc).rstrip('.')}{fix}") from exc
     if gelu:
-        torch_gelu.rewrite_joint(joint)
+        torch_gelu.rewrite_joint(joint, half=half_gelu)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

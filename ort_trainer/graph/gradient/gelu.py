@@ -26,9 +26,15 @@ Measured on ``[8, 128, 1024]`` float32 with ONNX Runtime 1.31 on 2 threads (kern
 forward and backward, medians of 60 interleaved runs): tanh 5.4 -> 3.4, erf 4.0 -> 2.9. The
 ``com.microsoft`` ``FastGelu``/``Gelu`` kernels for the forward (one node, but each costs two
 elementwise passes, and the backward then recomputes the activation) gave 4.0 and 3.1; ONNX
-Runtime's own Gelu fusions do not fire on these graphs. Values in another dtype than
-float32/float64 (mixed precision) keep their forward; their backward is the same arithmetic in
-float32, as torch's own decomposition computes it.
+Runtime's own Gelu fusions do not fire on these graphs.
+
+Float16 and bfloat16 values (mixed precision) are computed the same way in their own dtype where
+``rewrite_joint`` is asked to (``half=True``: ``graph_optimizations.half_precision_gelu``), the tanh
+form as ``t = (x·A)·x``, ``s = sigmoid(x · (t + B))``, ``y = x · s`` and ``dx = dy · (s + (y · (1 -
+s)) · (B + 3t))``: in float16 ``t`` is finite up to |x| = 957 (``x²`` alone overflows at 256), and
+``y · (1 - s)`` is exactly 0 where the sigmoid saturates, so the product stays finite wherever ``B +
+3t`` is (|x| < 553). Otherwise their forward is left as traced and their backward is the same
+arithmetic in float32 after casts, as torch's own decomposition computes it.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _RSQRT_PI = 1.0 / math.sqrt(math.pi)
 _TOLERANCE = 1e-6
 _FUSED_DTYPES = (torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # {function after the formula's inner polynomial: (that polynomial, gelu's approximate)}; a
 # polynomial is {(power of x, power of the function's value): coefficient}
@@ -104,17 +111,20 @@ def rewrite_formulas(program: Any) -> int:
     return count
 
 
-def rewrite_joint(program: Any) -> int:
+def rewrite_joint(program: Any, half: bool = False) -> int:
     """Compute each ``gelu`` / ``gelu_backward`` pair of a joint program as one, in place (see
     the module docstring); every ``gelu_backward`` is replaced.
 
     Args:
         program: the joint forward/backward program, traced with ``KEPT`` undecomposed.
+        half: a float16 or bfloat16 GELU (mixed precision) too is computed as one, in its own dtype
+            (``half_precision_gelu``), rather than its backward in float32 after its own forward.
 
     Returns:
         How many ``gelu_backward`` nodes were replaced.
     """
     graph = program.graph
+    fused = _FUSED_DTYPES + (_HALF_DTYPES if half else ())
     forwards: dict[tuple, torch.fx.Node] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target == _aten.gelu.default:
@@ -125,12 +135,12 @@ def rewrite_joint(program: Any) -> int:
         d_y, x = backward.args[:2]
         key = (x, _approximate(backward, 2))
         forward = forwards.get(key)
-        if forward is not None and _value(x).dtype in _FUSED_DTYPES:
+        if forward is not None and _value(x).dtype in fused:
             if key not in kept:
                 kept[key] = _forward(graph, forward, x, key[1])
             saved, cast = kept[key], None
         else:  # no forward to share: the backward recomputes what it needs, in float32 where torch does
-            cast = None if _value(x).dtype in _FUSED_DTYPES else _value(x).dtype
+            cast = None if _value(x).dtype in fused else _value(x).dtype
             with graph.inserting_before(backward):
                 build = _Builder(graph, backward)
                 if cast is not None:
@@ -139,7 +149,9 @@ def rewrite_joint(program: Any) -> int:
                 saved = _forward(graph, None, x, key[1], build)
         with graph.inserting_before(backward):
             build = _Builder(graph, backward)
-            if key[1] == "tanh":
+            if key[1] == "tanh" and "t" in saved:
+                derivative = _half_tanh_derivative(build, saved)
+            elif key[1] == "tanh":
                 slope = build(_aten.add.Tensor, build(_aten.mul.Tensor, saved["x2"], 3.0 * _A), _B)
                 m = build(_aten.mul.Tensor, saved["y"], slope)
                 one_minus_s = build(_aten.sub.Tensor, 1.0, saved["s"])
@@ -169,7 +181,13 @@ def _forward(graph: torch.fx.Graph, forward: torch.fx.Node | None, x: torch.fx.N
     context = graph.inserting_before(forward) if forward is not None else contextlib.nullcontext()
     with context:
         build = build or _Builder(graph, forward)
-        if approximate == "tanh":
+        if approximate == "tanh" and _value(x).dtype in _HALF_DTYPES:
+            # t = A·x² as (x·A)·x: finite up to |x| = 957 in float16 (x² alone overflows at 256)
+            t = build(_aten.mul.Tensor, build(_aten.mul.Tensor, x, _A), x)
+            s = build(_aten.sigmoid.default, build(_aten.mul.Tensor, x, build(_aten.add.Tensor, t, _B)))
+            saved = {"t": t, "s": s}
+            product = (x, s)
+        elif approximate == "tanh":
             x2 = build(_aten.mul.Tensor, x, x)
             inner = build(_aten.mul.Tensor, x, build(_aten.add.Tensor, build(_aten.mul.Tensor, x2, _A), _B))
             s = build(_aten.sigmoid.default, inner)
@@ -186,6 +204,17 @@ def _forward(graph: torch.fx.Graph, forward: torch.fx.Node | None, x: torch.fx.N
         elif approximate == "tanh":  # the only derivative that reads the output
             saved["y"] = build(_aten.mul.Tensor, *product)
     return saved
+
+
+def _half_tanh_derivative(build: "_Builder", saved: dict) -> torch.fx.Node:
+    """The tanh-GELU's derivative in a half dtype, ``s + (y · (1 - s)) · (B + 3t)`` (``t = A·x²``),
+    in that order: ``y · (1 - s)`` is exactly 0 where the sigmoid saturates (x above ~6 or below
+    ~-10 in float16), so the product stays finite and right wherever ``B + 3t`` is (|x| < 553 in
+    float16; eager PyTorch's GELU written out in Python under autocast overflows from 256 on)."""
+    s = saved["s"]
+    slope = build(_aten.add.Tensor, build(_aten.mul.Tensor, saved["t"], 3.0), _B)
+    spread = build(_aten.mul.Tensor, saved["y"], build(_aten.sub.Tensor, 1.0, s))
+    return build(_aten.add.Tensor, build(_aten.mul.Tensor, spread, slope), s)
 
 
 class _Builder:

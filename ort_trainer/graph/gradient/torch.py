@@ -177,7 +177,8 @@ class TorchGradientSource(GradientSource):
             passes_on = job.passes or {}
             built[tuple(returned)] = autograd.build(
                 traced_model, outputs=returned, sparse_labels=sparse, with_eval=False,
-                gelu=bool(passes_on.get("gelu")), half_attention=bool(passes_on.get("half_precision_attention")),
+                gelu=bool(passes_on.get("gelu")), half_gelu=bool(passes_on.get("half_precision_gelu")),
+                half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)
         joint = built[tuple(returned)]
         # a copy: the joint graph stays as built for later specialisations

@@ -45,9 +45,10 @@ from ._graph import _Graph, _elem_types, _keep, _other, _sole_consumer
 MS_DOMAIN = "com.microsoft"
 
 FORWARD_PASSES = ("sparse_labels", "cross_entropy")
-GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient", "integer_powers", "gelu")
+GRADIENT_PASSES = ("cross_entropy", "embedding_gradient", "fast_gelu_gradient", "integer_powers", "gelu",
+                   "half_precision_gelu")
 ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embedding_gradient", "fast_gelu_gradient",
-              "integer_powers", "gelu")
+              "integer_powers", "gelu", "half_precision_gelu")
 # the "torch" source's passes over dropout masks (drawn on the host: host_dropout_masks), tensor sequences, output
 # copies and sums over leading axes (passes/), the safe-softmax guard of attention and a float16 softmax's gradient
 # (passes/softmax.py), a mixed-precision cross-entropy in the half dtype (passes/loss.py), activations recomputed in the backward (passes/recompute.py), products on aligned operands

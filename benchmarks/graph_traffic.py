@@ -1,0 +1,197 @@
+"""Where a GPU step's memory traffic goes, read from the training graph on any machine: the bytes each node of
+ort_trainer's joint forward + backward graph reads and writes, summed by kind of operator and by operator, with
+the matrix products' FLOPs and the nodes that move the most.
+
+On a GPU an element-wise, cast or reduction kernel is bound by memory: its time is about its bytes over the
+bandwidth (an H200 moves ~4.8 TB/s, ~3.5-4 TB/s in practice), so this table predicts the non-product buckets of
+``benchmarks/gpu.py``'s kernel profile from the graph alone, and a graph pass's effect on them is measured here
+on the CPU before a GPU run (the graph is the same on every device: ``autocast_context``). ONNX Runtime's own
+fusions (``Gemm`` from ``MatMul`` + ``Add``, ``FusedMatMul``, ``BiasGelu``...) run after this point and are not
+counted; views (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Identity``...) move no bytes.
+
+Run: ``python benchmarks/graph_traffic.py --model gpt2 --precision fp16`` (``benchmarks/gpu_worker.py``'s models and
+sizes; ``--batch`` and ``--seq`` replace them; ``--optimizations '{"half_precision_loss": true}'`` turns
+``graph_optimizations`` switches on or off; ``--compare '{...}'`` prints the difference a second setting makes).
+Builds the graph only (no step runs), from an empty graph cache; bfloat16 too on a machine without its kernels
+(the graph is built before the session that refuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# operators that ONNX Runtime runs without moving the tensor (an alias of its input) or on shapes only
+VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
+PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
+RECOMPUTED = "/recompute"
+KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
+         "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
+         "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",
+         "Softmax": "softmax", "LogSoftmax": "softmax", "LayerNormalization": "layer norm"}
+_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2,
+          onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4,
+          onnx.TensorProto.BOOL: 1, onnx.TensorProto.UINT8: 1, onnx.TensorProto.INT8: 1}
+
+
+def kind(op_type: str) -> str:
+    """The profile's bucket of an operator (``benchmarks/gpu_worker.py`` names kernels' buckets the same way)."""
+    if op_type in PRODUCTS:
+        return "matrix products"
+    if op_type.startswith("Reduce") or op_type in ("ArgMax", "ArgMin"):
+        return "reductions"
+    return KINDS.get(op_type, "element-wise")
+
+
+def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
+    """``{name: (dims, bytes per element)}`` of every value whose shape is static after ONNX shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    shapes = {}
+    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        tensor = value.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if None not in dims:
+            shapes[value.name] = (dims, _BYTES.get(tensor.elem_type, 4))
+    for init in model.graph.initializer:
+        shapes[init.name] = (list(init.dims), _BYTES.get(init.data_type, 4))
+    # activation_recompute's copies (``name/recompute``) have their original's shape, which inference may not reach
+    for node in model.graph.node:
+        for name in [*node.input, *node.output]:
+            if name not in shapes and RECOMPUTED in name and name.split(RECOMPUTED)[0] in shapes:
+                shapes[name] = shapes[name.split(RECOMPUTED)[0]]
+    return shapes
+
+
+def _flops(node: onnx.NodeProto, shapes: dict) -> int:
+    """2 x the output's elements x the contracted length of a product."""
+    a, out = shapes[node.input[0]][0], shapes[node.output[0]][0]
+    trans_a = any(attr.name == "transA" and attr.i for attr in node.attribute)
+    contracted = (a[-2] if trans_a else a[-1]) if len(a) >= 2 else a[0]
+    return 2 * int(np.prod(out)) * contracted
+
+
+def traffic(model: onnx.ModelProto) -> dict:
+    """``{"kinds": {kind: [bytes, nodes]}, "ops": {op type: [bytes, nodes]}, "flops": the products' FLOPs,
+    "unknown": nodes with a value of unknown shape, "nodes": [(bytes, op type, name)] largest first}``."""
+    shapes = _tensor_shapes(model)
+    kinds = collections.defaultdict(lambda: [0, 0])
+    ops = collections.defaultdict(lambda: [0, 0])
+    flops, unknown, nodes = 0, 0, []
+    for node in model.graph.node:
+        if node.op_type in VIEWS:
+            continue
+        names = [name for name in [*node.input, *node.output] if name]
+        if any(name not in shapes for name in names):
+            unknown += 1
+            continue
+        moved = sum(int(np.prod(shapes[name][0])) * shapes[name][1] for name in names)
+        for table, key in ((kinds, kind(node.op_type)), (ops, node.op_type)):
+            table[key][0] += moved
+            table[key][1] += 1
+        if node.op_type in PRODUCTS:
+            flops += _flops(node, shapes)
+        nodes.append((moved, node.op_type, node.name or node.output[0]))
+    nodes.sort(reverse=True)
+    return {"kinds": dict(kinds), "ops": dict(ops), "flops": flops, "unknown": unknown, "nodes": nodes,
+            "nodes_total": len(model.graph.node)}
+
+
+def build_graph(model_name: str, precision: str, batch: int | None, seq: int | None, optimizations: dict):
+    """The training graph ort_trainer builds for ``model_name`` at ``benchmarks/gpu_worker.py``'s size (or
+    ``batch`` x ``seq``), fetching the loss alone as the benchmark does; built from an empty graph cache,
+    no step run."""
+    from gpu_worker import MODELS, WORKLOADS
+    from real_sizes import workload
+
+    batch, seq = batch or MODELS[model_name][0], seq or MODELS[model_name][1]
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["ORT_TRAINER_CACHE_DIR"] = cache
+        from ort_trainer import ORTTrainer
+        from ort_trainer.amp.kernels import MissingKernelError
+        from ort_trainer.optim import AdamConfig
+
+        model, desc, batch_of = workload(WORKLOADS.get(model_name, model_name), batch=batch, seq=seq)
+        options = {"device": {"id": "cpu"},
+                   "mixed_precision": {"enabled": precision != "fp32",
+                                       "dtype": {"bf16": "bfloat16"}.get(precision, "float16")},
+                   "graph_optimizations": optimizations}
+        trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4, lambda_coef=0.01), options=options)
+        trainer._train_step_info.fetches = ["loss"]
+        try:
+            trainer._ready(trainer._prepare_inputs(batch_of(), {}))
+        except MissingKernelError:  # bfloat16 on a CPU: the graph was built, its session refused
+            pass
+        return trainer._graphs.gradient
+
+
+def _table(rows: dict, compared: dict | None, top: int, unit: float) -> list[str]:
+    """Markdown rows ``| name | moved | nodes |`` (with ``compared``: its bytes and nodes and the difference),
+    bytes in ``unit``s."""
+    names = sorted(set(rows) | set(compared or {}), key=lambda name: -rows.get(name, [0, 0])[0])[:top]
+    lines = []
+    for name in names:
+        moved, count = rows.get(name, [0, 0])
+        line = f"| {name} | {moved / unit:.2f} | {count} |"
+        if compared is not None:
+            other, other_count = compared.get(name, [0, 0])
+            line += f" {other / unit:.2f} | {other_count} | {(other - moved) / unit:+.2f} |"
+        lines.append(line)
+    return lines
+
+
+def _summary(result: dict, unit: float, unit_name: str) -> str:
+    moved = sum(v[0] for v in result["kinds"].values())
+    return (f"{result['nodes_total']} nodes, {moved / unit:.2f} {unit_name} moved, products "
+            f"{result['flops'] / 1e12:.3f} TFLOP, {result['unknown']} nodes of unknown shape (not counted)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the tables (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2", help="a model of benchmarks/gpu_worker.py (gpt2, bert-base...)")
+    parser.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp16")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--optimizations", default="{}", help="graph_optimizations as JSON")
+    parser.add_argument("--compare", help="a second graph_optimizations setting (JSON, over --optimizations) to "
+                                          "set against the first")
+    parser.add_argument("--top", type=int, default=20, help="rows of the operator and node tables")
+    args = parser.parse_args(argv)
+    base = json.loads(args.optimizations)
+    result = traffic(build_graph(args.model, args.precision, args.batch, args.seq, base))
+    other = None
+    if args.compare is not None:
+        other = traffic(build_graph(args.model, args.precision, args.batch, args.seq,
+                                    {**base, **json.loads(args.compare)}))
+    total = sum(v[0] for v in result["kinds"].values())
+    unit, unit_name = (1e9, "GB") if total >= 1e9 else (1e6, "MB")
+    print(f"{args.model} {args.precision}, graph_optimizations {json.dumps(base)}: {_summary(result, unit, unit_name)}")
+    header = f"| kind | {unit_name} moved | nodes |"
+    if other is not None:
+        print(f"against {args.compare}: {_summary(other, unit, unit_name)}")
+        header += f" {unit_name} moved (compared) | nodes (compared) | difference ({unit_name}) |"
+    rule = "|" + "---|" * (header.count("|") - 1)
+    print("\n" + header + "\n" + rule)
+    print("\n".join(_table(result["kinds"], other and other["kinds"], 100, unit)))
+    if args.top:
+        print("\n" + header.replace("kind", "operator") + "\n" + rule)
+        print("\n".join(_table(result["ops"], other and other["ops"], args.top, unit)))
+        print("\n| node | operator | MB moved |\n|---|---|---|")
+        for moved, op, name in result["nodes"][:args.top]:
+            print(f"| {name} | {op} | {moved / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""``benchmarks/graph_traffic.py``: the bytes a training graph's nodes move, by kind of operator."""
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ort_trainer import _runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import graph_traffic  # noqa: E402
+
+
+def test_bytes_and_flops_of_a_hand_built_graph():
+    """Cast [2, 3] float32 -> float16 (24 + 12 bytes), a Reshape (a view: nothing), a float16 MatMul by a
+    [3, 4] initializer (12 + 24 in, 16 out; 2·2·4·3 FLOPs) and a Gemm with transA (the contracted length is
+    A's first axis)."""
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+             helper.make_node("Reshape", ["h", "shape"], ["r"]),
+             helper.make_node("MatMul", ["r", "w"], ["y"]),
+             helper.make_node("Gemm", ["x", "v"], ["z"], transA=1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 4]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 5])],
+        [numpy_helper.from_array(np.array([2, 3], np.int64), "shape"),
+         numpy_helper.from_array(np.zeros((3, 4), np.float16), "w"),
+         numpy_helper.from_array(np.zeros((2, 5), np.float32), "v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = graph_traffic.traffic(model)
+    assert result["kinds"] == {"casts": [36, 1], "matrix products": [52 + 24 + 40 + 60, 2]}
+    assert result["ops"]["MatMul"] == [52, 1] and result["ops"]["Gemm"] == [124, 1]
+    assert result["flops"] == 2 * 2 * 4 * 3 + 2 * 3 * 5 * 2
+    assert result["unknown"] == 0 and result["nodes_total"] == 4
+    assert [op for _, op, _ in result["nodes"]] == ["Gemm", "MatMul", "Cast"]
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_the_script_compares_two_settings(capsys):
+    """The tiny GPT-2 in float16 with half_precision_gelu (the default) against it off: the tables are printed,
+    and the float32 GELU backward moves more bytes."""
+    pytest.importorskip("transformers")
+    graph_traffic.main(["--model", "gpt2-tiny", "--precision", "fp16", "--compare", '{"half_precision_gelu": false}',
+                        "--top", "5"])
+    out = capsys.readouterr().out
+    assert "| kind | MB moved | nodes | MB moved (compared) |" in out and "| operator |" in out
+    moved = [float(re.search(r"([\d.]+) MB moved", line).group(1)) for line in out.splitlines()
+             if line.startswith(("gpt2-tiny fp16", "against"))]
+    assert len(moved) == 2 and moved[1] > moved[0], moved
