@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph.passes import copies, dropout, embedding, forward, tied_embedding
 from ort_trainer.graph import passes
+from ort_trainer.graph.onnx_graph import drop_dead_nodes
 from ort_trainer.optim import SGDConfig
 from tolerances import FLOAT32, FLOAT64, check
 
@@ -321,7 +322,10 @@ def test_sequences_read_split_outputs_directly():
     assert _count(on, "SequenceConstruct") == 0 and sum(_count(on, name) for name in getters) == 0
     assert not any(f.node[0].op_type == "SequenceAt" for f in on._graphs.gradient.functions)
     assert _count(on, "Split") == _count(off, "Split") == 1
-    assert len(on._graphs.gradient.graph.node) == len(off._graphs.gradient.graph.node) - 4
+    # the sequence and its three getters, and the index constant only they read, which drop_dead_nodes prunes (as it
+    # would any node nothing reads: off ran no pass, and has none)
+    assert drop_dead_nodes(copy.deepcopy(off._graphs.gradient)) == 0
+    assert len(on._graphs.gradient.graph.node) == len(off._graphs.gradient.graph.node) - 5
 
 
 def test_small_table_gradients_are_one_hot_products():
@@ -601,3 +605,25 @@ def test_a_pass_that_writes_a_graph_out_of_order_is_named():
     with pytest.raises(RuntimeError, match=r"'swapped' wrote a graph out of order \(1 problem\(s\): node 'Neg' reads "
                                            r"\['y'\].*'swapped': False"):
         passes._run_passes(model, {"swapped": True}, (("swapped", swapped),))
+
+
+def test_nodes_nothing_reads_are_pruned_but_a_dropout_keeper_stays():
+    """drop_dead_nodes: a chain no output needs goes with the initializer only it read; a training Dropout's
+    keeper (a Reshape of its otherwise unread mask, read by nothing on purpose) stays, and with it the
+    Dropout; the graph's inputs and what the outputs need stay."""
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Expand", ["zero", "shape"], ["zeros"], name="dead_expand"),
+             helper.make_node("Add", ["zeros", "x"], ["dead_sum"], name="dead_add"),
+             helper.make_node("Dropout", ["x", "ratio", "training"], ["y", "mask"], name="drop"),
+             helper.make_node("Reshape", ["mask", "flat"], ["mask/kept"], name="mask" + dropout.KEEPER_SUFFIX),
+             helper.make_node("Relu", ["y"], ["out"], name="relu")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", f32, [2, 3])], [helper.make_tensor_value_info("out", f32, [2, 3])],
+        [numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array([2, 3]), "shape"),
+         numpy_helper.from_array(np.array(0.5, np.float32), "ratio"), numpy_helper.from_array(np.array(True), "training"),
+         numpy_helper.from_array(np.array([-1]), "flat")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert drop_dead_nodes(model) == 2
+    assert [n.name for n in model.graph.node] == ["drop", "mask/keep_dropout", "relu"]
+    assert sorted(i.name for i in model.graph.initializer) == ["flat", "ratio", "training"]
+    assert drop_dead_nodes(model) == 0

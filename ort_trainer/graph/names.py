@@ -17,5 +17,9 @@ ACCUMULATED_FLAG_SUFFIX = "_grad.accumulation.out"
 # A buffer the forward updates (BatchNorm's running statistics) is returned as ``buffer + UPDATED_SUFFIX``.
 UPDATED_SUFFIX = ".updated"
 
-__all__ = ["ACCUMULATED_FLAG_SUFFIX", "ACCUMULATOR_SUFFIX", "GRAD_SUFFIX", "LOSS_SCALE_INPUT", "RESET_INPUT",
-           "UPDATED_SUFFIX"]
+# A node that reads a value only so that ONNX Runtime keeps its producer (a training Dropout whose mask nothing
+# else reads) is named ``... + KEEPER_SUFFIX``: pruning keeps it although nothing reads its output.
+KEEPER_SUFFIX = "/keep_dropout"
+
+__all__ = ["ACCUMULATED_FLAG_SUFFIX", "ACCUMULATOR_SUFFIX", "GRAD_SUFFIX", "KEEPER_SUFFIX", "LOSS_SCALE_INPUT",
+           "RESET_INPUT", "UPDATED_SUFFIX"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..onnx_graph import dangling_names
+from ..onnx_graph import dangling_names, drop_dead_nodes
 from . import aligned, copies, dropout, embedding, forward, loss, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
@@ -112,6 +112,8 @@ def _run_passes(model: onnx.ModelProto, enabled: dict[str, bool], passes) -> dic
                     f"ort_trainer's graph pass {name!r} wrote a graph out of order ({len(problems)} problem(s): "
                     f"{'; '.join(problems[:3])}); please report it. To go on, turn it off: "
                     f"options={{'graph_optimizations': {{'{name}': False}}}}")
+    if any(counts.values()):
+        drop_dead_nodes(model)  # what a pass left unread (ONNX Runtime would run it, or fold it when made)
     return counts
 
 

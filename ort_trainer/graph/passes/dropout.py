@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..names import KEEPER_SUFFIX
 from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _other, _sole_consumer
 
 
@@ -154,7 +155,7 @@ def keep_dropouts(model: onnx.ModelProto) -> int:
         mask = drop.output[1]
         if mask in g.outputs or g.consumers.get(mask):
             continue
-        added[index] = [helper.make_node("Reshape", [mask, shape_name], [f"{mask}/kept"], name=f"{mask}/keep_dropout")]
+        added[index] = [helper.make_node("Reshape", [mask, shape_name], [f"{mask}/kept"], name=mask + KEEPER_SUFFIX)]
     if not added:
         return 0
     nodes = []
