@@ -223,6 +223,11 @@ _SCHEMA: dict[str, _Field] = {
         "accumulated in float32 on CUDA, instead of torch's float32 decomposition between casts: four passes over the "
         "[batch, heads, seq, seq] probabilities instead of seven (gradient source 'torch' only)"
     ),
+    "graph_optimizations.bfloat16_softmax_gradient": _Field(
+        _BOOL, False, "half_precision_softmax_gradient for bfloat16 softmaxes: the gradient in bfloat16, its row sum "
+        "a product by a column of ones that accumulates in float32 (ONNX Runtime's CUDA provider has no bfloat16 "
+        "ReduceSum), instead of torch's float32 decomposition between casts: GPT-2 small at 8 x 512 moves ~10 GB "
+        "fewer a step. Off by default until a GPU measurement shows it wins (gradient source 'torch' only)"),
     "graph_optimizations.half_precision_loss": _Field(
         _BOOL, False, "under mixed precision, a float32 cross-entropy over half-precision scores (autocast's, and "
         "Hugging Face's logits.float()) computed in the scores' dtype: log-softmax and softmax kernels that "

@@ -173,7 +173,8 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
     under ``torch.autocast("cuda", dtype)`` with a ``GradScaler`` for float16 (none for bfloat16),
     the loss scale step for step GradScaler's, float32 master weights. With
     ``graph_optimizations.half_precision_loss``, ``half_precision_bias_gradient``,
-    ``half_precision_transposed_products`` and ``half_precision_gelu`` too: each row's log-probability one
+    ``half_precision_transposed_products``, ``half_precision_gelu`` and ``bfloat16_softmax_gradient`` too
+    (a bfloat16 attention's softmax gradient in bfloat16, where the model has one): each row's log-probability one
     rounding more (u of its size, averaged over the rows of the mean), the scores' gradient two, the bias
     gradients and the transposed products summed in another order before their one rounding, the GELU's
     derivative ~8 roundings in the half dtype instead of one (the encoder's ``F.gelu``): well inside the
@@ -193,7 +194,8 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
                                   "graph_optimizations": {"half_precision_loss": half_loss,
                                                           "half_precision_bias_gradient": half_loss,
                                                           "half_precision_transposed_products": half_loss,
-                                                          "half_precision_gelu": half_loss}})
+                                                          "half_precision_gelu": half_loss,
+                                                          "bfloat16_softmax_gradient": half_loss}})
     if loss_only:
         trainer._train_step_info.fetches = ["loss"]
     optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.0)

@@ -203,11 +203,11 @@ def test_the_pass_counts_only_half_precision_calls():
 SOFTMAX_GRADIENT_ROUNDINGS = 8
 
 
-def _softmax_gradient_model(rewritten: bool) -> onnx.ModelProto:
+def _softmax_gradient_model(rewritten: bool, half: int = onnx.TensorProto.FLOAT16) -> onnx.ModelProto:
     from onnx import TensorProto, helper
 
     shape = [2, 3, 5, 64]
-    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    f16, f32 = half, TensorProto.FLOAT
     nodes = [helper.make_node("Cast", ["dy"], ["c_dy"], to=f32), helper.make_node("Cast", ["y"], ["c_y"], to=f32),
              helper.make_node("Mul", ["c_dy", "c_y"], ["p"]),
              helper.make_node("ReduceSum", ["p", "axes"], ["s"], keepdims=1),
@@ -221,8 +221,9 @@ def _softmax_gradient_model(rewritten: bool) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     model = onnx.shape_inference.infer_shapes(model)
     if rewritten:
-        assert passes.softmax.half_precision_gradient(model) == 1
-    onnx.checker.check_model(model)
+        rewrite = passes.softmax.bfloat16_gradient if half == TensorProto.BFLOAT16 else passes.softmax.half_precision_gradient
+        assert rewrite(model) == 1
+    onnx.checker.check_model(model, full_check=True)
     return model
 
 
@@ -264,3 +265,97 @@ def test_the_softmax_gradient_pass_leaves_float32_and_partial_patterns():
     model = _softmax_gradient_model(False)
     model.graph.output.append(onnx.helper.make_tensor_value_info("p", onnx.TensorProto.FLOAT, None))
     assert passes.softmax.half_precision_gradient(model) == 0
+
+
+def _as_float32(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every bfloat16 value, cast and initializer made float32 (the CPU has no bfloat16 kernels):
+    the same nodes, to check what they compute."""
+    from onnx import TensorProto, numpy_helper
+
+    model = copy.deepcopy(model)
+    graph = model.graph
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        if info.type.tensor_type.elem_type == TensorProto.BFLOAT16:
+            info.type.tensor_type.elem_type = TensorProto.FLOAT
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.BFLOAT16:
+                attr.i = TensorProto.FLOAT
+    for init in graph.initializer:
+        if init.data_type == TensorProto.BFLOAT16:
+            assert set(onnx.numpy_helper.to_array(init).astype(np.float32).reshape(-1)) == {1.0}  # the ones column
+            init.CopyFrom(numpy_helper.from_array(np.ones(list(init.dims), np.float32), init.name))
+    return model
+
+
+def test_the_bfloat16_softmax_gradient_is_well_typed_and_computes_the_same_formula():
+    """``bfloat16_softmax_gradient``: four bfloat16 nodes under the output's name, the row sum a MatMul by a
+    [64, 1] bfloat16 column of ones (no bfloat16 ReduceSum on CUDA); ONNX's full check and strict shape
+    inference accept it. Its values (bfloat16 made float32, the CPU having no bfloat16 kernels) are the formula's
+    within float32 rounding: 8·(u32·(|y·dy| + |y|·Σ|y·dy|)) (as the float16 test's bound, u32 for u16). The
+    float16 pass leaves bfloat16 alone, and this one float16."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    model = _softmax_gradient_model(True, TensorProto.BFLOAT16)
+    assert [n.op_type for n in model.graph.node] == ["Cast", "Mul", "MatMul", "Mul", "Sub", "Cast"]
+    onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    ones = [i for i in model.graph.initializer if "ones" in i.name]
+    assert [(i.data_type, list(i.dims)) for i in ones] == [(TensorProto.BFLOAT16, [64, 1])]
+    assert passes.softmax.half_precision_gradient(_softmax_gradient_model(False, TensorProto.BFLOAT16)) == 0
+    assert passes.softmax.bfloat16_gradient(_softmax_gradient_model(False)) == 0
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.softmax(torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 3, -1).float()
+    dy = (torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 100).float()
+    y64, dy64 = y.double().numpy(), dy.double().numpy()
+    p = y64 * dy64
+    expected = p - y64 * p.sum(-1, keepdims=True)
+    scale = 2.0 ** -24 * (np.abs(p) + np.abs(y64) * np.abs(p).sum(-1, keepdims=True))
+    session = ort.InferenceSession(_as_float32(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    grad, _ = session.run(None, {"dy": dy.numpy(), "y": y.numpy()})
+    check(float((np.abs(grad.astype(np.float64) - expected) / scale).max()), SOFTMAX_GRADIENT_ROUNDINGS, "bfloat16")
+
+
+def test_the_bfloat16_softmax_gradient_needs_the_last_axis_and_its_length():
+    """No rewrite where the sum is not over the last axis alone, or its length is not static."""
+    from onnx import TensorProto
+
+    model = _softmax_gradient_model(False, TensorProto.BFLOAT16)
+    axes = next(i for i in model.graph.initializer if i.name == "axes")
+    axes.CopyFrom(onnx.numpy_helper.from_array(np.array([2], np.int64), "axes"))
+    assert passes.softmax.bfloat16_gradient(model) == 0
+    model = _softmax_gradient_model(False, TensorProto.BFLOAT16)
+    for info in model.graph.input:
+        info.type.tensor_type.shape.dim[-1].dim_param = "seq"
+    del model.graph.value_info[:]
+    assert passes.softmax.bfloat16_gradient(model) == 0
+
+
+def test_bfloat16_softmax_gradients_of_gpt2_are_rewritten():
+    """A tiny Hugging Face GPT-2 in bfloat16 (the graph built, its session refused on the CPU): with
+    ``bfloat16_softmax_gradient`` each layer's attention softmax gradient is the bfloat16 form, and no float32
+    copy of a [batch, heads, seq, seq] bfloat16 value is left but the safe softmax guard's (its row maximum: no
+    bfloat16 ReduceMax on CUDA); off, torch's float32 decomposition stays."""
+    from onnx import TensorProto
+
+    from ort_trainer.amp.kernels import MissingKernelError
+
+    model, desc = tiny_gpt2(seq=8)
+    ids = torch.randint(0, 40, (3, 8), generator=torch.Generator().manual_seed(5))
+    for on in (True, False):
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={"graph": {"gradient_source": "torch"}, "mixed_precision": {
+                                 "enabled": True, "dtype": "bfloat16"},
+                                 "graph_optimizations": {"bfloat16_softmax_gradient": on}})
+        with pytest.raises(MissingKernelError):
+            trainer.train_step(ids, torch.ones_like(ids), ids)
+        gradient = trainer._graphs.gradient
+        rewritten = sum(n.name.endswith("/half_softmax_gradient/MatMul_sum") for n in gradient.graph.node)
+        inferred = {v.name: v.type.tensor_type for v in onnx.shape_inference.infer_shapes(gradient).graph.value_info}
+        scores_f32 = [n.name for n in gradient.graph.node if n.op_type == "Cast" and n.output[0] in inferred
+                      and inferred[n.output[0]].elem_type == TensorProto.FLOAT
+                      and [d.dim_value for d in inferred[n.output[0]].shape.dim][-2:] == [8, 8]
+                      and "/safe_softmax/" not in n.name and "/recompute/" not in n.name]
+        assert rewritten == (2 if on else 0)  # one per layer
+        assert bool(scores_f32) != on, scores_f32

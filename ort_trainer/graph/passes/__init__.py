@@ -48,6 +48,7 @@ _JOINT = (
     ("dropout_gradient", dropout.dropout_gradient),
     ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
     ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
+    ("bfloat16_softmax_gradient", softmax.bfloat16_gradient),
     ("half_precision_loss", loss.half_precision_loss),
     ("half_precision_bias_gradient", copies.half_column_sums), ("column_sums", copies.column_sums),
     ("transposed_products", recompute.transposed_products),

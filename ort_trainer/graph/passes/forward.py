@@ -54,7 +54,8 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
 # (passes/softmax.py), a mixed-precision cross-entropy in the half dtype (passes/loss.py), activations recomputed in the backward (passes/recompute.py), products on aligned operands
 # (passes/aligned.py)
 JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_gradient", "sequences",
-                     "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "half_precision_loss",
+                     "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "bfloat16_softmax_gradient",
+                     "half_precision_loss",
                      "half_precision_bias_gradient", "column_sums", "transposed_products",
                      "half_precision_transposed_products", "activation_recompute", "aligned_products")
 # the "torch" source's rewrite of the traced program before autograd (gradient/attention.py)

@@ -54,8 +54,10 @@ float16, ``Sub(Mul(dy, y), Mul(y, ReduceSum(Mul(dy, y))))``: four kernels, ~18 b
 The row sum still accumulates in float32 (ONNX Runtime's float16 ``ReduceSum`` reduces in float32
 on CUDA: cuDNN with a float32 compute type, ``reduction_ops.cc``); what it adds is float16's
 rounding of the product, the sum and the two results (2⁻¹¹ relative each), the rounding the
-forward's float16 scores and probabilities already carry. bfloat16 (8 bits) keeps the float32
-computation.
+forward's float16 scores and probabilities already carry. ``bfloat16_softmax_gradient`` does the
+same for bfloat16 softmaxes (the row sum a product by a column of ones: ONNX Runtime's CUDA provider
+has no bfloat16 ``ReduceSum``), adding bfloat16's roundings (2⁻⁸), again the size of those its
+scores and probabilities carry.
 """
 
 from __future__ import annotations
@@ -151,7 +153,15 @@ def safe_softmax(model: onnx.ModelProto) -> int:
 
 
 
-def half_precision_gradient(model: onnx.ModelProto) -> int:
+def bfloat16_gradient(model: onnx.ModelProto) -> int:
+    """``half_precision_gradient`` for bfloat16 softmaxes (``bfloat16_softmax_gradient``): the same
+    formula in bfloat16, the row sum as a ``MatMul`` by a ``[S, 1]`` column of ones (ONNX Runtime's
+    CUDA provider has no bfloat16 ``ReduceSum``; its products accumulate in float32), where the
+    softmax axis is the last one and its length static. Returns the number rewritten."""
+    return half_precision_gradient(model, TensorProto.BFLOAT16)
+
+
+def half_precision_gradient(model: onnx.ModelProto, elem_type: int = TensorProto.FLOAT16) -> int:
     """Compute each float16 softmax's gradient, decomposed in float32 by torch, in float16.
 
     Pattern (the decomposition of ``_softmax_backward_data``; either operand order of each
@@ -163,6 +173,7 @@ def half_precision_gradient(model: onnx.ModelProto) -> int:
 
     Args:
         model: a joint graph of the ``"torch"`` source, rewritten in place.
+        elem_type: the half type whose softmaxes are rewritten (``bfloat16_gradient`` passes bfloat16).
 
     Returns:
         The number of softmax gradients rewritten.
@@ -171,16 +182,24 @@ def half_precision_gradient(model: onnx.ModelProto) -> int:
     types = _elem_types(model)
     dead: set[int] = set()
     before: dict[int, list[onnx.NodeProto]] = {}
-    for narrow in [n for n in model.graph.node if _is(n, "Cast") and _attrs(n).get("to") == TensorProto.FLOAT16]:
-        found = _softmax_gradient(g, types, narrow)
+    initializers: dict[str, onnx.TensorProto] = {}
+    for narrow in [n for n in model.graph.node if _is(n, "Cast") and _attrs(n).get("to") == elem_type]:
+        found = _softmax_gradient(g, types, narrow, elem_type)
         if found is None:
             continue
         dy, y, axes, chain, widened = found
         prefix = f"{narrow.name or narrow.output[0]}/half_softmax_gradient"
+        if elem_type == TensorProto.FLOAT16:
+            row_sum = helper.make_node("ReduceSum", [prefix + "/product", axes], [prefix + "/sum"],
+                                       name=prefix + "/ReduceSum", keepdims=1)
+        else:
+            ones = _ones_column(g, initializers, y, axes, elem_type)
+            if ones is None:
+                continue
+            row_sum = helper.make_node("MatMul", [prefix + "/product", ones], [prefix + "/sum"], name=prefix + "/MatMul_sum")
         before[id(narrow)] = [
             helper.make_node("Mul", [dy, y], [prefix + "/product"], name=prefix + "/Mul_product"),
-            helper.make_node("ReduceSum", [prefix + "/product", axes], [prefix + "/sum"], name=prefix + "/ReduceSum",
-                             keepdims=1),
+            row_sum,
             helper.make_node("Mul", [y, prefix + "/sum"], [prefix + "/scaled"], name=prefix + "/Mul_sum"),
             helper.make_node("Sub", [prefix + "/product", prefix + "/scaled"], [narrow.output[0]],
                              name=prefix + "/Sub"),
@@ -190,12 +209,29 @@ def half_precision_gradient(model: onnx.ModelProto) -> int:
                  and cast.output[0] not in g.outputs}
     if before:
         _keep(model, dead, before=before)
+        model.graph.initializer.extend(initializers.values())
     return len(before)
 
 
-def _softmax_gradient(g: _Graph, types: dict[str, int], narrow: onnx.NodeProto) -> tuple | None:
-    """``(dy, y, axes name, the pattern's nodes but its input casts, those casts)`` of the float16
-    softmax gradient cast to float16 by ``narrow``, or None."""
+def _ones_column(g: _Graph, initializers: dict[str, onnx.TensorProto], y: str, axes: str, elem_type: int) -> str | None:
+    """The name of a ``[S, 1]`` column of ones of ``elem_type`` (queued in ``initializers``, shared by name) that
+    sums ``y``'s rows by a product, where ``axes`` is ``y``'s last axis alone and its length ``S`` static."""
+    shape, reduced = g.shapes.get(y), g.const(axes)
+    if not shape or reduced is None or reduced.size != 1 or int(reduced.flat[0]) % len(shape) != len(shape) - 1:
+        return None
+    length = shape[-1]
+    if not isinstance(length, int) or length <= 0:
+        return None
+    name = f"ort_trainer/softmax_gradient/ones_{length}_{'bfloat16' if elem_type == TensorProto.BFLOAT16 else elem_type}"
+    if name not in g.initializers and name not in initializers:
+        initializers[name] = helper.make_tensor(name, elem_type, [length, 1], [1.0] * length)  # bfloat16: from floats
+    return name
+
+
+def _softmax_gradient(g: _Graph, types: dict[str, int], narrow: onnx.NodeProto,
+                      elem_type: int = TensorProto.FLOAT16) -> tuple | None:
+    """``(dy, y, axes name, the pattern's nodes but its input casts, those casts)`` of the half (``elem_type``)
+    softmax gradient cast to that type by ``narrow``, or None."""
     sub = _read_once_producer(g, narrow.input[0], narrow)
     if sub is None or not _is(sub, "Sub"):
         return None
@@ -217,7 +253,7 @@ def _softmax_gradient(g: _Graph, types: dict[str, int], narrow: onnx.NodeProto) 
     c_dy = _other(product, c_y)
     casts = [g.producer.get(c_dy), g.producer.get(c_y)]
     if any(c is None or not _is(c, "Cast") or _attrs(c).get("to") != TensorProto.FLOAT
-           or types.get(c.input[0]) != TensorProto.FLOAT16 for c in casts):
+           or types.get(c.input[0]) != elem_type for c in casts):
         return None
     return casts[0].input[0], casts[1].input[0], reduce.input[1], [narrow, sub, scaled, reduce, product], casts
 
@@ -368,4 +404,4 @@ def _bool_valued(g: _Graph, name: str) -> bool:
         producer.op_type != "Cast" or _attrs(producer).get("to") == TensorProto.BOOL)
 
 
-__all__ = ["half_precision_gradient", "safe_softmax"]
+__all__ = ["bfloat16_gradient", "half_precision_gradient", "safe_softmax"]
