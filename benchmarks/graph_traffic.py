@@ -45,7 +45,8 @@ _BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorPro
 
 
 def kind(op_type: str) -> str:
-    """The profile's bucket of an operator (``benchmarks/gpu_worker.py`` names kernels' buckets the same way)."""
+    """An operator's bucket: those of ``benchmarks/gpu_worker.py``'s kernel profile (``CATEGORIES``), its
+    "copies and casts" split in two."""
     if op_type in PRODUCTS:
         return "matrix products"
     if op_type.startswith("Reduce") or op_type in ("ArgMax", "ArgMin"):
