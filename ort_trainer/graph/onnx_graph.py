@@ -365,5 +365,5 @@ def dangling_names(graph: onnx.GraphProto, outer: Collection[str] = ()) -> list[
     return problems
 
 
-__all__ = ["build_inference_graph", "compacted", "dangling_names", "drop_dead_nodes", "drop_outputs", "eval_part", "io_signature",
-           "largest_tensors", "module_of", "specialize", "sum_into_inputs", "value_info"]
+__all__ = ["build_inference_graph", "compacted", "dangling_names", "drop_dead_nodes", "drop_outputs", "eval_part",
+           "io_signature", "largest_tensors", "module_of", "specialize", "sum_into_inputs", "value_info"]

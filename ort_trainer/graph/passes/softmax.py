@@ -196,7 +196,8 @@ def half_precision_gradient(model: onnx.ModelProto, elem_type: int = TensorProto
             ones = _ones_column(g, initializers, y, axes, elem_type)
             if ones is None:
                 continue
-            row_sum = helper.make_node("MatMul", [prefix + "/product", ones], [prefix + "/sum"], name=prefix + "/MatMul_sum")
+            row_sum = helper.make_node("MatMul", [prefix + "/product", ones], [prefix + "/sum"],
+                                       name=prefix + "/MatMul_sum")
         before[id(narrow)] = [
             helper.make_node("Mul", [dy, y], [prefix + "/product"], name=prefix + "/Mul_product"),
             row_sum,
@@ -213,7 +214,8 @@ def half_precision_gradient(model: onnx.ModelProto, elem_type: int = TensorProto
     return len(before)
 
 
-def _ones_column(g: _Graph, initializers: dict[str, onnx.TensorProto], y: str, axes: str, elem_type: int) -> str | None:
+def _ones_column(g: _Graph, initializers: dict[str, onnx.TensorProto], y: str, axes: str,
+                 elem_type: int) -> str | None:
     """The name of a ``[S, 1]`` column of ones of ``elem_type`` (queued in ``initializers``, shared by name) that
     sums ``y``'s rows by a product, where ``axes`` is ``y``'s last axis alone and its length ``S`` static."""
     shape, reduced = g.shapes.get(y), g.const(axes)
@@ -222,7 +224,8 @@ def _ones_column(g: _Graph, initializers: dict[str, onnx.TensorProto], y: str, a
     length = shape[-1]
     if not isinstance(length, int) or length <= 0:
         return None
-    name = f"ort_trainer/softmax_gradient/ones_{length}_{'bfloat16' if elem_type == TensorProto.BFLOAT16 else elem_type}"
+    dtype = "bfloat16" if elem_type == TensorProto.BFLOAT16 else np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+    name = f"ort_trainer/softmax_gradient/ones_{length}_{dtype}"
     if name not in g.initializers and name not in initializers:
         initializers[name] = helper.make_tensor(name, elem_type, [length, 1], [1.0] * length)  # bfloat16: from floats
     return name
