@@ -39,9 +39,6 @@ KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "c
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",
          "Softmax": "softmax", "LogSoftmax": "softmax", "LayerNormalization": "layer norm"}
-_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2,
-          onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4,
-          onnx.TensorProto.BOOL: 1, onnx.TensorProto.UINT8: 1, onnx.TensorProto.INT8: 1}
 
 
 def kind(op_type: str) -> str:
@@ -56,17 +53,13 @@ def kind(op_type: str) -> str:
 
 def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
     """``{name: (dims, bytes per element)}`` of every value whose shape is static after ONNX shape inference."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    shapes = {}
-    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
-        tensor = value.type.tensor_type
-        if not tensor.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        if None not in dims:
-            shapes[value.name] = (dims, _BYTES.get(tensor.elem_type, 4))
-    for init in model.graph.initializer:
-        shapes[init.name] = (list(init.dims), _BYTES.get(init.data_type, 4))
+    from ort_trainer.graph.onnx_graph import largest_tensors
+
+    graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    types.update({init.name: init.data_type for init in graph.initializer})
+    shapes = {name: (dims, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(types[name])).itemsize)
+              for name, dims, _ in largest_tensors(graph) if types.get(name)}
     # activation_recompute's copies (``name/recompute``) have their original's shape, which inference may not reach
     for node in model.graph.node:
         for name in [*node.input, *node.output]:

@@ -227,19 +227,26 @@ def _softmax_gradient_model(rewritten: bool, half: int = onnx.TensorProto.FLOAT1
     return model
 
 
+def _softmax_gradient_inputs(dtype: torch.dtype) -> tuple:
+    """``(y, dy, expected, magnitude)``: softmax probabilities and a gradient in ``dtype`` ([2, 3, 5, 64], seed
+    0), the softmax gradient ``y·dy − y·Σ(y·dy)`` of those values in float64, and the magnitude its rounding
+    errors scale with, ``|y·dy| + |y|·Σ|y·dy|``."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.softmax(torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 3, -1).to(dtype)
+    dy = (torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 100).to(dtype)
+    y64, dy64 = y.double().numpy(), dy.double().numpy()
+    p = y64 * dy64
+    return y, dy, p - y64 * p.sum(-1, keepdims=True), np.abs(p) + np.abs(y64) * np.abs(p).sum(-1, keepdims=True)
+
+
 def test_the_softmax_gradient_in_float16_is_within_float16_rounding_of_float64(record_property):
     """``half_precision_softmax_gradient`` on the decomposed float16 softmax gradient: four float16
     nodes under the output's name (the cast of ``y`` that another node reads stays), each element within
     SOFTMAX_GRADIENT_ROUNDINGS·(u16·(|y·dy| + |y|·Σ|y·dy|) + 2⁻²⁵) of float64, as is torch's float32 form."""
     import onnxruntime as ort
 
-    gen = torch.Generator().manual_seed(0)
-    y = torch.softmax(torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 3, -1).half()
-    dy = (torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 100).half()
-    y64, dy64 = y.double().numpy(), dy.double().numpy()
-    p = y64 * dy64
-    expected = p - y64 * p.sum(-1, keepdims=True)
-    scale = FLOAT16 * (np.abs(p) + np.abs(y64) * np.abs(p).sum(-1, keepdims=True)) + 2.0 ** -25
+    y, dy, expected, magnitude = _softmax_gradient_inputs(torch.float16)
+    scale = FLOAT16 * magnitude + 2.0 ** -25
     model = _softmax_gradient_model(True)
     assert [n.op_type for n in model.graph.node] == ["Cast", "Mul", "ReduceSum", "Mul", "Sub", "Cast"]
     worst = {}
@@ -305,13 +312,8 @@ def test_the_bfloat16_softmax_gradient_is_well_typed_and_computes_the_same_formu
     assert passes.softmax.half_precision_gradient(_softmax_gradient_model(False, TensorProto.BFLOAT16)) == 0
     assert passes.softmax.bfloat16_gradient(_softmax_gradient_model(False)) == 0
 
-    gen = torch.Generator().manual_seed(0)
-    y = torch.softmax(torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 3, -1).float()
-    dy = (torch.randn(2, 3, 5, 64, generator=gen, dtype=torch.float64) * 100).float()
-    y64, dy64 = y.double().numpy(), dy.double().numpy()
-    p = y64 * dy64
-    expected = p - y64 * p.sum(-1, keepdims=True)
-    scale = 2.0 ** -24 * (np.abs(p) + np.abs(y64) * np.abs(p).sum(-1, keepdims=True))
+    y, dy, expected, magnitude = _softmax_gradient_inputs(torch.float32)
+    scale = 2.0 ** -24 * magnitude
     session = ort.InferenceSession(_as_float32(model).SerializeToString(), providers=["CPUExecutionProvider"])
     grad, _ = session.run(None, {"dy": dy.numpy(), "y": y.numpy()})
     check(float((np.abs(grad.astype(np.float64) - expected) / scale).max()), SOFTMAX_GRADIENT_ROUNDINGS, "bfloat16")

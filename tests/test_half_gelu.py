@@ -24,7 +24,8 @@ from ort_trainer.amp import DynamicLossScaler
 from ort_trainer.amp.kernels import MissingKernelError
 from ort_trainer.optim import SGDConfig
 
-from models import ENCODER_DESC, VOCAB, TinyEncoder, assert_float32_untouched, mlm_batch, mlm_loss, tiny_gpt2
+from models import assert_float32_untouched
+from test_half_loss import _encoder_case, _float64, _gpt2_case, _relative
 from tolerances import FLOAT16, check
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
@@ -69,10 +70,6 @@ def _step(model, desc, batch, on: bool, loss_fn=None):
     return trainer, float(loss), {w: g.numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
 
 
-def _relative(got, expected) -> float:
-    return float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
-
-
 def _gelu_types(model: onnx.ModelProto) -> list[int]:
     """The element types of what the GELUs' transcendental nodes write (``Sigmoid``: the tanh form as the
     gelu pass writes it; ``Tanh``: torch's; ``Erf`` or the exporter's function around it)."""
@@ -82,32 +79,12 @@ def _gelu_types(model: onnx.ModelProto) -> list[int]:
             if n.op_type in ("Sigmoid", "Tanh", "Erf") or "erf" in n.op_type.lower()]
 
 
-def _case(name: str):
-    if name == "gpt2":
-        model, desc = tiny_gpt2(seq=8)
-        ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))
-        return model, desc, (ids, torch.ones_like(ids), ids), None
-    torch.manual_seed(0)
-    return TinyEncoder(), ENCODER_DESC, mlm_batch(torch.Generator().manual_seed(6)), mlm_loss
-
-
-def _float64(model, batch, loss_fn):
-    double = copy.deepcopy(model).double()
-    if loss_fn is None:
-        ids, mask, labels = batch
-        value = double(input_ids=ids, attention_mask=mask, labels=labels).loss
-    else:
-        value = loss_fn(double(batch[0]), batch[1])
-    value.backward()
-    return float(value.detach()), {n: p.grad.numpy() for n, p in double.named_parameters()}
-
-
 @pytest.mark.parametrize("case", ["gpt2", "encoder"])
 def test_float16_gelu_within_float16_rounding_of_float64(case, record_property):
     """One float16 step, the switch on and off: the loss and every gradient within HALF_BOUND of float64
     PyTorch's, on against off within ON_OFF_BOUND. On, every GELU node is float16 (off, the backward's
     recomputation is float32)."""
-    model, desc, batch, loss_fn = _case(case)
+    model, desc, batch, loss_fn = _gpt2_case() if case == "gpt2" else _encoder_case()
     loss64, grads64 = _float64(model, batch, loss_fn)
     results, errors = {}, {}
     for on in (True, False):
@@ -202,7 +179,7 @@ def test_the_float16_derivative_against_float64_from_minus_600_to_600(approximat
 def test_bfloat16_gelu_is_bfloat16():
     """bfloat16 (types only: the CPU has no bfloat16 kernels, the graph is built and the session refused):
     on, every GELU node is bfloat16; off, the backward's are float32."""
-    model, desc, batch, _ = _case("gpt2")
+    model, desc, batch, _ = _gpt2_case()
     for on in (True, False):
         trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), options=_options(on, "bfloat16"))
         with pytest.raises(MissingKernelError):
@@ -213,5 +190,5 @@ def test_bfloat16_gelu_is_bfloat16():
 
 
 def test_the_switch_leaves_float32_training_bit_equal():
-    model, desc, batch, loss_fn = _case("encoder")
+    model, desc, batch, loss_fn = _encoder_case()
     assert_float32_untouched(model, desc, batch, "half_precision_gelu", loss_fn)
