@@ -69,7 +69,8 @@ REFERENCE = {"fp32": "PyTorch eager fp32", "fp16": "`torch.autocast` fp16 + `Gra
 def variant(impl: str) -> tuple[str, dict]:
     """``(implementation, graph_optimizations it turns on)`` of an ``--impls`` entry: ``ort+a+b`` is
     ort_trainer with the passes ``a`` and ``b`` on (over ``--ort-optimizations``), for an A/B of levers in
-    one run; a plain name turns nothing on."""
+    one run; a plain name turns nothing on. A lever ``device.X`` is the device option ``X``
+    (``ort+device.cuda_graph``)."""
     base, *levers = impl.split("+")
     return base, {lever: True for lever in levers}
 

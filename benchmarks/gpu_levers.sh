@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
-#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (half_precision_gelu,bfloat16_softmax_gradient,
-#       aligned_products,half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products)]
+#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,half_precision_gelu,
+#       bfloat16_softmax_gradient,aligned_products,half_precision_loss,half_precision_bias_gradient,
+#       half_precision_transposed_products)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
 #    (and two aligned products of the step) in torch and ONNX Runtime: kernel names, ms, TFLOP/s.
 # 2. ort_trainer's GPT-2 small and BERT-base steps in fp16 and bf16, without the levers and with each one
-#    (LEVERS: comma-separated graph_optimizations names; a+b turns two on together), every setting once
-#    per round in alternating order, 2 rounds, round 1 profiled by kind of kernel (benchmarks/gpu.py
-#    --impls ort,ort+LEVER,...: OUT/levers.jsonl and its page OUT/levers.md).
+#    (LEVERS: comma-separated graph_optimizations names, device.X for a device option; a+b turns two on
+#    together), every setting once per round in alternating order, 2 rounds, round 1 profiled by kind of
+#    kernel (benchmarks/gpu.py --impls ort,ort+LEVER,...: OUT/levers.jsonl and its page OUT/levers.md).
 # Each part writes its JSON lines as they come (a run cut short keeps what it measured). DEADLINE (seconds,
 # default 600) stops starting new processes; the lever part is skipped when the probe used it up.
 # DEVICE, MODELS, PRECISIONS, ROUNDS and PROBE_ARGS change what runs (make test runs it on the CPU at toy size).
 set -uo pipefail
 out=${1:-docs/gpu_levers}
-levers=${2:-half_precision_gelu,bfloat16_softmax_gradient,aligned_products,half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products}
+levers=${2:-device.cuda_graph,half_precision_gelu,bfloat16_softmax_gradient,aligned_products,half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}

@@ -58,6 +58,9 @@ class PeakMemory:
         self.cuda = device.startswith("cuda")
         self.peak = 0
         self._stop = threading.Event()
+        # set while ONNX Runtime may capture a CUDA graph (device.cuda_graph): its capture is global to the
+        # process, and a cudaMemGetInfo from this thread during it could invalidate the capture
+        self.held = threading.Event()
         if self.cuda:
             self._torch = torch
             self.sample()
@@ -75,7 +78,8 @@ class PeakMemory:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.01):
-            self.sample()
+            if not self.held.is_set():
+                self.sample()
 
     def close(self) -> dict:
         """Stop sampling; the figures in MB."""
@@ -88,14 +92,23 @@ class PeakMemory:
                 "torch_allocated_peak_mb": self._torch.cuda.max_memory_allocated() / 2**20}
 
 
+def ort_options(device: str, precision: str, optimizations: dict | None = None) -> dict:
+    """ort_trainer's options for a run: ``optimizations`` are graph_optimizations switches, but for a
+    name ``device.X``, the device option ``X`` (``device.cuda_graph``)."""
+    optimizations = dict(optimizations or {})
+    device_options = {name.split(".", 1)[1]: optimizations.pop(name) for name in list(optimizations)
+                      if name.startswith("device.")}
+    return {"device": {"id": device, **device_options},
+            "mixed_precision": {"enabled": precision != "fp32",
+                                "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float16")},
+            "graph_optimizations": optimizations}
+
+
 def _ort_step(model, desc, device: str, precision: str, optimizations: dict | None = None):
     from ort_trainer import ORTTrainer
     from ort_trainer.optim import AdamConfig
 
-    options = {"device": {"id": device},
-               "mixed_precision": {"enabled": precision != "fp32",
-                                   "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float16")},
-               "graph_optimizations": optimizations or {}}
+    options = ort_options(device, precision, optimizations)
     trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4, lambda_coef=0.01), options=options)
     trainer._train_step_info.fetches = ["loss"]  # the loss alone, as the PyTorch loop reads it
 
@@ -210,10 +223,17 @@ def run(args) -> dict:
         else:
             step = _torch_step(model, args.device, args.precision, args.impl == "compile", args.compile_backend)
         seconds, losses = [], []
+        # device.cuda_graph: the first step runs as usual, a later one captures after ONNX Runtime's two warm-up
+        # runs (within one call, or over the next calls in older versions): no sampling from this thread until
+        # then (the arena keeps what the capture took, so the samples after it still see the step's peak)
+        captures = args.impl == "ort" and bool(json.loads(args.ort_optimizations).get("device.cuda_graph"))
         for index in range(args.steps):
+            if captures and index < 4:
+                memory.held.set()
             begin = time.perf_counter()
             losses.append(step(batches[index % len(batches)]))  # reads the loss back: the step is done on the device
             seconds.append(time.perf_counter() - begin)
+            memory.held.clear()
             now = memory.sample()
             result.setdefault("step_mb", []).append(now)  # device memory after each step: where it grows
             if index == 0:  # what the steps after the first add shows a second copy of the activations
@@ -244,7 +264,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (0: none)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (aot_eager on the CPU test)")
     parser.add_argument("--ort-optimizations", default="{}",
-                        help="ort_trainer's graph_optimizations, as JSON (an A/B of one pass: '{\"gelu\": false}')")
+                        help="ort_trainer's graph_optimizations, as JSON (an A/B of one pass: '{\"gelu\": false}'); "
+                        "a name device.X is the device option X ('{\"device.cuda_graph\": true}')")
     args = parser.parse_args()
     print(json.dumps(run(args)), flush=True)
 

@@ -11,18 +11,17 @@ from typing import Any, Callable
 import onnx
 import onnxruntime as ort
 
+from ._run_errors import ONNXRUNTIME_ERRORS
+from ._step_io import RANDOM_OPS, CapturedIO, FreshIO, capture_problems
 from .dropout_masks import HostDropoutMasks
 from .graph.names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, GRAD_SUFFIX, RESET_INPUT
 from .graph.passes.tied_embedding import host_table_rows
-
-_RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                         "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 
 
 def _draws_random_numbers(graph: onnx.GraphProto) -> bool:
     """Whether a node of ``graph`` (or of a subgraph) draws from ONNX Runtime's random generator."""
     for node in graph.node:
-        if node.op_type in _RANDOM_OPS:
+        if node.op_type in RANDOM_OPS:
             return True
         for attr in node.attribute:
             subgraphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
@@ -46,16 +45,25 @@ class SessionSet:
         if self.training is None:
             self.training = _GradientSession(self._engine, self._gradient_model())
 
-    def evaluation(self) -> tuple[ort.InferenceSession, list[ort.IOBinding], set[str], list[str]]:
-        """The eval session, its per-parity bindings, its input names and the description's outputs
-        it returns, made on first use (the eval graph itself may be built only then)."""
+    def evaluation(self) -> tuple[ort.InferenceSession, list[FreshIO], set[str]]:
+        """The eval session, its per-parity bindings (``FreshIO``: evaluations are not captured) and
+        its input names, made on first use (the eval graph itself may be built only then)."""
         if self._eval is None:
+            engine = self._engine
             model = self._eval_model()
-            outputs = _described_outputs(self._engine, model)
-            session = self._engine.sessions.make_session(model)
-            bindings = self._engine.per_parity(lambda p: self._engine._bind_weights(session, p, outputs))
-            self._eval = session, bindings, {i.name for i in session.get_inputs()}, outputs
+            outputs = _described_outputs(engine, model)
+            session = engine.sessions.make_session(model)
+            io = engine.per_parity(lambda p: FreshIO(engine.placement, engine._bind_weights(session, p, outputs),
+                                                     outputs))
+            self._eval = session, io, {i.name for i in session.get_inputs()}
         return self._eval
+
+
+def _refuse_capture(problems: list[str]) -> None:
+    """Raise, before any run, when a training graph cannot be captured as a CUDA graph."""
+    if problems:
+        raise ValueError("device.cuda_graph: this model's training step cannot be captured as a CUDA graph and "
+                         "replayed:\n  " + "\n  ".join(problems) + "\nTurn device.cuda_graph off to train it.")
 
 
 def _described_outputs(engine: Any, model: onnx.ModelProto) -> list[str]:
@@ -71,8 +79,29 @@ class _GradientSession:
 
     def __init__(self, engine: Any, gradient: onnx.ModelProto):
         self.output_names = _described_outputs(engine, gradient)
-        self.gradient = engine.sessions.make_session(gradient)
+        capture, device = engine.graph_capture, engine.placement
+        if capture:
+            _refuse_capture(capture_problems(gradient))
+        try:
+            self.gradient = engine.sessions.make_session(gradient, capture=capture)
+        except ONNXRUNTIME_ERRORS as exc:  # ONNX Runtime's own refusal (a node placed on the host)
+            if not capture:
+                raise
+            raise ValueError(f"device.cuda_graph: ONNX Runtime cannot capture this model's training step ({exc}); "
+                             "turn device.cuda_graph off to train it") from exc
         self.gradient_inputs = {i.name for i in self.gradient.get_inputs()}
+        # an accumulating graph (``GradientSource.accumulation_io``) reads each gradient buffer as an
+        # input and adds into it: with an operator, reset by an input, or through its output bound to
+        # the same buffer (the engine zeroes the buffers at a window's start)
+        self.accumulates = any(w + ACCUMULATOR_SUFFIX in self.gradient_inputs for w in engine.grads)
+        self.resets_in_graph = RESET_INPUT in self.gradient_inputs
+        if capture:
+            elsewhere = sorted(device.inputs_copied_at_binding(self.gradient))
+            _refuse_capture(
+                ([f"ONNX Runtime reads {', '.join(elsewhere)} on another device than {device} (their consumers "
+                  "have no kernel there)"] if elsewhere else [])
+                + (["the graph adds into the gradient buffers, which its warm-up runs would do more than once "
+                    "(accumulate on the host)"] if self.accumulates else []))
         # tied embeddings (the tied_embedding_gradient pass): {weight: (row index, rows)}, the lookup's
         # rows that forward_backward adds into the weight's gradient after the run
         self.table_rows = {name[:-len(GRAD_SUFFIX)]: pair for name, pair in host_table_rows(gradient).items()}
@@ -82,14 +111,15 @@ class _GradientSession:
         # place: the gradient graph reads a per-step copy, so an uncommitted step leaves them be.
         self.grad_bindings = engine.per_parity(
             lambda p: engine._bind_weights(self.gradient, p, self.gradient_outputs, engine.buffer_inputs))
-        # an accumulating graph (``GradientSource.accumulation_io``) reads each gradient buffer as an
-        # input and adds into it: with an operator, reset by an input, or through its output bound to
-        # the same buffer (the engine zeroes the buffers at a window's start)
-        self.accumulates = any(w + ACCUMULATOR_SUFFIX in self.gradient_inputs for w in engine.grads)
-        self.resets_in_graph = RESET_INPUT in self.gradient_inputs
+        io: dict[int, FreshIO | CapturedIO] = {}  # by id(binding): one binding at both parities, one io
+        for parity, binding in enumerate(self.grad_bindings):
+            if id(binding) not in io:
+                io[id(binding)] = (CapturedIO(device, binding, self.gradient_outputs, set(self.output_names),
+                                              graph_id=1 + parity) if capture
+                                   else FreshIO(device, binding, self.gradient_outputs))
+        self.grad_io = [io[id(binding)] for binding in self.grad_bindings]
         self.draws_random_numbers = _draws_random_numbers(gradient.graph)
         self.dropout_masks = HostDropoutMasks(gradient)  # Dropouts whose masks the host draws
-        device = engine.placement
         for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
                 if self.accumulates:

@@ -233,6 +233,11 @@ class Device:
         """The execution providers of every session, each with its options (the user's on top)."""
         raise NotImplementedError
 
+    def capture_providers(self, providers: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+        """``providers`` for a session whose runs are captured as a graph and replayed (``device.cuda_graph``);
+        unchanged where the device has no capture (the engine's fixed bindings then rehearse one)."""
+        return providers
+
     def release_idle_memory(self) -> None:
         """Return the host memory ONNX Runtime holds free between runs to the system, before work that
         needs memory of its own (``save_as_onnx``'s first export of a process imports ~90 MB of torch's
@@ -394,6 +399,10 @@ class CUDADevice(Device):
                 f"provider_options: device_id {user['device_id']} contradicts device.id 'cuda:{self.index}', where "
                 f"the trainer's buffers live; choose the GPU with device.id='cuda:{user['device_id']}' instead")
         return [(_CUDA_PROVIDER, {**options, **user}), ("CPUExecutionProvider", {})]
+
+    def capture_providers(self, providers: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+        return [(name, {**options, "enable_cuda_graph": "1"} if name == _CUDA_PROVIDER else options)
+                for name, options in providers]
 
     def check_graph(self, model: onnx.ModelProto) -> None:
         """No tensor of more than 2³¹ - 1 elements. ONNX Runtime's CUDA kernels index elements with

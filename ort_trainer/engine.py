@@ -33,6 +33,7 @@ from ._optimized_graphs import OptimizedGraphs
 from ._run_errors import StepError
 from .devices import Device, make_device
 from ._signature_sessions import SessionSet
+from ._step_io import CapturedIO, FreshIO
 from .graph.cache import cache_dir
 from .graph.names import LOSS_SCALE_INPUT, RESET_INPUT
 from .optim.config import _OptimizerConfig
@@ -88,6 +89,9 @@ class Engine:
             (committed by ``commit_buffers``).
         unfused_skip_layer_norm: ``graph_optimizations.unfused_skip_layer_norm`` (the device
             decides which ONNX Runtime optimizers that turns off: ``Device.disabled_optimizers``).
+        graph_capture: capture each training step's run as a CUDA graph and replay it
+            (``device.cuda_graph``): every input and output of the gradient session at a fixed address
+            (``_step_io.CapturedIO``); on a device without capture, the fixed buffers alone.
         release_weights: called with ``live_buffers()`` as soon as they hold the weights, before the
             gradients and optimizer states are allocated; ``weights`` is emptied first (its arrays
             may be views of the caller's memory). The trainer points the module's tensors at the
@@ -125,6 +129,7 @@ class Engine:
         optimizer_implementation: str = "fused",
         unfused_skip_layer_norm: bool = True,
         release_weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
+        graph_capture: bool = False,
     ):
         update = update_class(optimizer_implementation, optimizer_config)
         self.placement: Device = make_device(device)
@@ -147,6 +152,7 @@ class Engine:
         self.state_names = list(state_names)
         self.output_names = list(output_names)
         self.host_accumulation = host_accumulation
+        self.graph_capture = graph_capture
         self.buffer_updates = dict(buffer_updates or {})
         not_float32 = [w for w in trained if np.asarray(weights[w]).dtype != np.float32]
         if not_float32:
@@ -275,15 +281,15 @@ class Engine:
             masks = sessions.dropout_masks.draw(value if value is not None else np.random.SeedSequence().entropy)
         for name, tensor in self.buffer_inputs.items():
             tensor.copy_(self.fixed_tensors[name])
-        binding = sessions.grad_bindings[self.parity]
+        io = sessions.grad_io[self.parity]
         extra = {LOSS_SCALE_INPUT: np.array(loss_scale, dtype=np.float32)}
         if sessions.resets_in_graph:
             extra[RESET_INPUT] = np.array([reset], dtype=np.bool_)
         elif sessions.accumulates and reset:
             self.grads_flat.zero_()
         try:
-            outputs = self._run(sessions.gradient, binding, {**feeds, **extra, **masks}, sessions.gradient_inputs,
-                                sessions.gradient_outputs, data=feeds)
+            outputs = self._run(sessions.gradient, io, {**feeds, **extra, **masks}, sessions.gradient_inputs,
+                                data=feeds)
         except StepError as exc:
             if sessions.accumulates and not reset:  # the run adds into the window's sums as it goes
                 exc.args = (f"{exc} The gradients this accumulation window summed so far may hold part of this "
@@ -297,8 +303,8 @@ class Engine:
     def evaluate(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run the eval graph with the current weights. Returns the outputs by name."""
         self.sessions.begin_run(training=False)  # first: the eval session may be made now
-        session, bindings, inputs, outputs = self._require_sessions().evaluation()
-        return self._run(session, bindings[self.parity], feeds, inputs, outputs, data=feeds)
+        session, io, inputs = self._require_sessions().evaluation()
+        return self._run(session, io[self.parity], feeds, inputs, data=feeds)
 
     def commit_buffers(self) -> list[str]:
         """Write the last step's new buffer values (BatchNorm statistics) into the buffers.
@@ -319,32 +325,18 @@ class Engine:
             raise RuntimeError("Engine.select(signature) must be called before running a step")
         return self._current
 
-    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding, feeds: dict[str, np.ndarray],
-             inputs: set[str], outputs: list[str], data: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Run ``binding`` with the ``feeds`` that are among ``inputs``; returns ``outputs``, the
-        first ones bound, by name. An ONNX Runtime error is raised as a ``StepError`` naming the
-        shapes of the step's ``data`` inputs and the failing node's module."""
-        device = self.placement
+    def _run(self, session: ort.InferenceSession, io: FreshIO | CapturedIO, feeds: dict[str, np.ndarray],
+             inputs: set[str], data: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Run ``io``'s binding with the ``feeds`` that are among ``inputs``; returns its outputs by
+        name. An ONNX Runtime error is raised as a ``StepError`` naming the shapes of the step's
+        ``data`` inputs and the failing node's module."""
         for name, value in feeds.items():
             if name in inputs:
-                device.bind_feed(binding, name, value)
-        self.sessions.before_run(binding)
+                io.feed(name, value)
+        self.sessions.before_run(io.binding)
         training = session is getattr(self._current.training, "gradient", None)
-        try:
-            self.sessions.run(session, binding, "the training step (forward and backward)" if training else
-                              "the evaluation", data, training)
-            values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
-            # torch tensors over the outputs' memory, on the engine's device (DLPack: no copy)
-            return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(outputs, values)}
-        finally:
-            # ``outputs`` are bound to fresh buffers when the binding is made (``_bind_weights``) and again
-            # here, after every run: returned tensors are never overwritten, and the binding, which holds
-            # each output until it is bound again, holds none. An output the caller drops goes back to the
-            # arena at once; held, GPT-2 small's 103 MB of logits from the last eval_step kept a chunk of the
-            # region the next training step's logits had used, and the arena grew by another one (training
-            # after evaluating peaked at 2907 MB against 2790, 2806 with this)
-            for name in outputs:
-                device.bind_fresh_output(binding, name)
+        return io.run(self.sessions, session, "the training step (forward and backward)" if training else
+                      "the evaluation", data, training)
 
     # ---- state access -----------------------------------------------------------------------
     def weights(self, copy: bool = True) -> dict[str, np.ndarray]:

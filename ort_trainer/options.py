@@ -89,6 +89,9 @@ _SCHEMA: dict[str, _Field] = {
         _check_device,
     ),
     "device.mem_limit": _Field(_INT, 0, "GPU arena limit in bytes (0: no limit)", _at_least(0)),
+    "device.cuda_graph": _Field(
+        _BOOL, False, "capture the training step's run as a CUDA graph and replay it (no kernel launches from the "
+        "host): a GPU only, no dropout, gradients accumulated outside the graph, the labelled rows not sparse"),
     "device.host_threads": _Field(
         _INT, 0, "torch threads for the work a training step does on the host between ONNX Runtime's runs (the "
         "fused optimizer update, the gradient norm, copies), restored after the step; 0: one thread for an update "
@@ -437,6 +440,12 @@ def _cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[s
     if not own & {"distributed.world_rank", "distributed.world_size"} and rank >= size:
         found.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size}); "
                      "fill both from setup_distributed() (DistributedContext.trainer_options)")
+    if values["device.cuda_graph"] is True and "device.id" not in own and \
+            devices.parse_device_id(values["device.id"])[0] != "cuda":
+        found.append(f"device.cuda_graph: CUDA graphs need a GPU; device.id is {values['device.id']!r} (use 'cuda')")
+    if "provider_options" not in own and "enable_cuda_graph" in values["provider_options"]:
+        found.append("provider_options: enable_cuda_graph needs fixed buffers for every input and output of the "
+                     "step: ask for it with device.cuda_graph=True")
     if not own & {"distributed.backend", "device.id", "distributed.world_size"}:
         problem = backend_problem(values["distributed.backend"], values["device.id"], values["distributed.world_size"])
         if problem:

@@ -44,26 +44,28 @@ class Sessions:
         # them anyway), read for its nodes' modules only when a run fails (``explain``: 24 ms for that graph)
         self._models: dict[int, onnx.ModelProto] = {}
 
-    def make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+    def make_session(self, model: onnx.ModelProto, capture: bool = False) -> ort.InferenceSession:
         """A session of ``model`` with these session options and execution providers, once the
-        device has found nothing in the graph it cannot run (``Device.check_graph``)."""
+        device has found nothing in the graph it cannot run (``Device.check_graph``); ``capture``:
+        its runs are captured as a graph and replayed where the device can (``Device.capture_providers``)."""
         self.placement.check_graph(model)
         data = model.SerializeToString()
+        providers = self.placement.capture_providers(self._providers) if capture else self._providers
         if self._optimized is not None:
-            session = self._optimized.session(data, self.options, self._providers, self._disabled_optimizers)
+            session = self._optimized.session(data, self.options, providers, self._disabled_optimizers)
         else:
-            session = ort.InferenceSession(data, self.options, providers=self._providers,
+            session = ort.InferenceSession(data, self.options, providers=providers,
                                            disabled_optimizers=self._disabled_optimizers)
         self._models[id(session)] = model
         return session
 
     def run(self, session: ort.InferenceSession, binding: ort.IOBinding, what: str, feeds: dict,
-            training: bool) -> None:
+            training: bool, run_options: ort.RunOptions | None = None) -> None:
         """Run ``binding`` on ``session``. ONNX Runtime's error is raised as a ``StepError`` that says
         ``what`` failed, names the shapes of ``feeds`` (the step's inputs) and the module of the
         failing node (``_run_errors.explain``; ``training``: accumulation is advice that fits)."""
         try:
-            session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding, run_options)
         except (RuntimeError, MemoryError) + ONNXRUNTIME_ERRORS as exc:
             model = self._models.get(id(session))
             raise explain(exc, what, feeds, node_modules(model) if model is not None else {}, training,

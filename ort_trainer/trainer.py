@@ -115,15 +115,19 @@ class ORTTrainer(_StateMixin):
         opts = self.options
         window = opts.batch.gradient_accumulation_steps
         source = make_gradient_source(resolve_gradient_source(opts.graph.gradient_source))
+        # a captured step (device.cuda_graph) runs its graph more than once on its first call and must
+        # keep its shapes: micro-batches are summed outside it, and every label's row is projected
+        captured = opts.device.cuda_graph
         self._job = GraphJob(
             model=model, loss_fn=loss_fn, desc=self.model_desc, optim_config=optim_config,
             frozen_weights=list(opts.utils.frozen_weights), grad_norm_clip=opts.utils.grad_norm_clip,
             opset=opts._internal_use.onnx_opset_version, extra_postprocess=opts._internal_use.extra_postprocess,
             save_paths=dict(opts.debug.graph_save_paths),
-            accumulate=window > 1 and (
+            accumulate=window > 1 and not captured and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
             passes={**{name: opts.graph_optimizations[name]
                        for name in dict.fromkeys(FORWARD_PASSES + GRADIENT_PASSES + JOINT_PASSES + EVAL_PASSES)},
+                    "sparse_labels": opts.graph_optimizations.sparse_labels and not captured,
                     "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
                     and device_class(opts.device.id).host_dropout_masks},
             source=source,
@@ -136,7 +140,8 @@ class ORTTrainer(_StateMixin):
         # to be all-reduced; they, and those of a source that cannot accumulate inside its graph,
         # are summed on the host.
         self._allreduce_micro_batches = self._comm is not None and window > 1 and not dist.allreduce_post_accumulation
-        self._host_accumulation = window > 1 and (self._allreduce_micro_batches or not source.accumulates_in_graph)
+        self._host_accumulation = window > 1 and (self._allreduce_micro_batches or captured
+                                                  or not source.accumulates_in_graph)
         self._zero_counts: list[int] | None = None
         self._building_for: tuple | None = None  # (feeds, training) while ``_ready`` may build graphs
         self._shapes = ShapeGraphs(self._job, opts.graph_optimizations.shape_specialization,
@@ -194,6 +199,7 @@ class ORTTrainer(_StateMixin):
             buffer_updates=graphs.meta.get("buffer_updates", {}),
             unfused_skip_layer_norm=self.options.graph_optimizations.unfused_skip_layer_norm,
             release_weights=self._share_module_memory,
+            graph_capture=self.options.device.cuda_graph,
         )
         if self._comm is not None:  # every rank starts from rank 0's weights
             self._comm.broadcast(self._engine.weights_flat[self._engine.parity])

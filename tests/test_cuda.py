@@ -99,6 +99,43 @@ def test_inputs_given_on_the_gpu_train_like_host_inputs():
         torch.testing.assert_close(device.train_step(x.cuda(), y.cuda())[0], host.train_step(x, y)[0], rtol=0, atol=0)
 
 
+# A captured step replays the kernels the uncaptured one launches, on the same values in the same order:
+# only kernels that add with atomics (the embedding's gradient) may sum in another order, 64·u per step as
+# above (float32), well inside RTOL; in float16 such a float32 ulp may round one half-precision element the
+# other way (2^-11 of it), averaged into the loss over its rows and carried through 20 steps: 1e-3 holds that.
+CAPTURE_TOLERANCE = {"fp32": RTOL, "float16": 1e-3}
+
+
+@pytest.mark.parametrize("precision", CAPTURE_TOLERANCE)
+@pytest.mark.parametrize("name", MODELS)
+def test_a_captured_step_trains_as_an_uncaptured_one(name, precision, record_property):
+    """``device.cuda_graph``: 20 AdamW steps captured and replayed against the same steps run node by
+    node (losses and weights within CAPTURE_TOLERANCE); the step times of both are recorded."""
+    import time
+
+    make, desc, loss_fn, batch, lr = MODELS[name]
+    model = make()
+    mixed = {"mixed_precision": {"enabled": True, "dtype": precision}} if precision != "fp32" else {}
+    results = {}
+    for captured in (False, True):
+        options = {"device": {"id": "cuda", "cuda_graph": captured}, **mixed}
+        trainer = ORTTrainer(clone(model), desc, AdamConfig(lr=lr), loss_fn=loss_fn, options=options)
+        gen = torch.Generator().manual_seed(3)
+        losses, times = [], []
+        for _ in range(STEPS):
+            inputs, label = batch(gen)
+            start = time.perf_counter()
+            losses.append(trainer.train_step(inputs, label)[0].item())
+            times.append(time.perf_counter() - start)
+        results[captured] = losses, trainer.state_dict(pytorch_format=True), float(np.median(times[5:]))
+    (uncaptured, expected, plain_s), (captured, state, captured_s) = results[False], results[True]
+    record_property("step_ms_uncaptured", plain_s * 1e3)
+    record_property("step_ms_captured", captured_s * 1e3)
+    np.testing.assert_allclose(captured, uncaptured, rtol=CAPTURE_TOLERANCE[precision])
+    for key, value in expected.items():
+        check(_relative_error(state[key], value), CAPTURE_TOLERANCE[precision], key)
+
+
 def test_a_gpu_index_past_the_last_names_the_gpus():
     count = torch.cuda.device_count()
     with pytest.raises(ValueError, match=rf"device.id: 'cuda:{count}': there is no GPU {count}; this machine has "

@@ -358,7 +358,7 @@ def test_the_bindings_let_go_of_the_outputs_a_step_returned():
     loss, logits = trainer.train_step(*batch)
     eval_loss, eval_logits = trainer.eval_step(*batch)
     current = trainer._engine._current
-    bindings = {"training": current.training.grad_bindings, "eval": current.evaluation()[1]}
+    bindings = {"training": current.training.grad_bindings, "eval": [io.binding for io in current.evaluation()[1]]}
     for kind, per_parity in bindings.items():
         for binding in per_parity:
             values = binding._iobinding.get_outputs()

@@ -201,3 +201,15 @@ def test_the_lever_run_measures_the_probe_and_each_setting(tmp_path):
         "ort+half_precision_loss": {"aligned_products": False, "half_precision_loss": True}}
     page = (out / "levers.md").read_text()
     assert "| ort_trainer + `aligned_products` |" in page and "| ort_trainer + `half_precision_loss` |" in page
+
+
+def test_a_lever_named_device_x_is_a_device_option_of_the_run():
+    """``ort+device.cuda_graph`` A/Bs the device option, not a graph_optimizations switch."""
+    import gpu_worker
+
+    assert gpu.variant("ort+device.cuda_graph+half_precision_loss") == (
+        "ort", {"device.cuda_graph": True, "half_precision_loss": True})
+    options = gpu_worker.ort_options("cuda", "bf16", {"device.cuda_graph": True, "half_precision_loss": False})
+    assert options == {"device": {"id": "cuda", "cuda_graph": True},
+                       "mixed_precision": {"enabled": True, "dtype": "bfloat16"},
+                       "graph_optimizations": {"half_precision_loss": False}}
