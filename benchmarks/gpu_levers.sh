@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
-#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,half_precision_gelu,
-#       bfloat16_softmax_gradient,aligned_products,half_precision_loss,half_precision_bias_gradient,
-#       half_precision_transposed_products, and those six together)]
+#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,gelu_forward_kernel,
+#       half_precision_gelu,bfloat16_softmax_gradient,aligned_products,half_precision_loss,
+#       half_precision_bias_gradient,half_precision_transposed_products, and those seven together)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
 #    (and two aligned products of the step) in torch and ONNX Runtime: kernel names, ms, TFLOP/s.
 # 2. ort_trainer's GPT-2 small and BERT-base steps in fp16 and bf16, without the levers and with each one
@@ -16,7 +16,7 @@
 set -uo pipefail
 out=${1:-docs/gpu_levers}
 # each lever alone, then the graph levers all together (what turning every one on would give)
-all_graph=half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products
+all_graph=gelu_forward_kernel+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products
 levers=${2:-device.cuda_graph,${all_graph//+/,},$all_graph}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}

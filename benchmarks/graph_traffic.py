@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
 PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
 RECOMPUTED = "/recompute"
+BROADCASTING = {"Mul", "Add", "Sub", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Exp"}
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",
@@ -60,11 +61,16 @@ def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
     types.update({init.name: init.data_type for init in graph.initializer})
     shapes = {name: (dims, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(types[name])).itemsize)
               for name, dims, _ in largest_tensors(graph) if types.get(name)}
-    # activation_recompute's copies (``name/recompute``) have their original's shape, which inference may not reach
+    # activation_recompute's copies (``name/recompute``) have their original's shape, which inference may not reach;
+    # an element-wise node's output, the broadcast of its inputs' (where a pass removed the original it copies)
     for node in model.graph.node:
         for name in [*node.input, *node.output]:
             if name not in shapes and RECOMPUTED in name and name.split(RECOMPUTED)[0] in shapes:
                 shapes[name] = shapes[name.split(RECOMPUTED)[0]]
+        known = [shapes.get(name) for name in node.input if name]
+        if node.op_type in BROADCASTING and node.output[0] not in shapes and known and None not in known:
+            largest = max(known, key=lambda shape: int(np.prod(shape[0])))
+            shapes[node.output[0]] = (list(np.broadcast_shapes(*(tuple(shape) for shape, _ in known))), largest[1])
     return shapes
 
 

@@ -276,6 +276,12 @@ _SCHEMA: dict[str, _Field] = {
         "kernels need. The same values; off by default until a GPU measurement shows it wins there (on the CPU it "
         "only adds copies) (gradient source 'torch' only)"
     ),
+    "graph_optimizations.gelu_forward_kernel": _Field(
+        _BOOL, False, "each GELU's forward, once its backward recomputes its values (activation_recompute), as one "
+        "com.microsoft FastGelu (tanh) or BiasGelu with a zero bias (erf) node instead of five or six element-wise "
+        "passes; off by default until a GPU measurement shows it wins (on the CPU the kernel is slower) (gradient "
+        "source 'torch' only)"
+    ),
     "graph_optimizations.unfused_skip_layer_norm": _Field(
         _BOOL, True, "on the CPU, ONNX Runtime's SkipLayerNormFusion is turned off: its SkipLayerNormalization "
         "kernel took 0.7 ms per [1024, 256] against 0.2 ms for the Add and LayerNormalization it replaces (the "

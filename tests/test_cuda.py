@@ -210,7 +210,8 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
     under ``torch.autocast("cuda", dtype)`` with a ``GradScaler`` for float16 (none for bfloat16),
     the loss scale step for step GradScaler's, float32 master weights. With
     ``graph_optimizations.half_precision_loss``, ``half_precision_bias_gradient``,
-    ``half_precision_transposed_products``, ``half_precision_gelu`` and ``bfloat16_softmax_gradient`` too
+    ``half_precision_transposed_products``, ``half_precision_gelu``, ``gelu_forward_kernel`` (ONNX Runtime's
+    FastGelu / BiasGelu CUDA kernels for the GELUs' forward) and ``bfloat16_softmax_gradient`` too
     (a bfloat16 attention's softmax gradient in bfloat16, where the model has one): each row's log-probability one
     rounding more (u of its size, averaged over the rows of the mean), the scores' gradient two, the bias
     gradients and the transposed products summed in another order before their one rounding, the GELU's
@@ -232,6 +233,7 @@ def test_mixed_precision_follows_torch_cuda_autocast_for_50_steps(name, dtype, h
                                                           "half_precision_bias_gradient": half_loss,
                                                           "half_precision_transposed_products": half_loss,
                                                           "half_precision_gelu": half_loss,
+                                                          "gelu_forward_kernel": half_loss,
                                                           "bfloat16_softmax_gradient": half_loss}})
     if loss_only:
         trainer._train_step_info.fetches = ["loss"]

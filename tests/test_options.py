@@ -34,7 +34,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.half_precision_attention", "graph_optimizations.half_precision_softmax_gradient",
     "graph_optimizations.half_precision_loss", "graph_optimizations.half_precision_bias_gradient",
     "graph_optimizations.half_precision_transposed_products", "graph_optimizations.half_precision_gelu",
-    "graph_optimizations.bfloat16_softmax_gradient",
+    "graph_optimizations.bfloat16_softmax_gradient", "graph_optimizations.gelu_forward_kernel",
     "distributed.backend",
     "mixed_precision.dtype",
     "graph.optimizer",

@@ -51,13 +51,15 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
               "integer_powers", "gelu", "half_precision_gelu")
 # the "torch" source's passes over dropout masks (drawn on the host: host_dropout_masks), tensor sequences, output
 # copies and sums over leading axes (passes/), the safe-softmax guard of attention and a float16 softmax's gradient
-# (passes/softmax.py), a mixed-precision cross-entropy in the half dtype (passes/loss.py), activations recomputed in the backward (passes/recompute.py), products on aligned operands
+# (passes/softmax.py), a mixed-precision cross-entropy in the half dtype (passes/loss.py), activations recomputed in the
+# backward (passes/recompute.py), a GELU's forward as one kernel (passes/gelu_kernel.py), products on aligned operands
 # (passes/aligned.py)
 JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_gradient", "sequences",
                      "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "bfloat16_softmax_gradient",
                      "half_precision_loss",
                      "half_precision_bias_gradient", "column_sums", "transposed_products",
-                     "half_precision_transposed_products", "activation_recompute", "aligned_products")
+                     "half_precision_transposed_products", "activation_recompute", "gelu_forward_kernel",
+                     "aligned_products")
 # the "torch" source's rewrite of the traced program before autograd (gradient/attention.py)
 TRACE_PASSES = ("half_precision_attention",)
 GRADIENT_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
