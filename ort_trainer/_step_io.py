@@ -79,6 +79,13 @@ def _host_tensor(value: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
+def _bound_outputs(binding: ort.IOBinding, names: list[str]) -> dict[str, torch.Tensor]:
+    """The first ``len(names)`` outputs of ``binding``'s last run by name, as torch tensors over their memory
+    (DLPack: no copy)."""
+    values = binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
+    return {name: torch.utils.dlpack.from_dlpack(value.to_dlpack()) for name, value in zip(names, values)}
+
+
 class FreshIO:
     """Binds each run's host arrays and lets ONNX Runtime allocate the outputs anew every run.
 
@@ -100,8 +107,7 @@ class FreshIO:
         """Run the binding; the outputs by name, as torch tensors over ONNX Runtime's memory (DLPack: no copy)."""
         try:
             sessions.run(session, self.binding, what, data, training)
-            values = self.binding._iobinding.get_outputs()  # the raw list: no wrapper per bound output
-            return {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(self.outputs, values)}
+            return _bound_outputs(self.binding, self.outputs)
         finally:
             # the outputs are bound to fresh buffers again after every run: returned tensors are never
             # overwritten, and the binding, which holds each output until it is bound again, holds none. An
@@ -161,8 +167,7 @@ class CapturedIO:
             sessions.run(session, self.binding, what, data, training, self._replay)
             return {name: buffer.clone() if name in self.returned else buffer for name, buffer in self.fixed.items()}
         sessions.run(session, self.binding, what, data, training, self._learn)
-        values = self.binding._iobinding.get_outputs()
-        outputs = {name: torch.utils.dlpack.from_dlpack(v.to_dlpack()) for name, v in zip(self.outputs, values)}
+        outputs = _bound_outputs(self.binding, self.outputs)
         self.fixed = {name: tensor.clone() for name, tensor in outputs.items()}
         for name, buffer in self.fixed.items():
             self.device.bind_output(self.binding, name, buffer)

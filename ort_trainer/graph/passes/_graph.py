@@ -79,6 +79,22 @@ def _is(node: onnx.NodeProto, op_type: str) -> bool:
     return node.op_type == op_type and node.domain in _ONNX_DOMAINS
 
 
+def _op_types(model: onnx.ModelProto) -> dict[tuple[str, str], str]:
+    """``{(domain, op_type): ONNX operator}`` of every node's operator: the standard ones, and the
+    model's local functions whose body is one standard node (the exporter writes ``aten.erf`` as a
+    function around one ``Erf``)."""
+    kinds = {}
+    for function in model.functions:
+        if len(function.node) == 1 and function.node[0].domain in _ONNX_DOMAINS:
+            kinds[(function.domain, function.name)] = function.node[0].op_type
+    return kinds
+
+
+def _op(node: onnx.NodeProto, op_of: dict) -> str | None:
+    """The ONNX operator ``node`` computes (``op_of``: ``_op_types``'), or None for another domain's."""
+    return node.op_type if node.domain in _ONNX_DOMAINS else op_of.get((node.domain, node.op_type))
+
+
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     graph = model.graph
     types = {info.name: info.type.tensor_type.elem_type for info in [*graph.input, *graph.value_info, *graph.output]

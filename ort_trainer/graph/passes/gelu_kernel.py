@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ._graph import _Graph, _elem_types, _keep, _shared_constants
+from ._graph import _Graph, _elem_types, _keep, _op, _op_types, _shared_constants
 
 _BINARY = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": np.divide}
 _UNARY = {"Neg": np.negative, "Sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v)), "Tanh": np.tanh,
@@ -59,20 +59,13 @@ def _scalar(g: _Graph, name: str) -> float | None:
     return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
 
 
-def _operators(model: onnx.ModelProto) -> dict[int, str]:
-    """``{id(node): operator}`` of the element-wise nodes: their own, or for a call of one of the model's
-    functions whose body is one such node (the exporter's ``aten_special_erf`` is an ``Erf``), its body's."""
-    bodies = {(f.domain, f.name): f.node[0].op_type for f in model.functions
-              if len(f.node) == 1 and f.node[0].domain in ("", "ai.onnx")}
-    found = {}
-    for node in model.graph.node:
-        op = node.op_type if node.domain in ("", "ai.onnx") else bodies.get((node.domain, node.op_type))
-        if op in _BINARY or op in _UNARY:
-            found[id(node)] = op
-    return found
+def _elementwise_op(node: onnx.NodeProto, op_of: dict) -> str | None:
+    """The element-wise operator ``node`` computes (a call of a one-node function counts as its body's), or None."""
+    op = _op(node, op_of)
+    return op if op in _BINARY or op in _UNARY else None
 
 
-def _sources(g: _Graph, ops: dict[int, str], name: str) -> set[str]:
+def _sources(g: _Graph, op_of: dict, name: str) -> set[str]:
     """The tensors (not scalar constants) that ``name`` is computed from through element-wise nodes."""
     found, stack, seen = set(), [name], set()
     while stack:
@@ -81,20 +74,20 @@ def _sources(g: _Graph, ops: dict[int, str], name: str) -> set[str]:
             continue
         seen.add(value)
         node = g.producer.get(value)
-        if node is not None and id(node) in ops:
+        if node is not None and _elementwise_op(node, op_of):
             stack.extend(i for i in node.input if _scalar(g, i) is None)
         else:
             found.add(value)
     return found
 
 
-def _region(g: _Graph, ops: dict[int, str], x: str) -> tuple[list[onnx.NodeProto], str] | None:
+def _region(g: _Graph, op_of: dict, x: str) -> tuple[list[onnx.NodeProto], str] | None:
     """The element-wise nodes computed from ``x`` and scalars, and the one value of them read
     elsewhere; None when there is not exactly one such value, or not one transcendental."""
     values, nodes, frontier = {x}, {}, [x]
     while frontier:
         for node in g.consumers.get(frontier.pop(), []):
-            if id(node) in nodes or id(node) not in ops:
+            if id(node) in nodes or not _elementwise_op(node, op_of):
                 continue
             if all(i in values or _scalar(g, i) is not None for i in node.input):
                 nodes[id(node)] = node
@@ -102,48 +95,49 @@ def _region(g: _Graph, ops: dict[int, str], x: str) -> tuple[list[onnx.NodeProto
                 frontier.append(node.output[0])
     read_outside = [n.output[0] for n in nodes.values() if n.output[0] in g.outputs
                     or any(id(c) not in nodes for c in g.consumers.get(n.output[0], []))]
-    if len(read_outside) != 1 or sum(ops[i] in _TRANSCENDENTAL for i in nodes) != 1:
+    if len(read_outside) != 1 or sum(_op(n, op_of) in _TRANSCENDENTAL for n in nodes.values()) != 1:
         return None
     return list(nodes.values()), read_outside[0]
 
 
-def _evaluate(g: _Graph, ops: dict[int, str], nodes: list[onnx.NodeProto], x: str, y: str) -> np.ndarray:
+def _evaluate(g: _Graph, op_of: dict, nodes: list[onnx.NodeProto], x: str, y: str) -> np.ndarray:
     """``y`` computed by ``nodes`` from ``x`` = the probe points, in float64 with their constants."""
     env, pending = {x: _PROBE}, list(nodes)
     while pending:  # in dependency order (the graph's order may interleave other nodes)
         node = next(n for n in pending if all(i in env or _scalar(g, i) is not None for i in n.input))
         pending.remove(node)
         args = [env[i] if i in env else _scalar(g, i) for i in node.input]
-        function = _BINARY.get(ops[id(node)]) or _UNARY[ops[id(node)]]
+        op = _op(node, op_of)
+        function = _BINARY.get(op) or _UNARY[op]
         with np.errstate(all="ignore"):
             env[node.output[0]] = np.asarray(function(*args), dtype=np.float64) * np.ones_like(_PROBE)
     return env[y]
 
 
 def gelu_forward_kernel(model: onnx.ModelProto) -> int:
-    """Replace each GELU forward region of a joint graph by one ``FastGelu`` or ``Gelu`` node (see
+    """Replace each GELU forward region of a joint graph by one ``FastGelu`` or ``BiasGelu`` node (see
     the module docstring), in place; returns how many were replaced."""
-    g, ops = _Graph(model), _operators(model)
+    g, op_of = _Graph(model), _op_types(model)
     types = _elem_types(model)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     initializers: dict[str, onnx.TensorProto] = {}
     dead: set[int] = set()
     typed: dict[str, tuple] = {}  # y: (element type, shape)
     for node in model.graph.node:
-        if ops.get(id(node)) not in _TRANSCENDENTAL or id(node) in dead:
+        if _op(node, op_of) not in _TRANSCENDENTAL or id(node) in dead:
             continue
-        sources = _sources(g, ops, node.input[0])
-        found = _region(g, ops, next(iter(sources))) if len(sources) == 1 else None
+        sources = _sources(g, op_of, node.input[0])
+        found = _region(g, op_of, next(iter(sources))) if len(sources) == 1 else None
         if found is None:
             continue
         x, (nodes, y) = next(iter(sources)), found
-        kernel, rounding = _TRANSCENDENTAL[ops[id(node)]], _ROUNDING.get(types.get(x))
+        kernel, rounding = _TRANSCENDENTAL[_op(node, op_of)], _ROUNDING.get(types.get(x))
         if rounding is None:
             continue
         # 64 roundings of the dtype: its constants' (A = 0.0713... is 2^-11 off in float16), the
         # float64 evaluation's, and room; QuickGELU's x·σ(1.702x) is 5x off at x = -3
         expected = _gelu(kernel, _PROBE)
-        if not np.all(np.abs(_evaluate(g, ops, nodes, x, y) - expected) <= 64 * rounding * (np.abs(expected) + 1e-4)):
+        if not np.all(np.abs(_evaluate(g, op_of, nodes, x, y) - expected) <= 64 * rounding * (np.abs(expected) + 1e-4)):
             continue
         inputs = [x]
         if kernel == "BiasGelu":  # erf GELU of x + 0: ONNX Runtime's CUDA Gelu has no bfloat16 kernel, BiasGelu has

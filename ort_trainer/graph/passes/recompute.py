@@ -52,7 +52,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..names import LOSS_SCALE_INPUT
-from ._graph import _ONNX_DOMAINS, _Graph, _drop_unread_transposes, _elem_types, _is, _keep
+from ._graph import _ONNX_DOMAINS, _Graph, _drop_unread_transposes, _elem_types, _is, _keep, _op, _op_types
 
 _ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Erf", "Sigmoid", "Tanh"}
 _TRANSCENDENTAL = {"Erf", "Sigmoid", "Tanh"}
@@ -171,21 +171,6 @@ def half_transposed_products(model: onnx.ModelProto) -> int:
     CPU and CUDA and bfloat16 ones on CUDA (the CPU multiplies no bfloat16 at all).
     """
     return transposed_products(model, _HALF_TYPES)
-
-
-def _op_types(model: onnx.ModelProto) -> dict[tuple[str, str], str]:
-    """``{(domain, op_type): ONNX operator}`` of every node's operator: the standard ones, and the
-    model's local functions whose body is one standard node (the exporter writes ``aten.erf`` as a
-    function around one ``Erf``)."""
-    kinds = {}
-    for function in model.functions:
-        if len(function.node) == 1 and function.node[0].domain in _ONNX_DOMAINS:
-            kinds[(function.domain, function.name)] = function.node[0].op_type
-    return kinds
-
-
-def _op(node: onnx.NodeProto, op_of: dict) -> str | None:
-    return node.op_type if node.domain in _ONNX_DOMAINS else op_of.get((node.domain, node.op_type))
 
 
 def _scalar(g: _Graph, name: str) -> bool:
