@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
-#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,gelu_forward_kernel,
+#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,loss_pieces,gelu_forward_kernel,
 #       half_precision_gelu,bfloat16_softmax_gradient,aligned_products,half_precision_loss,
 #       half_precision_bias_gradient,half_precision_transposed_products, and those seven together)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
@@ -17,7 +17,8 @@ set -uo pipefail
 out=${1:-docs/gpu_levers}
 # each lever alone, then the graph levers all together (what turning every one on would give)
 all_graph=gelu_forward_kernel+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products
-levers=${2:-device.cuda_graph,${all_graph//+/,},$all_graph}
+# (loss_pieces is on by default: its row against the others' baseline, where it is off, measures it)
+levers=${2:-device.cuda_graph,loss_pieces,${all_graph//+/,},$all_graph}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}

@@ -231,7 +231,7 @@ def worker(args) -> dict:
         from ort_trainer import ORTTrainer
         from ort_trainer.optim import AdamConfig
 
-        trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4))
+        trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4), options=json.loads(args.ort_options or "{}"))
         trainer._train_step_info.fetches = ["loss"]
         build_first, graph_s = trainer._shapes.build_first, []
 
@@ -314,10 +314,13 @@ def resize(models: list[str], batch: int = 0, seq: int = 0) -> None:
         SIZES[model] = (batch or row_batch, seq or row_seq, steps)
 
 
+SETTINGS = {"ort_options": ""}  # --ort-options: the ORTTrainer options of every ort_trainer process, as JSON
+
+
 def _spawn(model: str, impl: str, steps: int, cache: str, save: bool = False) -> dict:
     batch, seq = SIZES[model][:2]
     command = [sys.executable, __file__, "--worker", "--model", model, "--impl", impl, "--steps", str(steps),
-               "--batch", str(batch), "--seq", str(seq)]
+               "--batch", str(batch), "--seq", str(seq), "--ort-options", SETTINGS["ort_options"]]
     if save:
         command.append("--save")
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": cache}
@@ -415,6 +418,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="batch size of every row (0: the row's)")
     parser.add_argument("--seq", type=int, default=0,
                         help="sequence length of every row, the MLP's input features (0: the row's)")
+    parser.add_argument("--ort-options", default="",
+                        help='ORTTrainer options of the ort_trainer processes, as JSON (e.g. '
+                             '\'{"graph_optimizations": {"loss_pieces": false}}\')')
     parser.add_argument("--out", type=Path, default=None,
                         help="the page to write (default: docs/benchmarks_real/<CPU kind>.md, listed in "
                              "docs/benchmarks_real.md)")
@@ -428,6 +434,7 @@ def main() -> None:
     if problems:
         parser.error("; ".join(problems))
     resize([args.model] if args.worker else models, args.batch, args.seq)
+    SETTINGS["ort_options"] = args.ort_options
     if args.worker:
         args.steps = args.steps or SIZES[args.model][2]
         print(json.dumps(worker(args)))
@@ -444,6 +451,7 @@ def main() -> None:
     command += f" --rounds {args.rounds}" if args.rounds else ""
     command += f" --compile-rounds {args.compile_rounds}" if args.compile_rounds >= 0 else ""
     command += "".join(f" --{name} {value}" for name, value in (("batch", args.batch), ("seq", args.seq)) if value)
+    command += f" --ort-options '{args.ort_options}'" if args.ort_options else ""
     cpu = host.describe()
     text = page(command, rounds, compile_rounds, cpu, rows, EVAL_CALLS, EVAL_SECONDS)
     out = args.out or ROOT / "docs" / "benchmarks_real" / f"{cpu['kind']}.md"

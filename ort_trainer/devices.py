@@ -418,8 +418,8 @@ class CUDADevice(Device):
                 f"{len(problems)} tensor(s) of this graph hold more than 2^31 - 1 elements, past what ONNX "
                 "Runtime's CUDA kernels index (they fail, or some write wrong values): "
                 + "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-                + ". Train with a smaller batch (gradient accumulation keeps the effective batch: "
-                "batch.gradient_accumulation_steps) or shorter sequences")
+                + ". Fetch the loss alone (a language-model loss then runs in pieces: graph_optimizations.loss_pieces), "
+                "or take a smaller batch (batch.gradient_accumulation_steps keeps the effective one) or shorter sequences")
 
     def bind_input(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
         binding.bind_input(name, self.kind, self.index, _element_type(tensor), tuple(tensor.shape), tensor.data_ptr())

@@ -221,6 +221,10 @@ _SCHEMA: dict[str, _Field] = {
         "of torch's math attention, which upcasts the inputs and every [batch, heads, seq, seq] tensor to float32 "
         "(gradient source 'torch' only)"
     ),
+    "graph_optimizations.loss_pieces": _Field(_BOOL, True, "when the logits are not fetched, a cross-entropy over "
+        "a projection with more than loss_piece_elements logits computed in pieces of rows, each piece's backward "
+        "right after its forward: none past 2^31 elements, one piece's alive at a time (gradient source 'torch' only)"),
+    "graph_optimizations.loss_piece_elements": _Field(_INT, 2**26, "most logits of one loss piece", _at_least(1)),
     "graph_optimizations.half_precision_softmax_gradient": _Field(
         _BOOL, True, "a float16 softmax's gradient (the half-precision attention's) computed in float16, the row sum "
         "accumulated in float32 on CUDA, instead of torch's float32 decomposition between casts: four passes over the "

@@ -128,6 +128,7 @@ class ORTTrainer(_StateMixin):
             passes={**{name: opts.graph_optimizations[name]
                        for name in dict.fromkeys(FORWARD_PASSES + GRADIENT_PASSES + JOINT_PASSES + EVAL_PASSES)},
                     "sparse_labels": opts.graph_optimizations.sparse_labels and not captured,
+                    "loss_piece_elements": opts.graph_optimizations.loss_piece_elements,
                     "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
                     and device_class(opts.device.id).host_dropout_masks},
             source=source,

@@ -28,7 +28,7 @@ from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
 from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx,
-               sparse_labels as torch_sparse_labels, torch_export)
+               loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels, torch_export)
 from .torch_export import _first_line
 
 
@@ -188,7 +188,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
           gelu: bool = False, half_gelu: bool = False, half_attention: bool = False,
-          eval_is_training: bool = False) -> JointGraphs:
+          eval_is_training: bool = False, loss_pieces: int = 0) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -204,8 +204,11 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             (``half_precision_gelu``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
+        loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
+            of at most this many logits elements (0: off); like ``sparse_labels``, it applies only where
+            ``outputs`` leaves the logits out, and after it (a loss it rewrote is left alone).
         eval_is_training: the operator record found that eval mode runs the operators training mode
-            runs, Dropouts aside (``OpRecord.eval_is_training``). Where ``sparse_labels`` will edit the
+            runs, Dropouts aside (``OpRecord.eval_is_training``). Where ``sparse_labels`` or ``loss_pieces`` edit the
             program (the gradient graph then lacks outputs the eval graph returns), a copy of it with
             its Dropouts off (``eval_program.training_in_eval_mode``) is kept for ``build_eval``,
             which then needs no eval-mode trace.
@@ -223,8 +226,9 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
     started = time.perf_counter()
     program = traced.program
-    sparse_labels = sparse_labels and len(returned) < len(desc.output_names)
-    if eval_is_training and sparse_labels and job.get("eval_program") is None:
+    dropped = len(returned) < len(desc.output_names)
+    sparse_labels, loss_pieces = sparse_labels and dropped, loss_pieces if dropped else 0
+    if eval_is_training and (sparse_labels or loss_pieces) and job.get("eval_program") is None:
         try:
             job["eval_program"] = eval_program.training_in_eval_mode(program)
         except Exception as exc:  # noqa: BLE001  (a copy torch refuses: the eval graph is traced, as always)
@@ -232,11 +236,14 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             job["eval_program"] = None
         job["eval_from_training"] = job["eval_program"] is not None
     _traced_program.mark_untrained(program)
-    if sparse_labels:
-        # outputs nobody reads go before the pass, which needs the logits to feed the loss alone
+    if sparse_labels or loss_pieces:
+        # outputs nobody reads go before the passes, which need the logits to feed the loss alone
         unread = torch_sparse_labels.unreturned(program, desc.output_names, returned)
         torch_sparse_labels.drop_outputs(program, unread)
+    if sparse_labels:
         torch_sparse_labels.sparse_labels(program)
+    if loss_pieces:
+        torch_loss_pieces.loss_pieces(program, loss_pieces)
     if gelu:
         torch_gelu.rewrite_formulas(program)
     if half_attention:
@@ -272,7 +279,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     if with_eval:
         started = time.perf_counter()
         eval_model = build_eval(traced, opset, outputs, optimize, sparse_labels=sparse_labels,
-                                half_attention=half_attention)
+                                half_attention=half_attention, loss_pieces=loss_pieces)
         seconds["eval export"] = time.perf_counter() - started
     if opset != joint_onnx.ONNX_OPSET:
         gradient = _convert_opset(gradient, opset)
@@ -293,14 +300,15 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
 
 
 def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
-               optimize: bool = False, sparse_labels: bool = False, half_attention: bool = False) -> onnx.ModelProto:
+               optimize: bool = False, sparse_labels: bool = False, half_attention: bool = False,
+               loss_pieces: int = 0) -> onnx.ModelProto:
     """The eval graph: a second ``torch.export`` of the model, in eval mode (Dropout off,
     BatchNorm on running statistics), with the weights as inputs.
 
     Args:
         traced: from ``trace`` (before or after ``build``).
         opset, outputs, optimize: as ``export_joint``.
-        sparse_labels, half_attention: as ``build``.
+        sparse_labels, half_attention, loss_pieces: as ``build``.
 
     Returns:
         Inputs: the data inputs and the weights it reads; outputs: the description's outputs.
@@ -312,7 +320,7 @@ def build_eval(traced: TracedModel, opset: int | None = None, outputs: Sequence[
     opset = _check_opset(opset)
     desc = traced._job["desc"]
     returned = [n for n in desc.output_names if outputs is None or n in outputs or n == desc.loss_name]
-    model = _eval_graph(traced._job, returned, optimize, sparse_labels, half_attention)
+    model = _eval_graph(traced._job, returned, optimize, sparse_labels, half_attention, loss_pieces)
     return model if opset == joint_onnx.ONNX_OPSET else _convert_opset(model, opset)
 
 
@@ -404,20 +412,23 @@ def _export_eval(job: dict) -> Any:
 
 
 def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: bool = False,
-                half_attention: bool = False) -> onnx.ModelProto:
+                half_attention: bool = False, loss_pieces: int = 0) -> onnx.ModelProto:
     """The eval-mode program (``trace``'s, ``build``'s copy of the training program with its Dropouts
-    off, or exported now), translated with weights as inputs; with ``sparse_labels``, the pass runs
-    on it as on the training program."""
+    off, or exported now), translated with weights as inputs; with ``sparse_labels`` and
+    ``loss_pieces``, the passes run on it as on the training program."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     desc = job["desc"]
     # the training program in eval mode (``build``'s copy) returns the scaled loss first
     first = 1 if job.pop("eval_from_training", False) else 0
     program = job.pop("eval_program", None) or _export_eval(job)
-    if sparse_labels and len(returned) < len(desc.output_names):
+    if (sparse_labels or loss_pieces) and len(returned) < len(desc.output_names):
         torch_sparse_labels.drop_outputs(
             program, torch_sparse_labels.unreturned(program, desc.output_names, returned, first=first))
-        torch_sparse_labels.sparse_labels(program)
+        if sparse_labels:
+            torch_sparse_labels.sparse_labels(program)
+        if loss_pieces:
+            torch_loss_pieces.loss_pieces(program, loss_pieces)
     if half_attention:
         torch_attention.half_precision(program)
     program = eval_program.forward_program(program)

@@ -84,9 +84,9 @@ def drop_outputs(program: Any, positions: Sequence[int]) -> None:
         _drop_unread_region_outputs(region, module)
 
 
-def applies(program: Any, dropped: Sequence[int]) -> bool:
-    """Whether ``sparse_labels`` would rewrite ``program`` once the user outputs at positions
-    ``dropped`` are gone (``drop_outputs``); reads the program without changing it."""
+def live_uses(program: Any, dropped: Sequence[int]) -> Callable[[torch.fx.Node], int]:
+    """Each node's readers (a returned position counting as one) once the user outputs at positions
+    ``dropped`` are gone (``drop_outputs``), without changing the program: what a pass's match asks."""
     output = program.graph.output_node()
     kept = [v for i, v in enumerate(output.args[0]) if i not in set(dropped) and isinstance(v, torch.fx.Node)]
     live: set[torch.fx.Node] = set()
@@ -106,15 +106,19 @@ def applies(program: Any, dropped: Sequence[int]) -> bool:
                     live.add(source)
                     stack.append(source)
 
-    def uses(node: torch.fx.Node) -> int:
-        return sum(1 for u in node.users if u in live) + outputs.get(node, 0)
-
     returned(kept)
     for region, module in _autocast_regions(program):
         if region in live:  # inside: what the region's read outputs need
             read = {u.args[1] for u in region.users if u in live and u.target is operator.getitem}
             returned([v for i, v in enumerate(module.graph.output_node().args[0])
                       if i in read and isinstance(v, torch.fx.Node)])
+    return lambda node: sum(1 for u in node.users if u in live) + outputs.get(node, 0)
+
+
+def applies(program: Any, dropped: Sequence[int]) -> bool:
+    """Whether ``sparse_labels`` would rewrite ``program`` once the user outputs at positions
+    ``dropped`` are gone (``drop_outputs``); reads the program without changing it."""
+    uses = live_uses(program, dropped)
     return any(_match(loss, uses) is not None for loss in _losses(program))
 
 
@@ -213,10 +217,11 @@ def _padded_to_bucket(graph: torch.fx.Graph, rows: torch.fx.Node, kept: torch.fx
                                       call(_aten.new_full.default, (labels, [1], ignore_index))], 0)))
 
 
-def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int]
+def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int], casts: bool = False
            ) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node], int] | None:
     """``(hidden, projection nodes in execution order, views from the loss back, ignore_index)``
-    or None; ``uses(node)`` counts the node's readers."""
+    or None; ``uses(node)`` counts the node's readers. ``casts``: the views may include casts to
+    another floating dtype (``_to_copy``, a ``logits.float()``)."""
     args = list(loss.args) + [None] * (6 - len(loss.args))
     kwargs = loss.kwargs
     weight = kwargs.get("weight", args[2])
@@ -232,7 +237,8 @@ def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int]
     if score_value is None or label_value is None or score_value.dim() != 2 or label_value.dim() != 1:
         return None
     views, node = [], scores
-    while _is_call(node) and (node.target in _VIEWS or node.target in _PASS_THROUGH):
+    while _is_call(node) and (node.target in _VIEWS or node.target in _PASS_THROUGH
+                              or (casts and _is_float_cast(node))):
         views.append(node)
         node = node.args[0]
     projection = []
@@ -265,6 +271,24 @@ def _match(loss: torch.fx.Node, uses: Callable[[torch.fx.Node], int]
             or out is None or out.shape[-1] != score_value.shape[-1]:
         return None  # the view must keep the class dimension last and flatten the rest
     return hidden, projection[::-1], views, int(ignore_index)
+
+
+def _is_float_cast(node: torch.fx.Node) -> bool:
+    """A ``_to_copy`` or ``to.dtype`` that only changes a floating tensor's floating dtype (no device,
+    layout or memory format)."""
+    value, source = _value(node), node.args[0] if node.args else None
+    if node.target == _aten._to_copy.default:
+        plain = len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
+    else:
+        plain = node.target == _aten.to.dtype and all(a in (False, None) for a in [*node.args[2:],
+                                                                                    *node.kwargs.values()])
+    return (plain and value is not None and isinstance(source, torch.fx.Node) and _value(source) is not None
+            and value.dtype.is_floating_point and _value(source).dtype.is_floating_point)
+
+
+def readers(node: torch.fx.Node) -> int:
+    """``node``'s readers, its metadata checks (``_assert_tensor_metadata``, which ``.to()`` leaves) aside."""
+    return sum(1 for user in node.users if user.target != _aten._assert_tensor_metadata.default)
 
 
 def _losses(program: Any) -> list[torch.fx.Node]:
@@ -336,4 +360,4 @@ def _erase_dead(graph: torch.fx.Graph, node: Any) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["applies", "bucket_rows", "drop_outputs", "sparse_labels", "unreturned"]
+__all__ = ["applies", "bucket_rows", "drop_outputs", "live_uses", "readers", "sparse_labels", "unreturned"]

@@ -13,6 +13,7 @@ so the run adds into it, and no second set of gradient buffers exists (BERT-base
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -28,7 +29,7 @@ from ..export.torchscript import ExportError
 from ..job import Built, GradientSource, GraphJob, OpRecord, Prepared, Traced
 from ..names import ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT
 from ..onnx_graph import compacted, drop_outputs, specialize, sum_into_inputs
-from . import autograd, sparse_labels, torch_export
+from . import autograd, loss_pieces, sparse_labels, torch_export
 
 
 
@@ -75,6 +76,7 @@ class TorchGradientSource(GradientSource):
             traced = autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
                                           dynamic=True, unknown_frozen="ignore", autocast=job.autocast)
             dims = None
+        _key_pieces(traced, traced.program, job)
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
                       program={"traced": traced, "built": None, "renamed": renamed}, dims=dims or None)
 
@@ -93,6 +95,7 @@ class TorchGradientSource(GradientSource):
             if dims is None:
                 _raise_for_recurrent_layers(job.model, exc)
             raise
+        _key_pieces(traced, traced._job["eval_program"], job)
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
                       program={"traced": traced, "built": None, "renamed": None}, dims=dims or None)
 
@@ -133,13 +136,15 @@ class TorchGradientSource(GradientSource):
         # an eval-only trace (``trace_eval``) has no training program to ask: its eval graph is
         # translated with every output, and the unfetched ones dropped
         training_program = traced.program["traced"].program is not None
-        if outputs is not None and (job.passes or {}).get("sparse_labels") and training_program:
+        sparse, limit = bool((job.passes or {}).get("sparse_labels")), _pieces_limit(job)
+        if outputs is not None and (sparse or limit) and training_program:
             # asked once per trace, before any build (building edits the traced program)
             answers = traced.program.setdefault("sparse_labels", {})
             if tuple(wanted) not in answers:
                 program = traced.program["traced"].program
-                answers[tuple(wanted)] = sparse_labels.applies(
-                    program, sparse_labels.unreturned(program, desc.output_names, wanted))
+                dropped = sparse_labels.unreturned(program, desc.output_names, wanted)
+                answers[tuple(wanted)] = (sparse and sparse_labels.applies(program, dropped)) or (
+                    bool(limit) and loss_pieces.applies(program, sparse_labels.live_uses(program, dropped), limit))
             if answers[tuple(wanted)]:
                 returned = wanted
         path = job.save_paths.get("model_after_graph_transforms_path")
@@ -173,10 +178,12 @@ class TorchGradientSource(GradientSource):
             traced_model = program["traced"]
             if built:  # building consumed the trace
                 traced_model = _retrace(traced_model, job.frozen_weights)
-            sparse = len(returned) < len(job.desc.output_names)
+            dropped = len(returned) < len(job.desc.output_names)
             passes_on = job.passes or {}
             built[tuple(returned)] = autograd.build(
-                traced_model, outputs=returned, sparse_labels=sparse, with_eval=False,
+                traced_model, outputs=returned, with_eval=False,
+                sparse_labels=dropped and bool(passes_on.get("sparse_labels")),
+                loss_pieces=_pieces_limit(job) if dropped else 0,
                 gelu=bool(passes_on.get("gelu")), half_gelu=bool(passes_on.get("half_precision_gelu")),
                 half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)
@@ -215,11 +222,28 @@ def _eval_graph(job: GraphJob, traced: Traced, returned: list[str], dims: dict[s
     and set of outputs (the debug dump and the engine's eval graph share it)."""
     evals = traced.program.setdefault("eval_built", {})
     if tuple(returned) not in evals:
-        sparse = len(returned) < len(job.desc.output_names)
+        dropped = len(returned) < len(job.desc.output_names)
         evals[tuple(returned)] = autograd.build_eval(
-            traced.program["traced"], outputs=returned, sparse_labels=sparse,
+            traced.program["traced"], outputs=returned,
+            sparse_labels=dropped and bool((job.passes or {}).get("sparse_labels")),
+            loss_pieces=_pieces_limit(job) if dropped else 0,
             half_attention=bool((job.passes or {}).get("half_precision_attention")))
     return specialize(evals[tuple(returned)], dims or {})  # a copy: the translation serves every specialisation
+
+
+def _pieces_limit(job: GraphJob) -> int:
+    """The ``loss_pieces`` pass's piece size (logits elements) where the pass is on, else 0."""
+    passes_on = job.passes or {}
+    return int(passes_on.get("loss_piece_elements") or 0) if passes_on.get("loss_pieces") else 0
+
+
+def _key_pieces(traced: autograd.TracedModel, program: object, job: GraphJob) -> None:
+    """Fold the pieces ``loss_pieces`` cuts the loss into into the trace's fingerprint: they come from
+    the traced sample's sizes, which a symbolic program's code leaves out."""
+    limit = _pieces_limit(job)
+    count = loss_pieces.pieces(program, limit) if limit and program is not None else 1
+    if count > 1:
+        traced.fingerprint = hashlib.sha256(f"{traced.fingerprint}/loss_pieces={count}".encode()).hexdigest()
 
 
 def _raise_for_recurrent_layers(model: object, exc: ExportError) -> None:

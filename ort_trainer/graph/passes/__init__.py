@@ -32,7 +32,7 @@ from __future__ import annotations
 import onnx
 
 from ..onnx_graph import dangling_names, drop_dead_nodes
-from . import aligned, copies, dropout, embedding, forward, gelu_kernel, loss, recompute, softmax, tied_embedding
+from . import aligned, copies, dropout, embedding, forward, gelu_kernel, loss, order, recompute, softmax, tied_embedding
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -54,7 +54,8 @@ _JOINT = (
     ("transposed_products", recompute.transposed_products),
     ("half_precision_transposed_products", recompute.half_transposed_products),
     ("activation_recompute", recompute.activation_recompute),
-    ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("aligned_products", aligned.aligned_products))
+    ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("aligned_products", aligned.aligned_products),
+    ("loss_pieces", order.piece_gradients_early))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),

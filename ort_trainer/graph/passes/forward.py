@@ -60,8 +60,9 @@ JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_g
                      "half_precision_bias_gradient", "column_sums", "transposed_products",
                      "half_precision_transposed_products", "activation_recompute", "gelu_forward_kernel",
                      "aligned_products")
-# the "torch" source's rewrite of the traced program before autograd (gradient/attention.py)
-TRACE_PASSES = ("half_precision_attention",)
+# the "torch" source's rewrites of the traced program before autograd (gradient/attention.py, gradient/loss_pieces.py;
+# loss_pieces' piece size, graph_optimizations.loss_piece_elements, reaches the job beside the switches)
+TRACE_PASSES = ("half_precision_attention", "loss_pieces")
 GRADIENT_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
 ALL_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
 

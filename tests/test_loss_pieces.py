@@ -1,0 +1,229 @@
+"""The ``loss_pieces`` pass (``graph/gradient/loss_pieces.py``): a language-model loss computed in pieces of
+rows when the logits are not fetched. Losses and gradients equal float64 PyTorch's with and without it
+(float32 and float16 mixed precision, static and symbolic graphs, rows the pieces do not divide evenly);
+each piece's backward comes right after its forward in the graph; it applies only where it should."""
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.optim import SGDConfig
+from tolerances import FLOAT16, check
+
+pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+
+VOCAB, HIDDEN, BATCH, SEQ = 40, 16, 4, 12  # 48 rows x 40 classes = 1920 logits elements
+# pieces of at most 700 elements: ceil(1920 / 700) = 3 pieces of 16 rows; the pass keeps >= 64 rows a
+# piece at real sizes, so the tests lower that floor too (_MIN_ROWS)
+PIECE = 700
+PIECES = 3
+# float32 one step against float64 PyTorch, as tests/test_rewrites_sparse_labels.py derives it for the
+# same model: a chain of ≈ 200 rounded operations forward (embeddings, dense 17, back 33, LayerNorm, head
+# 17, log-softmax 40, the mean's 48) and twice that back: gradients within 2·200·u32 = 2.4e-5 of each
+# weight's largest element, the loss within 200·u32 = 1.2e-5; kept at 1e-5 both (observed ≤ 5e-7, 20x under).
+# The pieces change the order of the loss's sum only (three partial sums of 16 rows each, then their sum).
+TOLERANCE = 1e-5
+# float16 mixed precision against float64 PyTorch: 24 float16 roundings along the longest chain (the sparse
+# labels test's count for this model: forward 6, backward 18), relative to each gradient's largest element.
+HALF_BOUND = 24 * FLOAT16
+
+
+class CausalLM(torch.nn.Module):
+    """Embeddings, a GELU block, LayerNorm, an LM head (tied matmul + bias, or a Linear) and a
+    Hugging Face style loss: the logits cast to float32 and flattened, labels shifted, ignore_index -100."""
+
+    def __init__(self, linear_head: bool = False, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+        self.tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.positions = torch.nn.Embedding(32, HIDDEN)
+        self.dense = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.back = torch.nn.Linear(2 * HIDDEN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.bias = torch.nn.Parameter(torch.randn(VOCAB) * 0.1)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB) if linear_head else None
+
+    def forward(self, ids, labels):
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
+        x = self.norm(x + self.back(F.gelu(self.dense(x))))
+        logits = self.head(x) if self.head is not None else x @ self.tokens.weight.T + self.bias
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), shifted.reshape(-1), ignore_index=-100,
+                               reduction=self.reduction)
+        return loss, logits
+
+
+DESC = {"inputs": [("ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+    from ort_trainer.graph.gradient import loss_pieces
+
+    monkeypatch.setattr(loss_pieces, "_MIN_ROWS", 1)
+
+
+def _batch(seed: int = 0, batch: int = BATCH, unlabelled: float = 0.2):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(batch, SEQ, generator=gen) < unlabelled] = -100
+    return ids, labels
+
+
+def _reference(model, batch):
+    double = copy.deepcopy(model).double()
+    loss, _ = double(*batch)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy() for n, p in double.named_parameters() if p.grad is not None}
+
+
+def _trainer(model, pieces: bool, **options):
+    options = {"graph_optimizations": {"loss_pieces": pieces, "loss_piece_elements": PIECE,
+                                       **options.pop("graph_optimizations", {})},
+               "graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False}, **options}
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0), options=options)
+    trainer._train_step_info.fetches = ["loss"]
+    return trainer
+
+
+def _step(trainer, batch):
+    loss = trainer.train_step(*batch)
+    return float(loss), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
+
+
+def _errors(loss, grads, expected_loss, expected) -> dict:
+    return {"loss": abs(loss - expected_loss) / abs(expected_loss), **{
+        name: float(np.abs(grads[name] - value).max()) / max(float(np.abs(value).max()), 1e-12)
+        for name, value in expected.items()}}
+
+
+def _graph(trainer) -> onnx.ModelProto:
+    """The gradient graph the loss-only steps run."""
+    (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
+    return trainer._shapes.graphs_for(key)[0]()
+
+
+def _log_softmaxes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "LogSoftmax"]
+
+
+@pytest.mark.parametrize("linear_head", [False, True], ids=["tied-matmul-head", "linear-head"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_losses_and_gradients_match_float64_pytorch_with_and_without_pieces(linear_head, reduction):
+    model, batch = CausalLM(linear_head, reduction), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    for pieces in (False, True):
+        trainer = _trainer(copy.deepcopy(model), pieces)
+        for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
+            check(error, TOLERANCE, f"pieces={pieces} {name}")
+        assert len(_log_softmaxes(_graph(trainer))) == (PIECES if pieces else 1)
+
+
+def test_each_piece_backward_follows_its_forward():
+    """In the graph's node order (the order ONNX Runtime's PRIORITY_BASED executor takes ready nodes in),
+    the last reader of each piece's log-probabilities comes before the next piece's log-softmax: one piece's
+    vocabulary-sized tensors are alive at a time."""
+    trainer = _trainer(CausalLM(), True)
+    _step(trainer, _batch(1))
+    model = _graph(trainer)
+    nodes = list(model.graph.node)
+    last_reader = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            last_reader[name] = i
+    positions = [i for i, n in enumerate(nodes) if n.op_type == "LogSoftmax"]
+    assert len(positions) == PIECES
+    for this, following in zip(positions, positions[1:]):
+        assert last_reader[nodes[this].output[0]] < following
+
+
+def test_pieces_only_where_logits_are_not_fetched_and_large():
+    model, batch = CausalLM(), _batch(1)
+    trainer = _trainer(copy.deepcopy(model), True)
+    trainer._train_step_info.fetches = []
+    loss, logits = trainer.train_step(*batch)  # the logits are returned: one projection
+    assert tuple(logits.shape) == (BATCH, SEQ, VOCAB)
+    assert len(_log_softmaxes(trainer._shapes.graphs_for(None)[0]())) == 1
+    # logits within the limit: left alone
+    small = _trainer(copy.deepcopy(model), True, graph_optimizations={"loss_piece_elements": BATCH * SEQ * VOCAB})
+    _step(small, batch)
+    assert len(_log_softmaxes(_graph(small))) == 1
+
+
+def test_uneven_rows_on_a_symbolic_graph():
+    """Without shape specialisation the pieces' sizes are computed in the graph from the row count: batches
+    of other sizes (rows the three pieces do not divide evenly, the last piece the largest) still match."""
+    model = CausalLM()
+    trainer = _trainer(copy.deepcopy(model), True, graph_optimizations={"shape_specialization": False})
+    for seed, batch in ((1, 4), (2, 3), (3, 5)):  # 48, 36 and 60 rows
+        data = _batch(seed, batch)
+        expected_loss, expected = _reference(model, data)
+        for name, error in _errors(*_step(trainer, data), expected_loss, expected).items():
+            check(error, TOLERANCE, f"batch {batch} {name}")
+    # the pieces are counted on the traced sample, which a symbolic trace takes one row and one position
+    # short of the first batch (export/program.trace_inputs): 3 x 11 rows x 40 classes, two pieces of 700
+    assert len(_log_softmaxes(_graph(trainer))) == 2
+    assert not any(d.HasField("dim_value") for d in _graph(trainer).graph.input[0].type.tensor_type.shape.dim)
+
+
+def test_no_labelled_row_gives_pytorchs_nan_loss():
+    model, (ids, labels) = CausalLM(), _batch(1)
+    labels[:] = -100
+    with torch.no_grad():
+        expected = float(model(ids, labels)[0])
+    loss, _ = _step(_trainer(copy.deepcopy(model), True), (ids, labels))
+    assert np.isnan(expected) and np.isnan(loss)
+
+
+def test_sparse_labels_keeps_the_losses_it_rewrites():
+    """A masked-LM style loss (a flattened projection straight into the cross-entropy) is ``sparse_labels``'s
+    when that pass is on (it projects the labelled rows only); with it off, the pieces take it."""
+    from test_rewrites_sparse_labels import DESC as MLM_DESC, MaskedLM, _batch as mlm_batch
+
+    model, batch = MaskedLM(), mlm_batch(1, labelled=0.9)
+    expected_loss, expected = _reference(model, batch)
+    for sparse in (True, False):
+        options = {"graph_optimizations": {"loss_pieces": True, "loss_piece_elements": PIECE, "sparse_labels": sparse},
+                   "graph": {"gradient_source": "torch"}}
+        trainer = ORTTrainer(copy.deepcopy(model), MLM_DESC, SGDConfig(lr=0.0), options=options)
+        trainer._train_step_info.fetches = ["loss"]
+        for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
+            check(error, TOLERANCE, f"sparse_labels={sparse} {name}")
+        graph = _graph(trainer)
+        assert len(_log_softmaxes(graph)) == (1 if sparse else PIECES)
+        assert any(n.op_type == "NonZero" for n in graph.graph.node) is sparse
+
+
+def test_eval_step_gets_the_pieces_too():
+    model, batch = CausalLM(), _batch(4)
+    with torch.no_grad():
+        expected = float(copy.deepcopy(model).double().eval()(*batch)[0])
+    trainer = _trainer(copy.deepcopy(model), True)
+    loss = trainer.eval_step(*batch)
+    check(abs(float(loss) - expected) / abs(expected), TOLERANCE, "eval loss")
+    (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
+    assert len(_log_softmaxes(trainer._shapes.graphs_for(key)[1]())) == PIECES
+
+
+@pytest.mark.parametrize("linear_head", [False, True], ids=["tied-matmul-head", "linear-head"])
+def test_mixed_precision_matches_float64_pytorch(linear_head):
+    """float16 (the model traced under autocast): the pieces are cut inside the autocast region, and the
+    loss and gradients, pieces on and off, are within HALF_BOUND of float64 PyTorch's."""
+    from ort_trainer.amp import DynamicLossScaler
+
+    model, batch = CausalLM(linear_head), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    for pieces in (True, False):
+        trainer = _trainer(copy.deepcopy(model), pieces, mixed_precision={
+            "enabled": True, "dtype": "float16",
+            "loss_scaler": DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)})
+        for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
+            check(error, HALF_BOUND, f"pieces={pieces} {name}")
+        assert len(_log_softmaxes(_graph(trainer))) == (PIECES if pieces else 1)
