@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import SGDConfig
-from tolerances import FLOAT16, check
+from tolerances import BFLOAT16, FLOAT16, check
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 
@@ -95,7 +95,7 @@ def _trainer(model, pieces: bool, **options):
 
 def _step(trainer, batch):
     loss = trainer.train_step(*batch)
-    return float(loss), {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
+    return float(loss), {w: g.detach().cpu().numpy().copy() for w, g in trainer._engine.grads.items()}
 
 
 def _errors(loss, grads, expected_loss, expected) -> dict:
@@ -227,3 +227,31 @@ def test_mixed_precision_matches_float64_pytorch(linear_head):
         for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
             check(error, HALF_BOUND, f"pieces={pieces} {name}")
         assert len(_log_softmaxes(_graph(trainer))) == (PIECES if pieces else 1)
+
+
+# bfloat16 against float64 PyTorch: the same 24 roundings along the longest chain, each u_bf16 of its value.
+BFLOAT16_BOUND = 24 * BFLOAT16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pieces_on_a_gpu_match_float64_pytorch(dtype, record_property):
+    """On CUDA (``make gpu-check``), in float16 and bfloat16 with the half-precision levers on: three pieces, each
+    piece's log-probabilities dead before the next piece's log-softmax, the loss and gradients within the bound
+    of float64 PyTorch's. The CPU runs no bfloat16 product: this is the pieces' only bfloat16 check."""
+    from ort_trainer.amp import DynamicLossScaler
+
+    model, batch = CausalLM(True), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    mixed = {"enabled": True, "dtype": dtype}
+    if dtype == "float16":
+        mixed["loss_scaler"] = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
+    levers = dict.fromkeys(["half_precision_loss", "half_precision_bias_gradient", "half_precision_transposed_products",
+                            "gelu_forward_kernel", "bfloat16_softmax_gradient", "aligned_products"], True)
+    trainer = _trainer(copy.deepcopy(model), True, device={"id": "cuda"}, mixed_precision=mixed,
+                       graph_optimizations=levers)
+    errors = _errors(*_step(trainer, batch), expected_loss, expected)
+    record_property("worst", max(errors.values()))
+    for name, error in errors.items():
+        check(error, HALF_BOUND if dtype == "float16" else BFLOAT16_BOUND, f"{dtype} {name}")
+    assert len(_log_softmaxes(_graph(trainer))) == PIECES
