@@ -173,6 +173,56 @@ def test_uneven_rows_on_a_symbolic_graph():
     assert not any(d.HasField("dim_value") for d in _graph(trainer).graph.input[0].type.tensor_type.shape.dim)
 
 
+def test_a_symbolic_graph_serves_fewer_rows_than_pieces():
+    """Pieces of 100 elements on the symbolic trace's 33 rows x 40 classes: 14 pieces. A batch of 12 rows then
+    has 13 empty pieces (ONNX Runtime multiplies and reduces zero rows) and one of 12, and still matches."""
+    model = CausalLM()
+    trainer = _trainer(copy.deepcopy(model), True, graph_optimizations={"shape_specialization": False,
+                                                                        "loss_piece_elements": 100})
+    for seed, batch in ((1, 4), (2, 1)):
+        data = _batch(seed, batch)
+        expected_loss, expected = _reference(model, data)
+        for name, error in _errors(*_step(trainer, data), expected_loss, expected).items():
+            check(error, TOLERANCE, f"batch {batch} {name}")
+    assert len(_log_softmaxes(_graph(trainer))) == 14
+
+
+def test_gradient_accumulation_adds_the_pieces_gradients():
+    """Two windows of two micro-batches (in-graph accumulation into the gradient buffers), SGD at lr 0.5: the
+    weights equal float64 PyTorch's summing each window's two backward passes and stepping with their mean
+    (the trainer divides the sum by the window, docs/usage.md)."""
+    from ort_trainer import ORTTrainer
+
+    model, lr = CausalLM(), 0.5
+    trainer = ORTTrainer(copy.deepcopy(model), DESC, SGDConfig(lr=lr), options={
+        "graph_optimizations": {"loss_pieces": True, "loss_piece_elements": PIECE},
+        "batch": {"gradient_accumulation_steps": 2}, "utils": {"grad_norm_clip": False}})
+    trainer._train_step_info.fetches = ["loss"]
+    double = copy.deepcopy(model).double()
+    bound = 0.0
+    for window in range(2):
+        for param in double.parameters():
+            param.grad = None
+        for micro in range(2):
+            trainer.train_step(*_batch(2 * window + micro))
+            double(*_batch(2 * window + micro))[0].backward()
+        with torch.no_grad():
+            for param in double.parameters():
+                if param.grad is not None:
+                    # each micro-batch's gradient within TOLERANCE of its largest element (the first test), the
+                    # window's mean within that of the sum's largest: the step moves a weight at most lr times
+                    # as far; the bound adds each window's (the second window's gradient is taken at weights
+                    # already that close, a second-order change), over every weight alike
+                    bound += lr * TOLERANCE * float(param.grad.abs().max())
+                    param -= lr * param.grad / 2
+    assert len(_log_softmaxes(_graph(trainer))) == PIECES
+    ours = trainer.state_dict(pytorch_format=True)
+    for name, value in double.state_dict().items():
+        mine = ours[name]
+        mine = mine.detach().cpu().numpy() if isinstance(mine, torch.Tensor) else np.asarray(mine)
+        check(float(np.abs(mine - value.numpy()).max()), bound, name)
+
+
 def test_no_labelled_row_gives_pytorchs_nan_loss():
     model, (ids, labels) = CausalLM(), _batch(1)
     labels[:] = -100
