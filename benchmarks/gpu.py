@@ -14,11 +14,12 @@ writes ``docs/benchmarks_gpu.md``. BERT-base MLM at batch 32 × 128 and GPT-2 sm
    Round 1's processes then profile ``--profile-steps`` more steps (``torch.profiler``: on a GPU every
    kernel of the process, ONNX Runtime's included), summed by kind of kernel: where a step goes.
 3. **Largest batch** (``--probe MODEL``): at the model's sequence length, the batch doubles from
-   ``--probe-start`` until a step runs out of GPU memory (``--probe-impls``: ort_trainer and eager;
-   fp32 unless ``--probe-precisions`` says otherwise). With ``--batch-of-probe IMPL`` the probe runs
-   first, and the warm-up and the rounds train at the largest batch IMPL fitted (the row that fills
-   the GPU: ``--models gpt2-1024 --precisions bf16 --probe gpt2-1024 --probe-precisions bf16
-   --probe-impls eager --batch-of-probe eager``); ``--batch N`` sets the batch of the rounds directly.
+   ``--probe-start`` until a step runs out of GPU memory, then 1.5 times the last batch that trained is
+   tried (``--probe-impls``: ort_trainer and eager; fp16 unless ``--probe-precisions`` says otherwise).
+   With ``--batch-of-probe IMPL`` the probe runs first, and the warm-up and the rounds train at the
+   largest batch IMPL fitted (the row that fills the GPU: ``--models gpt2-1024 --precisions bf16
+   --probe gpt2-1024 --probe-precisions bf16 --probe-impls eager --batch-of-probe eager``); ``--batch N``
+   sets the batch of the rounds directly.
 
 ``--impls ort,ort+PASS`` A/Bs a lever in one run: ``ort+PASS[+PASS]`` is ort_trainer with those
 ``graph_optimizations`` on, a row of its own in every round and profile, its ratio ort_trainer's time over
@@ -145,16 +146,22 @@ class Run:
                                            profile=profile), round=number)
 
     def probe(self) -> None:
-        """The largest batch: double it from ``--probe-start`` until a step fails (ort_trainer, eager)."""
+        """The largest batch: double it from ``--probe-start`` until a step fails (ort_trainer, eager), then
+        try 1.5 times the last batch that trained (the issue's goal is 1.5 times eager's)."""
         for precision in self.args.probe_precisions.split(","):
             for impl in self.args.probe_impls.split(","):
-                batch = self.args.probe_start
+                batch, fitted = self.args.probe_start, None
                 while batch <= self.args.probe_max and not self.late():
                     result = self.record("probe", _spawn(self.args, self.args.probe, impl, precision, 2, batch=batch))
                     if "error" in result:
                         break
                     self.probed.setdefault(impl, []).append(batch)
-                    batch *= 2
+                    fitted, batch = batch, batch * 2
+                between = fitted * 3 // 2 if fitted else 0
+                if fitted and fitted < between < batch <= self.args.probe_max and not self.late():
+                    result = self.record("probe", _spawn(self.args, self.args.probe, impl, precision, 2, batch=between))
+                    if "error" not in result:
+                        self.probed[impl].append(between)
 
     def all(self) -> None:
         """Warm-up, round 1, the probe, the other rounds; with ``--batch-of-probe``, the probe first.
@@ -305,18 +312,26 @@ def _probe_lines(results: list[dict]) -> list[str]:
     if not probes:
         return []
     lines = ["", "## Largest batch that trains", "",
-             "| model | precision | implementation | batches that trained | first that did not | largest | peak MB at largest |",
+             "| model | precision | implementation | batches that trained | smallest that did not | largest | peak MB at largest |",
              "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["model"], r["precision"], r["impl"]) for r in probes})
     for model, precision, impl in keys:
         runs = [r for r in probes if (r["model"], r["precision"], r["impl"]) == (model, precision, impl)]
         good = [r for r in runs if "error" not in r]
         bad = [r for r in runs if "error" in r]
+        bad = sorted(bad, key=lambda r: r.get("batch", 0))  # the doubling's failure, and 1.5 times the last fit's
         why = ("out of memory" if bad and bad[0].get("out_of_memory") else f"failed: {bad[0]['error'][:120]}") if bad else "—"
         first_bad = f"{bad[0].get('batch', '?')} ({why})" if bad else "none (probe cap)"
         largest = max(good, key=lambda r: r["batch"]) if good else None
         lines.append(f"| {model} | {precision} | {impl} | {[r['batch'] for r in good]} | {first_bad} | "
                      f"{largest['batch'] if largest else '—'} | {_fmt(largest['peak_mb'] if largest else None, '{:.0f}')} |")
+    largest_of = {key: max((r["batch"] for r in probes if "error" not in r
+                            and (r["model"], r["precision"], r["impl"]) == key), default=None) for key in keys}
+    ratios = [f"{model} {precision} {largest_of[model, precision, 'ort'] / largest_of[model, precision, 'eager']:.2f}×"
+              for model, precision, impl in keys if impl == "eager" and largest_of[model, precision, "eager"]
+              and largest_of.get((model, precision, "ort"))]
+    if ratios:
+        lines += ["", "ort_trainer's largest batch over eager's (goal: ≥ 1.5× in fp16): " + ", ".join(ratios) + "."]
     return lines
 
 
@@ -394,7 +409,7 @@ def parse(argv=None):
     parser.add_argument("--warm-parallel", type=int, default=6, help="fill the caches first, N processes at a time (0: no)")
     parser.add_argument("--warm-impls", default="ort,compile", help="which implementations the warm-up runs")
     parser.add_argument("--probe", default="gpt2", help="model of the largest-batch probe ('' for none)")
-    parser.add_argument("--probe-precisions", default="fp32")
+    parser.add_argument("--probe-precisions", default="fp16", help="precisions of the probe (the goal: fp16)")
     parser.add_argument("--probe-impls", default="ort,eager", help="implementations the probe runs")
     parser.add_argument("--batch-of-probe", default="", help="probe first, then time at the largest batch this "
                         "implementation fitted (one model: the probe's)")

@@ -59,6 +59,10 @@ def test_the_report_gives_ratios_mfu_memory_and_loss_errors_and_says_which_goal_
          "step_s": [1.0, 0.5], "losses": [1.0, 1.0], "build_s": 1.0},
         {"phase": "probe", "model": "gpt2", "impl": "ort", "precision": "fp32", "batch": 32,
          "error": "RuntimeError: CUDA out of memory", "out_of_memory": True},
+        {"phase": "probe", "model": "gpt2", "impl": "ort", "precision": "fp32", "batch": 24,  # 1.5 x 16, tried after
+         "error": "RuntimeError: CUDA out of memory", "out_of_memory": True},
+        {"phase": "probe", "model": "gpt2", "impl": "eager", "precision": "fp32", "batch": 8, "peak_mb": 40_000,
+         "step_s": [1.0, 0.5], "losses": [1.0, 1.0], "build_s": 1.0},
     ]
     args = gpu.parse(["--steps", "5", "--warmup", "1"])
     args.versions = "torch 2.11.0+cu130, onnxruntime 1.31.1"
@@ -73,7 +77,8 @@ def test_the_report_gives_ratios_mfu_memory_and_loss_errors_and_says_which_goal_
     assert "- time gpt2 fp32 compile: exit 1: boom" in text
     assert "after the first step → the process's peak (MB; a second copy of the activations after the first step shows " \
            "here): gpt2 bf16 ort 19000 → 20000." in text
-    assert "| gpt2 | fp32 | ort | [16] | 32 (out of memory) | 16 | 50000 |" in text
+    assert "| gpt2 | fp32 | ort | [16] | 24 (out of memory) | 16 | 50000 |" in text
+    assert "ort_trainer's largest batch over eager's (goal: ≥ 1.5× in fp16): gpt2 fp32 2.00×." in text
     assert missed == ["gpt2 bf16 vs compile: 0.90×", "gpt2 fp32 vs eager: 0.95×", "gpt2 fp32 vs compile: not measured",
                       "gpt2 fp32: peak memory 40000 MB > eager's 30000 MB"]
 
@@ -85,7 +90,7 @@ def test_the_whole_harness_runs_on_the_cpu_at_toy_size(tmp_path):
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "gpt2-tiny",
                            "--precisions", "fp32", "--steps", "4", "--warmup", "1", "--warm-parallel", "2", "--warm-impls",
-                           "compile", "--probe", "gpt2-tiny", "--probe-start", "4", "--probe-max", "4", "--profile-steps", "1", "--compile-backend",
+                           "compile", "--probe", "gpt2-tiny", "--probe-precisions", "fp32", "--probe-start", "4", "--probe-max", "4", "--profile-steps", "1", "--compile-backend",
                            "aot_eager", "--results", str(results), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     lines = [json.loads(line) for line in results.read_text().splitlines()]
@@ -213,3 +218,25 @@ def test_a_lever_named_device_x_is_a_device_option_of_the_run():
     assert options == {"device": {"id": "cuda", "cuda_graph": True},
                        "mixed_precision": {"enabled": True, "dtype": "bfloat16"},
                        "graph_optimizations": {"half_precision_loss": False}}
+
+
+def test_the_probe_tries_one_and_a_half_times_the_last_batch_that_trained(tmp_path, monkeypatch):
+    """The probe doubles the batch until a step fails, then tries 1.5 times the last batch that trained (the
+    issue's goal is 1.5 times eager's largest batch); a worker that stands for the GPU fits 100 samples."""
+    tried = []
+
+    def spawn(args, model, impl, precision, steps, batch=None, profile=0):
+        tried.append(batch)
+        if batch > 100:
+            return {"model": model, "impl": impl, "precision": precision, "batch": batch, "error": "OOM",
+                    "out_of_memory": True}
+        return {"model": model, "impl": impl, "precision": precision, "batch": batch, "step_s": [1.0, 1.0],
+                "losses": [1.0, 1.0], "peak_mb": float(batch)}
+
+    monkeypatch.setattr(gpu, "_spawn", spawn)
+    args = gpu.parse(["--probe", "gpt2", "--probe-impls", "ort", "--probe-start", "16",
+                      "--results", str(tmp_path / "r.jsonl")])
+    run = gpu.Run(args)
+    run.probe()
+    assert tried == [16, 32, 64, 128, 96]
+    assert run.probed == {"ort": [16, 32, 64, 96]}
