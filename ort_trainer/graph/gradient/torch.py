@@ -139,7 +139,7 @@ class TorchGradientSource(GradientSource):
         sparse, limit = bool((job.passes or {}).get("sparse_labels")), _pieces_limit(job)
         if outputs is not None and (sparse or limit) and training_program:
             # asked once per trace, before any build (building edits the traced program)
-            answers = traced.program.setdefault("sparse_labels", {})
+            answers = traced.program.setdefault("outputs_dropped", {})  # {wanted: a pass then applies}
             if tuple(wanted) not in answers:
                 program = traced.program["traced"].program
                 dropped = sparse_labels.unreturned(program, desc.output_names, wanted)
