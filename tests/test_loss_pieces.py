@@ -232,23 +232,48 @@ def test_no_labelled_row_gives_pytorchs_nan_loss():
     assert np.isnan(expected) and np.isnan(loss)
 
 
-def test_sparse_labels_keeps_the_losses_it_rewrites():
-    """A masked-LM style loss (a flattened projection straight into the cross-entropy) is ``sparse_labels``'s
-    when that pass is on (it projects the labelled rows only); with it off, the pieces take it."""
+def test_with_sparse_labels_each_piece_projects_its_labelled_rows():
+    """A masked-LM style loss (a flattened projection straight into the cross-entropy) is cut in pieces with
+    ``sparse_labels`` on or off; with it on, each piece projects only its labelled rows (a NonZero of its
+    labels each); with the pieces off, ``sparse_labels`` projects the whole batch's labelled rows once. The
+    losses and gradients equal float64 PyTorch's in all three."""
     from test_rewrites_sparse_labels import DESC as MLM_DESC, MaskedLM, _batch as mlm_batch
 
-    model, batch = MaskedLM(), mlm_batch(1, labelled=0.9)
+    model, batch = MaskedLM(), mlm_batch(1, labelled=0.6)
     expected_loss, expected = _reference(model, batch)
-    for sparse in (True, False):
-        options = {"graph_optimizations": {"loss_pieces": True, "loss_piece_elements": PIECE, "sparse_labels": sparse},
-                   "graph": {"gradient_source": "torch"}}
+    for sparse, pieces in ((True, True), (False, True), (True, False)):
+        options = {"graph_optimizations": {"loss_pieces": pieces, "loss_piece_elements": PIECE,
+                                           "sparse_labels": sparse}, "graph": {"gradient_source": "torch"}}
         trainer = ORTTrainer(copy.deepcopy(model), MLM_DESC, SGDConfig(lr=0.0), options=options)
         trainer._train_step_info.fetches = ["loss"]
         for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
-            check(error, TOLERANCE, f"sparse_labels={sparse} {name}")
+            check(error, TOLERANCE, f"sparse_labels={sparse}, pieces={pieces} {name}")
         graph = _graph(trainer)
-        assert len(_log_softmaxes(graph)) == (1 if sparse else PIECES)
-        assert any(n.op_type == "NonZero" for n in graph.graph.node) is sparse
+        assert len(_log_softmaxes(graph)) == (PIECES if pieces else 1)
+        # a selection has two NonZeros: the labelled rows, and the first of them up to the bucket's size
+        selections = 0 if not sparse else PIECES if pieces else 1
+        assert sum(n.op_type == "NonZero" for n in graph.graph.node) == 2 * selections
+
+
+def test_labelled_rows_of_pieces_under_mixed_precision():
+    """float16: the pieces' labelled rows are selected in float32 and cast back (``labelled_rows``), inside the
+    autocast region; the loss and gradients within HALF_BOUND of float64 PyTorch's."""
+    from ort_trainer.amp import DynamicLossScaler
+    from test_rewrites_sparse_labels import DESC as MLM_DESC, MaskedLM, _batch as mlm_batch
+
+    model, batch = MaskedLM(), mlm_batch(1, labelled=0.6)
+    expected_loss, expected = _reference(model, batch)
+    options = {"graph_optimizations": {"loss_pieces": True, "loss_piece_elements": PIECE},
+               "graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
+               "mixed_precision": {"enabled": True, "dtype": "float16",
+                                   "loss_scaler": DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)}}
+    trainer = ORTTrainer(copy.deepcopy(model), MLM_DESC, SGDConfig(lr=0.0), options=options)
+    trainer._train_step_info.fetches = ["loss"]
+    for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
+        check(error, HALF_BOUND, name)
+    graph = _graph(trainer)
+    assert len(_log_softmaxes(graph)) == PIECES
+    assert sum(n.op_type == "NonZero" for n in graph.graph.node) == 2 * PIECES
 
 
 def test_eval_step_gets_the_pieces_too():

@@ -206,7 +206,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
             of at most this many logits elements (0: off); like ``sparse_labels``, it applies only where
-            ``outputs`` leaves the logits out, and after it (a loss it rewrote is left alone).
+            ``outputs`` leaves the logits out, and before it (with it, each piece projects its labelled rows).
         eval_is_training: the operator record found that eval mode runs the operators training mode
             runs, Dropouts aside (``OpRecord.eval_is_training``). Where ``sparse_labels`` or ``loss_pieces`` edit the
             program (the gradient graph then lacks outputs the eval graph returns), a copy of it with
@@ -240,10 +240,10 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         # outputs nobody reads go before the passes, which need the logits to feed the loss alone
         unread = torch_sparse_labels.unreturned(program, desc.output_names, returned)
         torch_sparse_labels.drop_outputs(program, unread)
+    if loss_pieces:  # first: a piece projects its labelled rows where sparse_labels is on
+        torch_loss_pieces.loss_pieces(program, loss_pieces, sparse=sparse_labels)
     if sparse_labels:
         torch_sparse_labels.sparse_labels(program)
-    if loss_pieces:
-        torch_loss_pieces.loss_pieces(program, loss_pieces)
     if gelu:
         torch_gelu.rewrite_formulas(program)
     if half_attention:
@@ -425,10 +425,10 @@ def _eval_graph(job: dict, returned: list[str], optimize: bool, sparse_labels: b
     if (sparse_labels or loss_pieces) and len(returned) < len(desc.output_names):
         torch_sparse_labels.drop_outputs(
             program, torch_sparse_labels.unreturned(program, desc.output_names, returned, first=first))
+        if loss_pieces:
+            torch_loss_pieces.loss_pieces(program, loss_pieces, sparse=sparse_labels)
         if sparse_labels:
             torch_sparse_labels.sparse_labels(program)
-        if loss_pieces:
-            torch_loss_pieces.loss_pieces(program, loss_pieces)
     if half_attention:
         torch_attention.half_precision(program)
     program = eval_program.forward_program(program)

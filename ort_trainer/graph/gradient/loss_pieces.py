@@ -27,8 +27,10 @@ vocabulary-sized tensors are alive at a time instead of the whole batch's.
 ``K`` is the fewest pieces with at most ``limit`` logits elements each (``rows × classes``, the rows
 of the traced sample), and pieces of at least ``_MIN_ROWS`` rows; a loss whose logits fit in
 ``limit`` is left alone. Under mixed precision the pass looks inside the autocast region as
-``sparse_labels`` does. A loss ``sparse_labels`` rewrote (its projection reads the labelled rows) is
-left to that pass: the pieces apply to per-position logits (a projection of a rank-3 ``h``) only.
+``sparse_labels`` does. The pieces apply to per-position logits (a projection of a rank-3 ``h``) only,
+and run before ``sparse_labels``: where that pass is on and the loss is its pattern too (no cast between
+the projection and the loss), each piece projects only its labelled rows (``labelled_rows``, padded to a
+bucket per piece), and ``sparse_labels`` then takes the losses left whole.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from ..._logging import logger
-from .sparse_labels import _MEAN, _SUM, _losses, _match, _value, readers
+from .sparse_labels import _MEAN, _SUM, _losses, _match, _value, labelled_rows, readers
 
 _aten = torch.ops.aten
 _MIN_ROWS = 64  # a piece's product keeps at least this many rows (and no piece is empty)
@@ -62,7 +64,7 @@ def applies(program: Any, uses: Callable[[torch.fx.Node], int], limit: int) -> b
                for loss in _losses(program))
 
 
-def loss_pieces(program: Any, limit: int) -> int:
+def loss_pieces(program: Any, limit: int, sparse: bool = False) -> int:
     """Compute each matching loss of ``program`` in pieces (see the module docstring), in place;
     returns how many losses were rewritten.
 
@@ -70,6 +72,8 @@ def loss_pieces(program: Any, limit: int) -> int:
         program: a ``torch.export`` program whose unfetched outputs are already dropped
             (``sparse_labels.drop_outputs``): a projection with another reader is left alone.
         limit: the most logits elements (rows × classes) a piece may have.
+        sparse: where the loss is also ``sparse_labels``'s (no cast between the projection and the
+            loss), each piece projects only its labelled rows (``sparse_labels.labelled_rows``).
     """
     count, changed = 0, set()
     for loss in _losses(program):
@@ -86,6 +90,7 @@ def loss_pieces(program: Any, limit: int) -> int:
         dtype = value.dtype if value is not None else torch.float32
         width = _value(hidden).shape[-1]
         casts = [n for n in reversed(views) if n.target in (_aten._to_copy.default, _aten.to.dtype)]
+        selected = sparse and _match(loss, readers) is not None  # sparse_labels' own pattern: no cast
         with graph.inserting_before(loss):
             # the count first: each piece's gradient (scale / count) is then ready once its forward is
             denominator = None
@@ -98,15 +103,20 @@ def loss_pieces(program: Any, limit: int) -> int:
             piece_labels = call(_aten.split_with_sizes.default, (labels, sizes))
             total = None
             for piece in range(k):
-                env = {hidden: call(operator.getitem, (rows, piece))}
-                for node in projection:  # the product, then its bias adds
-                    env[node] = call(node.target, *torch.fx.node.map_arg((node.args, node.kwargs),
-                                                                         lambda a: env.get(a, a)))
-                scores = env[projection[-1]]
+                piece_rows = call(operator.getitem, (rows, piece))
+                labels_k = call(operator.getitem, (piece_labels, piece))
+                if selected:
+                    scores, labels_k = labelled_rows(graph, hidden, projection, labels_k, ignore_index, width,
+                                                     _value(hidden).dtype, rows_of=piece_rows)
+                else:
+                    env = {hidden: piece_rows}
+                    for node in projection:  # the product, then its bias adds
+                        env[node] = call(node.target, *torch.fx.node.map_arg((node.args, node.kwargs),
+                                                                             lambda a: env.get(a, a)))
+                    scores = env[projection[-1]]
                 for cast in casts:  # such as ``.float()`` (the views only flattened the rows)
                     scores = call(cast.target, (scores, *cast.args[1:]), dict(cast.kwargs))
-                part = call(loss.target, (scores, call(operator.getitem, (piece_labels, piece)), None, _SUM,
-                                          ignore_index))
+                part = call(loss.target, (scores, labels_k, None, _SUM, ignore_index))
                 total = part if total is None else call(_aten.add.Tensor, (total, part))
             result = total if denominator is None else call(_aten.div.Tensor, (total, denominator))
         loss.replace_all_uses_with(result)

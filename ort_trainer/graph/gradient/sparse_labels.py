@@ -140,31 +140,10 @@ def sparse_labels(program: Any) -> int:
         graph = loss.graph
         changed.add(graph)
         hidden, projection, views, ignore_index = match
-        labels = loss.args[1]
-        width = hidden.meta["val"].shape[-1]
         with graph.inserting_before(loss):
-            kept = graph.call_function(_aten.ne.Scalar, (labels, ignore_index))
-            rows = graph.call_function(_aten.view.default,
-                                       (graph.call_function(_aten.nonzero.default, (kept,)), [-1]))
-            # extra rows (row 0, labelled ignore_index: each adds exactly zero to the loss, its count
-            # and every gradient): at least one, so no product has zero rows (ONNX Runtime 1.19.2's
-            # Gemm refuses K = 0), and up to bucket_rows(n + 1) in all
-            padded, picked_labels = _padded_to_bucket(graph, rows, kept, labels, ignore_index)
-            flat = graph.call_function(_aten.reshape.default, (hidden, [-1, width]))
-            half = _value(hidden).dtype if _value(hidden).dtype in (torch.float16, torch.bfloat16) else None
-            if half is not None:
-                # selected in float32, then cast back: the selection's gradient is a scatter-add, which
-                # ONNX Runtime runs in float16 on no CPU and runs bfloat16 as float16 on CUDA (its kernel
-                # is picked by element size); the casts are exact both ways
-                flat = graph.call_function(_aten._to_copy.default, (flat,), {"dtype": torch.float32})
-            selected = graph.call_function(_aten.index_select.default, (flat, 0, padded))
-            if half is not None:
-                selected = graph.call_function(_aten._to_copy.default, (selected,), {"dtype": half})
-            env = {hidden: selected}
-            for node in projection:  # matmul first, then the bias adds
-                env[node] = graph.call_function(node.target, *torch.fx.node.map_arg(
-                    (node.args, node.kwargs), lambda value: env.get(value, value)))
-        loss.args = (env[projection[-1]], picked_labels, *loss.args[2:])
+            scores, picked_labels = labelled_rows(graph, hidden, projection, loss.args[1], ignore_index,
+                                                  _value(hidden).shape[-1], _value(hidden).dtype)
+        loss.args = (scores, picked_labels, *loss.args[2:])
         for node in [*views, *reversed(projection)]:  # consumers first: each is dead once its reader is gone
             if not node.users:
                 graph.erase_node(node)
@@ -178,6 +157,36 @@ def sparse_labels(program: Any) -> int:
         logger.debug("sparse_labels: %d projection(s) before a cross-entropy now run on the labelled rows only",
                      count)
     return count
+
+
+def labelled_rows(graph: torch.fx.Graph, hidden: torch.fx.Node, projection: list[torch.fx.Node],
+                  labels: torch.fx.Node, ignore_index: int, width: int, dtype: torch.dtype,
+                  rows_of: torch.fx.Node | None = None) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Nodes ``(scores, their labels)``: ``projection`` (the product, then its bias adds, reading
+    ``hidden``) replayed on the rows of ``rows_of`` (default ``hidden``; ``width`` wide, of ``dtype``)
+    whose label is not ``ignore_index``, padded to a bucket; inserted at the graph's insertion point."""
+    call = graph.call_function
+    kept = call(_aten.ne.Scalar, (labels, ignore_index))
+    rows = call(_aten.view.default, (call(_aten.nonzero.default, (kept,)), [-1]))
+    # extra rows (row 0, labelled ignore_index: each adds exactly zero to the loss, its count and every
+    # gradient): at least one, so no product has zero rows (ONNX Runtime 1.19.2's Gemm refuses K = 0),
+    # and up to bucket_rows(n + 1) in all
+    padded, picked_labels = _padded_to_bucket(graph, rows, kept, labels, ignore_index)
+    flat = call(_aten.reshape.default, (hidden if rows_of is None else rows_of, [-1, width]))
+    half = dtype if dtype in (torch.float16, torch.bfloat16) else None
+    if half is not None:
+        # selected in float32, then cast back: the selection's gradient is a scatter-add, which ONNX
+        # Runtime runs in float16 on no CPU and runs bfloat16 as float16 on CUDA (its kernel is picked
+        # by element size); the casts are exact both ways
+        flat = call(_aten._to_copy.default, (flat,), {"dtype": torch.float32})
+    selected = call(_aten.index_select.default, (flat, 0, padded))
+    if half is not None:
+        selected = call(_aten._to_copy.default, (selected,), {"dtype": half})
+    env = {hidden: selected}
+    for node in projection:  # matmul first, then the bias adds
+        env[node] = call(node.target, *torch.fx.node.map_arg((node.args, node.kwargs),
+                                                             lambda value: env.get(value, value)))
+    return env[projection[-1]], picked_labels
 
 
 def bucket_rows(count: int) -> int:
@@ -360,4 +369,5 @@ def _erase_dead(graph: torch.fx.Graph, node: Any) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["applies", "bucket_rows", "drop_outputs", "live_uses", "readers", "sparse_labels", "unreturned"]
+__all__ = ["applies", "bucket_rows", "drop_outputs", "labelled_rows", "live_uses", "readers", "sparse_labels",
+           "unreturned"]
