@@ -47,10 +47,13 @@ def piece_gradients_early(model: onnx.ModelProto) -> int:
         gradient[i] = LOSS_SCALE_INPUT in nodes[i].input or any(gradient[p] for p in sources[i] if p >= seed)
         earliest[i] = max((earliest[p] for p in sources[i]), default=-1)
     last = max((earliest[i] for i in range(seed, len(nodes)) if gradient[i]), default=seed)
-    # gradient nodes that wait for the last piece are the backward proper: after the forward, as listed
-    slot = [e if i < seed or not gradient[i] or e < last else seed for i, e in enumerate(earliest)]
+    # gradient nodes that wait for the last piece are the backward proper: after the forward, as listed;
+    # those that wait for no node (the seed's own arithmetic) move with their first reader, so the first
+    # reader of the seed still begins the backward (the recompute pass and its tests read it so)
+    early = [gradient[i] and 0 <= e < last for i, e in enumerate(earliest)]
+    slot = [e if i < seed or early[i] else seed for i, e in enumerate(earliest)]
     for i in range(len(nodes) - 1, seed - 1, -1):
-        if not gradient[i]:  # no earlier than its first reader needs it
+        if not early[i]:  # no earlier than its first reader needs it
             slot[i] = max(earliest[i], min((slot[r] for r in readers[i]), default=seed))
     order = sorted(range(len(nodes)), key=lambda i: (slot[i], i >= seed, i))
     if order == list(range(len(nodes))):
