@@ -13,11 +13,12 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import SGDConfig
+from test_rewrites_sparse_labels import VOCAB, MaskedLM
 from tolerances import BFLOAT16, FLOAT16, check
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 
-VOCAB, HIDDEN, BATCH, SEQ = 40, 16, 4, 12  # 48 rows x 40 classes = 1920 logits elements
+BATCH, SEQ = 4, 12  # 48 rows x VOCAB (40) classes = 1920 logits elements
 # pieces of at most 700 elements: ceil(1920 / 700) = 3 pieces of 16 rows; the pass keeps >= 64 rows a
 # piece at real sizes, so the tests lower that floor too (_MIN_ROWS)
 PIECE = 700
@@ -33,25 +34,16 @@ TOLERANCE = 1e-5
 HALF_BOUND = 24 * FLOAT16
 
 
-class CausalLM(torch.nn.Module):
-    """Embeddings, a GELU block, LayerNorm, an LM head (tied matmul + bias, or a Linear) and a
+class CausalLM(MaskedLM):
+    """``MaskedLM``'s embeddings, GELU block, LayerNorm and LM head (tied matmul + bias, or a Linear) with a
     Hugging Face style loss: the logits cast to float32 and flattened, labels shifted, ignore_index -100."""
 
     def __init__(self, linear_head: bool = False, reduction: str = "mean"):
-        super().__init__()
+        super().__init__(linear_head)
         self.reduction = reduction
-        self.tokens = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.positions = torch.nn.Embedding(32, HIDDEN)
-        self.dense = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
-        self.back = torch.nn.Linear(2 * HIDDEN, HIDDEN)
-        self.norm = torch.nn.LayerNorm(HIDDEN)
-        self.bias = torch.nn.Parameter(torch.randn(VOCAB) * 0.1)
-        self.head = torch.nn.Linear(HIDDEN, VOCAB) if linear_head else None
 
     def forward(self, ids, labels):
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
-        x = self.norm(x + self.back(F.gelu(self.dense(x))))
-        logits = self.head(x) if self.head is not None else x @ self.tokens.weight.T + self.bias
+        logits = self.logits(ids)
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
         loss = F.cross_entropy(logits.float().view(-1, VOCAB), shifted.reshape(-1), ignore_index=-100,
                                reduction=self.reduction)
@@ -237,7 +229,7 @@ def test_with_sparse_labels_each_piece_projects_its_labelled_rows():
     ``sparse_labels`` on or off; with it on, each piece projects only its labelled rows (a NonZero of its
     labels each); with the pieces off, ``sparse_labels`` projects the whole batch's labelled rows once. The
     losses and gradients equal float64 PyTorch's in all three."""
-    from test_rewrites_sparse_labels import DESC as MLM_DESC, MaskedLM, _batch as mlm_batch
+    from test_rewrites_sparse_labels import DESC as MLM_DESC, _batch as mlm_batch
 
     model, batch = MaskedLM(), mlm_batch(1, labelled=0.6)
     expected_loss, expected = _reference(model, batch)
@@ -259,7 +251,7 @@ def test_labelled_rows_of_pieces_under_mixed_precision():
     """float16: the pieces' labelled rows are selected in float32 and cast back (``labelled_rows``), inside the
     autocast region; the loss and gradients within HALF_BOUND of float64 PyTorch's."""
     from ort_trainer.amp import DynamicLossScaler
-    from test_rewrites_sparse_labels import DESC as MLM_DESC, MaskedLM, _batch as mlm_batch
+    from test_rewrites_sparse_labels import DESC as MLM_DESC, _batch as mlm_batch
 
     model, batch = MaskedLM(), mlm_batch(1, labelled=0.6)
     expected_loss, expected = _reference(model, batch)

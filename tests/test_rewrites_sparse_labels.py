@@ -54,10 +54,13 @@ class MaskedLM(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.randn(VOCAB) * 0.1)
         self.head = torch.nn.Linear(HIDDEN, VOCAB) if linear_head else None
 
-    def forward(self, ids, labels):
+    def logits(self, ids):
         x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
         x = self.norm(x + self.back(F.gelu(self.dense(x))))
-        logits = self.head(x) if self.head is not None else x @ self.tokens.weight.T + self.bias
+        return self.head(x) if self.head is not None else x @ self.tokens.weight.T + self.bias
+
+    def forward(self, ids, labels):
+        logits = self.logits(ids)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100,
                                label_smoothing=self.label_smoothing)
         return loss, logits

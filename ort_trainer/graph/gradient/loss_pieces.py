@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from ..._logging import logger
-from .sparse_labels import _MEAN, _SUM, _losses, _match, _value, labelled_rows, readers
+from .sparse_labels import _MEAN, _SUM, _losses, _match, _value, erase_unread, labelled_rows, readers, recompile
 
 _aten = torch.ops.aten
 _MIN_ROWS = 64  # a piece's product keeps at least this many rows (and no piece is empty)
@@ -121,18 +121,10 @@ def loss_pieces(program: Any, limit: int, sparse: bool = False) -> int:
             result = total if denominator is None else call(_aten.div.Tensor, (total, denominator))
         loss.replace_all_uses_with(result)
         graph.erase_node(loss)
-        for node in [*views, *reversed(projection)]:  # consumers first: each is dead once its reader is gone
-            for check in [u for u in node.users if u.target == _aten._assert_tensor_metadata.default]:
-                graph.erase_node(check)
-            if not node.users:
-                graph.erase_node(node)
+        erase_unread(graph, [*views, *reversed(projection)])
         count += 1
     if count:
-        for module in program.graph_module.modules():
-            if isinstance(module, torch.fx.GraphModule) and module.graph in changed:
-                module.graph.lint()
-                module.recompile()
-        program.graph_module.recompile()
+        recompile(program, changed)
         logger.debug("loss_pieces: %d cross-entropy loss(es) computed in pieces of rows", count)
     return count
 

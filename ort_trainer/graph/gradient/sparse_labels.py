@@ -144,19 +144,32 @@ def sparse_labels(program: Any) -> int:
             scores, picked_labels = labelled_rows(graph, hidden, projection, loss.args[1], ignore_index,
                                                   _value(hidden).shape[-1], _value(hidden).dtype)
         loss.args = (scores, picked_labels, *loss.args[2:])
-        for node in [*views, *reversed(projection)]:  # consumers first: each is dead once its reader is gone
-            if not node.users:
-                graph.erase_node(node)
+        erase_unread(graph, [*views, *reversed(projection)])
         count += 1
     if count:
-        for module in program.graph_module.modules():
-            if isinstance(module, torch.fx.GraphModule) and module.graph in changed:
-                module.graph.lint()
-                module.recompile()
-        program.graph_module.recompile()
+        recompile(program, changed)
         logger.debug("sparse_labels: %d projection(s) before a cross-entropy now run on the labelled rows only",
                      count)
     return count
+
+
+def erase_unread(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Erase each of ``nodes`` (consumers first: each is dead once its reader is gone) that nothing
+    reads any more but its metadata checks (``_assert_tensor_metadata``, erased with it)."""
+    for node in nodes:
+        if not readers(node):
+            for check in list(node.users):
+                graph.erase_node(check)
+            graph.erase_node(node)
+
+
+def recompile(program: Any, changed: set) -> None:
+    """Recompile ``program`` after edits of its graphs ``changed`` (its own, its autocast regions')."""
+    for module in program.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule) and module.graph in changed:
+            module.graph.lint()
+            module.recompile()
+    program.graph_module.recompile()
 
 
 def labelled_rows(graph: torch.fx.Graph, hidden: torch.fx.Node, projection: list[torch.fx.Node],
@@ -369,5 +382,5 @@ def _erase_dead(graph: torch.fx.Graph, node: Any) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["applies", "bucket_rows", "drop_outputs", "labelled_rows", "live_uses", "readers", "sparse_labels",
-           "unreturned"]
+__all__ = ["applies", "bucket_rows", "drop_outputs", "erase_unread", "labelled_rows", "live_uses", "readers",
+           "recompile", "sparse_labels", "unreturned"]
