@@ -37,7 +37,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels docs install install-legacy clean
+.PHONY: run test test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels kernels docs install install-legacy clean
 
 install: $(STAMP)
 
@@ -119,6 +119,12 @@ gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu.py --preflight
 	$(GPU_PYTHON) -m pytest -q -m cuda -rs tests $(GPU_PYTEST_ARGS)
 	$(GPU_PYTHON) benchmarks/gpu.py $(GPU_BENCH_ARGS)
+
+# ort_trainer's kernel library (ort_trainer/kernels: the operators of graph_optimizations.fused_gelu_gradient),
+# built with nvcc where found (CPU and CUDA kernels), else the C++ compiler; it prints the library's path, which
+# ORT_TRAINER_KERNELS_LIBRARY can name on a machine without a compiler. Built on first use otherwise.
+kernels:
+	$(PY) -c "from ort_trainer.kernels import build; print(build())"
 
 # What a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ as parts of at most
 # 60 MiB with an install.sh (docs/gpu.md: carrying them to such a machine).

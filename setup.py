@@ -26,6 +26,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["ort_trainer", "ort_trainer.*"]),
+    # the kernel library's sources, compiled on first use (ort_trainer/kernels)
+    package_data={"ort_trainer.kernels": ["csrc/*.h", "csrc/*.cuh", "csrc/*.cc", "csrc/*.cu"]},
     install_requires=[
         # any torch 2.13.0 satisfies; install torch==2.13.0 first so pip takes the local CPU build
         "torch>=2.1",

@@ -35,7 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
 PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
 RECOMPUTED = "/recompute"
-BROADCASTING = {"Mul", "Add", "Sub", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Exp"}
+# element-wise: an output's shape is its inputs' broadcast (torchlib's erf function too)
+BROADCASTING = {"Mul", "Add", "Sub", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Exp", "aten_special_erf"}
+# ort_trainer's own kernels (ort_trainer/kernels): the input whose shape each output has (LayerNormGrad's partial
+# sums, [chunks, 2, hidden], counted as one more weight-sized tensor)
+KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "LayerNormGrad": (1, 4, 4, 4)}
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",
@@ -67,6 +71,9 @@ def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
         for name in [*node.input, *node.output]:
             if name not in shapes and RECOMPUTED in name and name.split(RECOMPUTED)[0] in shapes:
                 shapes[name] = shapes[name.split(RECOMPUTED)[0]]
+        if node.op_type in KERNEL_OUTPUTS and all(node.input[i] in shapes for i in KERNEL_OUTPUTS[node.op_type]):
+            for name, source in zip(node.output, KERNEL_OUTPUTS[node.op_type]):
+                shapes.setdefault(name, shapes[node.input[source]])
         known = [shapes.get(name) for name in node.input if name]
         if node.op_type in BROADCASTING and node.output[0] not in shapes and known and None not in known:
             largest = max(known, key=lambda shape: int(np.prod(shape[0])))

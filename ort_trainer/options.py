@@ -188,8 +188,11 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.half_precision_gelu": _Field(
         _BOOL, True, "with gelu, under mixed precision: a float16 or bfloat16 GELU's forward and backward computed "
         "together in its own dtype (the tanh form's derivative ordered to stay finite where its sigmoid saturates) "
-        "instead of its backward in float32 after casts, which recomputes the forward there: 22% fewer bytes "
-        "moved a step of GPT-2 small at 8 x 512 (95.8 -> 74.4 GB) (gradient source 'torch' only)"),
+        "instead of its backward in float32 after casts: 22% fewer bytes moved a GPT-2 small step (torch source)"),
+    # backward regions as kernels of ort_trainer's own library (ort_trainer/kernels; usage.md "ort_trainer's kernels")
+    "graph_optimizations.fused_gelu_gradient": _Field(_BOOL, False, "with gelu: each GELU's backward as one kernel"),
+    "graph_optimizations.fused_layer_norm_gradient": _Field(_BOOL, False, "each LayerNorm's backward as one kernel"),
+    "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "each last-axis softmax's backward as one kernel"),
     "graph_optimizations.host_dropout_masks": _Field(
         _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "

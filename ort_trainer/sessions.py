@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from . import kernels
 from ._logging import logger
 from ._optimized_graphs import OptimizedGraphs
 from ._run_errors import ONNXRUNTIME_ERRORS, explain, node_modules
@@ -49,6 +50,8 @@ class Sessions:
         device has found nothing in the graph it cannot run (``Device.check_graph``); ``capture``:
         its runs are captured as a graph and replayed where the device can (``Device.capture_providers``)."""
         self.placement.check_graph(model)
+        if kernels.uses_kernels(model):  # nodes of ort_trainer's own kernel library
+            kernels.register(self.options, cuda=self.placement.kind == "cuda")
         data = model.SerializeToString()
         providers = self.placement.capture_providers(self._providers) if capture else self._providers
         if self._optimized is not None:

@@ -27,7 +27,7 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx,
+from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx, kernel_ops,
                loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels, torch_export)
 from .torch_export import _first_line
 
@@ -188,7 +188,8 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
           gelu: bool = False, half_gelu: bool = False, half_attention: bool = False,
-          eval_is_training: bool = False, loss_pieces: int = 0) -> JointGraphs:
+          eval_is_training: bool = False, loss_pieces: int = 0, gelu_kernel: bool = False,
+          layer_norm_kernel: bool = False, softmax_kernel: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -202,6 +203,13 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             together in the gradient graph (the eval graph is left as traced).
         half_gelu: with ``gelu``, a float16 or bfloat16 GELU too is computed as one in its own dtype
             (``half_precision_gelu``).
+        gelu_kernel: with ``gelu``, each GELU's backward is one node of ort_trainer's kernel library
+            (``fused_gelu_gradient``: ``gelu.rewrite_joint``'s ``kernel``).
+        layer_norm_kernel: each layer norm's backward is one node of that library
+            (``fused_layer_norm_gradient``: ``kernel_ops.rewrite_layer_norm_backward``), where every layer
+            norm of the model qualifies (``kernel_ops.layer_norm_applies``).
+        softmax_kernel: each softmax's backward over the last axis is one node of that library
+            (``fused_softmax_gradient``: ``kernel_ops.rewrite_softmax_backward``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
@@ -248,8 +256,11 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         torch_gelu.rewrite_formulas(program)
     if half_attention:
         torch_attention.half_precision(program)
+    layer_norm_kernel = layer_norm_kernel and kernel_ops.layer_norm_applies(program)
+    keep = ((torch_gelu.KEPT if gelu else ()) + (kernel_ops.LAYER_NORM_KEPT if layer_norm_kernel else ())
+            + (kernel_ops.SOFTMAX_KEPT if softmax_kernel else ()))
     try:
-        joint = joint_onnx.joint_program(program, loss_index=0, keep=torch_gelu.KEPT if gelu else ())
+        joint = joint_onnx.joint_program(program, loss_index=0, keep=keep)
     except Exception as exc:  # torch raises many types; the message is what helps
         missing = re.search(r"derivative for '?([\w.]+)", str(exc))
         modules = _traced_program.modules_using(program, missing.group(1)) if missing else []
@@ -259,7 +270,11 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         raise ExportError(f"autograd could not differentiate the traced model{where}: "
                           f"{_first_line(exc).rstrip('.')}{fix}") from exc
     if gelu:
-        torch_gelu.rewrite_joint(joint, half=half_gelu)
+        torch_gelu.rewrite_joint(joint, half=half_gelu, kernel=gelu_kernel)
+    if layer_norm_kernel:
+        kernel_ops.rewrite_layer_norm_backward(joint)
+    if softmax_kernel:
+        kernel_ops.rewrite_softmax_backward(joint)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

@@ -185,6 +185,9 @@ class TorchGradientSource(GradientSource):
                 sparse_labels=dropped and bool(passes_on.get("sparse_labels")),
                 loss_pieces=_pieces_limit(job) if dropped else 0,
                 gelu=bool(passes_on.get("gelu")), half_gelu=bool(passes_on.get("half_precision_gelu")),
+                gelu_kernel=bool(passes_on.get("fused_gelu_gradient")),
+                layer_norm_kernel=bool(passes_on.get("fused_layer_norm_gradient")),
+                softmax_kernel=bool(passes_on.get("fused_softmax_gradient")),
                 half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)
         joint = built[tuple(returned)]

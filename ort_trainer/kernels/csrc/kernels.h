@@ -1,0 +1,30 @@
+// What ops.cc (the ONNX Runtime side) and the CUDA kernels (gelu.cu, layer_norm.cu, softmax.cu) share.
+#pragma once
+
+#include <stdint.h>
+
+namespace ort_trainer_kernels {
+
+// the tensor dtypes the operators take (their ONNX TensorProto numbers)
+enum class ElementType : int { kFloat = 1, kFloat16 = 10, kBFloat16 = 16 };
+
+// Each launcher queues its kernels on `stream` (a cudaStream_t) and returns nullptr, or CUDA's message of a
+// launch's error.
+
+// dx = dy * GELU'(x) over n elements (gelu.h)
+const char* gelu_grad_cuda(ElementType type, bool tanh_form, const void* dy, const void* x, void* dx, int64_t n,
+                           void* stream);
+
+// LayerNorm's backward over `rows` rows of `cols` values (layer_norm.h), in float32 whatever the dtypes (t: dy,
+// x, mean, rstd and dx; g: gamma, dgamma and dbeta): dx; the column sums of dy * xhat and of dy over each of
+// `chunks` runs of rows into partials [chunks, 2, cols] (float32); their sums over the chunks, in order, into dgamma
+// and dbeta
+const char* layer_norm_grad_cuda(ElementType t, ElementType g, const void* dy, const void* x, const void* mean,
+                                 const void* rstd, const void* gamma, void* dx, void* dgamma, void* dbeta,
+                                 float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream);
+
+// a softmax's gradient over the last axis: dx = y * (dy - sum(dy * y)) for each of `rows` rows of `cols` values
+const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,
+                              void* stream);
+
+}  // namespace ort_trainer_kernels

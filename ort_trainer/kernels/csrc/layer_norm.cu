@@ -1,0 +1,162 @@
+// The CUDA kernels of LayerNormGrad (ops.cc; the arithmetic: layer_norm.h), in float32 whatever the tensors'
+// dtypes (T: dy, x, mean, rstd and dx; G: gamma, dgamma and dbeta):
+//   rows:    one block a row: the row's two sums (of g and of g * xhat) reduced in the block, then dx
+//   columns: dgamma and dbeta's sums over each chunk of rows, a (32 columns x 8 rows) block a chunk and 32
+//            columns, into partials [chunks, 2, cols]
+//   finish:  partials summed over the chunks, in order: the same bits on every run
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_types.cuh"
+#include "kernels.h"
+#include "layer_norm.h"
+
+namespace ort_trainer_kernels {
+namespace {
+
+// the sum of each of v's two values over the block (blockDim.x a multiple of 32, at most 1024), in every thread
+__device__ float2 block_sum(float2 v) {
+  __shared__ float2 warp_sums[32];
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = threadIdx.x < (blockDim.x >> 5) ? warp_sums[lane] : make_float2(0.0f, 0.0f);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
+      v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
+    }
+    if (lane == 0) warp_sums[0] = v;
+  }
+  __syncthreads();
+  return warp_sums[0];
+}
+
+template <typename T, typename G>
+__global__ void rows_kernel(const T* dy, const T* x, const T* mean, const T* rstd, const G* gamma, T* dx,
+                            int64_t cols) {
+  const int64_t row = blockIdx.x;
+  const T* dy_row = dy + row * cols;
+  const T* x_row = x + row * cols;
+  T* dx_row = dx + row * cols;
+  const float m = to_float(mean[row]), r = to_float(rstd[row]);
+  float2 sums = make_float2(0.0f, 0.0f);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = to_float(dy_row[c]) * to_float(gamma[c]);
+    sums.x += g;
+    sums.y += g * ((to_float(x_row[c]) - m) * r);
+  }
+  sums = block_sum(sums);
+  const float mean_g = sums.x / static_cast<float>(cols), mean_gx = sums.y / static_cast<float>(cols);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = to_float(dy_row[c]) * to_float(gamma[c]);
+    const float xhat = (to_float(x_row[c]) - m) * r;
+    dx_row[c] = from_float<T>(r * (g - mean_g - xhat * mean_gx));
+  }
+}
+
+constexpr int kColumnWidth = 32, kColumnDepth = 8;
+
+template <typename T>
+__global__ void columns_kernel(const T* dy, const T* x, const T* mean, const T* rstd, float* partials, int64_t rows,
+                               int64_t cols, int64_t rows_per_chunk) {
+  __shared__ float sums_g[kColumnDepth][kColumnWidth + 1], sums_b[kColumnDepth][kColumnWidth + 1];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnWidth + threadIdx.x;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
+  float g = 0.0f, b = 0.0f;
+  if (c < cols) {
+    for (int64_t row = begin + threadIdx.y; row < end; row += kColumnDepth) {
+      const float d = to_float(dy[row * cols + c]);
+      g += d * ((to_float(x[row * cols + c]) - to_float(mean[row])) * to_float(rstd[row]));
+      b += d;
+    }
+  }
+  sums_g[threadIdx.y][threadIdx.x] = g;
+  sums_b[threadIdx.y][threadIdx.x] = b;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    for (int k = 1; k < kColumnDepth; ++k) {
+      g += sums_g[k][threadIdx.x];
+      b += sums_b[k][threadIdx.x];
+    }
+    partials[(static_cast<int64_t>(blockIdx.y) * 2) * cols + c] = g;
+    partials[(static_cast<int64_t>(blockIdx.y) * 2 + 1) * cols + c] = b;
+  }
+}
+
+template <typename G>
+__global__ void finish_kernel(const float* partials, G* dgamma, G* dbeta, int64_t cols, int64_t chunks) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float g = 0.0f, b = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) {
+    g += partials[(k * 2) * cols + c];
+    b += partials[(k * 2 + 1) * cols + c];
+  }
+  dgamma[c] = from_float<G>(g);
+  dbeta[c] = from_float<G>(b);
+}
+
+}  // namespace
+
+namespace {
+
+template <typename T, typename G>
+void launch(const void* dy, const void* x, const void* mean, const void* rstd, const void* gamma, void* dx,
+            void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols, int64_t chunks, cudaStream_t s) {
+  const int64_t rounded = (cols + 31) / 32 * 32;
+  const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
+  rows_kernel<T, G><<<static_cast<unsigned>(rows), threads, 0, s>>>(
+      static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), static_cast<const T*>(rstd),
+      static_cast<const G*>(gamma), static_cast<T*>(dx), cols);
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  const dim3 grid(static_cast<unsigned>((cols + kColumnWidth - 1) / kColumnWidth), static_cast<unsigned>(chunks));
+  columns_kernel<T><<<grid, dim3(kColumnWidth, kColumnDepth), 0, s>>>(
+      static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), static_cast<const T*>(rstd),
+      partials, rows, cols, rows_per_chunk);
+  finish_kernel<G><<<static_cast<unsigned>((cols + 255) / 256), 256, 0, s>>>(
+      partials, static_cast<G*>(dgamma), static_cast<G*>(dbeta), cols, chunks);
+}
+
+template <typename T>
+bool launch_for(ElementType g, const void* dy, const void* x, const void* mean, const void* rstd, const void* gamma,
+                void* dx, void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols, int64_t chunks,
+                cudaStream_t s) {
+  switch (g) {
+    case ElementType::kFloat: launch<T, float>(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials, rows, cols,
+                                               chunks, s); return true;
+    case ElementType::kFloat16: launch<T, __half>(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials, rows, cols,
+                                                  chunks, s); return true;
+    case ElementType::kBFloat16: launch<T, __nv_bfloat16>(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials,
+                                                          rows, cols, chunks, s); return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* layer_norm_grad_cuda(ElementType t, ElementType g, const void* dy, const void* x, const void* mean,
+                                 const void* rstd, const void* gamma, void* dx, void* dgamma, void* dbeta,
+                                 float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream) {
+  if (rows == 0 || cols == 0) return nullptr;  // (ops.cc writes an empty batch's zero sums itself)
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  bool known = false;
+  switch (t) {
+    case ElementType::kFloat: known = launch_for<float>(g, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials,
+                                                        rows, cols, chunks, s); break;
+    case ElementType::kFloat16: known = launch_for<__half>(g, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials,
+                                                           rows, cols, chunks, s); break;
+    case ElementType::kBFloat16: known = launch_for<__nv_bfloat16>(g, dy, x, mean, rstd, gamma, dx, dgamma, dbeta,
+                                                                   partials, rows, cols, chunks, s); break;
+  }
+  if (!known) return "unsupported dtype";
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
+
+}  // namespace ort_trainer_kernels

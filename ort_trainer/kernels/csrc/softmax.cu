@@ -1,0 +1,54 @@
+// The CUDA kernel of SoftmaxGrad (ops.cc): dx = y * (dy - sum(dy * y)) over each row (the softmax's last axis),
+// in float32 whatever the tensors' dtype, rounded once. One warp a row: each lane's share of the row's sum,
+// reduced by shuffles, then its share of dx.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_types.cuh"
+#include "kernels.h"
+
+namespace ort_trainer_kernels {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+template <typename T>
+__global__ void softmax_grad_rows(const T* dy, const T* y, T* dx, int64_t rows, int64_t cols) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const T* dy_row = dy + row * cols;
+  const T* y_row = y + row * cols;
+  T* dx_row = dx + row * cols;
+  float sum = 0.0f;
+  for (int64_t c = lane; c < cols; c += 32) sum += to_float(dy_row[c]) * to_float(y_row[c]);
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  for (int64_t c = lane; c < cols; c += 32) {
+    const float v = to_float(y_row[c]);
+    dx_row[c] = from_float<T>(v * (to_float(dy_row[c]) - sum));
+  }
+}
+
+template <typename T>
+void launch(const void* dy, const void* y, void* dx, int64_t rows, int64_t cols, cudaStream_t s) {
+  const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  softmax_grad_rows<T><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, s>>>(
+      static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), rows, cols);
+}
+
+}  // namespace
+
+const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,
+                              void* stream) {
+  if (rows == 0 || cols == 0) return nullptr;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (type) {
+    case ElementType::kFloat: launch<float>(dy, y, dx, rows, cols, s); break;
+    case ElementType::kFloat16: launch<__half>(dy, y, dx, rows, cols, s); break;
+    case ElementType::kBFloat16: launch<__nv_bfloat16>(dy, y, dx, rows, cols, s); break;
+  }
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
+
+}  // namespace ort_trainer_kernels

@@ -1,0 +1,217 @@
+"""ort_trainer's kernel library (``ort_trainer/kernels``): built here with the C++ compiler (and with nvcc where
+one is found), registered with ONNX Runtime, its operators' values against float64, and the errors of a machine
+that cannot build or load it.
+
+``GeluGrad`` / ``TanhGeluGrad`` compute ``dy · GELU'(x)`` in float32 and round once to the tensors' dtype.
+Against float64 (torch's ``gelu_backward`` on the same rounded inputs): the float32 arithmetic is ~10 roundings
+and one ``erf``/``exp`` or ``tanh`` (each within 2 ulp), the tanh form's ``(1 - t)(1 + t)`` carrying the tanh's
+absolute error into a term up to ~10 times |dy| for |x| ≤ 12 (measured at most 9·u32·|dy|): bound 64·u32·|dy|.
+In float16 and bfloat16 the one rounding of the output adds u·|dx| (u = 2⁻¹¹, 2⁻⁸), or half the subnormals'
+spacing where dx is below the normal range (2⁻²⁵ in float16; bfloat16's are far below any value here).
+"""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from ort_trainer import kernels
+
+from tolerances import BFLOAT16, FLOAT16, FLOAT32
+
+# dtype: (ONNX type, unit roundoff, half the subnormals' spacing)
+_TYPES = {torch.float32: (TensorProto.FLOAT, FLOAT32, 2.0 ** -150),
+          torch.float16: (TensorProto.FLOAT16, FLOAT16, 2.0 ** -25),
+          torch.bfloat16: (TensorProto.BFLOAT16, BFLOAT16, 2.0 ** -134)}
+ARITHMETIC_BOUND = 64 * FLOAT32
+
+needs_compiler = pytest.mark.skipif(kernels._compilers() == (None, None), reason="no C++ compiler or nvcc here")
+
+
+@pytest.fixture(scope="module")
+def cpu_library(tmp_path_factory) -> Path:
+    return kernels.build(tmp_path_factory.mktemp("cpu"), cuda=False)
+
+
+def _session(library: Path, op: str, elem: int, registered: ort.SessionOptions | None = None):
+    graph = helper.make_graph(
+        [helper.make_node(op, ["dy", "x"], ["dx"], domain=kernels.DOMAIN)], "kernel",
+        [helper.make_tensor_value_info("dy", elem, None), helper.make_tensor_value_info("x", elem, None)],
+        [helper.make_tensor_value_info("dx", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
+    options = registered or ort.SessionOptions()
+    if registered is None:
+        options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _run(session, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One run with the tensors bound in place (numpy has no bfloat16)."""
+    out = torch.empty_like(x)
+    binding = session.io_binding()
+    elem = _TYPES[x.dtype][0]
+    for name, tensor in (("dy", dy), ("x", x)):
+        binding.bind_input(name, "cpu", 0, elem, list(tensor.shape), tensor.data_ptr())
+    binding.bind_output("dx", "cpu", 0, elem, list(out.shape), out.data_ptr())
+    session.run_with_iobinding(binding)
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("approximate, op", [("none", "GeluGrad"), ("tanh", "TanhGeluGrad")])
+def test_the_operators_compute_gelus_derivative_within_one_rounding(cpu_library, approximate, op, dtype,
+                                                                    record_property):
+    """Every x from -12 to 12 in steps of 1/128, and ±30, ±300, 0 and tiny values, times random dy: within the
+    bound of float64 ``gelu_backward`` on the same rounded values; a [3, 5, 7] tensor keeps its shape."""
+    grid = np.concatenate([np.arange(-12 * 128, 12 * 128 + 1) / 128, [0.0, -0.0, 1e-6, -1e-6, 30, -30, 300, -300]])
+    x = torch.tensor(grid, dtype=dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = _run(_session(cpu_library, op, _TYPES[dtype][0]), dy, x)
+    want = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate=approximate)
+    bound = _TYPES[dtype][1] * want.abs() + _TYPES[dtype][2] + ARITHMETIC_BOUND * dy.double().abs()
+    excess = (out.double() - want).abs() - bound
+    assert excess.max() <= 0, (float(excess.max()), float(x[excess.argmax()]))
+    record_property("error / |dy|", float(((out.double() - want).abs() / dy.double().abs().clamp_min(1e-30)).max()))
+    shaped = torch.randn(3, 5, 7).to(dtype)
+    assert _run(_session(cpu_library, op, _TYPES[dtype][0]), shaped, shaped).shape == (3, 5, 7)
+
+
+@needs_compiler
+def test_a_shape_mismatch_fails_the_run_with_the_operators_name(cpu_library):
+    """An error inside the kernel reaches the session as a failed run that names the operator."""
+    session = _session(cpu_library, "GeluGrad", TensorProto.FLOAT)
+    with pytest.raises(Exception, match="GeluGrad: dy and x must have one shape"):
+        session.run(None, {"dy": np.ones(3, np.float32), "x": np.ones(4, np.float32)})
+
+
+@needs_compiler
+def test_register_once_per_options_and_refuse_a_library_without_cuda_kernels_for_a_gpu(cpu_library, monkeypatch):
+    """``register`` adds the library to an options object once (a second registration of the domain would fail
+    the session); for a GPU session a library built without nvcc is refused, the message naming the fixes."""
+    monkeypatch.setenv(kernels.LIBRARY_ENV, str(cpu_library))
+    kernels.library.cache_clear()
+    try:
+        assert not kernels.has_cuda_kernels(cpu_library)
+        options = ort.SessionOptions()
+        kernels.register(options)
+        kernels.register(options)
+        out = _run(_session(cpu_library, "TanhGeluGrad", TensorProto.FLOAT, registered=options),
+                   torch.ones(4), torch.zeros(4))
+        assert torch.equal(out, torch.full((4,), 0.5))  # GELU'(0) = 1/2
+        with pytest.raises(kernels.KernelsUnavailable, match="no CUDA kernels.*nvcc.*fused_gelu_gradient"):
+            kernels.register(ort.SessionOptions(), cuda=True)
+    finally:
+        kernels.library.cache_clear()
+
+
+def test_without_a_compiler_or_with_a_missing_library_the_error_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_compilers", lambda: (None, None))
+    with pytest.raises(kernels.KernelsUnavailable, match="no C\\+\\+ compiler.*ORT_TRAINER_KERNELS_LIBRARY"):
+        kernels.build(tmp_path)
+    with pytest.raises(kernels.KernelsUnavailable, match="needs nvcc"):
+        kernels.build(tmp_path, cuda=True)
+    monkeypatch.setenv(kernels.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    kernels.library.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelsUnavailable, match="not a file.*make kernels"):
+            kernels.library()
+    finally:
+        kernels.library.cache_clear()
+
+
+@pytest.mark.skipif(kernels._compilers()[0] is None, reason="no nvcc here")
+def test_nvcc_builds_cuda_kernels_that_leave_the_cpu_ones_as_they_are(tmp_path):
+    """With nvcc the library holds the CUDA kernels (compute capability 8.0 and 9.0, PTX for later) beside the
+    CPU ones, links the CUDA runtime and C++'s own in (it loads on a GPU machine it was not built on), and a CPU
+    session runs its CPU kernels as the C++ build's do."""
+    path = kernels.build(tmp_path, cuda=True)
+    assert kernels.has_cuda_kernels(path)
+    if shutil.which("ldd"):
+        import subprocess
+
+        linked = subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=True).stdout
+        assert "libcudart" not in linked and "libstdc++" not in linked, linked
+    x = torch.linspace(-6, 6, 97)
+    out = _run(_session(path, "GeluGrad", TensorProto.FLOAT), torch.ones_like(x), x)
+    want = torch.ops.aten.gelu_backward(torch.ones_like(x).double(), x.double())
+    assert (out.double() - want).abs().max() <= ARITHMETIC_BOUND
+
+
+# LayerNormGrad's CPU kernel computes in float64 from the tensors' values and rounds each result once to float32,
+# then to the output's dtype: within u32 + u of each value (u: the output dtype's), plus half the subnormals'
+# spacing; the float32 CUDA kernel's sums are checked through training steps under make gpu-check
+# (test_fused_kernels.py)
+@needs_compiler
+@pytest.mark.parametrize("dtype, gamma_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                                (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32", "float16-weights32", "bfloat16-weights32", "float16", "bfloat16"])
+def test_layer_norm_grad_computes_torchs_backward(cpu_library, dtype, gamma_dtype):
+    """dx, dgamma and dbeta of [6, 5, 48] rows of 48 against float64 ``native_layer_norm_backward`` from the same
+    mean and rstd; the fourth output, the partial sums, holds dgamma and dbeta's float32 values (one chunk)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 5, 48, generator=gen) * 3 + 1).to(dtype)
+    dy = torch.randn(6, 5, 48, generator=gen).to(dtype)
+    gamma = (torch.randn(48, generator=gen) + 1).to(gamma_dtype)
+    mean = x.double().mean(-1, keepdim=True).to(dtype)
+    rstd = (x.double().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().to(dtype)
+    t, g = _TYPES[dtype][0], _TYPES[gamma_dtype][0]
+    graph = helper.make_graph(
+        [helper.make_node("LayerNormGrad", ["dy", "x", "mean", "rstd", "gamma"], ["dx", "dgamma", "dbeta", "partials"],
+                          domain=kernels.DOMAIN)], "layer_norm",
+        [helper.make_tensor_value_info(n, t, None) for n in ("dy", "x", "mean", "rstd")]
+        + [helper.make_tensor_value_info("gamma", g, None)],
+        [helper.make_tensor_value_info("dx", t, None), helper.make_tensor_value_info("dgamma", g, None),
+         helper.make_tensor_value_info("dbeta", g, None), helper.make_tensor_value_info("partials", TensorProto.FLOAT,
+                                                                                        None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(cpu_library))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    outs = {"dx": torch.empty_like(x), "dgamma": torch.empty_like(gamma), "dbeta": torch.empty_like(gamma),
+            "partials": torch.empty(1, 2, 48)}
+    binding = session.io_binding()
+    for name, tensor in (("dy", dy), ("x", x), ("mean", mean), ("rstd", rstd), ("gamma", gamma)):
+        binding.bind_input(name, "cpu", 0, _TYPES[tensor.dtype][0], list(tensor.shape), tensor.data_ptr())
+    for name, tensor in outs.items():
+        binding.bind_output(name, "cpu", 0, _TYPES[tensor.dtype][0], list(tensor.shape), tensor.data_ptr())
+    session.run_with_iobinding(binding)
+    want = torch.ops.aten.native_layer_norm_backward(dy.double(), x.double(), [48], mean.double(), rstd.double(),
+                                                     gamma.double(), torch.zeros(48, dtype=torch.float64),
+                                                     [True, True, True])
+    for name, value, expected in zip(("dx", "dgamma", "dbeta"), (outs["dx"], outs["dgamma"], outs["dbeta"]), want):
+        roundoff, tiny = _TYPES[value.dtype][1], _TYPES[value.dtype][2]
+        bound = (roundoff + FLOAT32) * expected.abs() + tiny
+        excess = (value.double() - expected).abs() - bound
+        assert excess.max() <= 0, (name, float(excess.max()))
+    assert torch.equal(outs["partials"][0, 0], outs["dgamma"].float()) or gamma_dtype != torch.float32
+    assert torch.equal(outs["partials"][0, 1], outs["dbeta"].float()) or gamma_dtype != torch.float32
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
+def test_softmax_grad_computes_torchs_backward(cpu_library, dtype):
+    """dx of [3, 4, 7, 33] softmax outputs over the last axis (rows with a zero, as the safe softmax writes for a
+    masked row) against float64 ``_softmax_backward_data`` on the same rounded values: the row's sum in float64,
+    dx rounded once to float32 and once to the dtype, within (u32 + u)·|dx| plus half the subnormals' spacing and
+    the float32 rounding of y·(dy - sum) (u32·|y|·(|dy| + |sum|))."""
+    gen = torch.Generator().manual_seed(4)
+    y = torch.softmax(torch.randn(3, 4, 7, 33, generator=gen) * 2, -1)
+    y[0, 0, 0] = 0.0
+    y, dy = y.to(dtype), torch.randn(3, 4, 7, 33, generator=gen).to(dtype)
+    out = _run(_session(cpu_library, "SoftmaxGrad", _TYPES[dtype][0]), dy, y)  # (y bound as the input "x")
+    want = torch.ops.aten._softmax_backward_data(dy.double(), y.double(), -1, torch.float64)
+    total = (dy.double() * y.double()).sum(-1, keepdim=True)
+    bound = ((_TYPES[dtype][1] + FLOAT32) * want.abs() + _TYPES[dtype][2]
+             + FLOAT32 * y.double().abs() * (dy.double().abs() + total.abs()))
+    excess = (out.double() - want).abs() - bound
+    assert excess.max() <= 0, float(excess.max())
+    assert torch.equal(out[0, 0, 0], torch.zeros(33, dtype=dtype))
+
