@@ -192,7 +192,8 @@ _SCHEMA: dict[str, _Field] = {
     # backward regions as kernels of ort_trainer's own library (ort_trainer/kernels; usage.md "ort_trainer's kernels")
     "graph_optimizations.fused_gelu_gradient": _Field(_BOOL, False, "with gelu: each GELU's backward as one kernel"),
     "graph_optimizations.fused_layer_norm_gradient": _Field(_BOOL, False, "each LayerNorm's backward as one kernel"),
-    "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "each last-axis softmax's backward as one kernel"),
+    "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "a softmax's backward as one kernel"),
+    "graph_optimizations.fused_safe_softmax": _Field(_BOOL, False, "attention's safe softmax as one kernel"),
     "graph_optimizations.host_dropout_masks": _Field(
         _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "

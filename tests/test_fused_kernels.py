@@ -1,7 +1,8 @@
-"""``graph_optimizations.fused_gelu_gradient``, ``fused_layer_norm_gradient`` and ``fused_softmax_gradient``:
-each GELU's, LayerNorm's and attention softmax's backward as one node of ort_trainer's kernel library
-(``GeluGrad`` / ``TanhGeluGrad``, ``LayerNormGrad``, ``SoftmaxGrad``: ``ort_trainer/kernels``), run by its CPU
-kernels here and its CUDA kernels under ``make gpu-check``.
+"""``graph_optimizations.fused_gelu_gradient``, ``fused_layer_norm_gradient``, ``fused_softmax_gradient`` and
+``fused_safe_softmax``: each GELU's, LayerNorm's and softmax's backward, and each attention's safe softmax, as one
+node of ort_trainer's kernel library (``GeluGrad`` / ``TanhGeluGrad``, ``LayerNormGrad``, ``SoftmaxGrad``,
+``SafeSoftmax``: ``ort_trainer/kernels``), run by its CPU kernels here and its CUDA kernels under
+``make gpu-check``.
 
 Checked against float64 PyTorch: one float32 step of a tiny GPT-2 (tanh GELU) and of TinyEncoder (erf), and one
 float16 step of the GPT-2 (bfloat16 on a GPU only: ONNX Runtime's CPU provider lacks bfloat16 kernels the graph
@@ -43,8 +44,10 @@ NODES = {("fused_gelu_gradient", "gpt2"): ["TanhGeluGrad"] * 2, ("fused_gelu_gra
          ("fused_layer_norm_gradient", "gpt2"): ["LayerNormGrad"] * 5,
          ("fused_layer_norm_gradient", "encoder"): ["LayerNormGrad"] * 5,
          ("fused_softmax_gradient", "gpt2"): ["SoftmaxGrad"] * 2,
-         ("fused_softmax_gradient", "encoder"): ["SoftmaxGrad"] * 2}
-OPTIONS = ("fused_gelu_gradient", "fused_layer_norm_gradient", "fused_softmax_gradient")
+         ("fused_softmax_gradient", "encoder"): ["SoftmaxGrad"] * 2,
+         ("fused_safe_softmax", "gpt2"): ["SafeSoftmax"] * 2,
+         ("fused_safe_softmax", "encoder"): []}  # (TinyEncoder's attention softmax is a plain one)
+OPTIONS = ("fused_gelu_gradient", "fused_layer_norm_gradient", "fused_softmax_gradient", "fused_safe_softmax")
 
 
 def _step(model, desc, batch, loss_fn, option: str, on: bool, half: str | None):
@@ -120,9 +123,9 @@ def test_the_cuda_kernels_train_within_rounding_of_float64(half, case, record_pr
 
 
 def test_a_softmax_over_another_axis_keeps_torchs_arithmetic():
-    """A softmax over axis 1 of [3, 6, 5] beside one over the last axis: the last-axis one's backward is the
-    kernel's, the other torch's own arithmetic (the joint trace left both undecomposed); one float32 step equals
-    float64 PyTorch's within FLOAT32_BOUND, and the option off."""
+    """Softmaxes and safe softmaxes over axis 1 of [3, 6, 5] beside ones over the last axis: the last-axis ones'
+    backwards and safe softmax are the kernels', the others torch's own arithmetic (the joint trace left them all
+    undecomposed); one float32 step equals float64 PyTorch's within FLOAT32_BOUND, the options on and off."""
     class TwoSoftmaxes(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -130,7 +133,8 @@ def test_a_softmax_over_another_axis_keeps_torchs_arithmetic():
 
         def forward(self, x, y):
             h = self.up(x)
-            return torch.nn.functional.mse_loss(torch.softmax(h, dim=1) * torch.softmax(h, dim=-1), y)
+            safe = torch.ops.aten._safe_softmax(h, 1) * torch.ops.aten._safe_softmax(h, -1)
+            return torch.nn.functional.mse_loss(torch.softmax(h, dim=1) * torch.softmax(h, dim=-1) * safe, y)
 
     desc = {"inputs": [("x", [3, 6, 5]), ("y", [3, 6, 5])], "outputs": [("loss", [], True)]}
     gen = torch.Generator().manual_seed(2)
@@ -142,10 +146,11 @@ def test_a_softmax_over_another_axis_keeps_torchs_arithmetic():
     for on in (True, False):
         trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
                              options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
-                                      "graph_optimizations": {"fused_softmax_gradient": on}})
+                                      "graph_optimizations": {"fused_softmax_gradient": on,
+                                                              "fused_safe_softmax": on}})
         trainer.train_step(*batch)
         kernels = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == DOMAIN]
-        assert kernels == (["SoftmaxGrad"] if on else []), kernels
+        assert sorted(kernels) == (["SafeSoftmax", "SoftmaxGrad", "SoftmaxGrad"] if on else []), kernels
         for name, parameter in double.named_parameters():
             check(_relative(trainer._engine.grads[name].numpy().astype(np.float64), parameter.grad.numpy()),
                   FLOAT32_BOUND, (on, name))

@@ -215,3 +215,36 @@ def test_softmax_grad_computes_torchs_backward(cpu_library, dtype):
     assert excess.max() <= 0, float(excess.max())
     assert torch.equal(out[0, 0, 0], torch.zeros(33, dtype=dtype))
 
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
+def test_safe_softmax_computes_torchs_safe_softmax(cpu_library, dtype):
+    """[3, 4, 7, 33] scores with -inf entries, a row of only -inf (zeros out, as torch's ``_safe_softmax``) and a
+    row with a NaN (NaN out): against float64 ``_safe_softmax`` of the same rounded values, within (u32 + u)·|y|
+    plus half the subnormals' spacing (float64 arithmetic, then two roundings)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 7, 33, generator=gen) * 4
+    x[x > 5] = float("-inf")
+    x[0, 0, 0] = float("-inf")
+    x[0, 0, 1, 3] = float("nan")
+    x = x.to(dtype)
+    elem = _TYPES[dtype][0]
+    graph = helper.make_graph([helper.make_node("SafeSoftmax", ["x"], ["y"], domain=kernels.DOMAIN)], "softmax",
+                              [helper.make_tensor_value_info("x", elem, None)],
+                              [helper.make_tensor_value_info("y", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(cpu_library))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    out, binding = torch.empty_like(x), session.io_binding()
+    binding.bind_input("x", "cpu", 0, elem, list(x.shape), x.data_ptr())
+    binding.bind_output("y", "cpu", 0, elem, list(out.shape), out.data_ptr())
+    session.run_with_iobinding(binding)
+    want = torch.ops.aten._safe_softmax(x.double(), -1)
+    assert torch.equal(out[0, 0, 0], torch.zeros(33, dtype=dtype)) and out[0, 0, 1].isnan().all()
+    finite = ~want.isnan()
+    bound = (_TYPES[dtype][1] + FLOAT32) * want.abs() + _TYPES[dtype][2]
+    excess = (out.double() - want).abs()[finite] - bound[finite]
+    assert excess.max() <= 0, float(excess.max())

@@ -189,7 +189,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
           gelu: bool = False, half_gelu: bool = False, half_attention: bool = False,
           eval_is_training: bool = False, loss_pieces: int = 0, gelu_kernel: bool = False,
-          layer_norm_kernel: bool = False, softmax_kernel: bool = False) -> JointGraphs:
+          layer_norm_kernel: bool = False, softmax_kernel: bool = False,
+          safe_softmax_kernel: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -210,6 +211,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             norm of the model qualifies (``kernel_ops.layer_norm_applies``).
         softmax_kernel: each softmax's backward over the last axis is one node of that library
             (``fused_softmax_gradient``: ``kernel_ops.rewrite_softmax_backward``).
+        safe_softmax_kernel: each safe softmax (attention's) over the last axis is one node of that library
+            (``fused_safe_softmax``: ``kernel_ops.rewrite_safe_softmax``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
@@ -258,7 +261,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         torch_attention.half_precision(program)
     layer_norm_kernel = layer_norm_kernel and kernel_ops.layer_norm_applies(program)
     keep = ((torch_gelu.KEPT if gelu else ()) + (kernel_ops.LAYER_NORM_KEPT if layer_norm_kernel else ())
-            + (kernel_ops.SOFTMAX_KEPT if softmax_kernel else ()))
+            + (kernel_ops.SOFTMAX_KEPT if softmax_kernel else ())
+            + (kernel_ops.SAFE_SOFTMAX_KEPT if safe_softmax_kernel else ()))
     try:
         joint = joint_onnx.joint_program(program, loss_index=0, keep=keep)
     except Exception as exc:  # torch raises many types; the message is what helps
@@ -275,6 +279,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         kernel_ops.rewrite_layer_norm_backward(joint)
     if softmax_kernel:
         kernel_ops.rewrite_softmax_backward(joint)
+    if safe_softmax_kernel:
+        kernel_ops.rewrite_safe_softmax(joint)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

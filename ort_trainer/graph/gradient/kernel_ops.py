@@ -22,6 +22,10 @@ arithmetic, for an eager call) and a fake one (for the traces).
   (``fused_softmax_gradient``) for every ``_softmax_backward_data`` (``SOFTMAX_KEPT``) over the last axis
   in a kernel dtype (a cast to the softmax's input dtype after it where that differs); any other becomes
   torch's own arithmetic in aten operators.
+- ``ort_trainer::safe_softmax(x)`` -> ``SafeSoftmax(x)``: ``aten._safe_softmax`` over the last axis (a softmax
+  whose rows of only -inf give zeros: attention's), computed in float32. Put in place by
+  ``rewrite_safe_softmax`` (``fused_safe_softmax``) for every ``_safe_softmax`` (``SAFE_SOFTMAX_KEPT``) over
+  the last axis in a kernel dtype; any other becomes torch's arithmetic.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _aten = torch.ops.aten
 LAYER_NORM_KEPT = (_aten.native_layer_norm_backward.default,)  # what the joint trace leaves for the rewrites
 SOFTMAX_KEPT = (_aten._softmax_backward_data.default,)
+SAFE_SOFTMAX_KEPT = (_aten._safe_softmax.default,)
 _LAYER_NORMS = (_aten.layer_norm.default, _aten.native_layer_norm.default)  # before autograd
 
 
@@ -83,6 +88,45 @@ def softmax_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @softmax_grad.register_fake
 def _softmax_grad_fake(dy, y):
     return torch.empty_like(y)
+
+
+@torch.library.custom_op("ort_trainer::safe_softmax", mutates_args=())
+def safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``aten._safe_softmax`` over the last axis, in float32 and rounded once to ``x``'s dtype, as the
+    ``SafeSoftmax`` kernels compute it."""
+    return _aten._safe_softmax(x.float(), -1).to(x.dtype)
+
+
+@safe_softmax.register_fake
+def _safe_softmax_fake(x):
+    return torch.empty_like(x)
+
+
+def rewrite_safe_softmax(program) -> int:
+    """Replace each ``_safe_softmax`` of a joint program, in place: by ``safe_softmax`` over the last axis in a
+    kernel dtype, else by torch's arithmetic (a softmax, and zeros where a row is all -inf); returns how many
+    became kernels. Autograd's ``_softmax_backward_data`` then reads the new node's output."""
+    graph, count, replaced = program.graph, 0, False
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target == SAFE_SOFTMAX_KEPT[0]]:
+        x, dim = node.args[:2]
+        dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
+        value = x.meta["val"]
+        with graph.inserting_before(node):
+            build = Builder(graph, node)
+            if dim in (-1, value.dim() - 1) and value.dtype in KERNEL_DTYPES and dtype in (None, value.dtype):
+                result = build(torch.ops.ort_trainer.safe_softmax.default, x)
+                count += 1
+            else:
+                source = x if dtype in (None, value.dtype) else build(_aten._to_copy.default, x, dtype=dtype)
+                rows = build(_aten.all.dim, build(_aten.eq.Scalar, source, float("-inf")), dim, True)
+                result = build(_aten.masked_fill.Scalar, build(_aten._softmax.default, source, dim, False), rows, 0.0)
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        replaced = True
+    if replaced:
+        graph.lint()
+        program.graph_module.recompile()
+    return count
 
 
 def rewrite_softmax_backward(program) -> int:
@@ -158,7 +202,7 @@ def _dtype(node) -> torch.dtype | None:
 @functools.lru_cache(maxsize=1)
 def _register_schemas() -> None:
     """ONNX schemas of the kernels' operators (what onnxscript reads to emit their nodes, and onnx's checker)."""
-    for name in (*GELU_GRAD_OPS.values(), "SoftmaxGrad"):
+    for name in (*GELU_GRAD_OPS.values(), "SoftmaxGrad"):  # (dy, x) -> dx
         schema = onnx.defs.OpSchema(
             name, DOMAIN, OPSET, doc="a GELU's or a softmax's gradient (ort_trainer's kernel library)",
             inputs=[onnx.defs.OpSchema.FormalParameter("dy", "T"),
@@ -168,6 +212,11 @@ def _register_schemas() -> None:
         if not onnx.defs.has(name, DOMAIN):
             onnx.defs.register_schema(schema)
     parameter = onnx.defs.OpSchema.FormalParameter
+    if not onnx.defs.has("SafeSoftmax", DOMAIN):
+        onnx.defs.register_schema(onnx.defs.OpSchema(
+            "SafeSoftmax", DOMAIN, OPSET, doc="a softmax over the last axis, zeros for rows of only -inf",
+            inputs=[parameter("x", "T")], outputs=[parameter("y", "T")],
+            type_constraints=[("T", _DTYPES, "float32, float16 or bfloat16")]))
     schema = onnx.defs.OpSchema(
         "LayerNormGrad", DOMAIN, OPSET, doc="LayerNorm's backward (ort_trainer's kernel library)",
         inputs=[parameter("dy", "T"), parameter("x", "T"), parameter("mean", "T"), parameter("rstd", "T"),
@@ -193,6 +242,9 @@ def register_translations(registry) -> None:
     def softmax_grad_onnx(dy, y):
         return opset.SoftmaxGrad(dy, y)
 
+    def safe_softmax_onnx(x):
+        return opset.SafeSoftmax(x)
+
     def layer_norm_grad_onnx(dy, x, mean, rstd, gamma):
         dx, dgamma, dbeta, _partials = opset.LayerNormGrad(dy, x, mean, rstd, gamma)
         return dx, dgamma, dbeta
@@ -200,3 +252,4 @@ def register_translations(registry) -> None:
     registry.register_op(torch.ops.ort_trainer.gelu_grad.default, gelu_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.layer_norm_grad.default, layer_norm_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.softmax_grad.default, softmax_grad_onnx)
+    registry.register_op(torch.ops.ort_trainer.safe_softmax.default, safe_softmax_onnx)

@@ -188,6 +188,7 @@ class TorchGradientSource(GradientSource):
                 gelu_kernel=bool(passes_on.get("fused_gelu_gradient")),
                 layer_norm_kernel=bool(passes_on.get("fused_layer_norm_gradient")),
                 softmax_kernel=bool(passes_on.get("fused_softmax_gradient")),
+                safe_softmax_kernel=bool(passes_on.get("fused_safe_softmax")),
                 half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)
         joint = built[tuple(returned)]

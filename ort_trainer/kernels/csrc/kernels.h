@@ -27,4 +27,7 @@ const char* layer_norm_grad_cuda(ElementType t, ElementType g, const void* dy, c
 const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,
                               void* stream);
 
+// a safe softmax over the last axis: a row whose every value is -inf gives zeros (torch's _safe_softmax)
+const char* safe_softmax_cuda(ElementType type, const void* x, void* y, int64_t rows, int64_t cols, void* stream);
+
 }  // namespace ort_trainer_kernels

@@ -12,6 +12,9 @@
 //                               reduction; one chunk on the CPU), read by no other node (layer_norm.h)
 //   SoftmaxGrad(dy, y) -> dx    a softmax's gradient over the last axis, dx = y * (dy - sum(dy * y)), from its
 //                               output y; float32, float16 and bfloat16, computed in float32
+//   SafeSoftmax(x) -> y         a softmax over the last axis whose rows of only -inf give zeros (torch's
+//                               _safe_softmax, attention's); float32, float16 and bfloat16, computed in float32
+#include <math.h>
 #include <stdint.h>
 
 #include <string>
@@ -32,7 +35,7 @@ using namespace ort_abi;
 
 constexpr uint32_t kOpVersion = 16;  // KernelComputeV2 (errors reach the session as a failed run)
 
-enum class Kind { kGeluGrad, kLayerNormGrad, kSoftmaxGrad };
+enum class Kind { kGeluGrad, kLayerNormGrad, kSoftmaxGrad, kSafeSoftmax };
 
 struct Operator : OrtCustomOp {
   const char* name;
@@ -137,6 +140,33 @@ void softmax_grad_cpu(const void* dy_, const void* y_, void* dx_, int64_t rows, 
     for (int64_t c = 0; c < cols; ++c) sum += static_cast<double>(T::load(d[c])) * T::load(v[c]);
     S* out = dx + row * cols;
     for (int64_t c = 0; c < cols; ++c) out[c] = T::store(static_cast<float>(T::load(v[c]) * (T::load(d[c]) - sum)));
+  }
+}
+
+// a safe softmax over rows of `cols` values: exp(x - max) / sum, zeros for a row of only -inf (a NaN anywhere in
+// a row makes the row NaN, as torch's softmax does)
+template <typename T>
+void safe_softmax_cpu(const void* x_, void* y_, int64_t rows, int64_t cols) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  S* y = static_cast<S*>(y_);
+  for (int64_t row = 0; row < rows; ++row) {
+    const S* v = x + row * cols;
+    S* out = y + row * cols;
+    double top = -INFINITY;
+    bool masked = true;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double value = T::load(v[c]);
+      top = value > top ? value : top;
+      masked = masked && value == -INFINITY;
+    }
+    if (masked) {
+      for (int64_t c = 0; c < cols; ++c) out[c] = T::store(0.0f);
+      continue;
+    }
+    double sum = 0.0;
+    for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
+    for (int64_t c = 0; c < cols; ++c) out[c] = T::store(static_cast<float>(exp(T::load(v[c]) - top) / sum));
   }
 }
 
@@ -271,12 +301,32 @@ OrtStatus* compute_softmax_grad(const OrtApi* api, const Operator* op, OrtKernel
   return nullptr;
 }
 
+OrtStatus* compute_safe_softmax(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
+  Tensor x, y;
+  ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
+  if (x.dims.empty()) return fail(api, "SafeSoftmax: x must have rank >= 1");
+  const int64_t cols = x.dims.back(), rows = cols > 0 ? x.size / cols : 0;
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y));
+  if (op->cuda) {
+#ifdef ORT_TRAINER_KERNELS_CUDA
+    void* stream = nullptr;
+    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
+    const char* error = safe_softmax_cuda(op->type, x.data, y.data, rows, cols, stream);
+    if (error != nullptr) return fail(api, std::string("SafeSoftmax on CUDA: ") + error);
+#endif
+    return nullptr;
+  }
+  dispatch(op->type, [&]<typename T>() { safe_softmax_cpu<T>(x.data, y.data, rows, cols); });
+  return nullptr;
+}
+
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
     case Kind::kGeluGrad: return compute_gelu_grad(kernel->api, kernel->op, context);
     case Kind::kLayerNormGrad: return compute_layer_norm_grad(kernel->api, kernel->op, context);
     case Kind::kSoftmaxGrad: return compute_softmax_grad(kernel->api, kernel->op, context);
+    case Kind::kSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -331,7 +381,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   op.KernelComputeV2 = compute;
   op.name = op_name;
   op.kind = kind;
-  op.inputs = kind == Kind::kLayerNormGrad ? 5 : 2;
+  op.inputs = kind == Kind::kLayerNormGrad ? 5 : (kind == Kind::kSafeSoftmax ? 1 : 2);
   op.outputs = kind == Kind::kLayerNormGrad ? 4 : 1;
   op.tanh_form = tanh_form;
   op.cuda = cuda;
@@ -355,6 +405,7 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("GeluGrad", Kind::kGeluGrad, false, cuda, type));
         ops.push_back(make_operator("TanhGeluGrad", Kind::kGeluGrad, true, cuda, type));
         ops.push_back(make_operator("SoftmaxGrad", Kind::kSoftmaxGrad, false, cuda, type));
+        ops.push_back(make_operator("SafeSoftmax", Kind::kSafeSoftmax, false, cuda, type));
       }
       // LayerNorm's tensors in one dtype, or a half-precision input with float32 weights (torch's layer norm of a
       // float16 activation under autocast: its mean and rstd in the input's dtype)
