@@ -129,7 +129,7 @@ kernels:
 # What a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ as parts of at most
 # 60 MiB with an install.sh (docs/gpu.md: carrying them to such a machine).
 gpu-wheels:
-	PYTHON=$(PYTHON) benchmarks/gpu_wheels.sh .gpu-wheels
+	PYTHON=$(PYTHON) KERNELS_PYTHON=$(PY) benchmarks/gpu_wheels.sh .gpu-wheels
 
 clean:
 	rm -rf $(VENV) $(LEGACY_VENV) build site *.egg-info

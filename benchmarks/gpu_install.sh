@@ -20,4 +20,8 @@ cat > "$prefix/env.sh" <<ENV
 export PATH=$prefix/mpich/bin:\$PATH LD_LIBRARY_PATH=$prefix/mpich/lib MPI4PY_LIBMPI=$prefix/mpich/lib/libmpi.so.12
 export PYTHONPATH=$prefix/site:$prefix/mpich/lib/$site/site-packages:\$PWD PYTHONUNBUFFERED=1
 ENV
+if [ -f "$dir/libort_trainer_kernels.so" ]; then  # built where the wheels were gathered (ort_trainer/kernels)
+    cp "$dir/libort_trainer_kernels.so" "$prefix/"
+    echo "export ORT_TRAINER_KERNELS_LIBRARY=$prefix/libort_trainer_kernels.so" >> "$prefix/env.sh"
+fi
 echo "installed; now: source $prefix/env.sh"

@@ -5,8 +5,11 @@
 #                                   TensorRT provider library (unused) and recompressed with xz:
 #                                   193 MiB, 4 parts of 60 MiB instead of 5
 #   onnx2fx, mpich and mpi4py wheels (mpiexec and an MPI library for the cuda tests of several ranks)
+#   libort_trainer_kernels.so       ort_trainer's kernel library built here with nvcc (ort_trainer/kernels), where
+#                                   nvcc is found: the GPU machine then needs no compiler (1.2 MB)
 #   install.sh                      run there: joins the parts and installs (benchmarks/gpu_install.sh)
-# Usage: benchmarks/gpu_wheels.sh [DIR (.gpu-wheels)]; PYTHON and PART_MIB (60) from the environment.
+# Usage: benchmarks/gpu_wheels.sh [DIR (.gpu-wheels)]; PYTHON, PART_MIB (60) and KERNELS_PYTHON (a Python that
+# imports ort_trainer; PYTHON by default) from the environment.
 set -euo pipefail
 python=${PYTHON:-python3}
 dir=${1:-.gpu-wheels}
@@ -26,5 +29,12 @@ rm -f "$dir"/onnxruntime-gpu.tar.xz.part-*
 split -b "${part_mib}M" -d "$work/onnxruntime-gpu.tar.xz" "$dir/onnxruntime-gpu.tar.xz.part-"
 mv "$work"/onnx2fx-*.whl "$work"/mpich-*.whl "$work"/mpi4py-*.whl "$dir/"
 cp "$(dirname "$0")/gpu_install.sh" "$dir/install.sh"
+if command -v "${NVCC:-nvcc}" >/dev/null; then
+    rm -f "$dir/libort_trainer_kernels.so"
+    "${KERNELS_PYTHON:-$python}" -c "import sys; from pathlib import Path; from ort_trainer.kernels import build
+build(Path(sys.argv[1]), cuda=True)" "$dir"
+else
+    echo "gpu_wheels: no nvcc here: the GPU machine builds ort_trainer's kernel library itself (or needs nvcc)" >&2
+fi
 (cd "$dir" && md5sum onnxruntime-gpu.tar.xz.part-* > parts.md5)
 ls -l "$dir"

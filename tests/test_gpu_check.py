@@ -151,7 +151,7 @@ def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(
     dry = subprocess.run(["make", "-n", "--no-print-directory", "gpu-wheels", "PYTHON=py"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert "PYTHON=py benchmarks/gpu_wheels.sh .gpu-wheels" in dry.stdout
+    assert "PYTHON=py KERNELS_PYTHON=.venv/bin/python benchmarks/gpu_wheels.sh .gpu-wheels" in dry.stdout
     (tmp_path / "onnxruntime-gpu.tar.xz.part-00").write_bytes(b"one part")
     subprocess.run("md5sum onnxruntime-gpu.tar.xz.part-00 > parts.md5", shell=True, cwd=tmp_path, check=True)
     (tmp_path / "onnxruntime-gpu.tar.xz.part-00").write_bytes(b"one part, damaged in transit")

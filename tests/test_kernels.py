@@ -80,6 +80,13 @@ def test_the_operators_compute_gelus_derivative_within_one_rounding(cpu_library,
     record_property("error / |dy|", float(((out.double() - want).abs() / dy.double().abs().clamp_min(1e-30)).max()))
     shaped = torch.randn(3, 5, 7).to(dtype)
     assert _run(_session(cpu_library, op, _TYPES[dtype][0]), shaped, shaped).shape == (3, 5, 7)
+    # 2¹⁸ elements: shared among the cores (shares of at least 2¹⁶), the same bound
+    x = (torch.randn(4, 2 ** 16, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    dy = torch.randn(4, 2 ** 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = _run(_session(cpu_library, op, _TYPES[dtype][0]), dy, x)
+    want = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate=approximate)
+    bound = _TYPES[dtype][1] * want.abs() + _TYPES[dtype][2] + ARITHMETIC_BOUND * dy.double().abs()
+    assert ((out.double() - want).abs() - bound).max() <= 0
 
 
 @needs_compiler
@@ -152,12 +159,14 @@ def test_nvcc_builds_cuda_kernels_that_leave_the_cpu_ones_as_they_are(tmp_path):
                                                 (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.bfloat16)],
                          ids=["float32", "float16-weights32", "bfloat16-weights32", "float16", "bfloat16"])
-def test_layer_norm_grad_computes_torchs_backward(cpu_library, dtype, gamma_dtype):
-    """dx, dgamma and dbeta of [6, 5, 48] rows of 48 against float64 ``native_layer_norm_backward`` from the same
-    mean and rstd; the fourth output, the partial sums, holds dgamma and dbeta's float32 values (one chunk)."""
+@pytest.mark.parametrize("rows", [(6, 5), (64, 64)], ids=["30-rows", "4096-rows"])
+def test_layer_norm_grad_computes_torchs_backward(cpu_library, dtype, gamma_dtype, rows):
+    """dx, dgamma and dbeta of rows of 48 (30, or 4096: shared among the cores, each share's column sums added
+    in order) against float64 ``native_layer_norm_backward`` from the same mean and rstd; the fourth output, the
+    partial sums, holds dgamma and dbeta's float32 values (one chunk)."""
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(6, 5, 48, generator=gen) * 3 + 1).to(dtype)
-    dy = torch.randn(6, 5, 48, generator=gen).to(dtype)
+    x = (torch.randn(*rows, 48, generator=gen) * 3 + 1).to(dtype)
+    dy = torch.randn(*rows, 48, generator=gen).to(dtype)
     gamma = (torch.randn(48, generator=gen) + 1).to(gamma_dtype)
     mean = x.double().mean(-1, keepdim=True).to(dtype)
     rstd = (x.double().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().to(dtype)
