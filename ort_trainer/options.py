@@ -186,14 +186,13 @@ _SCHEMA: dict[str, _Field] = {
         "'torch' only)"
     ),
     "graph_optimizations.half_precision_gelu": _Field(
-        _BOOL, True, "with gelu, under mixed precision: a float16 or bfloat16 GELU's forward and backward computed "
-        "together in its own dtype (the tanh form's derivative ordered to stay finite where its sigmoid saturates) "
-        "instead of its backward in float32 after casts: 22% fewer bytes moved a GPT-2 small step (torch source)"),
-    # backward regions as kernels of ort_trainer's own library (ort_trainer/kernels; usage.md "ort_trainer's kernels")
+        _BOOL, True, "with gelu, mixed precision: a half GELU's forward and backward in its own dtype (torch source)"),
+    # regions as kernels of ort_trainer's own library (ort_trainer/kernels; usage.md "ort_trainer's kernels")
     "graph_optimizations.fused_gelu_gradient": _Field(_BOOL, False, "with gelu: each GELU's backward as one kernel"),
     "graph_optimizations.fused_layer_norm_gradient": _Field(_BOOL, False, "each LayerNorm's backward as one kernel"),
     "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "a softmax's backward as one kernel"),
     "graph_optimizations.fused_safe_softmax": _Field(_BOOL, False, "attention's safe softmax as one kernel"),
+    "graph_optimizations.fused_cross_entropy": _Field(_BOOL, False, "a cross-entropy as two kernels, no float32 copy"),
     "graph_optimizations.host_dropout_masks": _Field(
         _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "

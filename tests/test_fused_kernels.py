@@ -1,8 +1,9 @@
-"""``graph_optimizations.fused_gelu_gradient``, ``fused_layer_norm_gradient``, ``fused_softmax_gradient`` and
-``fused_safe_softmax``: each GELU's, LayerNorm's and softmax's backward, and each attention's safe softmax, as one
-node of ort_trainer's kernel library (``GeluGrad`` / ``TanhGeluGrad``, ``LayerNormGrad``, ``SoftmaxGrad``,
-``SafeSoftmax``: ``ort_trainer/kernels``), run by its CPU kernels here and its CUDA kernels under
-``make gpu-check``.
+"""``graph_optimizations.fused_gelu_gradient``, ``fused_layer_norm_gradient``, ``fused_softmax_gradient``,
+``fused_safe_softmax`` and ``fused_cross_entropy``: each GELU's, LayerNorm's and softmax's backward, each
+attention's safe softmax and each cross-entropy as nodes of ort_trainer's kernel library (``GeluGrad`` /
+``TanhGeluGrad``, ``LayerNormGrad``, ``SoftmaxGrad``, ``SafeSoftmax``, ``CrossEntropy`` and
+``CrossEntropyGrad``: ``ort_trainer/kernels``), run by its CPU kernels here and its CUDA kernels under
+``make gpu-check`` (the pieces of a loss with the cross-entropy kernels: ``test_loss_pieces.py``).
 
 Checked against float64 PyTorch: one float32 step of a tiny GPT-2 (tanh GELU) and of TinyEncoder (erf), and one
 float16 step of the GPT-2 (bfloat16 on a GPU only: ONNX Runtime's CPU provider lacks bfloat16 kernels the graph
@@ -46,8 +47,11 @@ NODES = {("fused_gelu_gradient", "gpt2"): ["TanhGeluGrad"] * 2, ("fused_gelu_gra
          ("fused_softmax_gradient", "gpt2"): ["SoftmaxGrad"] * 2,
          ("fused_softmax_gradient", "encoder"): ["SoftmaxGrad"] * 2,
          ("fused_safe_softmax", "gpt2"): ["SafeSoftmax"] * 2,
-         ("fused_safe_softmax", "encoder"): []}  # (TinyEncoder's attention softmax is a plain one)
-OPTIONS = ("fused_gelu_gradient", "fused_layer_norm_gradient", "fused_softmax_gradient", "fused_safe_softmax")
+         ("fused_safe_softmax", "encoder"): [],  # (TinyEncoder's attention softmax is a plain one)
+         ("fused_cross_entropy", "gpt2"): ["CrossEntropy", "CrossEntropyGrad"],
+         ("fused_cross_entropy", "encoder"): ["CrossEntropy", "CrossEntropyGrad"]}
+OPTIONS = ("fused_gelu_gradient", "fused_layer_norm_gradient", "fused_softmax_gradient", "fused_safe_softmax",
+           "fused_cross_entropy")
 
 
 def _step(model, desc, batch, loss_fn, option: str, on: bool, half: str | None):

@@ -257,3 +257,58 @@ def test_safe_softmax_computes_torchs_safe_softmax(cpu_library, dtype):
     bound = (_TYPES[dtype][1] + FLOAT32) * want.abs() + _TYPES[dtype][2]
     excess = (out.double() - want).abs()[finite] - bound[finite]
     assert excess.max() <= 0, float(excess.max())
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
+def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype):
+    """Each row's loss and log-sum-exp of [37, 101] scores (a row ignored, ignore_index -7) against float64
+    ``cross_entropy(reduction="none")`` and ``logsumexp`` of the same rounded scores, and dx for a random grad of
+    each row against float64 autograd: float64 arithmetic rounded once to float32 (losses, lse: within u32 of
+    lse + |x[target]| for cancellation), then dx once more to the dtype (within (u32 + u)·|dx|, plus a u32 of the
+    row's grad times (1 + |lse|): the gradient reads lse as stored, in float32, off by u32·|lse|, which moves every
+    probability exp(x - lse) by as much relatively; plus half the subnormals' spacing)."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(37, 101, generator=gen) * 3).to(dtype)
+    target = torch.randint(0, 101, (37,), generator=gen)
+    target[5] = -7
+    grad = torch.randn(37, generator=gen)
+    elem = _TYPES[dtype][0]
+    nodes = [helper.make_node("CrossEntropy", ["x", "target"], ["losses", "lse"], domain=kernels.DOMAIN,
+                              ignore_index=-7),
+             helper.make_node("CrossEntropyGrad", ["grad", "x", "target", "lse"], ["dx"], domain=kernels.DOMAIN,
+                              ignore_index=-7)]
+    graph = helper.make_graph(
+        nodes, "cross_entropy",
+        [helper.make_tensor_value_info("x", elem, None),
+         helper.make_tensor_value_info("target", TensorProto.INT64, None),
+         helper.make_tensor_value_info("grad", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("losses", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("lse", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("dx", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(cpu_library))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    outs = {"losses": torch.empty(37), "lse": torch.empty(37), "dx": torch.empty_like(x)}
+    binding = session.io_binding()
+    for name, tensor, kind in (("x", x, elem), ("target", target, TensorProto.INT64),
+                               ("grad", grad, TensorProto.FLOAT)):
+        binding.bind_input(name, "cpu", 0, kind, list(tensor.shape), tensor.data_ptr())
+    for name, tensor in outs.items():
+        binding.bind_output(name, "cpu", 0, _TYPES[tensor.dtype][0], list(tensor.shape), tensor.data_ptr())
+    session.run_with_iobinding(binding)
+    x64 = x.double().requires_grad_()
+    losses = torch.nn.functional.cross_entropy(x64, target, reduction="none", ignore_index=-7)
+    lse = torch.logsumexp(x64, -1)
+    (losses * grad.double()).sum().backward()
+    picked = x64.detach().gather(1, target.clamp(min=0)[:, None])[:, 0].abs()
+    assert ((outs["losses"].double() - losses.detach()).abs() <= FLOAT32 * (lse.detach().abs() + picked) + 1e-30).all()
+    assert ((outs["lse"].double() - lse.detach()).abs() <= FLOAT32 * lse.detach().abs()).all()
+    assert outs["losses"][5] == 0 and torch.equal(outs["dx"][5], torch.zeros(101, dtype=dtype))
+    want = x64.grad
+    bound = ((_TYPES[dtype][1] + FLOAT32) * want.abs()
+             + FLOAT32 * grad.double().abs()[:, None] * (1 + lse.detach().abs()[:, None]) + _TYPES[dtype][2])
+    excess = (outs["dx"].double() - want).abs() - bound
+    assert excess.max() <= 0, float(excess.max())

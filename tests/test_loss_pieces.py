@@ -296,6 +296,40 @@ def test_mixed_precision_matches_float64_pytorch(linear_head):
         assert len(_log_softmaxes(_graph(trainer))) == (PIECES if pieces else 1)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_pieces_with_the_cross_entropy_kernel(reduction, half):
+    """``fused_cross_entropy`` on the pieces: each piece's loss is one ``CrossEntropy`` node and its gradient one
+    ``CrossEntropyGrad`` (ort_trainer's kernel library), reading the float16 scores themselves under mixed
+    precision (no float32 copy); each piece's kernel gradient comes before the next piece's forward, the loss
+    and gradients within the bound of float64 PyTorch's (float32: TOLERANCE; float16: HALF_BOUND), and a batch
+    without a labelled row gives PyTorch's NaN."""
+    from ort_trainer.amp import DynamicLossScaler
+    from ort_trainer.kernels import DOMAIN
+
+    model, batch = CausalLM(True, reduction), _batch(1)
+    expected_loss, expected = _reference(model, batch)
+    mixed = {"enabled": True, "dtype": "float16", "loss_scaler": DynamicLossScaler(loss_scale=1.0)} if half else {}
+    trainer = _trainer(copy.deepcopy(model), True, mixed_precision=mixed or {"enabled": False},
+                       graph_optimizations={"fused_cross_entropy": True})
+    for name, error in _errors(*_step(trainer, batch), expected_loss, expected).items():
+        check(error, HALF_BOUND if half else TOLERANCE, f"{reduction} {name}")
+    nodes = list(_graph(trainer).graph.node)
+    kernels = [(i, n.op_type) for i, n in enumerate(nodes) if n.domain == DOMAIN]
+    assert [kind for _, kind in kernels].count("CrossEntropy") == PIECES, kernels
+    forwards = [i for i, kind in kernels if kind == "CrossEntropy"]
+    backwards = [i for i, kind in kernels if kind == "CrossEntropyGrad"]
+    assert all(b < f for b, f in zip(backwards, forwards[1:])), kernels  # each piece's backward before the next
+    assert not _log_softmaxes(_graph(trainer))
+    if half:
+        scores = {n.input[0] for n in nodes if n.op_type == "CrossEntropy"}
+        casts = [n for n in nodes if n.op_type == "Cast" and n.output[0] in scores]
+        assert not casts, [n.name for n in casts]
+    ids, labels = batch
+    loss, _ = _step(trainer, (ids, torch.full_like(labels, -100)))
+    assert np.isnan(loss) or reduction == "sum"
+
+
 # bfloat16 against float64 PyTorch: the same 24 roundings along the longest chain, each u_bf16 of its value.
 BFLOAT16_BOUND = 24 * BFLOAT16
 

@@ -190,7 +190,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
           gelu: bool = False, half_gelu: bool = False, half_attention: bool = False,
           eval_is_training: bool = False, loss_pieces: int = 0, gelu_kernel: bool = False,
           layer_norm_kernel: bool = False, softmax_kernel: bool = False,
-          safe_softmax_kernel: bool = False) -> JointGraphs:
+          safe_softmax_kernel: bool = False, cross_entropy_kernel: bool = False) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -213,6 +213,9 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             (``fused_softmax_gradient``: ``kernel_ops.rewrite_softmax_backward``).
         safe_softmax_kernel: each safe softmax (attention's) over the last axis is one node of that library
             (``fused_safe_softmax``: ``kernel_ops.rewrite_safe_softmax``).
+        cross_entropy_kernel: each cross-entropy (of 2-D scores, no class weights or smoothing) is two nodes of
+            that library, forward and backward (``fused_cross_entropy``: ``kernel_ops.fused_cross_entropy``,
+            before autograd, after ``loss_pieces`` and ``sparse_labels``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
@@ -255,6 +258,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         torch_loss_pieces.loss_pieces(program, loss_pieces, sparse=sparse_labels)
     if sparse_labels:
         torch_sparse_labels.sparse_labels(program)
+    if cross_entropy_kernel:
+        kernel_ops.fused_cross_entropy(program)
     if gelu:
         torch_gelu.rewrite_formulas(program)
     if half_attention:

@@ -31,10 +31,32 @@ def retarget(node: torch.fx.Node, target: Callable, args: tuple, kwargs: dict | 
 
 
 def fake_result(target: Callable, args: tuple, kwargs: dict) -> Any:
-    """``target``'s value on the fake values of its node arguments (in their fake mode)."""
+    """``target``'s value on the fake values of its node arguments (in their fake mode; a data-dependent size it
+    makes, e.g. of ``nonzero``, is a fresh symbol the program's shape environment is told not to wait for)."""
     from torch._guards import detect_fake_mode
 
     values = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     mode = detect_fake_mode([v for v in (*values[0], *values[1].values()) if isinstance(v, torch.Tensor)])
-    with mode if mode is not None else contextlib.nullcontext():
+    shape_env = getattr(mode, "shape_env", None)
+    fresh = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+    with mode if mode is not None else contextlib.nullcontext(), fresh:
         return target(*values[0], **values[1])
+
+
+def fill_fake_values(graph: torch.fx.Graph) -> int:
+    """Give each ``call_function`` node without a ``meta["val"]`` (one a rewrite before autograd added, which the
+    joint trace does not need) the fake value of its target on its arguments', in the graph's order; a node whose
+    value cannot be computed (an argument without one) is left without. Returns how many were filled."""
+    filled = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or "val" in node.meta:
+            continue
+        arguments = []
+        torch.fx.node.map_arg((node.args, node.kwargs), arguments.append)
+        if all("val" in argument.meta for argument in arguments):
+            try:
+                node.meta["val"] = fake_result(node.target, node.args, node.kwargs)
+                filled += 1
+            except Exception:  # noqa: BLE001 - an operator fake tensors cannot run: its readers stay without values
+                continue
+    return filled

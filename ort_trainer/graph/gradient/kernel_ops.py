@@ -26,6 +26,12 @@ arithmetic, for an eager call) and a fake one (for the traces).
   whose rows of only -inf give zeros: attention's), computed in float32. Put in place by
   ``rewrite_safe_softmax`` (``fused_safe_softmax``) for every ``_safe_softmax`` (``SAFE_SOFTMAX_KEPT``) over
   the last axis in a kernel dtype; any other becomes torch's arithmetic.
+- ``ort_trainer::cross_entropy(x, target, ignore_index)`` -> ``CrossEntropy(x, target)``: each row's
+  cross-entropy of class scores and its log-sum-exp, in float32, with a registered autograd whose backward is
+  ``ort_trainer::cross_entropy_grad`` -> ``CrossEntropyGrad(grad, x, target, lse)`` (dx in x's dtype). Put in
+  place before autograd by ``fused_cross_entropy`` (``fused_cross_entropy``) for every ``cross_entropy_loss``
+  of 2-D scores without class weights or label smoothing, reading half-precision scores directly where the
+  program casts them to float32 for the loss alone (a Hugging Face head's ``logits.float()``, the loss pieces').
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import onnx
 import torch
 
 from ...kernels import DOMAIN, OPSET
-from .fx_nodes import Builder
+from .fx_nodes import Builder, fill_fake_values
+from .sparse_labels import _is_float_cast, _value, erase_unread, readers
 
 _DTYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 GELU_GRAD_OPS = {"none": "GeluGrad", "tanh": "TanhGeluGrad"}  # by gelu's ``approximate``
@@ -129,6 +136,99 @@ def rewrite_safe_softmax(program) -> int:
     return count
 
 
+@torch.library.custom_op("ort_trainer::cross_entropy", mutates_args=())
+def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy of the class scores ``x`` [rows, classes] against ``target`` (0 where it is
+    ``ignore_index``) and each row's log-sum-exp, in float32, as the ``CrossEntropy`` kernels compute them."""
+    scores = x.float()
+    losses = torch.nn.functional.cross_entropy(scores, target, reduction="none", ignore_index=ignore_index)
+    return losses, torch.logsumexp(scores, -1)
+
+
+@cross_entropy.register_fake
+def _cross_entropy_fake(x, target, ignore_index):
+    return x.new_empty(x.shape[:1], dtype=torch.float32), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("ort_trainer::cross_entropy_grad", mutates_args=())
+def cross_entropy_grad(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                       ignore_index: int) -> torch.Tensor:
+    """``grad`` [rows] times each row's softmax minus its one-hot target (zeros for an ignored row), in float32
+    and rounded once to ``x``'s dtype, as the ``CrossEntropyGrad`` kernels compute it."""
+    kept = (target != ignore_index).float() * grad.float()
+    probabilities = torch.exp(x.float() - lse.float()[:, None])
+    onehot = torch.nn.functional.one_hot(target.clamp(min=0), x.shape[-1]).float()
+    return (kept[:, None] * (probabilities - onehot)).to(x.dtype)
+
+
+@cross_entropy_grad.register_fake
+def _cross_entropy_grad_fake(grad, x, target, lse, ignore_index):
+    return torch.empty_like(x)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    x, target, ignore_index = inputs
+    ctx.save_for_backward(x, target, output[1])
+    ctx.ignore_index = ignore_index
+    ctx.mark_non_differentiable(output[1])
+
+
+def _cross_entropy_backward(ctx, grad_losses, _grad_lse):
+    x, target, lse = ctx.saved_tensors
+    return torch.ops.ort_trainer.cross_entropy_grad(grad_losses, x, target, lse, ctx.ignore_index), None, None
+
+
+cross_entropy.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+_MEAN, _SUM = 1, 2  # cross_entropy_loss's reduction (0: none)
+
+
+def fused_cross_entropy(program) -> int:
+    """Replace each ``cross_entropy_loss`` of a program before autograd (its submodules too) over 2-D scores,
+    without class weights or label smoothing, by ``cross_entropy``'s per-row losses summed (divided by the
+    count of labelled rows for a mean), in place; where the scores are a float32 cast of half-precision ones read
+    by the loss alone, the half ones are read and the cast is erased. Returns how many."""
+    count = 0
+    for module in program.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        graph, changed = module.graph, 0
+        losses = [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]
+        if losses:
+            fill_fake_values(graph)  # (the nodes loss_pieces and sparse_labels wrote have none)
+        for node in losses:
+            names = ("weight", "reduction", "ignore_index", "label_smoothing")
+            x, target = node.args[:2]
+            weight, reduction, ignore_index, smoothing = [
+                node.kwargs.get(name, node.args[2 + i] if len(node.args) > 2 + i else default)
+                for i, (name, default) in enumerate(zip(names, (None, _MEAN, -100, 0.0)))]
+            value, labels = _value(x), _value(target)
+            if (weight is not None or smoothing or value is None or labels is None or value.dim() != 2
+                    or value.dtype not in KERNEL_DTYPES or labels.dim() != 1 or labels.dtype != torch.int64):
+                continue
+            cast = x if _is_float_cast(x) and _value(x.args[0]).dtype in KERNEL_DTYPES and readers(x) == 1 else None
+            with graph.inserting_before(node):
+                build = Builder(graph, node)
+                fused = build(torch.ops.ort_trainer.cross_entropy.default, cast.args[0] if cast else x, target,
+                              ignore_index)
+                losses = build(operator.getitem, fused, 0)
+                build(operator.getitem, fused, 1)
+                result = losses if reduction == 0 else build(_aten.sum.default, losses)
+                if reduction == _MEAN:
+                    labelled = build(_aten.sum.default, build(_aten.ne.Scalar, target, ignore_index),
+                                     dtype=torch.float32)
+                    result = build(_aten.div.Tensor, result, labelled)
+            node.replace_all_uses_with(result)
+            graph.erase_node(node)
+            if cast is not None:
+                erase_unread(graph, [cast])
+            changed += 1
+        if changed:
+            graph.lint()
+            module.recompile()
+            count += changed
+    return count
+
+
 def rewrite_softmax_backward(program) -> int:
     """Replace each ``_softmax_backward_data`` of a joint program, in place: by ``softmax_grad`` where the axis
     is the last and the dtypes the kernel's, else by its arithmetic in aten operators; returns how many became
@@ -217,6 +317,18 @@ def _register_schemas() -> None:
             "SafeSoftmax", DOMAIN, OPSET, doc="a softmax over the last axis, zeros for rows of only -inf",
             inputs=[parameter("x", "T")], outputs=[parameter("y", "T")],
             type_constraints=[("T", _DTYPES, "float32, float16 or bfloat16")]))
+    ignore = onnx.defs.OpSchema.Attribute("ignore_index", onnx.defs.OpSchema.AttrType.INT, "a target to ignore",
+                                          required=False)
+    scores = ("T", _DTYPES, "the scores' dtype")
+    labels = [("I", ["tensor(int64)"], "int64"), ("U", ["tensor(float)"], "float32")]
+    for name, inputs, outputs in (("CrossEntropy", [("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")]),
+                                  ("CrossEntropyGrad", [("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")],
+                                   [("dx", "T")])):
+        if not onnx.defs.has(name, DOMAIN):
+            onnx.defs.register_schema(onnx.defs.OpSchema(
+                name, DOMAIN, OPSET, doc="cross-entropy of class scores (ort_trainer's kernel library)",
+                inputs=[parameter(*p) for p in inputs], outputs=[parameter(*p) for p in outputs],
+                type_constraints=[scores, *labels], attributes=[ignore]))
     schema = onnx.defs.OpSchema(
         "LayerNormGrad", DOMAIN, OPSET, doc="LayerNorm's backward (ort_trainer's kernel library)",
         inputs=[parameter("dy", "T"), parameter("x", "T"), parameter("mean", "T"), parameter("rstd", "T"),
@@ -245,6 +357,13 @@ def register_translations(registry) -> None:
     def safe_softmax_onnx(x):
         return opset.SafeSoftmax(x)
 
+    def cross_entropy_onnx(x, target, ignore_index: int = -100):
+        losses, lse = opset.CrossEntropy(x, target, ignore_index=ignore_index)
+        return losses, lse
+
+    def cross_entropy_grad_onnx(grad, x, target, lse, ignore_index: int = -100):
+        return opset.CrossEntropyGrad(grad, x, target, lse, ignore_index=ignore_index)
+
     def layer_norm_grad_onnx(dy, x, mean, rstd, gamma):
         dx, dgamma, dbeta, _partials = opset.LayerNormGrad(dy, x, mean, rstd, gamma)
         return dx, dgamma, dbeta
@@ -253,3 +372,5 @@ def register_translations(registry) -> None:
     registry.register_op(torch.ops.ort_trainer.layer_norm_grad.default, layer_norm_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.softmax_grad.default, softmax_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.safe_softmax.default, safe_softmax_onnx)
+    registry.register_op(torch.ops.ort_trainer.cross_entropy.default, cross_entropy_onnx)
+    registry.register_op(torch.ops.ort_trainer.cross_entropy_grad.default, cross_entropy_grad_onnx)

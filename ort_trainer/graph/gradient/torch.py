@@ -189,6 +189,7 @@ class TorchGradientSource(GradientSource):
                 layer_norm_kernel=bool(passes_on.get("fused_layer_norm_gradient")),
                 softmax_kernel=bool(passes_on.get("fused_softmax_gradient")),
                 safe_softmax_kernel=bool(passes_on.get("fused_safe_softmax")),
+                cross_entropy_kernel=bool(passes_on.get("fused_cross_entropy")),
                 half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)
         joint = built[tuple(returned)]

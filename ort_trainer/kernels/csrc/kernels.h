@@ -1,4 +1,4 @@
-// What ops.cc (the ONNX Runtime side) and the CUDA kernels (gelu.cu, layer_norm.cu, softmax.cu) share.
+// What ops.cc (the ONNX Runtime side) and the CUDA kernels (*.cu) share.
 #pragma once
 
 #include <stdint.h>
@@ -29,5 +29,15 @@ const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, v
 
 // a safe softmax over the last axis: a row whose every value is -inf gives zeros (torch's _safe_softmax)
 const char* safe_softmax_cuda(ElementType type, const void* x, void* y, int64_t rows, int64_t cols, void* stream);
+
+// cross-entropy over `rows` rows of `cols` class scores x against int64 targets: each row's log-sum-exp and loss
+// (lse - x[target]; 0 for an ignored row, NaN for a target out of range), float32
+const char* cross_entropy_cuda(ElementType type, const void* x, const int64_t* target, float* losses, float* lse,
+                               int64_t rows, int64_t cols, int64_t ignore_index, void* stream);
+
+// its gradient: dx = grad[row] * (exp(x - lse) - [c == target]), zeros for an ignored row
+const char* cross_entropy_grad_cuda(ElementType type, const float* grad, const void* x, const int64_t* target,
+                                    const float* lse, void* dx, int64_t rows, int64_t cols, int64_t ignore_index,
+                                    void* stream);
 
 }  // namespace ort_trainer_kernels

@@ -14,6 +14,12 @@
 //                               output y; float32, float16 and bfloat16, computed in float32
 //   SafeSoftmax(x) -> y         a softmax over the last axis whose rows of only -inf give zeros (torch's
 //                               _safe_softmax, attention's); float32, float16 and bfloat16, computed in float32
+//   CrossEntropy(x, target) -> (losses, lse)
+//                               each row's cross-entropy of class scores x [rows, classes] (float32, float16 or
+//                               bfloat16) against int64 targets, and its log-sum-exp, float32 [rows]: lse -
+//                               x[target], 0 where target == the attribute ignore_index, NaN out of range
+//   CrossEntropyGrad(grad, x, target, lse) -> dx
+//                               dx = grad[row] * (softmax(x) - onehot(target)), zeros for an ignored row, in x's dtype
 #include <math.h>
 #include <stdint.h>
 
@@ -37,7 +43,7 @@ using namespace ort_abi;
 
 constexpr uint32_t kOpVersion = 16;  // KernelComputeV2 (errors reach the session as a failed run)
 
-enum class Kind { kGeluGrad, kLayerNormGrad, kSoftmaxGrad, kSafeSoftmax };
+enum class Kind { kGeluGrad, kLayerNormGrad, kSoftmaxGrad, kSafeSoftmax, kCrossEntropy, kCrossEntropyGrad };
 
 struct Operator : OrtCustomOp {
   const char* name;
@@ -47,11 +53,13 @@ struct Operator : OrtCustomOp {
   ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
   ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta
   size_t inputs, outputs;
+  ONNXTensorElementDataType input_types[5], output_types[4];
 };
 
 struct Kernel {
   const OrtApi* api;
   const Operator* op;
+  int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attribute
 };
 
 // ---- CPU loops: float32 arithmetic (float64 sums), one rounding to the tensors' dtype ----------------------------
@@ -216,6 +224,52 @@ void safe_softmax_cpu(const void* x_, void* y_, int64_t rows, int64_t cols) {
   });
 }
 
+// cross-entropy of rows of `cols` scores: lse by a max and a float64 sum of exp; the row's loss lse - x[target]
+template <typename T>
+void cross_entropy_cpu(const void* x_, const int64_t* target, float* losses, float* lse, int64_t rows, int64_t cols,
+                       int64_t ignore_index) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const S* v = x + row * cols;
+      double top = -INFINITY, sum = 0.0;
+      bool nan = false;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double value = T::load(v[c]);
+        nan = nan || value != value;
+        top = value > top ? value : top;
+      }
+      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
+      const double row_lse = nan ? NAN : top + log(sum);
+      lse[row] = static_cast<float>(row_lse);
+      const int64_t t = target[row];
+      losses[row] = t == ignore_index ? 0.0f
+                    : (t >= 0 && t < cols ? static_cast<float>(row_lse - T::load(v[t])) : NAN);
+    }
+  });
+}
+
+template <typename T>
+void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* target, const float* lse, void* dx_,
+                            int64_t rows, int64_t cols, int64_t ignore_index) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  S* dx = static_cast<S*>(dx_);
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = target[row];
+      const double g = t == ignore_index ? 0.0 : grad[row];
+      const S* v = x + row * cols;
+      S* out = dx + row * cols;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double p = g == 0.0 ? 0.0 : exp(T::load(v[c]) - static_cast<double>(lse[row])) * g;
+        out[c] = T::store(static_cast<float>(c == t ? p - g : p));
+      }
+    }
+  });
+}
+
 // ---- one run of an operator ----------------------------------------------------------------------------------
 OrtStatus* fail(const OrtApi* api, const std::string& message) {
   return slot<CreateStatus>(api, kCreateStatus)(ORT_RUNTIME_EXCEPTION, ("ort_trainer kernels: " + message).c_str());
@@ -366,6 +420,61 @@ OrtStatus* compute_safe_softmax(const OrtApi* api, const Operator* op, OrtKernel
   return nullptr;
 }
 
+OrtStatus* compute_cross_entropy(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
+  Tensor x, target;
+  ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
+  ORTT_RETURN_IF_ERROR(input(api, context, 1, &target));
+  if (x.dims.size() != 2 || target.dims.size() != 1 || target.dims[0] != x.dims[0])
+    return fail(api, "CrossEntropy: x must be [rows, classes] and target [rows]");
+  const int64_t rows = x.dims[0], cols = x.dims[1];
+  Tensor losses, lse;
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, {rows}, &losses));
+  ORTT_RETURN_IF_ERROR(output(api, context, 1, {rows}, &lse));
+  const int64_t* t = static_cast<const int64_t*>(target.data);
+  float *l = static_cast<float*>(losses.data), *e = static_cast<float*>(lse.data);
+  if (op->cuda) {
+#ifdef ORT_TRAINER_KERNELS_CUDA
+    void* stream = nullptr;
+    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
+    const char* error = cross_entropy_cuda(op->type, x.data, t, l, e, rows, cols, kernel->ignore_index, stream);
+    if (error != nullptr) return fail(api, std::string("CrossEntropy on CUDA: ") + error);
+#endif
+    return nullptr;
+  }
+  dispatch(op->type, [&]<typename T>() { cross_entropy_cpu<T>(x.data, t, l, e, rows, cols, kernel->ignore_index); });
+  return nullptr;
+}
+
+OrtStatus* compute_cross_entropy_grad(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
+  Tensor grad, x, target, lse, dx;
+  Tensor* inputs[] = {&grad, &x, &target, &lse};
+  for (size_t i = 0; i < 4; ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, inputs[i]));
+  if (x.dims.size() != 2 || target.size != x.dims[0] || grad.size != x.dims[0] || lse.size != x.dims[0])
+    return fail(api, "CrossEntropyGrad: x must be [rows, classes], and grad, target and lse one value a row");
+  const int64_t rows = x.dims[0], cols = x.dims[1];
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
+  const float *g = static_cast<const float*>(grad.data), *e = static_cast<const float*>(lse.data);
+  const int64_t* t = static_cast<const int64_t*>(target.data);
+  if (op->cuda) {
+#ifdef ORT_TRAINER_KERNELS_CUDA
+    void* stream = nullptr;
+    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
+    const char* error = cross_entropy_grad_cuda(op->type, g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index,
+                                                stream);
+    if (error != nullptr) return fail(api, std::string("CrossEntropyGrad on CUDA: ") + error);
+#endif
+    return nullptr;
+  }
+  dispatch(op->type, [&]<typename T>() {
+    cross_entropy_grad_cpu<T>(g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index);
+  });
+  return nullptr;
+}
+
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
@@ -373,6 +482,8 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kLayerNormGrad: return compute_layer_norm_grad(kernel->api, kernel->op, context);
     case Kind::kSoftmaxGrad: return compute_softmax_grad(kernel->api, kernel->op, context);
     case Kind::kSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
+    case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
+    case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -380,20 +491,23 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
 // ---- the operator struct's functions -------------------------------------------------------------------------
 const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Operator*>(op); }
 
-void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo*) {
-  return new Kernel{api, as_operator(op)};
+void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
+  int64_t ignore_index = -100;  // torch's default, where the node has no attribute
+  const Kind kind = as_operator(op)->kind;
+  if (kind == Kind::kCrossEntropy || kind == Kind::kCrossEntropyGrad) {
+    OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, "ignore_index",
+                                                                                             &ignore_index);
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  }
+  return new Kernel{api, as_operator(op), ignore_index};
 }
 const char* name(const OrtCustomOp* op) { return as_operator(op)->name; }
 const char* provider(const OrtCustomOp* op) { return as_operator(op)->cuda ? "CUDAExecutionProvider" : nullptr; }
-ONNXTensorElementDataType input_type(const OrtCustomOp* custom, size_t index) {
-  const Operator* op = as_operator(custom);
-  const ElementType type = op->kind == Kind::kLayerNormGrad && index == 4 ? op->gamma_type : op->type;
-  return static_cast<ONNXTensorElementDataType>(type);
+ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t index) {
+  return as_operator(op)->input_types[index];
 }
-ONNXTensorElementDataType output_type(const OrtCustomOp* custom, size_t index) {
-  const Operator* op = as_operator(custom);
-  if (op->kind != Kind::kLayerNormGrad || index == 0) return static_cast<ONNXTensorElementDataType>(op->type);
-  return static_cast<ONNXTensorElementDataType>(index == 3 ? ElementType::kFloat : op->gamma_type);
+ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t index) {
+  return as_operator(op)->output_types[index];
 }
 size_t input_count(const OrtCustomOp* op) { return as_operator(op)->inputs; }
 size_t output_count(const OrtCustomOp* op) { return as_operator(op)->outputs; }
@@ -427,8 +541,23 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   op.KernelComputeV2 = compute;
   op.name = op_name;
   op.kind = kind;
-  op.inputs = kind == Kind::kLayerNormGrad ? 5 : (kind == Kind::kSafeSoftmax ? 1 : 2);
-  op.outputs = kind == Kind::kLayerNormGrad ? 4 : 1;
+  // each input's and output's dtype: T the operator's, G LayerNormGrad's weights', float32 and int64 fixed
+  const auto t = static_cast<ONNXTensorElementDataType>(type), g = static_cast<ONNXTensorElementDataType>(gamma_type);
+  const auto f32 = ONNX_FLOAT, i64 = ONNX_INT64;
+  const std::vector<ONNXTensorElementDataType> ins =
+      kind == Kind::kLayerNormGrad      ? std::vector{t, t, t, t, g}
+      : kind == Kind::kSafeSoftmax      ? std::vector{t}
+      : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
+      : kind == Kind::kCrossEntropyGrad ? std::vector{f32, t, i64, f32}
+                                        : std::vector{t, t};
+  const std::vector<ONNXTensorElementDataType> outs =
+      kind == Kind::kLayerNormGrad  ? std::vector{t, g, g, f32}
+      : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
+                                    : std::vector{t};
+  op.inputs = ins.size();
+  op.outputs = outs.size();
+  std::copy(ins.begin(), ins.end(), op.input_types);
+  std::copy(outs.begin(), outs.end(), op.output_types);
   op.tanh_form = tanh_form;
   op.cuda = cuda;
   op.type = type;
@@ -452,6 +581,8 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("TanhGeluGrad", Kind::kGeluGrad, true, cuda, type));
         ops.push_back(make_operator("SoftmaxGrad", Kind::kSoftmaxGrad, false, cuda, type));
         ops.push_back(make_operator("SafeSoftmax", Kind::kSafeSoftmax, false, cuda, type));
+        ops.push_back(make_operator("CrossEntropy", Kind::kCrossEntropy, false, cuda, type));
+        ops.push_back(make_operator("CrossEntropyGrad", Kind::kCrossEntropyGrad, false, cuda, type));
       }
       // LayerNorm's tensors in one dtype, or a half-precision input with float32 weights (torch's layer norm of a
       // float16 activation under autocast: its mean and rstd in the input's dtype)

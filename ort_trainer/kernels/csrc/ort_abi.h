@@ -17,7 +17,7 @@ struct OrtKernelContext;
 struct OrtCustomOp;
 
 enum OrtErrorCode { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum ONNXTensorElementDataType { ONNX_FLOAT = 1, ONNX_FLOAT16 = 10, ONNX_BFLOAT16 = 16 };
+enum ONNXTensorElementDataType { ONNX_FLOAT = 1, ONNX_INT64 = 7, ONNX_FLOAT16 = 10, ONNX_BFLOAT16 = 16 };
 enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0 };
 enum OrtMemType { OrtMemTypeDefault = 0 };
 
@@ -38,8 +38,10 @@ using GetDimensionsCount = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size
 using GetDimensions = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t);          // 62
 using GetTensorShapeElementCount = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*);      // 64
 using GetTensorTypeAndShape = OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**);        // 65
+using KernelInfoGetAttributeInt64 = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);   // 86
 using KernelContextGetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);   // 90
 using KernelContextGetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);  // 91
+using ReleaseStatus = void (*)(OrtStatus*);                                                        // 93
 using ReleaseTensorTypeAndShapeInfo = void (*)(OrtTensorTypeAndShapeInfo*);                        // 99
 using KernelContextGetGPUComputeStream = OrtStatus* (*)(const OrtKernelContext*, void**);          // 193
 
@@ -54,8 +56,10 @@ enum Slot : int {
   kGetDimensions = 62,
   kGetTensorShapeElementCount = 64,
   kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
   kKernelContextGetGPUComputeStream = 193,
 };
