@@ -312,3 +312,17 @@ def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype):
              + FLOAT32 * grad.double().abs()[:, None] * (1 + lse.detach().abs()[:, None]) + _TYPES[dtype][2])
     excess = (outs["dx"].double() - want).abs() - bound
     assert excess.max() <= 0, float(excess.max())
+
+
+@needs_compiler
+def test_make_kernels_builds_the_library_and_prints_its_path(tmp_path):
+    """``make kernels`` (README): the library built into the kernels cache, its path the last line printed."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(["make", "--no-print-directory", "kernels"], cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert path.is_file() and path.name == "libort_trainer_kernels.so" and tmp_path in path.parents
