@@ -29,9 +29,10 @@ arithmetic, for an eager call) and a fake one (for the traces).
 - ``ort_trainer::cross_entropy(x, target, ignore_index)`` -> ``CrossEntropy(x, target)``: each row's
   cross-entropy of class scores and its log-sum-exp, in float32, with a registered autograd whose backward is
   ``ort_trainer::cross_entropy_grad`` -> ``CrossEntropyGrad(grad, x, target, lse)`` (dx in x's dtype). Put in
-  place before autograd by ``fused_cross_entropy`` (``fused_cross_entropy``) for every ``cross_entropy_loss``
-  of 2-D scores without class weights or label smoothing, reading half-precision scores directly where the
-  program casts them to float32 for the loss alone (a Hugging Face head's ``logits.float()``, the loss pieces').
+  place before autograd by the function ``fused_cross_entropy`` (the switch of that name) for every
+  ``cross_entropy_loss`` of 2-D scores without class weights or label smoothing, reading half-precision scores
+  directly where the program casts them to float32 for the loss alone (a Hugging Face head's
+  ``logits.float()``, the loss pieces').
 """
 
 from __future__ import annotations
@@ -211,7 +212,6 @@ def fused_cross_entropy(program) -> int:
                 fused = build(torch.ops.ort_trainer.cross_entropy.default, cast.args[0] if cast else x, target,
                               ignore_index)
                 losses = build(operator.getitem, fused, 0)
-                build(operator.getitem, fused, 1)
                 result = losses if reduction == 0 else build(_aten.sum.default, losses)
                 if reduction == _MEAN:
                     labelled = build(_aten.sum.default, build(_aten.ne.Scalar, target, ignore_index),
