@@ -1,5 +1,5 @@
-// ort_trainer's custom operators for ONNX Runtime (domain "ort_trainer", ../__init__.py): their CPU kernels, and
-// the registration of those and of the CUDA kernels (gelu.cu, where nvcc built the library) with a session.
+// ort_trainer's custom operators for ONNX Runtime (domain "ort_trainer", ../__init__.py): each run's tensors, and
+// the registration of the CPU kernels (cpu_kernels.h) and of the CUDA ones (*.cu, where nvcc built the library).
 //
 // Operators:
 //   GeluGrad(dy, x) -> dx       dx = dy * GELU'(x), GELU(x) = x * Phi(x); float32, float16 and bfloat16, dy, x and
@@ -20,16 +20,13 @@
 //                               x[target], 0 where target == the attribute ignore_index, NaN out of range
 //   CrossEntropyGrad(grad, x, target, lse) -> dx
 //                               dx = grad[row] * (softmax(x) - onehot(target)), zeros for an ignored row, in x's dtype
-#include <math.h>
 #include <stdint.h>
 
 #include <algorithm>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "gelu.h"
-#include "half.h"
+#include "cpu_kernels.h"
 #include "kernels.h"
 #include "layer_norm.h"
 #include "ort_abi.h"
@@ -61,214 +58,6 @@ struct Kernel {
   const Operator* op;
   int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attribute
 };
-
-// ---- CPU loops: float32 arithmetic (float64 sums), one rounding to the tensors' dtype ----------------------------
-struct F32 {
-  using Storage = float;
-  static float load(float v) { return v; }
-  static float store(float v) { return v; }
-};
-struct F16 {
-  using Storage = uint16_t;
-  static float load(uint16_t v) { return float16_to_float(v); }
-  static uint16_t store(float v) { return float_to_float16(v); }
-};
-struct BF16 {
-  using Storage = uint16_t;
-  static float load(uint16_t v) { return bfloat16_to_float(v); }
-  static uint16_t store(float v) { return float_to_bfloat16(v); }
-};
-
-// run(begin, end) over [0, items) split among the machine's cores, where each share has at least `grain` items
-// (ONNX Runtime's own threads wait while a custom kernel runs); the shares and their order depend only on `items`
-// and the core count
-template <typename Run>
-void parallel(int64_t items, int64_t grain, Run&& run) {
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t shares = std::max<int64_t>(1, std::min(cores, items / std::max<int64_t>(grain, 1)));
-  if (shares == 1) {
-    run(int64_t{0}, items);
-    return;
-  }
-  std::vector<std::thread> threads;
-  const int64_t step = (items + shares - 1) / shares;
-  for (int64_t begin = step; begin < items; begin += step)
-    threads.emplace_back([&run, begin, step, items] { run(begin, std::min(items, begin + step)); });
-  run(int64_t{0}, std::min(items, step));
-  for (auto& thread : threads) thread.join();
-}
-
-constexpr int64_t kGrain = 1 << 16;  // elements of a share: below that, starting a thread costs more than it saves
-
-// calls run.template operator()<F32 / F16 / BF16>() for `type`
-template <typename Run>
-void dispatch(ElementType type, Run&& run) {
-  switch (type) {
-    case ElementType::kFloat: run.template operator()<F32>(); break;
-    case ElementType::kFloat16: run.template operator()<F16>(); break;
-    case ElementType::kBFloat16: run.template operator()<BF16>(); break;
-  }
-}
-
-template <typename T, bool kTanh>
-void gelu_grad_cpu(const void* dy, const void* x, void* dx, int64_t n) {
-  using S = typename T::Storage;
-  const S *a = static_cast<const S*>(dy), *b = static_cast<const S*>(x);
-  S* out = static_cast<S*>(dx);
-  parallel(n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = T::load(b[i]);
-      out[i] = T::store(T::load(a[i]) * (kTanh ? gelu_tanh_derivative(v) : gelu_erf_derivative(v)));
-    }
-  });
-}
-
-// LayerNorm's backward (layer_norm.h), one chunk: partials [1, 2, cols] hold dgamma and dbeta's float32 sums (the
-// float64 sums of each core's share of rows, added in order)
-template <typename T, typename G>
-void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, const void* rstd_, const void* gamma_,
-                         void* dx_, void* dgamma_, void* dbeta_, float* partials, int64_t rows, int64_t cols) {
-  using S = typename T::Storage;
-  using GS = typename G::Storage;
-  const S *dy = static_cast<const S*>(dy_), *x = static_cast<const S*>(x_);
-  const S *mean = static_cast<const S*>(mean_), *rstd = static_cast<const S*>(rstd_);
-  const GS* gamma = static_cast<const GS*>(gamma_);
-  S* dx = static_cast<S*>(dx_);
-  // each share of rows sums its own columns; the shares' sums are added in order
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1));
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t step = std::max<int64_t>(grain, (rows + cores - 1) / cores);
-  const int64_t shares = std::max<int64_t>(1, (rows + step - 1) / step);
-  std::vector<double> sums(static_cast<size_t>(shares * 2 * cols), 0.0);
-  parallel(shares, 1, [&](int64_t first, int64_t last) {
-    for (int64_t share = first; share < last; ++share) {
-      double *sum_g = sums.data() + share * 2 * cols, *sum_b = sum_g + cols;
-      for (int64_t row = share * step; row < std::min(rows, (share + 1) * step); ++row) {
-        const S *d = dy + row * cols, *v = x + row * cols;
-        const double m = T::load(mean[row]), r = T::load(rstd[row]);
-        double s_g = 0.0, s_gx = 0.0;
-        for (int64_t c = 0; c < cols; ++c) {
-          const double dv = T::load(d[c]), xhat = (T::load(v[c]) - m) * r, g = dv * G::load(gamma[c]);
-          s_g += g;
-          s_gx += g * xhat;
-          sum_g[c] += dv * xhat;
-          sum_b[c] += dv;
-        }
-        const double mean_g = s_g / cols, mean_gx = s_gx / cols;
-        S* out = dx + row * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const double xhat = (T::load(v[c]) - m) * r, g = T::load(d[c]) * static_cast<double>(G::load(gamma[c]));
-          out[c] = T::store(static_cast<float>(r * (g - mean_g - xhat * mean_gx)));
-        }
-      }
-    }
-  });
-  GS *dgamma = static_cast<GS*>(dgamma_), *dbeta = static_cast<GS*>(dbeta_);
-  for (int64_t c = 0; c < cols; ++c) {
-    double g = 0.0, b = 0.0;
-    for (int64_t share = 0; share < shares; ++share) {
-      g += sums[share * 2 * cols + c];
-      b += sums[share * 2 * cols + cols + c];
-    }
-    partials[c] = static_cast<float>(g);
-    partials[cols + c] = static_cast<float>(b);
-    dgamma[c] = G::store(partials[c]);
-    dbeta[c] = G::store(partials[cols + c]);
-  }
-}
-
-// a softmax's gradient over rows of `cols` values, the row's sum in float64
-template <typename T>
-void softmax_grad_cpu(const void* dy_, const void* y_, void* dx_, int64_t rows, int64_t cols) {
-  using S = typename T::Storage;
-  const S *dy = static_cast<const S*>(dy_), *y = static_cast<const S*>(y_);
-  S* dx = static_cast<S*>(dx_);
-  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const S *d = dy + row * cols, *v = y + row * cols;
-      double sum = 0.0;
-      for (int64_t c = 0; c < cols; ++c) sum += static_cast<double>(T::load(d[c])) * T::load(v[c]);
-      S* out = dx + row * cols;
-      for (int64_t c = 0; c < cols; ++c)
-        out[c] = T::store(static_cast<float>(T::load(v[c]) * (T::load(d[c]) - sum)));
-    }
-  });
-}
-
-// a safe softmax over rows of `cols` values: exp(x - max) / sum, zeros for a row of only -inf (a NaN anywhere in
-// a row makes the row NaN, as torch's softmax does)
-template <typename T>
-void safe_softmax_cpu(const void* x_, void* y_, int64_t rows, int64_t cols) {
-  using S = typename T::Storage;
-  const S* x = static_cast<const S*>(x_);
-  S* y = static_cast<S*>(y_);
-  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const S* v = x + row * cols;
-      S* out = y + row * cols;
-      double top = -INFINITY;
-      bool masked = true;
-      for (int64_t c = 0; c < cols; ++c) {
-        const double value = T::load(v[c]);
-        top = value > top ? value : top;
-        masked = masked && value == -INFINITY;
-      }
-      if (masked) {
-        for (int64_t c = 0; c < cols; ++c) out[c] = T::store(0.0f);
-        continue;
-      }
-      double sum = 0.0;
-      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
-      for (int64_t c = 0; c < cols; ++c) out[c] = T::store(static_cast<float>(exp(T::load(v[c]) - top) / sum));
-    }
-  });
-}
-
-// cross-entropy of rows of `cols` scores: lse by a max and a float64 sum of exp; the row's loss lse - x[target]
-template <typename T>
-void cross_entropy_cpu(const void* x_, const int64_t* target, float* losses, float* lse, int64_t rows, int64_t cols,
-                       int64_t ignore_index) {
-  using S = typename T::Storage;
-  const S* x = static_cast<const S*>(x_);
-  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const S* v = x + row * cols;
-      double top = -INFINITY, sum = 0.0;
-      bool nan = false;
-      for (int64_t c = 0; c < cols; ++c) {
-        const double value = T::load(v[c]);
-        nan = nan || value != value;
-        top = value > top ? value : top;
-      }
-      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
-      const double row_lse = nan ? NAN : top + log(sum);
-      lse[row] = static_cast<float>(row_lse);
-      const int64_t t = target[row];
-      losses[row] = t == ignore_index ? 0.0f
-                    : (t >= 0 && t < cols ? static_cast<float>(row_lse - T::load(v[t])) : NAN);
-    }
-  });
-}
-
-template <typename T>
-void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* target, const float* lse, void* dx_,
-                            int64_t rows, int64_t cols, int64_t ignore_index) {
-  using S = typename T::Storage;
-  const S* x = static_cast<const S*>(x_);
-  S* dx = static_cast<S*>(dx_);
-  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t t = target[row];
-      const double g = t == ignore_index ? 0.0 : grad[row];
-      const S* v = x + row * cols;
-      S* out = dx + row * cols;
-      for (int64_t c = 0; c < cols; ++c) {
-        const double p = g == 0.0 ? 0.0 : exp(T::load(v[c]) - static_cast<double>(lse[row])) * g;
-        out[c] = T::store(static_cast<float>(c == t ? p - g : p));
-      }
-    }
-  });
-}
 
 // ---- one run of an operator ----------------------------------------------------------------------------------
 OrtStatus* fail(const OrtApi* api, const std::string& message) {
@@ -316,11 +105,23 @@ OrtStatus* output(const OrtApi* api, OrtKernelContext* context, size_t index, co
   return slot<GetTensorMutableData>(api, kGetTensorMutableData)(value, &tensor->data);
 }
 
+// runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
+// run's. Operators with CUDA kernels exist only where nvcc built the library: elsewhere launch is never called
+// (nor compiled into the library).
+template <typename Launch>
+OrtStatus* on_cuda_stream(const OrtApi* api, OrtKernelContext* context, const char* name, Launch&& launch) {
 #ifdef ORT_TRAINER_KERNELS_CUDA
-OrtStatus* cuda_stream(const OrtApi* api, OrtKernelContext* context, void** stream) {
-  return slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, stream);
-}
+  void* stream = nullptr;
+  ORTT_RETURN_IF_ERROR(
+      slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, &stream));
+  const char* error = launch(stream);
+  return error == nullptr ? nullptr : fail(api, std::string(name) + " on CUDA: " + error);
+#else
+  (void)context;
+  (void)launch;
+  return fail(api, std::string(name) + ": this library was built without CUDA kernels");
 #endif
+}
 
 OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
   Tensor dy, x, dx;
@@ -328,15 +129,10 @@ OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelCon
   ORTT_RETURN_IF_ERROR(input(api, context, 1, &x));
   if (dy.dims != x.dims) return fail(api, std::string(op->name) + ": dy and x must have one shape");
   ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
-  if (op->cuda) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-    void* stream = nullptr;
-    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
-    const char* error = gelu_grad_cuda(op->type, op->tanh_form, dy.data, x.data, dx.data, x.size, stream);
-    if (error != nullptr) return fail(api, std::string(op->name) + " on CUDA: " + error);
-#endif
-    return nullptr;
-  }
+  if (op->cuda)
+    return on_cuda_stream(api, context, op->name, [&](void* stream) {
+      return gelu_grad_cuda(op->type, op->tanh_form, dy.data, x.data, dx.data, x.size, stream);
+    });
   dispatch(op->type, [&]<typename T>() {
     if (op->tanh_form)
       gelu_grad_cpu<T, true>(dy.data, x.data, dx.data, x.size);
@@ -361,17 +157,11 @@ OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKer
   ORTT_RETURN_IF_ERROR(output(api, context, 2, gamma.dims, &dbeta));
   ORTT_RETURN_IF_ERROR(output(api, context, 3, {chunks, 2, cols}, &partials));
   float* sums = static_cast<float*>(partials.data);
-  if (op->cuda) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-    void* stream = nullptr;
-    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
-    const char* error = layer_norm_grad_cuda(op->type, op->gamma_type, dy.data, x.data, mean.data, rstd.data,
-                                             gamma.data, dx.data, dgamma.data, dbeta.data, sums, rows, cols, chunks,
-                                             stream);
-    if (error != nullptr) return fail(api, std::string("LayerNormGrad on CUDA: ") + error);
-#endif
-    return nullptr;
-  }
+  if (op->cuda)
+    return on_cuda_stream(api, context, "LayerNormGrad", [&](void* stream) {
+      return layer_norm_grad_cuda(op->type, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
+                                  dx.data, dgamma.data, dbeta.data, sums, rows, cols, chunks, stream);
+    });
   dispatch(op->type, [&]<typename T>() {
     dispatch(op->gamma_type, [&]<typename G>() {
       layer_norm_grad_cpu<T, G>(dy.data, x.data, mean.data, rstd.data, gamma.data, dx.data, dgamma.data, dbeta.data,
@@ -388,15 +178,10 @@ OrtStatus* compute_softmax_grad(const OrtApi* api, const Operator* op, OrtKernel
   if (dy.dims != y.dims || y.dims.empty()) return fail(api, "SoftmaxGrad: dy and y must have one shape, of rank >= 1");
   const int64_t cols = y.dims.back(), rows = cols > 0 ? y.size / cols : 0;
   ORTT_RETURN_IF_ERROR(output(api, context, 0, y.dims, &dx));
-  if (op->cuda) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-    void* stream = nullptr;
-    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
-    const char* error = softmax_grad_cuda(op->type, dy.data, y.data, dx.data, rows, cols, stream);
-    if (error != nullptr) return fail(api, std::string("SoftmaxGrad on CUDA: ") + error);
-#endif
-    return nullptr;
-  }
+  if (op->cuda)
+    return on_cuda_stream(api, context, "SoftmaxGrad", [&](void* stream) {
+      return softmax_grad_cuda(op->type, dy.data, y.data, dx.data, rows, cols, stream);
+    });
   dispatch(op->type, [&]<typename T>() { softmax_grad_cpu<T>(dy.data, y.data, dx.data, rows, cols); });
   return nullptr;
 }
@@ -407,15 +192,10 @@ OrtStatus* compute_safe_softmax(const OrtApi* api, const Operator* op, OrtKernel
   if (x.dims.empty()) return fail(api, "SafeSoftmax: x must have rank >= 1");
   const int64_t cols = x.dims.back(), rows = cols > 0 ? x.size / cols : 0;
   ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y));
-  if (op->cuda) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-    void* stream = nullptr;
-    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
-    const char* error = safe_softmax_cuda(op->type, x.data, y.data, rows, cols, stream);
-    if (error != nullptr) return fail(api, std::string("SafeSoftmax on CUDA: ") + error);
-#endif
-    return nullptr;
-  }
+  if (op->cuda)
+    return on_cuda_stream(api, context, "SafeSoftmax", [&](void* stream) {
+      return safe_softmax_cuda(op->type, x.data, y.data, rows, cols, stream);
+    });
   dispatch(op->type, [&]<typename T>() { safe_softmax_cpu<T>(x.data, y.data, rows, cols); });
   return nullptr;
 }
@@ -434,15 +214,10 @@ OrtStatus* compute_cross_entropy(const Kernel* kernel, OrtKernelContext* context
   ORTT_RETURN_IF_ERROR(output(api, context, 1, {rows}, &lse));
   const int64_t* t = static_cast<const int64_t*>(target.data);
   float *l = static_cast<float*>(losses.data), *e = static_cast<float*>(lse.data);
-  if (op->cuda) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-    void* stream = nullptr;
-    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
-    const char* error = cross_entropy_cuda(op->type, x.data, t, l, e, rows, cols, kernel->ignore_index, stream);
-    if (error != nullptr) return fail(api, std::string("CrossEntropy on CUDA: ") + error);
-#endif
-    return nullptr;
-  }
+  if (op->cuda)
+    return on_cuda_stream(api, context, "CrossEntropy", [&](void* stream) {
+      return cross_entropy_cuda(op->type, x.data, t, l, e, rows, cols, kernel->ignore_index, stream);
+    });
   dispatch(op->type, [&]<typename T>() { cross_entropy_cpu<T>(x.data, t, l, e, rows, cols, kernel->ignore_index); });
   return nullptr;
 }
@@ -459,16 +234,10 @@ OrtStatus* compute_cross_entropy_grad(const Kernel* kernel, OrtKernelContext* co
   ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
   const float *g = static_cast<const float*>(grad.data), *e = static_cast<const float*>(lse.data);
   const int64_t* t = static_cast<const int64_t*>(target.data);
-  if (op->cuda) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-    void* stream = nullptr;
-    ORTT_RETURN_IF_ERROR(cuda_stream(api, context, &stream));
-    const char* error = cross_entropy_grad_cuda(op->type, g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index,
-                                                stream);
-    if (error != nullptr) return fail(api, std::string("CrossEntropyGrad on CUDA: ") + error);
-#endif
-    return nullptr;
-  }
+  if (op->cuda)
+    return on_cuda_stream(api, context, "CrossEntropyGrad", [&](void* stream) {
+      return cross_entropy_grad_cuda(op->type, g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index, stream);
+    });
   dispatch(op->type, [&]<typename T>() {
     cross_entropy_grad_cpu<T>(g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index);
   });

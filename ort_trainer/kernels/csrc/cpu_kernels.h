@@ -1,0 +1,225 @@
+// The CPU kernels of ops.cc's operators: float32 arithmetic (float64 sums), one rounding to the tensors' dtype,
+// rows shared among the machine's cores.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "gelu.h"
+#include "half.h"
+#include "kernels.h"
+
+namespace ort_trainer_kernels {
+
+struct F32 {
+  using Storage = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+struct F16 {
+  using Storage = uint16_t;
+  static float load(uint16_t v) { return float16_to_float(v); }
+  static uint16_t store(float v) { return float_to_float16(v); }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  static float load(uint16_t v) { return bfloat16_to_float(v); }
+  static uint16_t store(float v) { return float_to_bfloat16(v); }
+};
+
+// run(begin, end) over [0, items) split among the machine's cores, where each share has at least `grain` items
+// (ONNX Runtime's own threads wait while a custom kernel runs); the shares and their order depend only on `items`
+// and the core count
+template <typename Run>
+void parallel(int64_t items, int64_t grain, Run&& run) {
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t shares = std::max<int64_t>(1, std::min(cores, items / std::max<int64_t>(grain, 1)));
+  if (shares == 1) {
+    run(int64_t{0}, items);
+    return;
+  }
+  std::vector<std::thread> threads;
+  const int64_t step = (items + shares - 1) / shares;
+  for (int64_t begin = step; begin < items; begin += step)
+    threads.emplace_back([&run, begin, step, items] { run(begin, std::min(items, begin + step)); });
+  run(int64_t{0}, std::min(items, step));
+  for (auto& thread : threads) thread.join();
+}
+
+constexpr int64_t kGrain = 1 << 16;  // elements of a share: below that, starting a thread costs more than it saves
+
+// calls run.template operator()<F32 / F16 / BF16>() for `type`
+template <typename Run>
+void dispatch(ElementType type, Run&& run) {
+  switch (type) {
+    case ElementType::kFloat: run.template operator()<F32>(); break;
+    case ElementType::kFloat16: run.template operator()<F16>(); break;
+    case ElementType::kBFloat16: run.template operator()<BF16>(); break;
+  }
+}
+
+template <typename T, bool kTanh>
+void gelu_grad_cpu(const void* dy, const void* x, void* dx, int64_t n) {
+  using S = typename T::Storage;
+  const S *a = static_cast<const S*>(dy), *b = static_cast<const S*>(x);
+  S* out = static_cast<S*>(dx);
+  parallel(n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = T::load(b[i]);
+      out[i] = T::store(T::load(a[i]) * (kTanh ? gelu_tanh_derivative(v) : gelu_erf_derivative(v)));
+    }
+  });
+}
+
+// LayerNorm's backward (layer_norm.h), one chunk: partials [1, 2, cols] hold dgamma and dbeta's float32 sums (the
+// float64 sums of each core's share of rows, added in order)
+template <typename T, typename G>
+void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, const void* rstd_, const void* gamma_,
+                         void* dx_, void* dgamma_, void* dbeta_, float* partials, int64_t rows, int64_t cols) {
+  using S = typename T::Storage;
+  using GS = typename G::Storage;
+  const S *dy = static_cast<const S*>(dy_), *x = static_cast<const S*>(x_);
+  const S *mean = static_cast<const S*>(mean_), *rstd = static_cast<const S*>(rstd_);
+  const GS* gamma = static_cast<const GS*>(gamma_);
+  S* dx = static_cast<S*>(dx_);
+  // each share of rows sums its own columns; the shares' sums are added in order
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1));
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t step = std::max<int64_t>(grain, (rows + cores - 1) / cores);
+  const int64_t shares = std::max<int64_t>(1, (rows + step - 1) / step);
+  std::vector<double> sums(static_cast<size_t>(shares * 2 * cols), 0.0);
+  parallel(shares, 1, [&](int64_t first, int64_t last) {
+    for (int64_t share = first; share < last; ++share) {
+      double *sum_g = sums.data() + share * 2 * cols, *sum_b = sum_g + cols;
+      for (int64_t row = share * step; row < std::min(rows, (share + 1) * step); ++row) {
+        const S *d = dy + row * cols, *v = x + row * cols;
+        const double m = T::load(mean[row]), r = T::load(rstd[row]);
+        double s_g = 0.0, s_gx = 0.0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const double dv = T::load(d[c]), xhat = (T::load(v[c]) - m) * r, g = dv * G::load(gamma[c]);
+          s_g += g;
+          s_gx += g * xhat;
+          sum_g[c] += dv * xhat;
+          sum_b[c] += dv;
+        }
+        const double mean_g = s_g / cols, mean_gx = s_gx / cols;
+        S* out = dx + row * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const double xhat = (T::load(v[c]) - m) * r, g = T::load(d[c]) * static_cast<double>(G::load(gamma[c]));
+          out[c] = T::store(static_cast<float>(r * (g - mean_g - xhat * mean_gx)));
+        }
+      }
+    }
+  });
+  GS *dgamma = static_cast<GS*>(dgamma_), *dbeta = static_cast<GS*>(dbeta_);
+  for (int64_t c = 0; c < cols; ++c) {
+    double g = 0.0, b = 0.0;
+    for (int64_t share = 0; share < shares; ++share) {
+      g += sums[share * 2 * cols + c];
+      b += sums[share * 2 * cols + cols + c];
+    }
+    partials[c] = static_cast<float>(g);
+    partials[cols + c] = static_cast<float>(b);
+    dgamma[c] = G::store(partials[c]);
+    dbeta[c] = G::store(partials[cols + c]);
+  }
+}
+
+// a softmax's gradient over rows of `cols` values, the row's sum in float64
+template <typename T>
+void softmax_grad_cpu(const void* dy_, const void* y_, void* dx_, int64_t rows, int64_t cols) {
+  using S = typename T::Storage;
+  const S *dy = static_cast<const S*>(dy_), *y = static_cast<const S*>(y_);
+  S* dx = static_cast<S*>(dx_);
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const S *d = dy + row * cols, *v = y + row * cols;
+      double sum = 0.0;
+      for (int64_t c = 0; c < cols; ++c) sum += static_cast<double>(T::load(d[c])) * T::load(v[c]);
+      S* out = dx + row * cols;
+      for (int64_t c = 0; c < cols; ++c)
+        out[c] = T::store(static_cast<float>(T::load(v[c]) * (T::load(d[c]) - sum)));
+    }
+  });
+}
+
+// a safe softmax over rows of `cols` values: exp(x - max) / sum, zeros for a row of only -inf (a NaN anywhere in
+// a row makes the row NaN, as torch's softmax does)
+template <typename T>
+void safe_softmax_cpu(const void* x_, void* y_, int64_t rows, int64_t cols) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  S* y = static_cast<S*>(y_);
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const S* v = x + row * cols;
+      S* out = y + row * cols;
+      double top = -INFINITY;
+      bool masked = true;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double value = T::load(v[c]);
+        top = value > top ? value : top;
+        masked = masked && value == -INFINITY;
+      }
+      if (masked) {
+        for (int64_t c = 0; c < cols; ++c) out[c] = T::store(0.0f);
+        continue;
+      }
+      double sum = 0.0;
+      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
+      for (int64_t c = 0; c < cols; ++c) out[c] = T::store(static_cast<float>(exp(T::load(v[c]) - top) / sum));
+    }
+  });
+}
+
+// cross-entropy of rows of `cols` scores: lse by a max and a float64 sum of exp; the row's loss lse - x[target]
+template <typename T>
+void cross_entropy_cpu(const void* x_, const int64_t* target, float* losses, float* lse, int64_t rows, int64_t cols,
+                       int64_t ignore_index) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const S* v = x + row * cols;
+      double top = -INFINITY, sum = 0.0;
+      bool nan = false;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double value = T::load(v[c]);
+        nan = nan || value != value;
+        top = value > top ? value : top;
+      }
+      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
+      const double row_lse = nan ? NAN : top + log(sum);
+      lse[row] = static_cast<float>(row_lse);
+      const int64_t t = target[row];
+      losses[row] = t == ignore_index ? 0.0f
+                    : (t >= 0 && t < cols ? static_cast<float>(row_lse - T::load(v[t])) : NAN);
+    }
+  });
+}
+
+template <typename T>
+void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* target, const float* lse, void* dx_,
+                            int64_t rows, int64_t cols, int64_t ignore_index) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  S* dx = static_cast<S*>(dx_);
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = target[row];
+      const double g = t == ignore_index ? 0.0 : grad[row];
+      const S* v = x + row * cols;
+      S* out = dx + row * cols;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double p = g == 0.0 ? 0.0 : exp(T::load(v[c]) - static_cast<double>(lse[row])) * g;
+        out[c] = T::store(static_cast<float>(c == t ? p - g : p));
+      }
+    }
+  });
+}
+
+}  // namespace ort_trainer_kernels
