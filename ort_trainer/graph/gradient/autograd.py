@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 import onnx
@@ -188,9 +188,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
           optimize: bool = False, with_eval: bool = True, sparse_labels: bool = False,
           gelu: bool = False, half_gelu: bool = False, half_attention: bool = False,
-          eval_is_training: bool = False, loss_pieces: int = 0, gelu_kernel: bool = False,
-          layer_norm_kernel: bool = False, softmax_kernel: bool = False,
-          safe_softmax_kernel: bool = False, cross_entropy_kernel: bool = False) -> JointGraphs:
+          eval_is_training: bool = False, loss_pieces: int = 0, kernels: Collection[str] = ()) -> JointGraphs:
     """The gradient graph (joint forward/backward of ``traced``) and the eval graph.
 
     Args:
@@ -204,18 +202,10 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             together in the gradient graph (the eval graph is left as traced).
         half_gelu: with ``gelu``, a float16 or bfloat16 GELU too is computed as one in its own dtype
             (``half_precision_gelu``).
-        gelu_kernel: with ``gelu``, each GELU's backward is one node of ort_trainer's kernel library
-            (``fused_gelu_gradient``: ``gelu.rewrite_joint``'s ``kernel``).
-        layer_norm_kernel: each layer norm's backward is one node of that library
-            (``fused_layer_norm_gradient``: ``kernel_ops.rewrite_layer_norm_backward``), where every layer
-            norm of the model qualifies (``kernel_ops.layer_norm_applies``).
-        softmax_kernel: each softmax's backward over the last axis is one node of that library
-            (``fused_softmax_gradient``: ``kernel_ops.rewrite_softmax_backward``).
-        safe_softmax_kernel: each safe softmax (attention's) over the last axis is one node of that library
-            (``fused_safe_softmax``: ``kernel_ops.rewrite_safe_softmax``).
-        cross_entropy_kernel: each cross-entropy (of 2-D scores, no class weights or smoothing) is two nodes of
-            that library, forward and backward (``fused_cross_entropy``: ``kernel_ops.fused_cross_entropy``,
-            before autograd, after ``loss_pieces`` and ``sparse_labels``).
+        kernels: the switches of ``kernel_ops.SWITCHES`` that are on (regions as nodes of ort_trainer's kernel
+            library): ``fused_gelu_gradient`` (with ``gelu``: ``gelu.rewrite_joint``'s ``kernel``),
+            ``fused_cross_entropy`` (``kernel_ops.fused_cross_entropy``, before autograd, after ``loss_pieces``
+            and ``sparse_labels``), and the joint program's (``kernel_ops.kept`` and ``rewrite_joint``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
@@ -258,16 +248,13 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         torch_loss_pieces.loss_pieces(program, loss_pieces, sparse=sparse_labels)
     if sparse_labels:
         torch_sparse_labels.sparse_labels(program)
-    if cross_entropy_kernel:
+    if "fused_cross_entropy" in kernels:
         kernel_ops.fused_cross_entropy(program)
     if gelu:
         torch_gelu.rewrite_formulas(program)
     if half_attention:
         torch_attention.half_precision(program)
-    layer_norm_kernel = layer_norm_kernel and kernel_ops.layer_norm_applies(program)
-    keep = ((torch_gelu.KEPT if gelu else ()) + (kernel_ops.LAYER_NORM_KEPT if layer_norm_kernel else ())
-            + (kernel_ops.SOFTMAX_KEPT if softmax_kernel else ())
-            + (kernel_ops.SAFE_SOFTMAX_KEPT if safe_softmax_kernel else ()))
+    keep = (torch_gelu.KEPT if gelu else ()) + kernel_ops.kept(program, kernels)
     try:
         joint = joint_onnx.joint_program(program, loss_index=0, keep=keep)
     except Exception as exc:  # torch raises many types; the message is what helps
@@ -279,13 +266,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         raise ExportError(f"autograd could not differentiate the traced model{where}: "
                           f"{_first_line(exc).rstrip('.')}{fix}") from exc
     if gelu:
-        torch_gelu.rewrite_joint(joint, half=half_gelu, kernel=gelu_kernel)
-    if layer_norm_kernel:
-        kernel_ops.rewrite_layer_norm_backward(joint)
-    if softmax_kernel:
-        kernel_ops.rewrite_softmax_backward(joint)
-    if safe_softmax_kernel:
-        kernel_ops.rewrite_safe_softmax(joint)
+        torch_gelu.rewrite_joint(joint, half=half_gelu, kernel="fused_gelu_gradient" in kernels)
+    kernel_ops.rewrite_joint(joint)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

@@ -12,20 +12,19 @@ arithmetic, for an eager call) and a fake one (for the traces).
   (``graph_optimizations.fused_gelu_gradient``).
 - ``ort_trainer::layer_norm_grad(dy, x, mean, rstd, gamma)`` -> ``LayerNormGrad(dy, x, mean, rstd, gamma)``'s
   first three outputs (dx, dgamma, dbeta; its fourth, the CUDA kernel's partial column sums, is read by no
-  node): ``aten.native_layer_norm_backward`` over gamma's dims, computed in float32. Put in place by
-  ``rewrite_layer_norm_backward`` (``fused_layer_norm_gradient``) for the ``native_layer_norm_backward``
-  nodes the joint trace left undecomposed (``LAYER_NORM_KEPT``), where ``layer_norm_applies`` found every
-  layer norm of the program eligible (each with a weight; float32 or half-precision input): autograd
-  decomposes all of them or none.
+  node): ``aten.native_layer_norm_backward`` over gamma's dims, computed in float32
+  (``fused_layer_norm_gradient``), where ``layer_norm_applies`` found every layer norm of the program eligible
+  (each with a weight; float32 or half-precision input): autograd decomposes all of them or none.
 - ``ort_trainer::softmax_grad(dy, y)`` -> ``SoftmaxGrad(dy, y)``: a softmax's gradient over the last axis
-  from its output, ``y · (dy - Σ dy·y)``, computed in float32. Put in place by ``rewrite_softmax_backward``
-  (``fused_softmax_gradient``) for every ``_softmax_backward_data`` (``SOFTMAX_KEPT``) over the last axis
-  in a kernel dtype (a cast to the softmax's input dtype after it where that differs); any other becomes
-  torch's own arithmetic in aten operators.
+  from its output, ``y · (dy - Σ dy·y)``, computed in float32 (``fused_softmax_gradient``), for every
+  ``_softmax_backward_data`` over the last axis in a kernel dtype (a cast to the softmax's input dtype after
+  it where that differs); any other becomes torch's own arithmetic in aten operators.
 - ``ort_trainer::safe_softmax(x)`` -> ``SafeSoftmax(x)``: ``aten._safe_softmax`` over the last axis (a softmax
-  whose rows of only -inf give zeros: attention's), computed in float32. Put in place by
-  ``rewrite_safe_softmax`` (``fused_safe_softmax``) for every ``_safe_softmax`` (``SAFE_SOFTMAX_KEPT``) over
-  the last axis in a kernel dtype; any other becomes torch's arithmetic.
+  whose rows of only -inf give zeros: attention's), computed in float32 (``fused_safe_softmax``); any other
+  becomes torch's arithmetic.
+
+These three are joint-program rewrites: ``kept`` names the operators the joint trace leaves undecomposed for
+the switches on, and ``rewrite_joint`` replaces each of them afterwards.
 - ``ort_trainer::cross_entropy(x, target, ignore_index)`` -> ``CrossEntropy(x, target)``: each row's
   cross-entropy of class scores and its log-sum-exp, in float32, with a registered autograd whose backward is
   ``ort_trainer::cross_entropy_grad`` -> ``CrossEntropyGrad(grad, x, target, lse)`` (dx in x's dtype). Put in
@@ -51,9 +50,6 @@ _DTYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 GELU_GRAD_OPS = {"none": "GeluGrad", "tanh": "TanhGeluGrad"}  # by gelu's ``approximate``
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _aten = torch.ops.aten
-LAYER_NORM_KEPT = (_aten.native_layer_norm_backward.default,)  # what the joint trace leaves for the rewrites
-SOFTMAX_KEPT = (_aten._softmax_backward_data.default,)
-SAFE_SOFTMAX_KEPT = (_aten._safe_softmax.default,)
 _LAYER_NORMS = (_aten.layer_norm.default, _aten.native_layer_norm.default)  # before autograd
 
 
@@ -108,33 +104,6 @@ def safe_softmax(x: torch.Tensor) -> torch.Tensor:
 @safe_softmax.register_fake
 def _safe_softmax_fake(x):
     return torch.empty_like(x)
-
-
-def rewrite_safe_softmax(program) -> int:
-    """Replace each ``_safe_softmax`` of a joint program, in place: by ``safe_softmax`` over the last axis in a
-    kernel dtype, else by torch's arithmetic (a softmax, and zeros where a row is all -inf); returns how many
-    became kernels. Autograd's ``_softmax_backward_data`` then reads the new node's output."""
-    graph, count, replaced = program.graph, 0, False
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target == SAFE_SOFTMAX_KEPT[0]]:
-        x, dim = node.args[:2]
-        dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
-        value = x.meta["val"]
-        with graph.inserting_before(node):
-            build = Builder(graph, node)
-            if dim in (-1, value.dim() - 1) and value.dtype in KERNEL_DTYPES and dtype in (None, value.dtype):
-                result = build(torch.ops.ort_trainer.safe_softmax.default, x)
-                count += 1
-            else:
-                source = x if dtype in (None, value.dtype) else build(_aten._to_copy.default, x, dtype=dtype)
-                rows = build(_aten.all.dim, build(_aten.eq.Scalar, source, float("-inf")), dim, True)
-                result = build(_aten.masked_fill.Scalar, build(_aten._softmax.default, source, dim, False), rows, 0.0)
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
-        replaced = True
-    if replaced:
-        graph.lint()
-        program.graph_module.recompile()
-    return count
 
 
 @torch.library.custom_op("ort_trainer::cross_entropy", mutates_args=())
@@ -229,38 +198,10 @@ def fused_cross_entropy(program) -> int:
     return count
 
 
-def rewrite_softmax_backward(program) -> int:
-    """Replace each ``_softmax_backward_data`` of a joint program, in place: by ``softmax_grad`` where the axis
-    is the last and the dtypes the kernel's, else by its arithmetic in aten operators; returns how many became
-    kernels."""
-    graph, count, replaced = program.graph, 0, False
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target == SOFTMAX_KEPT[0]]:
-        dy, y, dim, input_dtype = node.args[:4]
-        value = y.meta["val"]
-        with graph.inserting_before(node):
-            build = Builder(graph, node)
-            if dim in (-1, value.dim() - 1) and value.dtype in KERNEL_DTYPES and dy.meta["val"].dtype == value.dtype:
-                result = build(torch.ops.ort_trainer.softmax_grad.default, dy, y)
-                count += 1
-            else:  # torch's own decomposition: y·dy - y·Σ(y·dy)
-                product = build(_aten.mul.Tensor, dy, y)
-                total = build(_aten.sum.dim_IntList, product, [dim], True)
-                result = build(_aten.sub.Tensor, product, build(_aten.mul.Tensor, y, total))
-            if result.meta["val"].dtype != input_dtype:
-                result = build(_aten._to_copy.default, result, dtype=input_dtype)
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
-        replaced = True
-    if replaced:
-        graph.lint()
-        program.graph_module.recompile()
-    return count
-
-
 def layer_norm_applies(program) -> bool:
     """Whether every layer norm (``layer_norm`` or ``native_layer_norm``) of a program before autograd (its
     submodules too) has a weight and a float32, float16 or bfloat16 input: then its backward can be the kernel's
-    (``LAYER_NORM_KEPT``)."""
+    (``kept``)."""
     found = False
     for module in program.graph_module.modules():
         if not isinstance(module, torch.fx.GraphModule):
@@ -275,70 +216,113 @@ def layer_norm_applies(program) -> bool:
     return found
 
 
-def rewrite_layer_norm_backward(program) -> int:
-    """Replace each ``native_layer_norm_backward`` of a joint program by ``layer_norm_grad``, in place (its
-    users, ``getitem`` of the three results, read the new node); returns how many."""
-    graph, count = program.graph, 0
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_NORM_KEPT[0]]:
-        dy, x, _shape, mean, rstd, weight = node.args[:6]
-        if any(user.target is not operator.getitem for user in node.users):  # (autograd reads each result alone)
-            raise RuntimeError(f"{node.name}: native_layer_norm_backward read other than by getitem")
-        with graph.inserting_before(node):
-            fused = Builder(graph, node)(torch.ops.ort_trainer.layer_norm_grad.default, dy, x, mean, rstd, weight)
-        node.replace_all_uses_with(fused)
-        graph.erase_node(node)
-        count += 1
-    if count:
+def _dtype(node) -> torch.dtype | None:
+    value = _value(node)
+    return None if value is None else value.dtype
+
+
+def _safe_softmax(build: Builder, node: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
+    """``_safe_softmax``'s replacement: the kernel over the last axis in a kernel dtype, else torch's arithmetic
+    (a softmax, and zeros where a row is all -inf)."""
+    x, dim = node.args[:2]
+    dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
+    value = x.meta["val"]
+    if dim in (-1, value.dim() - 1) and value.dtype in KERNEL_DTYPES and dtype in (None, value.dtype):
+        return build(torch.ops.ort_trainer.safe_softmax.default, x), True
+    source = x if dtype in (None, value.dtype) else build(_aten._to_copy.default, x, dtype=dtype)
+    rows = build(_aten.all.dim, build(_aten.eq.Scalar, source, float("-inf")), dim, True)
+    return build(_aten.masked_fill.Scalar, build(_aten._softmax.default, source, dim, False), rows, 0.0), False
+
+
+def _softmax_backward(build: Builder, node: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
+    """``_softmax_backward_data``'s replacement: the kernel where the axis is the last and the dtypes the
+    kernel's, else its arithmetic; cast to the softmax's input dtype where that differs."""
+    dy, y, dim, input_dtype = node.args[:4]
+    value = y.meta["val"]
+    kernel = dim in (-1, value.dim() - 1) and value.dtype in KERNEL_DTYPES and _dtype(dy) == value.dtype
+    if kernel:
+        result = build(torch.ops.ort_trainer.softmax_grad.default, dy, y)
+    else:  # torch's own decomposition: y·dy - y·Σ(y·dy)
+        product = build(_aten.mul.Tensor, dy, y)
+        total = build(_aten.sum.dim_IntList, product, [dim], True)
+        result = build(_aten.sub.Tensor, product, build(_aten.mul.Tensor, y, total))
+    if result.meta["val"].dtype != input_dtype:
+        result = build(_aten._to_copy.default, result, dtype=input_dtype)
+    return result, kernel
+
+
+def _layer_norm_backward(build: Builder, node: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
+    """``native_layer_norm_backward``'s replacement, the kernel (its users, ``getitem`` of the three results,
+    read the new node)."""
+    if any(user.target is not operator.getitem for user in node.users):  # (autograd reads each result alone)
+        raise RuntimeError(f"{node.name}: native_layer_norm_backward read other than by getitem")
+    dy, x, _shape, mean, rstd, weight = node.args[:6]
+    return build(torch.ops.ort_trainer.layer_norm_grad.default, dy, x, mean, rstd, weight), True
+
+
+# the switch, the operator the joint trace leaves undecomposed for it, and its replacement (rewrite_joint)
+_JOINT_REWRITES = (
+    ("fused_layer_norm_gradient", _aten.native_layer_norm_backward.default, _layer_norm_backward),
+    ("fused_softmax_gradient", _aten._softmax_backward_data.default, _softmax_backward),
+    ("fused_safe_softmax", _aten._safe_softmax.default, _safe_softmax),
+)
+SWITCHES = ("fused_gelu_gradient", "fused_cross_entropy", *(switch for switch, _, _ in _JOINT_REWRITES))
+
+
+def kept(program, switches) -> tuple:
+    """The operators the joint trace of ``program`` (before autograd) leaves undecomposed for ``rewrite_joint``,
+    by the switches on: LayerNorm's backward only where every layer norm qualifies (``layer_norm_applies``), as
+    autograd decomposes all of them or none."""
+    return tuple(target for switch, target, _ in _JOINT_REWRITES if switch in switches
+                 and (target != _aten.native_layer_norm_backward.default or layer_norm_applies(program)))
+
+
+def rewrite_joint(program) -> int:
+    """Replace each operator ``kept`` left in a joint program by its replacement (a kernel's operator, or torch's
+    arithmetic where the kernel does not apply), in place; returns how many became kernels."""
+    graph, kernels, replaced = program.graph, 0, False
+    for _, target, replacement in _JOINT_REWRITES:
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target == target]:
+            with graph.inserting_before(node):
+                result, kernel = replacement(Builder(graph, node), node)
+            node.replace_all_uses_with(result)
+            graph.erase_node(node)
+            kernels, replaced = kernels + kernel, True
+    if replaced:
         graph.lint()
         program.graph_module.recompile()
-    return count
+    return kernels
 
 
-def _dtype(node) -> torch.dtype | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value.dtype if isinstance(value, torch.Tensor) else None
+# each operator's inputs and outputs (name, type) and attributes; T: the scores' or activations' dtype, G:
+# LayerNormGrad's weights', I: int64, U: float32
+_SCHEMAS = {
+    "GeluGrad": ([("dy", "T"), ("x", "T")], [("dx", "T")], ()),
+    "TanhGeluGrad": ([("dy", "T"), ("x", "T")], [("dx", "T")], ()),
+    "SoftmaxGrad": ([("dy", "T"), ("y", "T")], [("dx", "T")], ()),
+    "SafeSoftmax": ([("x", "T")], [("y", "T")], ()),
+    "LayerNormGrad": ([("dy", "T"), ("x", "T"), ("mean", "T"), ("rstd", "T"), ("gamma", "G")],
+                      [("dx", "T"), ("dgamma", "G"), ("dbeta", "G"), ("partials", "U")], ()),
+    "CrossEntropy": ([("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")], ("ignore_index",)),
+    "CrossEntropyGrad": ([("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")], [("dx", "T")],
+                         ("ignore_index",)),
+}
+_TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 
 
 @functools.lru_cache(maxsize=1)
 def _register_schemas() -> None:
     """ONNX schemas of the kernels' operators (what onnxscript reads to emit their nodes, and onnx's checker)."""
-    for name in (*GELU_GRAD_OPS.values(), "SoftmaxGrad"):  # (dy, x) -> dx
-        schema = onnx.defs.OpSchema(
-            name, DOMAIN, OPSET, doc="a GELU's or a softmax's gradient (ort_trainer's kernel library)",
-            inputs=[onnx.defs.OpSchema.FormalParameter("dy", "T"),
-                    onnx.defs.OpSchema.FormalParameter("y" if name == "SoftmaxGrad" else "x", "T")],
-            outputs=[onnx.defs.OpSchema.FormalParameter("dx", "T")],
-            type_constraints=[("T", _DTYPES, "float32, float16 or bfloat16")])
-        if not onnx.defs.has(name, DOMAIN):
-            onnx.defs.register_schema(schema)
-    parameter = onnx.defs.OpSchema.FormalParameter
-    if not onnx.defs.has("SafeSoftmax", DOMAIN):
-        onnx.defs.register_schema(onnx.defs.OpSchema(
-            "SafeSoftmax", DOMAIN, OPSET, doc="a softmax over the last axis, zeros for rows of only -inf",
-            inputs=[parameter("x", "T")], outputs=[parameter("y", "T")],
-            type_constraints=[("T", _DTYPES, "float32, float16 or bfloat16")]))
-    ignore = onnx.defs.OpSchema.Attribute("ignore_index", onnx.defs.OpSchema.AttrType.INT, "a target to ignore",
-                                          required=False)
-    scores = ("T", _DTYPES, "the scores' dtype")
-    labels = [("I", ["tensor(int64)"], "int64"), ("U", ["tensor(float)"], "float32")]
-    for name, inputs, outputs in (("CrossEntropy", [("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")]),
-                                  ("CrossEntropyGrad", [("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")],
-                                   [("dx", "T")])):
-        if not onnx.defs.has(name, DOMAIN):
-            onnx.defs.register_schema(onnx.defs.OpSchema(
-                name, DOMAIN, OPSET, doc="cross-entropy of class scores (ort_trainer's kernel library)",
-                inputs=[parameter(*p) for p in inputs], outputs=[parameter(*p) for p in outputs],
-                type_constraints=[scores, *labels], attributes=[ignore]))
-    schema = onnx.defs.OpSchema(
-        "LayerNormGrad", DOMAIN, OPSET, doc="LayerNorm's backward (ort_trainer's kernel library)",
-        inputs=[parameter("dy", "T"), parameter("x", "T"), parameter("mean", "T"), parameter("rstd", "T"),
-                parameter("gamma", "G")],
-        outputs=[parameter("dx", "T"), parameter("dgamma", "G"), parameter("dbeta", "G"),
-                 parameter("partials", "U")],
-        type_constraints=[("T", _DTYPES, "the input's dtype"), ("G", _DTYPES, "the weight's dtype"),
-                          ("U", ["tensor(float)"], "float32")])
-    if not onnx.defs.has("LayerNormGrad", DOMAIN):
-        onnx.defs.register_schema(schema)
+    schema, parameter = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter
+    for name, (inputs, outputs, attributes) in _SCHEMAS.items():
+        if onnx.defs.has(name, DOMAIN):
+            continue
+        used = sorted({kind for _, kind in [*inputs, *outputs]})
+        onnx.defs.register_schema(schema(
+            name, DOMAIN, OPSET, doc=f"ort_trainer's kernel library: {name}",
+            inputs=[parameter(*p) for p in inputs], outputs=[parameter(*p) for p in outputs],
+            type_constraints=[(kind, _TYPES[kind], kind) for kind in used],
+            attributes=[schema.Attribute(a, schema.AttrType.INT, a, required=False) for a in attributes]))
 
 
 def register_translations(registry) -> None:

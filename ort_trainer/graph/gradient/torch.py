@@ -29,7 +29,7 @@ from ..export.torchscript import ExportError
 from ..job import Built, GradientSource, GraphJob, OpRecord, Prepared, Traced
 from ..names import ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT
 from ..onnx_graph import compacted, drop_outputs, specialize, sum_into_inputs
-from . import autograd, loss_pieces, sparse_labels, torch_export
+from . import autograd, kernel_ops, loss_pieces, sparse_labels, torch_export
 
 
 
@@ -185,11 +185,7 @@ class TorchGradientSource(GradientSource):
                 sparse_labels=dropped and bool(passes_on.get("sparse_labels")),
                 loss_pieces=_pieces_limit(job) if dropped else 0,
                 gelu=bool(passes_on.get("gelu")), half_gelu=bool(passes_on.get("half_precision_gelu")),
-                gelu_kernel=bool(passes_on.get("fused_gelu_gradient")),
-                layer_norm_kernel=bool(passes_on.get("fused_layer_norm_gradient")),
-                softmax_kernel=bool(passes_on.get("fused_softmax_gradient")),
-                safe_softmax_kernel=bool(passes_on.get("fused_safe_softmax")),
-                cross_entropy_kernel=bool(passes_on.get("fused_cross_entropy")),
+                kernels={switch for switch in kernel_ops.SWITCHES if passes_on.get(switch)},
                 half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)
         joint = built[tuple(returned)]
