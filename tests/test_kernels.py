@@ -37,11 +37,21 @@ def cpu_library(tmp_path_factory) -> Path:
     return kernels.build(tmp_path_factory.mktemp("cpu"), cuda=False)
 
 
-def _session(library: Path, op: str, elem: int, registered: ort.SessionOptions | None = None):
+_INT64 = TensorProto.INT64
+
+
+def _onnx_type(tensor: torch.Tensor) -> int:
+    return _INT64 if tensor.dtype == torch.int64 else _TYPES[tensor.dtype][0]
+
+
+def _session(library: Path, op: str, inputs: dict, outputs: dict, registered: ort.SessionOptions | None = None,
+             **attributes):
+    """A CPU session of one ``op`` node of the kernels' domain, its inputs and outputs ``{name: ONNX type}``, the
+    library registered with new options (or with ``registered``, already done)."""
     graph = helper.make_graph(
-        [helper.make_node(op, ["dy", "x"], ["dx"], domain=kernels.DOMAIN)], "kernel",
-        [helper.make_tensor_value_info("dy", elem, None), helper.make_tensor_value_info("x", elem, None)],
-        [helper.make_tensor_value_info("dx", elem, None)])
+        [helper.make_node(op, list(inputs), list(outputs), domain=kernels.DOMAIN, **attributes)], "kernel",
+        [helper.make_tensor_value_info(name, elem, None) for name, elem in inputs.items()],
+        [helper.make_tensor_value_info(name, elem, None) for name, elem in outputs.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
     options = registered or ort.SessionOptions()
@@ -50,16 +60,24 @@ def _session(library: Path, op: str, elem: int, registered: ort.SessionOptions |
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _run(session, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """One run with the tensors bound in place (numpy has no bfloat16)."""
-    out = torch.empty_like(x)
+def _bound_run(session, feeds: dict, outputs: dict) -> dict:
+    """One run with the tensors bound in place (numpy has no bfloat16), writing into ``outputs``."""
     binding = session.io_binding()
-    elem = _TYPES[x.dtype][0]
-    for name, tensor in (("dy", dy), ("x", x)):
-        binding.bind_input(name, "cpu", 0, elem, list(tensor.shape), tensor.data_ptr())
-    binding.bind_output("dx", "cpu", 0, elem, list(out.shape), out.data_ptr())
+    for name, tensor in feeds.items():
+        binding.bind_input(name, "cpu", 0, _onnx_type(tensor), list(tensor.shape), tensor.data_ptr())
+    for name, tensor in outputs.items():
+        binding.bind_output(name, "cpu", 0, _onnx_type(tensor), list(tensor.shape), tensor.data_ptr())
     session.run_with_iobinding(binding)
-    return out
+    return outputs
+
+
+def _gradient_session(library: Path, op: str, elem: int, registered: ort.SessionOptions | None = None):
+    """A session of ``op(dy, x) -> dx`` (GeluGrad, TanhGeluGrad, SoftmaxGrad: y bound as ``x``)."""
+    return _session(library, op, {"dy": elem, "x": elem}, {"dx": elem}, registered)
+
+
+def _run(session, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _bound_run(session, {"dy": dy, "x": x}, {"dx": torch.empty_like(x)})["dx"]
 
 
 @needs_compiler
@@ -72,18 +90,18 @@ def test_the_operators_compute_gelus_derivative_within_one_rounding(cpu_library,
     grid = np.concatenate([np.arange(-12 * 128, 12 * 128 + 1) / 128, [0.0, -0.0, 1e-6, -1e-6, 30, -30, 300, -300]])
     x = torch.tensor(grid, dtype=dtype)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    out = _run(_session(cpu_library, op, _TYPES[dtype][0]), dy, x)
+    out = _run(_gradient_session(cpu_library, op, _TYPES[dtype][0]), dy, x)
     want = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate=approximate)
     bound = _TYPES[dtype][1] * want.abs() + _TYPES[dtype][2] + ARITHMETIC_BOUND * dy.double().abs()
     excess = (out.double() - want).abs() - bound
     assert excess.max() <= 0, (float(excess.max()), float(x[excess.argmax()]))
     record_property("error / |dy|", float(((out.double() - want).abs() / dy.double().abs().clamp_min(1e-30)).max()))
     shaped = torch.randn(3, 5, 7).to(dtype)
-    assert _run(_session(cpu_library, op, _TYPES[dtype][0]), shaped, shaped).shape == (3, 5, 7)
+    assert _run(_gradient_session(cpu_library, op, _TYPES[dtype][0]), shaped, shaped).shape == (3, 5, 7)
     # 2¹⁸ elements: shared among the cores (shares of at least 2¹⁶), the same bound
     x = (torch.randn(4, 2 ** 16, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
     dy = torch.randn(4, 2 ** 16, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = _run(_session(cpu_library, op, _TYPES[dtype][0]), dy, x)
+    out = _run(_gradient_session(cpu_library, op, _TYPES[dtype][0]), dy, x)
     want = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate=approximate)
     bound = _TYPES[dtype][1] * want.abs() + _TYPES[dtype][2] + ARITHMETIC_BOUND * dy.double().abs()
     assert ((out.double() - want).abs() - bound).max() <= 0
@@ -92,7 +110,7 @@ def test_the_operators_compute_gelus_derivative_within_one_rounding(cpu_library,
 @needs_compiler
 def test_a_shape_mismatch_fails_the_run_with_the_operators_name(cpu_library):
     """An error inside the kernel reaches the session as a failed run that names the operator."""
-    session = _session(cpu_library, "GeluGrad", TensorProto.FLOAT)
+    session = _gradient_session(cpu_library, "GeluGrad", TensorProto.FLOAT)
     with pytest.raises(Exception, match="GeluGrad: dy and x must have one shape"):
         session.run(None, {"dy": np.ones(3, np.float32), "x": np.ones(4, np.float32)})
 
@@ -108,7 +126,7 @@ def test_register_once_per_options_and_refuse_a_library_without_cuda_kernels_for
         options = ort.SessionOptions()
         kernels.register(options)
         kernels.register(options)
-        out = _run(_session(cpu_library, "TanhGeluGrad", TensorProto.FLOAT, registered=options),
+        out = _run(_gradient_session(cpu_library, "TanhGeluGrad", TensorProto.FLOAT, registered=options),
                    torch.ones(4), torch.zeros(4))
         assert torch.equal(out, torch.full((4,), 0.5))  # GELU'(0) = 1/2
         with pytest.raises(kernels.KernelsUnavailable, match="no CUDA kernels.*nvcc.*fused_gelu_gradient"):
@@ -145,7 +163,7 @@ def test_nvcc_builds_cuda_kernels_that_leave_the_cpu_ones_as_they_are(tmp_path):
         linked = subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=True).stdout
         assert "libcudart" not in linked and "libstdc++" not in linked, linked
     x = torch.linspace(-6, 6, 97)
-    out = _run(_session(path, "GeluGrad", TensorProto.FLOAT), torch.ones_like(x), x)
+    out = _run(_gradient_session(path, "GeluGrad", TensorProto.FLOAT), torch.ones_like(x), x)
     want = torch.ops.aten.gelu_backward(torch.ones_like(x).double(), x.double())
     assert (out.double() - want).abs().max() <= ARITHMETIC_BOUND
 
@@ -171,27 +189,11 @@ def test_layer_norm_grad_computes_torchs_backward(cpu_library, dtype, gamma_dtyp
     mean = x.double().mean(-1, keepdim=True).to(dtype)
     rstd = (x.double().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().to(dtype)
     t, g = _TYPES[dtype][0], _TYPES[gamma_dtype][0]
-    graph = helper.make_graph(
-        [helper.make_node("LayerNormGrad", ["dy", "x", "mean", "rstd", "gamma"], ["dx", "dgamma", "dbeta", "partials"],
-                          domain=kernels.DOMAIN)], "layer_norm",
-        [helper.make_tensor_value_info(n, t, None) for n in ("dy", "x", "mean", "rstd")]
-        + [helper.make_tensor_value_info("gamma", g, None)],
-        [helper.make_tensor_value_info("dx", t, None), helper.make_tensor_value_info("dgamma", g, None),
-         helper.make_tensor_value_info("dbeta", g, None), helper.make_tensor_value_info("partials", TensorProto.FLOAT,
-                                                                                        None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(cpu_library))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    outs = {"dx": torch.empty_like(x), "dgamma": torch.empty_like(gamma), "dbeta": torch.empty_like(gamma),
-            "partials": torch.empty(1, 2, 48)}
-    binding = session.io_binding()
-    for name, tensor in (("dy", dy), ("x", x), ("mean", mean), ("rstd", rstd), ("gamma", gamma)):
-        binding.bind_input(name, "cpu", 0, _TYPES[tensor.dtype][0], list(tensor.shape), tensor.data_ptr())
-    for name, tensor in outs.items():
-        binding.bind_output(name, "cpu", 0, _TYPES[tensor.dtype][0], list(tensor.shape), tensor.data_ptr())
-    session.run_with_iobinding(binding)
+    session = _session(cpu_library, "LayerNormGrad", {"dy": t, "x": t, "mean": t, "rstd": t, "gamma": g},
+                       {"dx": t, "dgamma": g, "dbeta": g, "partials": TensorProto.FLOAT})
+    outs = _bound_run(session, {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "gamma": gamma},
+                      {"dx": torch.empty_like(x), "dgamma": torch.empty_like(gamma), "dbeta": torch.empty_like(gamma),
+                       "partials": torch.empty(1, 2, 48)})
     want = torch.ops.aten.native_layer_norm_backward(dy.double(), x.double(), [48], mean.double(), rstd.double(),
                                                      gamma.double(), torch.zeros(48, dtype=torch.float64),
                                                      [True, True, True])
@@ -215,7 +217,7 @@ def test_softmax_grad_computes_torchs_backward(cpu_library, dtype):
     y = torch.softmax(torch.randn(3, 4, 7, 33, generator=gen) * 2, -1)
     y[0, 0, 0] = 0.0
     y, dy = y.to(dtype), torch.randn(3, 4, 7, 33, generator=gen).to(dtype)
-    out = _run(_session(cpu_library, "SoftmaxGrad", _TYPES[dtype][0]), dy, y)  # (y bound as the input "x")
+    out = _run(_gradient_session(cpu_library, "SoftmaxGrad", _TYPES[dtype][0]), dy, y)  # (y bound as the input "x")
     want = torch.ops.aten._softmax_backward_data(dy.double(), y.double(), -1, torch.float64)
     total = (dy.double() * y.double()).sum(-1, keepdim=True)
     bound = ((_TYPES[dtype][1] + FLOAT32) * want.abs() + _TYPES[dtype][2]
@@ -239,18 +241,8 @@ def test_safe_softmax_computes_torchs_safe_softmax(cpu_library, dtype):
     x[0, 0, 1, 3] = float("nan")
     x = x.to(dtype)
     elem = _TYPES[dtype][0]
-    graph = helper.make_graph([helper.make_node("SafeSoftmax", ["x"], ["y"], domain=kernels.DOMAIN)], "softmax",
-                              [helper.make_tensor_value_info("x", elem, None)],
-                              [helper.make_tensor_value_info("y", elem, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(cpu_library))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    out, binding = torch.empty_like(x), session.io_binding()
-    binding.bind_input("x", "cpu", 0, elem, list(x.shape), x.data_ptr())
-    binding.bind_output("y", "cpu", 0, elem, list(out.shape), out.data_ptr())
-    session.run_with_iobinding(binding)
+    out = _bound_run(_session(cpu_library, "SafeSoftmax", {"x": elem}, {"y": elem}), {"x": x},
+                     {"y": torch.empty_like(x)})["y"]
     want = torch.ops.aten._safe_softmax(x.double(), -1)
     assert torch.equal(out[0, 0, 0], torch.zeros(33, dtype=dtype)) and out[0, 0, 1].isnan().all()
     finite = ~want.isnan()
@@ -273,32 +265,14 @@ def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype):
     target = torch.randint(0, 101, (37,), generator=gen)
     target[5] = -7
     grad = torch.randn(37, generator=gen)
-    elem = _TYPES[dtype][0]
-    nodes = [helper.make_node("CrossEntropy", ["x", "target"], ["losses", "lse"], domain=kernels.DOMAIN,
-                              ignore_index=-7),
-             helper.make_node("CrossEntropyGrad", ["grad", "x", "target", "lse"], ["dx"], domain=kernels.DOMAIN,
-                              ignore_index=-7)]
-    graph = helper.make_graph(
-        nodes, "cross_entropy",
-        [helper.make_tensor_value_info("x", elem, None),
-         helper.make_tensor_value_info("target", TensorProto.INT64, None),
-         helper.make_tensor_value_info("grad", TensorProto.FLOAT, None)],
-        [helper.make_tensor_value_info("losses", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("lse", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("dx", elem, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=10)
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(cpu_library))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    outs = {"losses": torch.empty(37), "lse": torch.empty(37), "dx": torch.empty_like(x)}
-    binding = session.io_binding()
-    for name, tensor, kind in (("x", x, elem), ("target", target, TensorProto.INT64),
-                               ("grad", grad, TensorProto.FLOAT)):
-        binding.bind_input(name, "cpu", 0, kind, list(tensor.shape), tensor.data_ptr())
-    for name, tensor in outs.items():
-        binding.bind_output(name, "cpu", 0, _TYPES[tensor.dtype][0], list(tensor.shape), tensor.data_ptr())
-    session.run_with_iobinding(binding)
+    elem, f32 = _TYPES[dtype][0], TensorProto.FLOAT
+    forward = _session(cpu_library, "CrossEntropy", {"x": elem, "target": _INT64}, {"losses": f32, "lse": f32},
+                       ignore_index=-7)
+    outs = _bound_run(forward, {"x": x, "target": target}, {"losses": torch.empty(37), "lse": torch.empty(37)})
+    backward = _session(cpu_library, "CrossEntropyGrad", {"grad": f32, "x": elem, "target": _INT64, "lse": f32},
+                        {"dx": elem}, ignore_index=-7)
+    outs.update(_bound_run(backward, {"grad": grad, "x": x, "target": target, "lse": outs["lse"]},
+                           {"dx": torch.empty_like(x)}))
     x64 = x.double().requires_grad_()
     losses = torch.nn.functional.cross_entropy(x64, target, reduction="none", ignore_index=-7)
     lse = torch.logsumexp(x64, -1)

@@ -29,7 +29,8 @@ GRAPH_STAGES = [
 # What the graph package may use from the rest of ort_trainer: nothing above it.
 GRAPH_MAY_IMPORT = {"ort_trainer._logging", "ort_trainer._temporaries", "ort_trainer._version",
                     "ort_trainer.model_desc", "ort_trainer.optim.config",
-                    "ort_trainer.kernels"}  # (the kernel library's domain, below everything: it imports _logging only)
+                    "ort_trainer._cache_root",
+                    "ort_trainer.kernels"}  # (the kernel library, below everything: _logging and _cache_root only)
 # Outside the graph package: module -> modules it must not import (directly).
 FORBIDDEN = {
     "ort_trainer.sessions": {"ort_trainer.engine", "ort_trainer.update", "ort_trainer.trainer"},

@@ -39,6 +39,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from .._cache_root import cache_dir
 from .._logging import logger
 from .._temporaries import pid_alive
 from .._version import __version__
@@ -60,14 +61,6 @@ _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
 _TEMPORARY = re.compile(r"^\.[0-9a-f]{12}-(?:(?P<host>[A-Za-z0-9]*)-(?P<pid>\d+)-)?[a-z0-9_]{8}$")
 
 Validator = Callable[[dict[str, onnx.ModelProto], dict], list[str]]
-
-
-def cache_dir() -> Path | None:
-    """The cache root, or None when caching is off."""
-    value = os.environ.get("ORT_TRAINER_CACHE_DIR", "")
-    if value.lower() in ("off", "0", "none", "false"):
-        return None
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "ort_trainer"
 
 
 def fingerprint_graph(model: onnx.ModelProto) -> str:

@@ -14,7 +14,7 @@ graph capture takes it in):
   as torch's ``gelu_backward`` computes it on CUDA (``csrc/gelu.h``).
 
 The library is built on first use from ``csrc/`` into ``$ORT_TRAINER_CACHE_DIR/kernels/<hash of
-the sources and compiler>/`` (``~/.cache/ort_trainer`` by default; a temporary folder under
+the sources and compiler>/`` (``~/.cache/ort_trainer`` by default; a temporary folder where caching is off,
 ``ORT_TRAINER_CACHE_DIR=off``): with ``nvcc`` where one is found (CPU and CUDA kernels, for
 compute capability 8.0 and 9.0 and PTX for later GPUs; about a minute), else with the C++
 compiler (CPU kernels only; seconds). ``$ORT_TRAINER_KERNELS_LIBRARY`` names a library built
@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .._cache_root import cache_dir
 from .._logging import logger
 
 DOMAIN = "ort_trainer"  # the custom operators' ONNX domain
@@ -59,10 +60,9 @@ def _compilers() -> tuple[str | None, str | None]:
 
 
 def _root() -> Path:
-    value = os.environ.get("ORT_TRAINER_CACHE_DIR", "")
-    if value.lower() == "off":
-        return Path(tempfile.gettempdir()) / f"ort_trainer-kernels-{os.getuid()}"
-    return (Path(value).expanduser() if value else Path.home() / ".cache" / "ort_trainer") / "kernels"
+    """The cache's ``kernels/`` folder, or one in the temporary folder where caching is off."""
+    root = cache_dir()
+    return root / "kernels" if root is not None else Path(tempfile.gettempdir()) / f"ort_trainer-kernels-{os.getuid()}"
 
 
 def _command(nvcc: str | None, cxx: str | None, output: Path) -> list[str]:
