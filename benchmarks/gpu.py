@@ -5,9 +5,10 @@ writes ``docs/benchmarks_gpu.md``. BERT-base MLM at batch 32 × 128 and GPT-2 sm
 (random-init Hugging Face configurations, dropout 0), in fp32, fp16 and bf16; each implementation
 (``benchmarks/gpu_worker.py``: ort_trainer, eager, ``torch.compile``) in a process of its own.
 
-1. **Warm-up** (``--warm-parallel N``): every ort_trainer and ``torch.compile`` configuration runs two
-   steps, N processes at a time, so that the timed processes find ort_trainer's graph cache and
-   inductor's cache filled (their builds are not what this benchmark times; their times are kept).
+1. **Warm-up** (``--warm-parallel N``): before round 1 of each (model, precision), each of its ort_trainer
+   and ``torch.compile`` configurations runs two steps, N processes at a time, so that the timed processes
+   find ort_trainer's graph cache and inductor's cache filled (their builds are not what this benchmark
+   times; their times are kept). Under ``--deadline`` a run cut short has whole (model, precision) pairs.
 2. **Rounds**: every (model, precision, implementation) once per round, one process at a time, the
    order of the implementations reversed every other round. Each takes ``--steps`` steps; the first
    ``--warmup`` are not timed, and the losses of all of them are compared between implementations.
@@ -126,24 +127,30 @@ class Run:
         """Every (model, precision) pair asked for."""
         return [(m, p) for m in self.args.models.split(",") for p in self.args.precisions.split(",")]
 
-    def warm(self) -> None:
-        """Two steps of every ``--warm-impls`` configuration, ``--warm-parallel`` processes at a time."""
+    def warm(self, model: str, precision: str) -> None:
+        """Two steps of each ``--warm-impls`` configuration of ``model`` in ``precision``, ``--warm-parallel``
+        processes at a time; none starts after ``--deadline``."""
         warm = self.args.warm_impls.split(",")
-        jobs = [(m, i, p) for m, p in self.configs() for i in self.args.impls.split(",") if variant(i)[0] in warm]
-        with ThreadPoolExecutor(max(1, self.args.warm_parallel)) as pool:
-            for result in pool.map(lambda job: _spawn(self.args, *job, steps=2, batch=self.batch), jobs):
-                self.record("warm", result)
+        jobs = [impl for impl in self.args.impls.split(",") if variant(impl)[0] in warm]
 
-    def round(self, number: int) -> None:
-        """Every configuration's implementations, one process at a time, the order alternating."""
+        def spawn(impl: str) -> dict | None:
+            return None if self.late() else _spawn(self.args, model, impl, precision, steps=2, batch=self.batch)
+
+        with ThreadPoolExecutor(max(1, self.args.warm_parallel)) as pool:
+            for result in pool.map(spawn, jobs):
+                if result is not None:
+                    self.record("warm", result)
+
+    def round(self, number: int, index: int, model: str, precision: str) -> None:
+        """Round ``number`` of one (model, precision), the ``index``-th configuration: its implementations one
+        process at a time, their order reversed every other round and configuration."""
         impls = self.args.impls.split(",")
-        for index, (model, precision) in enumerate(self.configs()):
-            for impl in impls if (number + index) % 2 == 0 else reversed(impls):
-                if self.late():
-                    return
-                profile = self.args.profile_steps if number == 0 else 0  # after the timed steps: timings untouched
-                self.record("time", _spawn(self.args, model, impl, precision, self.args.steps, batch=self.batch,
-                                           profile=profile), round=number)
+        for impl in impls if (number + index) % 2 == 0 else reversed(impls):
+            if self.late():
+                return
+            profile = self.args.profile_steps if number == 0 else 0  # after the timed steps: timings untouched
+            self.record("time", _spawn(self.args, model, impl, precision, self.args.steps, batch=self.batch,
+                                       profile=profile), round=number)
 
     def probe(self) -> None:
         """The largest batch: double it from ``--probe-start`` until a step fails (ort_trainer, eager), then
@@ -164,7 +171,8 @@ class Run:
                         self.probed[impl].append(between)
 
     def all(self) -> None:
-        """Warm-up, round 1, the probe, the other rounds; with ``--batch-of-probe``, the probe first.
+        """Each (model, precision)'s warm-up and round 1, the probe, the other rounds; with ``--batch-of-probe``,
+        the probe first.
 
         Raises:
             SystemExit: ``--batch-of-probe``'s implementation trained no batch of the probe.
@@ -178,10 +186,11 @@ class Run:
                                  f"{self.args.probe_start} up; lower --probe-start")
             self.batch = max(fitted)
             print(f"timing at batch {self.batch}: the largest {self.args.batch_of_probe} fitted", flush=True)
-        if self.args.warm_parallel:
-            self.warm()
         for number in range(self.args.rounds):
-            self.round(number)
+            for index, (model, precision) in enumerate(self.configs()):
+                if number == 0 and self.args.warm_parallel:  # each configuration's caches just before its round:
+                    self.warm(model, precision)             # a run cut short has whole configurations measured
+                self.round(number, index, model, precision)
             if number == 0 and self.args.probe and not first:
                 self.probe()
 

@@ -46,6 +46,6 @@ if [ "$left" -le 30 ]; then
 fi
 "$python" benchmarks/gpu.py --device "$device" --models "${MODELS:-gpt2,bert-base}" \
     --precisions "${PRECISIONS:-fp16,bf16}" --impls "$impls" --warm-impls ort --rounds "${ROUNDS:-2}" \
-    --warm-parallel 4 --probe '' --profile-steps 3 --deadline "$left" --ort-optimizations "{$off}" \
+    --warm-parallel 6 --probe '' --profile-steps 3 --deadline "$left" --ort-optimizations "{$off}" \
     --results "$out/levers.jsonl" --out "$out/levers.md" \
     || true  # exit 1 means a goal missed: the page is written all the same

@@ -240,3 +240,33 @@ def test_the_probe_tries_one_and_a_half_times_the_last_batch_that_trained(tmp_pa
     run.probe()
     assert tried == [16, 32, 64, 128, 96]
     assert run.probed == {"ort": [16, 32, 64, 96]}
+
+
+def test_each_configuration_is_warmed_just_before_its_round_and_the_deadline_leaves_whole_ones(tmp_path, monkeypatch):
+    """A run cut short by ``--deadline`` (a GPU machine's time running out) has every (model, precision) it
+    reached warmed and timed, rather than every cache warmed and nothing timed."""
+    spawned = []
+
+    def spawn(args, model, impl, precision, steps, batch=None, profile=0):
+        spawned.append(("warm" if steps == 2 else "time", model, precision, impl))
+        return {"model": model, "impl": impl, "precision": precision, "step_s": [0.1, 0.1], "losses": [1.0]}
+
+    monkeypatch.setattr(gpu, "_spawn", spawn)
+    args = gpu.parse(["--device", "cpu", "--models", "gpt2,bert-base", "--precisions", "fp16", "--impls",
+                      "ort,ort+x", "--warm-impls", "ort", "--warm-parallel", "1", "--rounds", "2", "--probe", "",
+                      "--results", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r.md")])
+    run = gpu.Run(args)
+    run.all()
+    assert spawned == [("warm", "gpt2", "fp16", "ort"), ("warm", "gpt2", "fp16", "ort+x"),
+                       ("time", "gpt2", "fp16", "ort"), ("time", "gpt2", "fp16", "ort+x"),
+                       ("warm", "bert-base", "fp16", "ort"), ("warm", "bert-base", "fp16", "ort+x"),
+                       ("time", "bert-base", "fp16", "ort+x"), ("time", "bert-base", "fp16", "ort"),  # alternating
+                       ("time", "gpt2", "fp16", "ort+x"), ("time", "gpt2", "fp16", "ort"),
+                       ("time", "bert-base", "fp16", "ort"), ("time", "bert-base", "fp16", "ort+x")]
+    # the deadline passing after the first configuration's round: nothing of the second starts
+    spawned.clear()
+    run = gpu.Run(args)
+    monkeypatch.setattr(run, "late", lambda: len(spawned) >= 4)
+    run.all()
+    assert spawned == [("warm", "gpt2", "fp16", "ort"), ("warm", "gpt2", "fp16", "ort+x"),
+                       ("time", "gpt2", "fp16", "ort"), ("time", "gpt2", "fp16", "ort+x")]
