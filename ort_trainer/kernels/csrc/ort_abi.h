@@ -26,7 +26,9 @@ struct OrtApi {
   void* slots[204];
 };
 
-// the slots ops.cc calls (index: signature)
+// the slots ops.cc calls (index: signature). 193 (the CUDA path's only one): onnxruntime_c_api.cc's table asserts
+// that version 8 ends at 169; version 9 appends 22 entries (TensorRT options, custom-op switch, allocators,
+// sparse tensors), and version 10 begins HasValue (192), KernelContext_GetGPUComputeStream (193)
 namespace ort_abi {
 using CreateStatus = OrtStatus* (*)(OrtErrorCode, const char*);                                   // 0
 using CreateCustomOpDomain = OrtStatus* (*)(const char*, OrtCustomOpDomain**);                     // 26
