@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,loss_pieces,activation_recompute,
 #       activation_recompute+gelu_forward_kernel,fused_gelu_gradient,fused_layer_norm_gradient,fused_softmax_gradient,
 #       fused_safe_softmax,fused_cross_entropy,half_precision_gelu,bfloat16_softmax_gradient,aligned_products,
-#       half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products, and those thirteen
-#       together)]
+#       half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products, those thirteen
+#       together with loss_pieces, and those with device.cuda_graph: the candidate for the defaults)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
 #    (and two aligned products of the step) in torch and ONNX Runtime: kernel names, ms, TFLOP/s.
 # 2. ort_trainer's GPT-2 small and BERT-base steps in fp16 and bf16, without the levers and with each one
@@ -17,13 +17,14 @@
 # DEVICE, MODELS, PRECISIONS, ROUNDS and PROBE_ARGS change what runs (make test runs it on the CPU at toy size).
 set -uo pipefail
 out=${1:-docs/gpu_levers}
-# each lever alone, then the graph levers all together (what turning every one on would give)
+# each lever alone, then the graph levers all together with loss_pieces (what turning every one on would give),
+# and with the step captured as a CUDA graph (the host's part of a step gone once the kernels are few and short)
 all_graph=activation_recompute+gelu_forward_kernel+fused_gelu_gradient+fused_layer_norm_gradient+fused_softmax_gradient+fused_safe_softmax+fused_cross_entropy+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products
 # (loss_pieces and activation_recompute are on by default: each one's row against the others' baseline, where
 # both are off, measures it; recompute trades a step's time for memory, which a GPU may not need.
 # gelu_forward_kernel acts on the values recompute copies: its row has both, against recompute's row)
 graph_levers=${all_graph//+/,}
-levers=${2:-device.cuda_graph,loss_pieces,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel},$all_graph}
+levers=${2:-device.cuda_graph,loss_pieces,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel},$all_graph+loss_pieces,$all_graph+loss_pieces+device.cuda_graph}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}
