@@ -236,6 +236,8 @@ def run(args) -> dict:
             memory.held.clear()
             now = memory.sample()
             result.setdefault("step_mb", []).append(now)  # device memory after each step: where it grows
+            if memory.cuda:  # torch's pool's part of it (the rest: ONNX Runtime's arena, the context, cuBLAS's)
+                result.setdefault("torch_reserved_mb", []).append(torch.cuda.memory_reserved() / 2**20)
             if index == 0:  # what the steps after the first add shows a second copy of the activations
                 result["after_first_step_mb"] = now
     except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)

@@ -72,6 +72,9 @@ def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
         for name in [*node.input, *node.output]:
             if name not in shapes and RECOMPUTED in name and name.split(RECOMPUTED)[0] in shapes:
                 shapes[name] = shapes[name.split(RECOMPUTED)[0]]
+        # the no-op Reshape through which a copy reads its region's input (an attention's q): that input's shape
+        if node.op_type == "Reshape" and node.output[0].endswith(RECOMPUTED) and node.input[0] in shapes:
+            shapes.setdefault(node.output[0], shapes[node.input[0]])
         if node.op_type in KERNEL_OUTPUTS and all(node.input[i] in shapes for i in KERNEL_OUTPUTS[node.op_type]):
             for name, source in zip(node.output, KERNEL_OUTPUTS[node.op_type]):
                 shapes.setdefault(name, shapes[node.input[source]])

@@ -13,8 +13,6 @@ exist.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import re
 from typing import Iterator
@@ -25,7 +23,9 @@ import onnxruntime as ort
 import torch
 
 from . import _runtime
+from ._host_arena import shrink_shared_arena, use_shared_arena
 from .graph.onnx_graph import largest_tensors
+from .kernels.torch_allocator import provider_options as torch_allocator_options
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 _CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -141,70 +141,6 @@ def _ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
     return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(tensor.__dlpack__(), False))
 
 
-_SHARED_ARENA = False
-
-
-def _use_shared_arena(options: ort.SessionOptions) -> None:
-    """Let the session allocate from one process-wide CPU arena that grows by what is requested.
-
-    Every session otherwise has its own arena growing in powers of two; sharing one that grows
-    exactly was measured on the BERT-like benchmark at 248 ms/step and 737 MB peak RSS, against
-    263 ms and 995 MB with per-session arenas (``docs/benchmarks.md``).
-    """
-    global _SHARED_ARENA
-    if not _SHARED_ARENA:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        # max_mem 0: no limit; extend strategy 1: kSameAsRequested; defaults for the chunk sizes
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
-        _SHARED_ARENA = True
-    options.add_session_config_entry("session.use_env_allocators", "1")
-
-
-_SHRINKER: tuple[ort.InferenceSession, ort.RunOptions] | None = None
-
-
-@functools.cache
-def _malloc_trim():
-    """The C library's ``malloc_trim`` (glibc's), or None where it has none."""
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except (OSError, TypeError):  # no C library to load by that name (Windows)
-        return None
-
-
-def _shrink_shared_arena() -> None:
-    """Hand the shared CPU arena's wholly free regions back to the system.
-
-    ONNX Runtime shrinks an arena at the end of a run whose options ask for it
-    (``memory.enable_memory_arena_shrinkage``, onnxruntime_run_options_config_keys.h); a one-node
-    session on the shared arena runs for that. The regions go back to ``malloc``, and glibc's keeps
-    those it did not map apart (under its mmap threshold, which rises to 32 MB once a larger block was
-    freed) resident until ``malloc_trim``: BERT-base (B4×S128) after its training steps went
-    2440 -> 2399 MB by the shrink alone, 2440 -> 2132 MB with the trim.
-    """
-    global _SHRINKER
-    if not _SHARED_ARENA:
-        return
-    if _SHRINKER is None:
-        value = onnx.helper.make_tensor_value_info
-        graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "shrink",
-                                       [value("x", onnx.TensorProto.FLOAT, [1])],
-                                       [value("y", onnx.TensorProto.FLOAT, [1])])
-        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=7)
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        _use_shared_arena(options)
-        run_options = ort.RunOptions()
-        run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        _SHRINKER = (ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]),
-                     run_options)
-    session, run_options = _SHRINKER
-    session.run(None, {"x": np.zeros(1, np.float32)}, run_options)
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 class Device:
     """Where the engine's buffers live and how ONNX Runtime's sessions see them.
 
@@ -229,8 +165,10 @@ class Device:
     def __repr__(self) -> str:
         return str(self.torch_device)
 
-    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
-        """The execution providers of every session, each with its options (the user's on top)."""
+    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool,
+                  torch_allocator: bool = False) -> list[tuple[str, dict]]:
+        """The execution providers of every session, each with its options (the user's on top);
+        ``torch_allocator``: ONNX Runtime's device memory from torch's caching allocator (a GPU's)."""
         raise NotImplementedError
 
     def capture_providers(self, providers: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -332,18 +270,19 @@ class CPUDevice(Device):
     #: (tests/test_optimized_graphs.py)
     reuses_optimized_graphs = True
 
-    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
+    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool,
+                  torch_allocator: bool = False) -> list[tuple[str, dict]]:
         return [("CPUExecutionProvider", dict(provider_options or {}))]
 
     def configure_session(self, options: ort.SessionOptions) -> None:
         """Every device's settings (``Device.configure_session``) and the shared arena
-        (``_use_shared_arena``)."""
+        (``_host_arena.use_shared_arena``)."""
         super().configure_session(options)
-        _use_shared_arena(options)
+        use_shared_arena(options)
 
     def release_idle_memory(self) -> None:
-        """The shared arena's free regions, back to the system (``_shrink_shared_arena``)."""
-        _shrink_shared_arena()
+        """The shared arena's free regions, back to the system (``_host_arena.shrink_shared_arena``)."""
+        shrink_shared_arena()
 
     def disabled_optimizers(self, unfused_skip_layer_norm: bool) -> list[str]:
         """``SkipLayerNormFusion`` with ``unfused_skip_layer_norm``: the CPU ``SkipLayerNormalization``
@@ -379,7 +318,8 @@ class CUDADevice(Device):
 
     kind = "cuda"
 
-    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool) -> list[tuple[str, dict]]:
+    def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool,
+                  torch_allocator: bool = False) -> list[tuple[str, dict]]:
         options = {
             "device_id": str(self.index),
             # grow the arena by what is asked for, not to the next power of two
@@ -393,6 +333,8 @@ class CUDADevice(Device):
             # EXHAUSTIVE (the default) picks convolution algorithms by timing them, so two runs may
             # differ; DEFAULT always uses CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
             options["cudnn_conv_algo_search"] = "DEFAULT"
+        if torch_allocator:  # no arena: every allocation through torch's caching allocator (kernels/torch_allocator.py)
+            options.update(torch_allocator_options())
         user = {str(k): str(v) for k, v in (provider_options or {}).items()}
         if "device_id" in user and user["device_id"] != options["device_id"]:
             raise ValueError(

@@ -77,6 +77,7 @@ class Engine:
         session_options: base ``onnxruntime.SessionOptions`` (or None).
         provider_options: extra execution-provider options.
         mem_limit: GPU arena limit in bytes (0: none).
+        torch_allocator: ONNX Runtime's GPU memory from torch's caching allocator (``device.torch_allocator``).
         deterministic: ask for deterministic kernels.
         optimizer_spec: the optimizer graph, flat layout, segments and ZeRO range (``pipeline.OptimizerSpec``).
         optimizer_config: the optimizer config the update implements.
@@ -121,6 +122,7 @@ class Engine:
         session_options: ort.SessionOptions | None = None,
         provider_options: dict | None = None,
         mem_limit: int = 0,
+        torch_allocator: bool = False,
         deterministic: bool = False,
         host_accumulation: bool = False,
         intra_op_threads: int = 0,
@@ -134,7 +136,7 @@ class Engine:
         update = update_class(optimizer_implementation, optimizer_config)
         self.placement: Device = make_device(device)
         self.device = self.placement.torch_device
-        self._providers = self.placement.providers(provider_options, mem_limit, deterministic)
+        self._providers = self.placement.providers(provider_options, mem_limit, deterministic, torch_allocator)
         self._session_options = session_options or ort.SessionOptions()
         self._session_options.log_severity_level = ort_severity()
         if session_options is None:  # the user's own session options are used as given

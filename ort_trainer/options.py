@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 import onnxruntime as ort
 
 from . import _runtime, devices
-from .distributed import BACKENDS, backend_problem
+from ._option_checks import cross_field_problems
+from .distributed import BACKENDS
 
 _SENTINEL = object()
 
@@ -92,6 +93,10 @@ _SCHEMA: dict[str, _Field] = {
     "device.cuda_graph": _Field(
         _BOOL, False, "capture the training step's run as a CUDA graph and replay it (no kernel launches from the "
         "host): a GPU only, no dropout, gradients accumulated outside the graph, the labelled rows not sparse"),
+    "device.torch_allocator": _Field(
+        _BOOL, False, "a GPU's ONNX Runtime memory (the graph's activations) from torch's caching allocator, the pool "
+        "of the trainer's weights, gradients and optimizer states, instead of an arena of ONNX Runtime's own: one "
+        "pool for both (no CUDA graph, no device.mem_limit; built against torch on first use, seconds)"),
     "device.host_threads": _Field(
         _INT, 0, "torch threads for the work a training step does on the host between ONNX Runtime's runs (the "
         "fused optimizer update, the gradient norm, copies), restored after the step; 0: one thread for an update "
@@ -402,7 +407,7 @@ class ORTTrainerOptions(_Group):
             if problem:
                 problems.append(problem)
             values[path] = list(value) if isinstance(value, tuple) else value
-        problems.extend(_cross_field_problems(values, problems))
+        problems.extend(cross_field_problems(values, problems))
         if problems:
             raise ValueError("invalid ORTTrainerOptions:\n  " + "\n  ".join(problems))
         _mixed_precision_defaults(values)
@@ -437,49 +442,6 @@ class ORTTrainerOptions(_Group):
             default = "(auto)" if field.default is _SENTINEL else repr(field.default)
             lines.append(f"{path} = {default}: {field.doc}")
         return "\n".join(lines)
-
-
-def _cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[str]:
-    """Problems that involve more than one option (each option's own problems are in ``problems``)."""
-    own = {p.split(":")[0] for p in problems}
-    found = []
-    if "graph.gradient_source" not in own:
-        # the default is checked too: "auto" on a runtime without the training build needs onnxscript
-        problem = _runtime.gradient_source_problem(values["graph.gradient_source"])
-        if problem:
-            found.append(f"graph.gradient_source: {problem}")
-    found += _mixed_precision_problems(values, own)
-    rank, size = values["distributed.world_rank"], values["distributed.world_size"]
-    if not own & {"distributed.world_rank", "distributed.world_size"} and rank >= size:
-        found.append(f"distributed.world_rank: {rank} must be < distributed.world_size ({size}); "
-                     "fill both from setup_distributed() (DistributedContext.trainer_options)")
-    if values["device.cuda_graph"] is True and "device.id" not in own and \
-            devices.parse_device_id(values["device.id"])[0] != "cuda":
-        found.append(f"device.cuda_graph: CUDA graphs need a GPU; device.id is {values['device.id']!r} (use 'cuda')")
-    if "provider_options" not in own and "enable_cuda_graph" in values["provider_options"]:
-        found.append("provider_options: enable_cuda_graph needs fixed buffers for every input and output of the "
-                     "step: ask for it with device.cuda_graph=True")
-    if not own & {"distributed.backend", "device.id", "distributed.world_size"}:
-        problem = backend_problem(values["distributed.backend"], values["device.id"], values["distributed.world_size"])
-        if problem:
-            found.append(f"distributed.backend: {problem}")
-    return found
-
-
-def _mixed_precision_problems(values: dict[str, Any], own: set[str]) -> list[str]:
-    """The mixed-precision block: only the 'torch' gradient source records autocast."""
-    if values["mixed_precision.enabled"] is not True or "graph.gradient_source" in own:
-        return []
-    source = values["graph.gradient_source"]
-    if _runtime.gradient_source_problem(source) is None and _runtime.resolve_gradient_source(source) == "onnxruntime":
-        chosen = "'onnxruntime'" if source == "onnxruntime" else "'auto' (here 'onnxruntime': the training build)"
-        return [
-            f"mixed_precision.enabled: True computes in half precision the way torch.autocast does, which only the "
-            f"'torch' gradient source records; graph.gradient_source is {chosen}, whose TorchScript export and "
-            "gradient builder would train in fp32. Set graph.gradient_source='torch' (it runs on every runtime, "
-            "the training build included), or leave mixed_precision.enabled False"
-        ]
-    return []
 
 
 def _mixed_precision_defaults(values: dict[str, Any]) -> None:

@@ -190,6 +190,7 @@ class ORTTrainer(_StateMixin):
             session_options=self.options.session_options,
             provider_options=self.options.provider_options,
             mem_limit=self.options.device.mem_limit,
+            torch_allocator=self.options.device.torch_allocator,
             deterministic=self.options.debug.deterministic_compute,
             optimizer_spec=spec,
             optimizer_config=self.optim_config,

@@ -39,7 +39,7 @@ class _PointerBoundCPU(devices.CUDADevice):
 
     kind = "cpu"
 
-    def providers(self, provider_options, mem_limit, deterministic):
+    def providers(self, provider_options, mem_limit, deterministic, torch_allocator=False):
         return [("CPUExecutionProvider", dict(provider_options or {}))]
 
     def synchronize(self):

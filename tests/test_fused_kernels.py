@@ -46,7 +46,8 @@ NODES = {("fused_gelu_gradient", "gpt2"): ["TanhGeluGrad"] * 2, ("fused_gelu_gra
          ("fused_layer_norm_gradient", "encoder"): ["LayerNormGrad"] * 5,
          ("fused_softmax_gradient", "gpt2"): ["SoftmaxGrad"] * 2,
          ("fused_softmax_gradient", "encoder"): ["SoftmaxGrad"] * 2,
-         ("fused_safe_softmax", "gpt2"): ["SafeSoftmax"] * 2,
+         # each attention's and, activation_recompute being on, its copy in the backward (no probabilities kept)
+         ("fused_safe_softmax", "gpt2"): ["SafeSoftmax"] * 4,
          ("fused_safe_softmax", "encoder"): [],  # (TinyEncoder's attention softmax is a plain one)
          ("fused_cross_entropy", "gpt2"): ["CrossEntropy", "CrossEntropyGrad"],
          ("fused_cross_entropy", "encoder"): ["CrossEntropy", "CrossEntropyGrad"]}

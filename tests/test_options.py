@@ -42,7 +42,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "distributed.backend",
     "mixed_precision.dtype",
     "graph.optimizer",
-    "device.host_threads", "device.cuda_graph",
+    "device.host_threads", "device.cuda_graph", "device.torch_allocator",
 }
 
 

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
 
-from ort_trainer import ORTTrainer  # noqa: E402
+from ort_trainer import ORTTrainer, kernels  # noqa: E402
 from ort_trainer.graph.names import LOSS_SCALE_INPUT  # noqa: E402
 from ort_trainer.graph.passes import recompute  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
@@ -131,13 +131,15 @@ ATTENTION_DESC = {"inputs": [("x", [3, 6, WIDTH]), ("mask", [3, 6]), ("y", [3, 6
                   "outputs": [("loss", [], True)]}
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "written-out"])
-def test_attention_probabilities_recomputed_in_the_backward(fused, tmp_path):
+@pytest.mark.parametrize("fused, kernel", [(True, False), (False, False), (True, True)],
+                         ids=["sdpa", "written-out", "sdpa-SafeSoftmax-kernel"])
+def test_attention_probabilities_recomputed_in_the_backward(fused, kernel, tmp_path):
     """The backward recomputes each attention's probabilities from q and k (which it keeps for their
     own gradients) instead of reading the forward's [batch, heads, seq, seq] tensor: gradients of
     float64 PyTorch with the pass and without (the bound of ``test_gelu_pass``: the copy computes
     the forward's operators on the same values, bit-equal to them), the same loss bit for bit, and
-    ONNX Runtime's optimizers keep the two softmaxes apart."""
+    ONNX Runtime's optimizers keep the two softmaxes apart. With ``fused_safe_softmax`` the softmax
+    copied is ort_trainer's ``SafeSoftmax`` kernel."""
     gen = torch.Generator().manual_seed(0)
     model = Attention(fused)
     mask = torch.ones(3, 6)
@@ -148,7 +150,8 @@ def test_attention_probabilities_recomputed_in_the_backward(fused, tmp_path):
     expected = {name: p.grad.numpy() for name, p in double.named_parameters()}
     results = {}
     for on in (False, True):
-        options = {"graph": {"gradient_source": "torch"}, "graph_optimizations": {name: on for name in PASSES}}
+        options = {"graph": {"gradient_source": "torch"},
+                   "graph_optimizations": {**{name: on for name in PASSES}, "fused_safe_softmax": kernel}}
         trainer = ORTTrainer(copy.deepcopy(model), ATTENTION_DESC, SGDConfig(lr=0.0), options=options)
         loss = float(trainer.train_step(*batch))
         grads = {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
@@ -161,11 +164,14 @@ def test_attention_probabilities_recomputed_in_the_backward(fused, tmp_path):
     assert results[True][0] == results[False][0]
     assert results[False][1] and not results[True][1], (results[False][1], results[True][1])
     gradient = results[True][2]
-    assert sum(n.op_type == "Softmax" and n.name.endswith("/recompute") for n in gradient.graph.node) == 1
+    softmax = "SafeSoftmax" if kernel else "Softmax"
+    assert sum(n.op_type == softmax and n.name.endswith("/recompute") for n in gradient.graph.node) == 1
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    if kernel:
+        kernels.register(options)
     ort.InferenceSession(gradient.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    assert sum(n.op_type == "Softmax" for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node) == 2
+    assert sum(n.op_type == softmax for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node) == 2
 
 
 def test_a_softmax_of_a_product_with_a_weight_is_left_alone():

@@ -100,7 +100,9 @@ def build(output_dir: Path | None = None, cuda: bool | None = None) -> Path:
             "ort_trainer's kernel library is not built and no C++ compiler was found (c++, g++ or $CXX): install one "
             f"(e.g. apt-get install g++), or set ${LIBRARY_ENV} to a library built elsewhere (make kernels)")
     digest = hashlib.sha256()
-    for source in sorted(_CSRC.iterdir()):
+    # the headers and what _command compiles (csrc/torch_allocator.cc is torch_allocator.py's, built apart)
+    built = ("ops.cc", *_CUDA_SOURCES)
+    for source in sorted(p for p in _CSRC.iterdir() if p.suffix in (".h", ".cuh") or p.name in built):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(_command(nvcc, cxx, Path(_NAME))).encode())
     folder = output_dir or _root() / digest.hexdigest()[:16]

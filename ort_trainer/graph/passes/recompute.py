@@ -32,7 +32,8 @@ layer's input) until then.
 
 Each attention's probabilities are recomputed the same way (``_attention_plan``): the chain from
 the scores' product ``MatMul(q, k)`` through scale, mask and ``Softmax`` to the safe softmax's
-``Where`` is copied before its first backward reader, reading ``q`` through the same no-op
+``Where`` (or through ort_trainer's ``SafeSoftmax`` kernel, ``fused_safe_softmax``) is copied before
+its first backward reader, reading ``q`` through the same no-op
 ``Reshape`` and ``k`` as it is (the backward keeps both for their own gradients). The forward then
 keeps no ``[batch, heads, seq, seq]`` tensor, as eager PyTorch's fused attention keeps none; the
 copy costs one batched product and a softmax per layer. Side inputs of the chain (the mask, one
@@ -51,6 +52,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ...kernels import DOMAIN as KERNELS_DOMAIN
 from ..names import LOSS_SCALE_INPUT
 from ._graph import _ONNX_DOMAINS, _Graph, _drop_unread_transposes, _elem_types, _is, _keep, _op, _op_types
 
@@ -80,7 +82,8 @@ def activation_recompute(model: onnx.ModelProto) -> int:
     taken: set[int] = set()
     found = itertools.chain(
         (_plan(root, g, op_of, index, seed) for root in _roots(graph.node[:seed], g, op_of)),
-        (_attention_plan(n, g, op_of, index, seed) for n in graph.node[:seed] if _op(n, op_of) == "Softmax"))
+        (_attention_plan(n, g, op_of, index, seed) for n in graph.node[:seed] if _op(n, op_of) == "Softmax"
+         or (n.domain, n.op_type) == (KERNELS_DOMAIN, "SafeSoftmax")))
     for plan in found:
         if plan is not None and not taken & {id(n) for n in plan[0]}:
             taken |= {id(n) for n in plan[0]}
