@@ -336,9 +336,11 @@ def _probe_lines(results: list[dict]) -> list[str]:
                      f"{largest['batch'] if largest else '—'} | {_fmt(largest['peak_mb'] if largest else None, '{:.0f}')} |")
     largest_of = {key: max((r["batch"] for r in probes if "error" not in r
                             and (r["model"], r["precision"], r["impl"]) == key), default=None) for key in keys}
-    ratios = [f"{model} {precision} {largest_of[model, precision, 'ort'] / largest_of[model, precision, 'eager']:.2f}×"
-              for model, precision, impl in keys if impl == "eager" and largest_of[model, precision, "eager"]
-              and largest_of.get((model, precision, "ort"))]
+    # ort_trainer's and each of its variants' (``ort+layer_recompute``...), over eager's
+    ratios = [f"{model} {precision}{'' if impl == 'ort' else f' ({impl})'} "
+              f"{largest_of[model, precision, impl] / largest_of[model, precision, 'eager']:.2f}×"
+              for model, precision, impl in keys if variant(impl)[0] == "ort" and largest_of[model, precision, impl]
+              and largest_of.get((model, precision, "eager"))]
     if ratios:
         lines += ["", "ort_trainer's largest batch over eager's (goal: ≥ 1.5× in fp16): " + ", ".join(ratios) + "."]
     return lines

@@ -2,7 +2,7 @@
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
 #   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (device.cuda_graph,device.torch_allocator,
-#       loss_pieces,activation_recompute,
+#       loss_pieces,layer_recompute,activation_recompute,
 #       activation_recompute+gelu_forward_kernel,fused_gelu_gradient,fused_layer_norm_gradient,fused_softmax_gradient,
 #       fused_safe_softmax,fused_cross_entropy,half_precision_gelu,bfloat16_softmax_gradient,aligned_products,
 #       half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products, those thirteen
@@ -25,7 +25,7 @@ all_graph=activation_recompute+gelu_forward_kernel+fused_gelu_gradient+fused_lay
 # both are off, measures it; recompute trades a step's time for memory, which a GPU may not need.
 # gelu_forward_kernel acts on the values recompute copies: its row has both, against recompute's row)
 graph_levers=${all_graph//+/,}
-levers=${2:-device.cuda_graph,device.torch_allocator,loss_pieces,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel},$all_graph+loss_pieces,$all_graph+loss_pieces+device.cuda_graph}
+levers=${2:-device.cuda_graph,device.torch_allocator,loss_pieces,layer_recompute,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel},$all_graph+loss_pieces,$all_graph+loss_pieces+device.cuda_graph}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}

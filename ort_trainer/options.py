@@ -273,6 +273,10 @@ _SCHEMA: dict[str, _Field] = {
         "for the end of the backward and kept its layer's input alive until then. Off by default until a GPU "
         "measurement shows it wins (gradient source 'torch' only)"
     ),
+    "graph_optimizations.layer_recompute": _Field(
+        _BOOL, False, "`torch` source: each transformer sublayer's values that the backward reads recomputed in the "
+        "backward from its LayerNorm's input (checkpointing): the forward keeps two tensors a layer, the step runs "
+        "the layers' forward twice; a sublayer with a Dropout drawing masks on the device is left as it is"),
     "graph_optimizations.activation_recompute": _Field(
         _BOOL, True, "an activation's values that the backward reads (a GELU's x/sqrt(2), Phi and output) "
         "recomputed in the backward from its input, so the forward keeps one [batch, seq, 4 x hidden] tensor per "

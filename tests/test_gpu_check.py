@@ -270,3 +270,12 @@ def test_each_configuration_is_warmed_just_before_its_round_and_the_deadline_lea
     run.all()
     assert spawned == [("warm", "gpt2", "fp16", "ort"), ("warm", "gpt2", "fp16", "ort+x"),
                        ("time", "gpt2", "fp16", "ort"), ("time", "gpt2", "fp16", "ort+x")]
+
+
+def test_the_probe_of_a_variant_is_set_against_eagers_largest_batch():
+    """``--probe-impls ort+layer_recompute,eager``: the variant's largest batch over eager's, named."""
+    probe = {"phase": "probe", "model": "gpt2", "precision": "fp16", "step_s": [1.0, 0.5], "losses": [1.0, 1.0],
+             "build_s": 1.0, "peak_mb": 1000}
+    results = [{**probe, "impl": "ort+layer_recompute", "batch": 96}, {**probe, "impl": "eager", "batch": 32},
+               {**probe, "impl": "eager", "batch": 64, "error": "OutOfMemoryError", "out_of_memory": True}]
+    assert "gpt2 fp16 (ort+layer_recompute) 3.00×." in "\n".join(gpu._probe_lines(results))

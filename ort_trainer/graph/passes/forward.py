@@ -58,7 +58,8 @@ JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_g
                      "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "bfloat16_softmax_gradient",
                      "half_precision_loss",
                      "half_precision_bias_gradient", "column_sums", "transposed_products",
-                     "half_precision_transposed_products", "activation_recompute", "gelu_forward_kernel",
+                     "half_precision_transposed_products", "layer_recompute", "activation_recompute",
+                     "gelu_forward_kernel",
                      "aligned_products")
 # the "torch" source's rewrites of the traced program before autograd (gradient/attention.py, gradient/loss_pieces.py;
 # loss_pieces' piece size, graph_optimizations.loss_piece_elements, reaches the job beside the switches)

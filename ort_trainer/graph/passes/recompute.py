@@ -72,8 +72,8 @@ def activation_recompute(model: onnx.ModelProto) -> int:
         How many regions (activations) are recomputed.
     """
     graph = model.graph
-    seed = next((i for i, n in enumerate(graph.node) if LOSS_SCALE_INPUT in n.input), None)
-    if seed is None:  # no gradient seed: not a joint graph of the torch source
+    seed = backward_start(model)
+    if seed is None:
         return 0
     g = _Graph(model)
     index = {id(n): i for i, n in enumerate(graph.node)}
@@ -88,8 +88,20 @@ def activation_recompute(model: onnx.ModelProto) -> int:
         if plan is not None and not taken & {id(n) for n in plan[0]}:
             taken |= {id(n) for n in plan[0]}
             plans.append(plan)
-    if not plans:
-        return 0
+    return _place(model, seed, plans)
+
+
+def backward_start(model: onnx.ModelProto) -> int | None:
+    """The index of the backward's first node in a joint graph (the first that reads the loss scale, the gradient
+    seed: the joint graph lists the forward first), or None in a graph with no gradient seed."""
+    return next((i for i, n in enumerate(model.graph.node) if LOSS_SCALE_INPUT in n.input), None)
+
+
+def _place(model: onnx.ModelProto, seed: int, plans: list) -> int:
+    """Put each plan's copies right before its first backward reader and have the backward (the nodes from
+    ``seed`` on) read the copies; ``plans``: ``(copies, {forward value: its copy}, first backward reader)``.
+    Returns how many plans there were."""
+    graph = model.graph
     before: dict[int, list[onnx.NodeProto]] = {}
     renamed: dict[str, str] = {}
     infos = {info.name: info for info in graph.value_info}
@@ -103,8 +115,25 @@ def activation_recompute(model: onnx.ModelProto) -> int:
                 info.name = new
     for node in graph.node[seed:]:
         node.input[:] = [renamed.get(name, name) for name in node.input]
-    _keep(model, set(), before=before)
+    if plans:
+        _keep(model, set(), before=before)
     return len(plans)
+
+
+def _copy_nodes(members: list[onnx.NodeProto], inputs: dict[str, str], suffix: str
+                ) -> tuple[list[onnx.NodeProto], dict[str, str]]:
+    """Copies of ``members`` (in order), each output named with ``suffix``, reading ``inputs[name]`` for an input
+    ``name`` given there and each other's copies; ``(copies, {member output: its copy's})``."""
+    names = {name: name + suffix for m in members for name in m.output}
+    copies = []
+    for member in members:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(member)
+        copy.name = (member.name or member.output[0]) + suffix
+        copy.input[:] = [inputs.get(name, names.get(name, name)) for name in member.input]
+        copy.output[:] = [names[name] for name in member.output]
+        copies.append(copy)
+    return copies, names
 
 
 def transposed_products(model: onnx.ModelProto, matmul_types: tuple = _GEMM_TYPES) -> int:
@@ -306,16 +335,8 @@ def _copied(members: list[onnx.NodeProto], saved: list[str], root: str, start: s
     if after is None:
         return None
     needed = _ancestors(saved, {name: m for m in members for name in m.output})
-    names = {name: name + _SUFFIX for m in members if id(m) in needed for name in m.output}
-    copies = _alias_after(root, after, start)
-    for member in (m for m in members if id(m) in needed):
-        copy = onnx.NodeProto()
-        copy.CopyFrom(member)
-        copy.name = (member.name or member.output[0]) + _SUFFIX
-        copy.input[:] = [start if name == root else names.get(name, name) for name in member.input]
-        copy.output[:] = [names[name] for name in member.output]
-        copies.append(copy)
-    return copies, {n: names[n] for n in saved}, readers[0]
+    copies, names = _copy_nodes([m for m in members if id(m) in needed], {root: start}, _SUFFIX)
+    return _alias_after(root, after, start) + copies, {n: names[n] for n in saved}, readers[0]
 
 
 def _numel(shape: list | None) -> int | None:
