@@ -22,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # operators that ONNX Runtime runs without moving the tensor (an alias of its input) or on shapes only
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
 PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
-RECOMPUTED = "/recompute"
+# the suffix of a value recomputed in the backward (activation_recompute's, layer_recompute's region N)
+RECOMPUTED = re.compile(r"/(?:layer_)?recompute\d*$")
 # element-wise: an output's shape is its inputs' broadcast (torchlib's erf function too)
 BROADCASTING = {"Mul", "Add", "Sub", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Exp", "aten_special_erf"}
 # ort_trainer's own kernels (ort_trainer/kernels): the input whose shape each output has (LayerNormGrad's partial
@@ -70,10 +72,11 @@ def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
     # an element-wise node's output, the broadcast of its inputs' (where a pass removed the original it copies)
     for node in model.graph.node:
         for name in [*node.input, *node.output]:
-            if name not in shapes and RECOMPUTED in name and name.split(RECOMPUTED)[0] in shapes:
-                shapes[name] = shapes[name.split(RECOMPUTED)[0]]
+            original = RECOMPUTED.sub("", name)
+            if name not in shapes and original != name and original in shapes:
+                shapes[name] = shapes[original]
         # the no-op Reshape through which a copy reads its region's input (an attention's q): that input's shape
-        if node.op_type == "Reshape" and node.output[0].endswith(RECOMPUTED) and node.input[0] in shapes:
+        if node.op_type == "Reshape" and RECOMPUTED.search(node.output[0]) and node.input[0] in shapes:
             shapes.setdefault(node.output[0], shapes[node.input[0]])
         if node.op_type in KERNEL_OUTPUTS and all(node.input[i] in shapes for i in KERNEL_OUTPUTS[node.op_type]):
             for name, source in zip(node.output, KERNEL_OUTPUTS[node.op_type]):

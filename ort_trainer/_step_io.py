@@ -22,6 +22,7 @@ import torch
 
 from ._run_errors import node_modules
 from .devices import Device
+from .graph.onnx_graph import RANDOM_OPS  # (their CUDA kernels draw at launch: a replay draws its capture's)
 from .graph.passes._graph import _Graph
 from .sessions import Sessions
 
@@ -29,10 +30,6 @@ from .sessions import Sessions
 #: ``kOrtRunOptionsConfigCudaGraphAnnotation``); -1 runs without capturing or replaying, 0 is reserved
 GRAPH_ID_KEY = "gpu_graph_id"
 
-#: nodes that may draw from ONNX Runtime's random generator; their CUDA kernels draw at launch, so a
-#: replayed graph would draw what its capture drew, every step
-RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
-                        "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 # Nodes whose output shape depends on the values of their inputs (their kernels read a count back
 # to the host mid-run, which a capture forbids) and control flow, which CUDA graphs cannot hold
 _DATA_DEPENDENT_OPS = frozenset({"NonZero", "Compress", "Unique", "NonMaxSuppression"})

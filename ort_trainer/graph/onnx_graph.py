@@ -11,6 +11,11 @@ from onnx import helper
 
 from .names import KEEPER_SUFFIX
 
+#: nodes that may draw from ONNX Runtime's random generator: a replayed CUDA graph would draw what its capture
+#: drew, every step (their CUDA kernels draw at launch), and a recomputed copy would draw other numbers
+RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                        "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
+
 
 def specialize(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
     """A copy of ``model`` whose symbolic input/output dims named in ``dims`` are fixed."""
@@ -365,5 +370,5 @@ def dangling_names(graph: onnx.GraphProto, outer: Collection[str] = ()) -> list[
     return problems
 
 
-__all__ = ["build_inference_graph", "compacted", "dangling_names", "drop_dead_nodes", "drop_outputs", "eval_part",
-           "io_signature", "largest_tensors", "module_of", "specialize", "sum_into_inputs", "value_info"]
+__all__ = ["RANDOM_OPS", "build_inference_graph", "compacted", "dangling_names", "drop_dead_nodes", "drop_outputs",
+           "eval_part", "io_signature", "largest_tensors", "module_of", "specialize", "sum_into_inputs", "value_info"]

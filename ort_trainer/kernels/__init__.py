@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .._cache_root import cache_dir
 from .._logging import logger
@@ -106,18 +107,27 @@ def build(output_dir: Path | None = None, cuda: bool | None = None) -> Path:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(_command(nvcc, cxx, Path(_NAME))).encode())
     folder = output_dir or _root() / digest.hexdigest()[:16]
-    path = folder / _NAME
+    return _built(folder / _NAME, lambda output: _command(nvcc, cxx, output),
+                  f"ort_trainer's kernel library ({'CUDA and CPU' if nvcc else 'CPU'})")
+
+
+def _built(path: Path, command: Callable[[Path], list[str]], what: str, fix: str = "") -> Path:
+    """``path``, built by ``command(output)`` unless it exists: under a name of its own in a scratch folder beside
+    it, then renamed, so that processes building at once each end with a whole library.
+
+    Raises:
+        KernelsUnavailable: the build failed (with the compiler's message, then ``fix``).
+    """
     if path.exists():
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    # built under a name of its own, then renamed: processes building at once each end with a whole library
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        partial = Path(scratch) / _NAME
-        logger.info("building ort_trainer's kernel library (%s) into %s", "CUDA and CPU" if nvcc else "CPU", folder)
-        done = subprocess.run(_command(nvcc, cxx, partial), capture_output=True, text=True, check=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        partial = Path(scratch) / path.name
+        logger.info("building %s into %s", what, path.parent)
+        done = subprocess.run(command(partial), capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise KernelsUnavailable(f"building ort_trainer's kernel library failed ({done.args[0]}):\n"
-                                     f"{(done.stderr or done.stdout)[-4000:]}")
+            raise KernelsUnavailable(f"building {what} failed ({done.args[0]}):\n"
+                                     f"{(done.stderr or done.stdout)[-4000:]}" + (f"\n{fix}" if fix else ""))
         os.replace(partial, path)
     return path
 

@@ -28,12 +28,9 @@ import ctypes
 import functools
 import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
-from .._logging import logger
-from . import KernelsUnavailable, _compilers, _root
+from . import KernelsUnavailable, _built, _compilers, _root
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_allocator.cc"
 _NAME = "libort_trainer_torch_allocator.so"
@@ -97,21 +94,9 @@ def build() -> Path:
     torch_root = Path(torch.__file__).resolve().parent
     command = _command(cxx, Path(_NAME), torch_root, cuda_include, torch._C._GLIBCXX_USE_CXX11_ABI)
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join([*command, torch.__version__]).encode())
-    folder = _root() / "torch_allocator" / digest.hexdigest()[:16]
-    path = folder / _NAME
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:  # renamed when whole, as the kernel library is
-        partial = Path(scratch) / _NAME
-        logger.info("building ort_trainer's torch allocator functions into %s", folder)
-        done = subprocess.run(_command(cxx, partial, torch_root, cuda_include, torch._C._GLIBCXX_USE_CXX11_ABI),
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise KernelsUnavailable(f"building ort_trainer's torch allocator functions failed ({done.args[0]}):\n"
-                                     f"{(done.stderr or done.stdout)[-4000:]}\n{fix}")
-        os.replace(partial, path)
-    return path
+    path = _root() / "torch_allocator" / digest.hexdigest()[:16] / _NAME
+    return _built(path, lambda output: _command(cxx, output, torch_root, cuda_include, torch._C._GLIBCXX_USE_CXX11_ABI),
+                  "ort_trainer's torch allocator functions", fix)
 
 
 @functools.lru_cache(maxsize=None)

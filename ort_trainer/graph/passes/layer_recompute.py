@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import onnx
 
+from ..onnx_graph import RANDOM_OPS
 from ._graph import _Graph, _op, _op_types
-from .recompute import _alias_after, _barrier_value, _copy_nodes, _place, backward_start
+from .recompute import (_alias_after, _ancestors, _barrier_value, _copy_nodes, _place, backward_readers,
+                        backward_start)
 
 _SUFFIX = "/layer_recompute"
-# operators that draw random numbers: a copy would draw others
-_RANDOM = {"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli",
-           "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"}
 
 
 def layer_recompute(model: onnx.ModelProto) -> int:
@@ -64,11 +63,13 @@ def layer_recompute(model: onnx.ModelProto) -> int:
     producer = {o: n for n in forward for o in n.output}
     plans = []
     for number, (region_roots, saved) in enumerate(regions.items()):
-        members = _members(saved, producer, checkpoints, roots, index)
-        if any(_op(m, op_of) in _RANDOM or m.op_type in _RANDOM for m in members):
+        # back to the checkpoints and to what no checkpoint computes (read where the forward left it)
+        needed = _ancestors(saved, {name: node for name, node in producer.items()
+                                    if name not in checkpoints and roots.get(name)})
+        members = sorted((n for n in forward if id(n) in needed), key=lambda n: index[id(n)])
+        if any(_op(m, op_of) in RANDOM_OPS or m.op_type in RANDOM_OPS for m in members):
             continue
-        readers = sorted({id(r): r for name in saved for r in g.consumers.get(name, []) if index[id(r)] >= seed}
-                         .values(), key=lambda r: index[id(r)])
+        readers = backward_readers(saved, g, index, seed)
         after = _barrier_value(readers, g, index, seed)
         if after is None:
             continue
@@ -103,23 +104,6 @@ def _leading_to(forward: list[onnx.NodeProto], checkpoints: set[str]) -> set[str
         if any(name in leading for name in node.output):
             leading.update(name for name in node.input if name)
     return leading - checkpoints
-
-
-def _members(saved: list[str], producer: dict, checkpoints: set[str], roots: dict,
-             index: dict) -> list[onnx.NodeProto]:
-    """The forward nodes the ``saved`` values are computed from, back to the checkpoints and to the values
-    computed from no checkpoint (read where the forward left them), in node order."""
-    found: dict[int, onnx.NodeProto] = {}
-    stack = [producer[name] for name in saved]
-    while stack:
-        node = stack.pop()
-        if id(node) in found:
-            continue
-        found[id(node)] = node
-        for name in node.input:
-            if name in producer and name not in checkpoints and roots.get(name):
-                stack.append(producer[name])
-    return sorted(found.values(), key=lambda n: index[id(n)])
 
 
 __all__ = ["layer_recompute"]

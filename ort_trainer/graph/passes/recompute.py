@@ -97,6 +97,12 @@ def backward_start(model: onnx.ModelProto) -> int | None:
     return next((i for i, n in enumerate(model.graph.node) if LOSS_SCALE_INPUT in n.input), None)
 
 
+def backward_readers(values: list[str], g: _Graph, index: dict, seed: int) -> list[onnx.NodeProto]:
+    """The backward's nodes (from index ``seed`` on) that read any of ``values``, each once, first first."""
+    readers = {id(r): r for name in values for r in g.consumers.get(name, []) if index[id(r)] >= seed}
+    return sorted(readers.values(), key=lambda r: index[id(r)])
+
+
 def _place(model: onnx.ModelProto, seed: int, plans: list) -> int:
     """Put each plan's copies right before its first backward reader and have the backward (the nodes from
     ``seed`` on) read the copies; ``plans``: ``(copies, {forward value: its copy}, first backward reader)``.
@@ -329,8 +335,7 @@ def _copied(members: list[onnx.NodeProto], saved: list[str], root: str, start: s
     ``(copies, {saved value: its copy}, first backward reader)``, the copies of the members those
     values are computed from reading ``root`` as ``start`` (``_alias_after``, waiting for a backward
     value); None where there is no backward value to wait for."""
-    readers = sorted({id(r): r for name in saved for r in g.consumers.get(name, []) if index[id(r)] >= seed}.values(),
-                     key=lambda r: index[id(r)])
+    readers = backward_readers(saved, g, index, seed)
     after = _barrier_value(readers, g, index, seed)
     if after is None:
         return None
