@@ -42,7 +42,7 @@ BROADCASTING = {"Mul", "Add", "Sub", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Ex
 # ort_trainer's own kernels (ort_trainer/kernels): the input whose shape each output has (LayerNormGrad's partial
 # sums, [chunks, 2, hidden], counted as one more weight-sized tensor)
 KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "SafeSoftmax": (0,),
-                  "LayerNormGrad": (1, 4, 4, 4)}
+                  "BiasSafeSoftmax": (0,), "LayerNormGrad": (1, 4, 4, 4)}
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",

@@ -46,8 +46,9 @@ NODES = {("fused_gelu_gradient", "gpt2"): ["TanhGeluGrad"] * 2, ("fused_gelu_gra
          ("fused_layer_norm_gradient", "encoder"): ["LayerNormGrad"] * 5,
          ("fused_softmax_gradient", "gpt2"): ["SoftmaxGrad"] * 2,
          ("fused_softmax_gradient", "encoder"): ["SoftmaxGrad"] * 2,
-         # each attention's and, activation_recompute being on, its copy in the backward (no probabilities kept)
-         ("fused_safe_softmax", "gpt2"): ["SafeSoftmax"] * 4,
+         # each attention's and, activation_recompute being on, its copy in the backward (no probabilities kept),
+         # adding the causal mask
+         ("fused_safe_softmax", "gpt2"): ["BiasSafeSoftmax"] * 4,
          ("fused_safe_softmax", "encoder"): [],  # (TinyEncoder's attention softmax is a plain one)
          ("fused_cross_entropy", "gpt2"): ["CrossEntropy", "CrossEntropyGrad"],
          ("fused_cross_entropy", "encoder"): ["CrossEntropy", "CrossEntropyGrad"]}
@@ -125,6 +126,43 @@ def test_the_cuda_kernels_train_within_rounding_of_float64(half, case, record_pr
         check(error, bound, (half, name))
     nodes = sorted(n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == DOMAIN)
     assert nodes == sorted(sum((NODES[option, case] for option in OPTIONS), [])), nodes
+
+
+def test_a_bias_added_before_a_safe_softmax_is_added_by_its_kernel():
+    """``_safe_softmax(h + bias)`` with a trainable bias broadcast to h (as attention's mask is, which is not
+    trained): one ``BiasSafeSoftmax`` node, no Add, and the bias's gradient (summed over the broadcast dims) too
+    within FLOAT32_BOUND of float64 PyTorch's; a sum also read elsewhere stays an Add before a ``SafeSoftmax``."""
+    class Biased(torch.nn.Module):
+        def __init__(self, reread: bool):
+            super().__init__()
+            self.up = torch.nn.Linear(5, 5)
+            self.bias = torch.nn.Parameter(torch.randn(6, 5) * 2)  # (one along a row would have zero gradient)
+            self.reread = reread
+
+        def forward(self, x, y):
+            scores = self.up(x) + self.bias
+            p = torch.ops.aten._safe_softmax(scores, -1)
+            return torch.nn.functional.mse_loss(p * scores if self.reread else p, y)
+
+    desc = {"inputs": [("x", [3, 6, 5]), ("y", [3, 6, 5])], "outputs": [("loss", [], True)]}
+    gen = torch.Generator().manual_seed(3)
+    batch = (torch.randn(3, 6, 5, generator=gen), torch.rand(3, 6, 5, generator=gen))
+    for reread, expected in ((False, "BiasSafeSoftmax"), (True, "SafeSoftmax")):
+        torch.manual_seed(0)
+        model = Biased(reread)
+        double = copy.deepcopy(model).double()
+        double(*(t.double() for t in batch)).backward()
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
+                                      "graph_optimizations": {"fused_safe_softmax": True}})
+        trainer.train_step(*batch)
+        nodes = trainer._graphs.gradient.graph.node
+        assert [n.op_type for n in nodes if n.domain == DOMAIN] == [expected], [n.op_type for n in nodes]
+        forward = next(i for i, n in enumerate(nodes) if n.domain == DOMAIN)
+        assert sum(n.op_type == "Add" for n in nodes[:forward]) == reread  # (the Linear's bias is its Gemm's)
+        for name, parameter in double.named_parameters():
+            check(_relative(trainer._engine.grads[name].numpy().astype(np.float64), parameter.grad.numpy()),
+                  FLOAT32_BOUND, (reread, name))
 
 
 def test_a_softmax_over_another_axis_keeps_torchs_arithmetic():

@@ -36,30 +36,37 @@ FLOAT32_BOUND = 4000 * FLOAT32
 HALF_BOUND = 40 * FLOAT16
 
 
-def _step(model, desc, batch, loss_fn, on: bool, half: bool):
+def _step(model, desc, batch, loss_fn, on: bool, half: bool, fused_gradient: bool = False):
     scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)  # unscaled gradients, no skipped step
     mixed = {"enabled": True, "dtype": "float16", "loss_scaler": scaler} if half else {"enabled": False}
     torch.manual_seed(0)
     trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), loss_fn=loss_fn,
                          options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
-                                  "mixed_precision": mixed, "graph_optimizations": {"gelu_forward_kernel": on}})
+                                  "mixed_precision": mixed,
+                                  "graph_optimizations": {"gelu_forward_kernel": on,
+                                                          "fused_gelu_gradient": fused_gradient}})
     outputs = trainer.train_step(*batch)
     loss = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
     return trainer, float(loss), {w: g.numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
 
 
-@pytest.mark.parametrize("case, half", [("gpt2", False), ("encoder", False), ("gpt2", True)],
-                         ids=["gpt2-float32", "encoder-float32", "gpt2-float16"])
-def test_the_kernel_trains_within_rounding_of_float64(case, half, record_property):
+@pytest.mark.parametrize("case, half, fused_gradient",
+                         [("gpt2", False, False), ("encoder", False, False), ("gpt2", True, False),
+                          ("gpt2", False, True), ("encoder", False, True), ("gpt2", True, True)],
+                         ids=["gpt2-float32", "encoder-float32", "gpt2-float16", "gpt2-float32-fused-gradient",
+                              "encoder-float32-fused-gradient", "gpt2-float16-fused-gradient"])
+def test_the_kernel_trains_within_rounding_of_float64(case, half, fused_gradient, record_property):
     """One step, the pass on and off: the loss and every gradient within the bound of float64 PyTorch's,
     on against off too. On, each layer's GELU forward is one kernel node and no forward Sigmoid or Erf is
-    left (the backward's recomputed copies keep theirs)."""
+    left. The backward's recomputed copies keep theirs where the element-wise backward reads their inner values;
+    with ``fused_gelu_gradient`` (whose kernel reads the GELU's input alone) a copy computes the output alone, for
+    the next product's weight gradient, and is one kernel node too: no Sigmoid or Erf is left at all."""
     model, desc, batch, loss_fn = _gpt2_case() if case == "gpt2" else _encoder_case()
     bound = HALF_BOUND if half else FLOAT32_BOUND
     loss64, grads64 = _float64(model, batch, loss_fn)
     results, errors = {}, {}
     for on in (True, False):
-        trainer, value, grads = _step(model, desc, batch, loss_fn, on, half)
+        trainer, value, grads = _step(model, desc, batch, loss_fn, on, half, fused_gradient)
         results[on] = grads
         errors[on] = {"loss": abs(value - loss64) / abs(loss64),
                       **{name: _relative(grads[name], grad) for name, grad in grads64.items()}}
@@ -67,11 +74,13 @@ def test_the_kernel_trains_within_rounding_of_float64(case, half, record_propert
             check(error, bound, (on, name))
         nodes = trainer._graphs.gradient.graph.node
         kernels = [n for n in nodes if n.op_type in ("FastGelu", "BiasGelu") and n.domain == "com.microsoft"]
-        forward = [n for n in nodes if (n.op_type == "Sigmoid" or "erf" in n.op_type.lower())  # aten_special_erf
-                   and "/recompute" not in n.name]
-        assert len(kernels) == (2 if on else 0), [n.op_type for n in kernels]  # the tiny models' two layers
+        transcendental = [n for n in nodes if n.op_type == "Sigmoid" or "erf" in n.op_type.lower()]  # aten_special_erf
+        forward = [n for n in transcendental if "/recompute" not in n.name]
+        copies = 2 if fused_gradient else 0  # the recomputed copies the pass rewrites: one a layer
+        assert len(kernels) == (2 + copies if on else 0), [n.name for n in kernels]  # the tiny models' two layers
         assert {n.op_type for n in kernels} <= {"FastGelu" if case == "gpt2" else "BiasGelu"}
         assert len(forward) == (0 if on else 2), [n.name for n in forward]
+        assert len(transcendental) == (4 - 2 - copies if on else 4), [n.name for n in transcendental]
     on_off = {name: _relative(results[True][name], grad) for name, grad in results[False].items()}
     for name, error in on_off.items():
         check(error, bound, ("on/off", name))

@@ -253,6 +253,41 @@ def test_safe_softmax_computes_torchs_safe_softmax(cpu_library, dtype):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bias_shape", [(3, 1, 7, 33), (3, 1, 1, 33), (33,), (4, 1, 1), (3, 4, 7, 33)],
+                         ids=["mask", "padding-mask", "row", "per-head", "whole"])
+def test_bias_safe_softmax_is_an_add_then_safe_softmax_bit_for_bit(cpu_library, dtype, bias_shape):
+    """``BiasSafeSoftmax(x, bias)`` over [3, 4, 7, 33] scores, the bias broadcast (attention's masks, lower ranks):
+    bit-equal to ``SafeSoftmax`` of ``x + bias`` rounded to the dtype (torch's add, one rounding, as ONNX's Add),
+    -inf entries, a row the bias fills with -inf (zeros out) and a NaN included."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 4, 7, 33, generator=gen) * 4).to(dtype)
+    bias = torch.randn(*bias_shape, generator=gen) * 3
+    bias[bias > 4] = float("-inf")
+    # -inf over the bias's first row (x's rows reading it give zeros); the first value of a single-row bias
+    bias.view(-1)[:33 if bias.numel() > 33 else 1] = float("-inf")
+    x[0, 1, 2, 5] = float("nan")
+    bias = bias.to(dtype)
+    elem = _TYPES[dtype][0]
+    fused = _bound_run(_session(cpu_library, "BiasSafeSoftmax", {"x": elem, "bias": elem}, {"y": elem}),
+                       {"x": x, "bias": bias}, {"y": torch.empty_like(x)})["y"]
+    added = _bound_run(_session(cpu_library, "SafeSoftmax", {"x": elem}, {"y": elem}), {"x": x + bias},
+                       {"y": torch.empty_like(x)})["y"]
+    assert torch.equal(fused.isnan(), added.isnan()) and fused.isnan().any()
+    assert torch.equal(fused.nan_to_num(), added.nan_to_num())
+    masked = (x + bias).eq(float("-inf")).all(-1)
+    assert masked.any() == (bias.dim() > 1) and not fused[masked].any()
+
+
+@needs_compiler
+def test_bias_safe_softmax_refuses_a_bias_that_does_not_broadcast(cpu_library):
+    session = _session(cpu_library, "BiasSafeSoftmax", {"x": TensorProto.FLOAT, "bias": TensorProto.FLOAT},
+                       {"y": TensorProto.FLOAT})
+    with pytest.raises(Exception, match=r"BiasSafeSoftmax: bias \[2, 33\] does not broadcast to x \[3, 4, 7, 33\]"):
+        session.run(None, {"x": np.ones((3, 4, 7, 33), np.float32), "bias": np.ones((2, 33), np.float32)})
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
 def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype):
     """Each row's loss and log-sum-exp of [37, 101] scores (a row ignored, ignore_index -7) against float64
     ``cross_entropy(reduction="none")`` and ``logsumexp`` of the same rounded scores, and dx for a random grad of

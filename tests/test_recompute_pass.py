@@ -63,6 +63,12 @@ def test_gradients_match_float64_and_the_forward_keeps_the_input_alone(name):
     assert len(read_off) - len(read_on) == 2, (read_off, read_on)
     nodes = on._graphs.gradient.graph.node
     assert any(n.name.endswith("/recompute") for n in nodes)
+    # each copy's value (and the alias its region reads) has its original's type and shape, which later passes
+    # (gelu_forward_kernel) need to rewrite it
+    infos = {info.name: info.type for info in on._graphs.gradient.graph.value_info}
+    copied = [o for n in nodes if n.name.endswith("/recompute") for o in n.output]
+    assert copied and all(infos.get(o) == infos[o.removesuffix("/recompute")] for o in copied
+                          if o.removesuffix("/recompute") in infos), copied
     transposed = {o for n in nodes if n.op_type == "Transpose" for o in n.output}
     assert not [n for n in nodes if n.op_type in ("MatMul", "Gemm") and transposed & set(n.input)]
 
@@ -139,7 +145,7 @@ def test_attention_probabilities_recomputed_in_the_backward(fused, kernel, tmp_p
     float64 PyTorch with the pass and without (the bound of ``test_gelu_pass``: the copy computes
     the forward's operators on the same values, bit-equal to them), the same loss bit for bit, and
     ONNX Runtime's optimizers keep the two softmaxes apart. With ``fused_safe_softmax`` the softmax
-    copied is ort_trainer's ``SafeSoftmax`` kernel."""
+    copied is ort_trainer's ``BiasSafeSoftmax`` kernel, which adds the mask."""
     gen = torch.Generator().manual_seed(0)
     model = Attention(fused)
     mask = torch.ones(3, 6)
@@ -164,7 +170,7 @@ def test_attention_probabilities_recomputed_in_the_backward(fused, kernel, tmp_p
     assert results[True][0] == results[False][0]
     assert results[False][1] and not results[True][1], (results[False][1], results[True][1])
     gradient = results[True][2]
-    softmax = "SafeSoftmax" if kernel else "Softmax"
+    softmax = "BiasSafeSoftmax" if kernel else "Softmax"  # (the kernel adds the mask)
     assert sum(n.op_type == softmax and n.name.endswith("/recompute") for n in gradient.graph.node) == 1
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")

@@ -21,7 +21,10 @@ arithmetic, for an eager call) and a fake one (for the traces).
   it where that differs); any other becomes torch's own arithmetic in aten operators.
 - ``ort_trainer::safe_softmax(x)`` -> ``SafeSoftmax(x)``: ``aten._safe_softmax`` over the last axis (a softmax
   whose rows of only -inf give zeros: attention's), computed in float32 (``fused_safe_softmax``); any other
-  becomes torch's arithmetic.
+  becomes torch's arithmetic. Where its input is a sum read by it alone, ``scores + bias`` with the bias
+  broadcast to the scores (attention's mask), ``ort_trainer::safe_softmax_bias(scores, bias)`` ->
+  ``BiasSafeSoftmax(scores, bias)`` adds it in the kernel, rounding the sum to the dtype as the ``Add`` did: the
+  same values without a pass over the ``[batch, heads, seq, seq]`` scores.
 
 These three are joint-program rewrites: ``kept`` names the operators the joint trace leaves undecomposed for
 the switches on, and ``rewrite_joint`` replaces each of them afterwards.
@@ -41,6 +44,7 @@ import operator
 
 import onnx
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...kernels import DOMAIN, OPSET
 from .fx_nodes import Builder, fill_fake_values
@@ -103,6 +107,18 @@ def safe_softmax(x: torch.Tensor) -> torch.Tensor:
 
 @safe_softmax.register_fake
 def _safe_softmax_fake(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ort_trainer::safe_softmax_bias", mutates_args=())
+def safe_softmax_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``safe_softmax(x + bias)``, the sum in ``x``'s dtype (``bias`` broadcast to ``x``), as the
+    ``BiasSafeSoftmax`` kernels compute it."""
+    return _aten._safe_softmax((x + bias).float(), -1).to(x.dtype)
+
+
+@safe_softmax_bias.register_fake
+def _safe_softmax_bias_fake(x, bias):
     return torch.empty_like(x)
 
 
@@ -228,10 +244,33 @@ def _safe_softmax(build: Builder, node: torch.fx.Node) -> tuple[torch.fx.Node, b
     dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
     value = x.meta["val"]
     if dim in (-1, value.dim() - 1) and value.dtype in KERNEL_DTYPES and dtype in (None, value.dtype):
+        biased = _scores_and_bias(x)
+        if biased is not None:  # (rewrite_joint erases the Add, then unread)
+            return build(torch.ops.ort_trainer.safe_softmax_bias.default, *biased), True
         return build(torch.ops.ort_trainer.safe_softmax.default, x), True
     source = x if dtype in (None, value.dtype) else build(_aten._to_copy.default, x, dtype=dtype)
     rows = build(_aten.all.dim, build(_aten.eq.Scalar, source, float("-inf")), dim, True)
     return build(_aten.masked_fill.Scalar, build(_aten._softmax.default, source, dim, False), rows, 0.0), False
+
+
+_MAX_BIAS_RANK = 9  # the kernel's broadcast: 8 dims before the last (csrc/kernels.h, kMaxRowRank)
+
+
+def _scores_and_bias(x) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(scores, bias)`` where ``x`` is ``scores + bias`` read by the softmax alone, of one dtype, ``bias``
+    broadcast to the scores' shape (attention's mask: ``[batch, 1, seq, seq]``, ``[batch, 1, 1, seq]``); else None."""
+    if not (isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target == _aten.add.Tensor
+            and len(x.args) == 2 and x.kwargs.get("alpha", 1) == 1 and readers(x) == 1):
+        return None
+    out = _value(x)
+    values = [_value(a) if isinstance(a, torch.fx.Node) else None for a in x.args]
+    if out is None or out.dim() > _MAX_BIAS_RANK or any(v is None or v.dtype != out.dtype for v in values):
+        return None
+    for scores, bias in ((0, 1), (1, 0)):
+        shape = values[scores].shape
+        if len(shape) == out.dim() and all(statically_known_true(a == b) for a, b in zip(shape, out.shape)):
+            return x.args[scores], x.args[bias]
+    return None
 
 
 def _softmax_backward(build: Builder, node: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
@@ -287,6 +326,7 @@ def rewrite_joint(program) -> int:
                 result, kernel = replacement(Builder(graph, node), node)
             node.replace_all_uses_with(result)
             graph.erase_node(node)
+            erase_unread(graph, [a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "call_function"])
             kernels, replaced = kernels + kernel, True
     if replaced:
         graph.lint()
@@ -301,6 +341,7 @@ _SCHEMAS = {
     "TanhGeluGrad": ([("dy", "T"), ("x", "T")], [("dx", "T")], ()),
     "SoftmaxGrad": ([("dy", "T"), ("y", "T")], [("dx", "T")], ()),
     "SafeSoftmax": ([("x", "T")], [("y", "T")], ()),
+    "BiasSafeSoftmax": ([("x", "T"), ("bias", "T")], [("y", "T")], ()),
     "LayerNormGrad": ([("dy", "T"), ("x", "T"), ("mean", "T"), ("rstd", "T"), ("gamma", "G")],
                       [("dx", "T"), ("dgamma", "G"), ("dbeta", "G"), ("partials", "U")], ()),
     "CrossEntropy": ([("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")], ("ignore_index",)),
@@ -341,6 +382,9 @@ def register_translations(registry) -> None:
     def safe_softmax_onnx(x):
         return opset.SafeSoftmax(x)
 
+    def safe_softmax_bias_onnx(x, bias):
+        return opset.BiasSafeSoftmax(x, bias)
+
     def cross_entropy_onnx(x, target, ignore_index: int = -100):
         losses, lse = opset.CrossEntropy(x, target, ignore_index=ignore_index)
         return losses, lse
@@ -356,5 +400,6 @@ def register_translations(registry) -> None:
     registry.register_op(torch.ops.ort_trainer.layer_norm_grad.default, layer_norm_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.softmax_grad.default, softmax_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.safe_softmax.default, safe_softmax_onnx)
+    registry.register_op(torch.ops.ort_trainer.safe_softmax_bias.default, safe_softmax_bias_onnx)
     registry.register_op(torch.ops.ort_trainer.cross_entropy.default, cross_entropy_onnx)
     registry.register_op(torch.ops.ort_trainer.cross_entropy_grad.default, cross_entropy_grad_onnx)

@@ -77,7 +77,7 @@ def layer_recompute(model: onnx.ModelProto) -> int:
         aliases = {root: f"{root}{tag}" for root in sorted(region_roots)}
         copies, names = _copy_nodes(members, aliases, tag)
         waits = [node for root, alias in aliases.items() for node in _alias_after(root, after, alias)]
-        plans.append((waits + copies, {name: names[name] for name in saved}, readers[0]))
+        plans.append((waits + copies, {name: names[name] for name in saved}, readers[0], {**names, **aliases}))
     return _place(model, seed, plans)
 
 

@@ -32,10 +32,9 @@ layer's input) until then.
 
 Each attention's probabilities are recomputed the same way (``_attention_plan``): the chain from
 the scores' product ``MatMul(q, k)`` through scale, mask and ``Softmax`` to the safe softmax's
-``Where`` (or through ort_trainer's ``SafeSoftmax`` kernel, ``fused_safe_softmax``) is copied before
-its first backward reader, reading ``q`` through the same no-op
-``Reshape`` and ``k`` as it is (the backward keeps both for their own gradients). The forward then
-keeps no ``[batch, heads, seq, seq]`` tensor, as eager PyTorch's fused attention keeps none; the
+``Where`` (or through ort_trainer's ``SafeSoftmax`` or ``BiasSafeSoftmax`` kernel, ``fused_safe_softmax``) is
+copied before its first backward reader, reading ``q`` through the same no-op ``Reshape`` and ``k`` as it is
+(the backward keeps both for their own gradients). The forward then keeps no ``[batch, heads, seq, seq]`` tensor, as eager PyTorch's fused attention keeps none; the
 copy costs one batched product and a softmax per layer. Side inputs of the chain (the mask, one
 flag per row) stay alive to the backward, so a chain with one as large as the probabilities is
 left alone.
@@ -62,6 +61,8 @@ _SUFFIX = "/recompute"
 # between an attention's scores product and its probabilities: scale, mask, safe softmax, reshapes, casts
 _ATTENTION_CHAIN = {"Mul", "Div", "Add", "Sub", "Where", "Reshape", "Cast"}
 _GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+# ort_trainer's safe softmax kernels (fused_safe_softmax), BiasSafeSoftmax adding its second input (the mask)
+_SAFE_SOFTMAX_KERNELS = {(KERNELS_DOMAIN, "SafeSoftmax"), (KERNELS_DOMAIN, "BiasSafeSoftmax")}
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
@@ -83,7 +84,7 @@ def activation_recompute(model: onnx.ModelProto) -> int:
     found = itertools.chain(
         (_plan(root, g, op_of, index, seed) for root in _roots(graph.node[:seed], g, op_of)),
         (_attention_plan(n, g, op_of, index, seed) for n in graph.node[:seed] if _op(n, op_of) == "Softmax"
-         or (n.domain, n.op_type) == (KERNELS_DOMAIN, "SafeSoftmax")))
+         or (n.domain, n.op_type) in _SAFE_SOFTMAX_KERNELS))
     for plan in found:
         if plan is not None and not taken & {id(n) for n in plan[0]}:
             taken |= {id(n) for n in plan[0]}
@@ -105,16 +106,18 @@ def backward_readers(values: list[str], g: _Graph, index: dict, seed: int) -> li
 
 def _place(model: onnx.ModelProto, seed: int, plans: list) -> int:
     """Put each plan's copies right before its first backward reader and have the backward (the nodes from
-    ``seed`` on) read the copies; ``plans``: ``(copies, {forward value: its copy}, first backward reader)``.
+    ``seed`` on) read the copies; ``plans``: ``(copies, {forward value: its copy the backward reads}, first backward
+    reader, {forward value: its copy or alias})``, the last naming every value a copy gives (each copy takes its
+    value's type and shape: a later pass, as ``gelu_forward_kernel``, rewrites only values of known type).
     Returns how many plans there were."""
     graph = model.graph
     before: dict[int, list[onnx.NodeProto]] = {}
     renamed: dict[str, str] = {}
     infos = {info.name: info for info in graph.value_info}
-    for copies, names, first_reader in plans:
+    for copies, names, first_reader, typed in plans:
         before.setdefault(id(first_reader), []).extend(copies)
         renamed.update(names)
-        for old, new in names.items():
+        for old, new in typed.items():
             if old in infos:
                 info = graph.value_info.add()
                 info.CopyFrom(infos[old])
@@ -289,6 +292,8 @@ def _attention_plan(softmax: onnx.NodeProto, g: _Graph, op_of: dict, index: dict
         return same[0]
 
     members, value = [softmax], softmax.input[0]
+    if len(softmax.input) > 1 and chain_input(softmax) != value:
+        return None  # BiasSafeSoftmax with a bias as large as the scores (it would stay alive to the backward)
     while True:  # up to the scores' product
         node = g.producer.get(value)
         if node is None or index[id(node)] >= seed:
@@ -334,14 +339,15 @@ def _copied(members: list[onnx.NodeProto], saved: list[str], root: str, start: s
     """The plan of a region (``members``, in node order) whose values ``saved`` the backward reads:
     ``(copies, {saved value: its copy}, first backward reader)``, the copies of the members those
     values are computed from reading ``root`` as ``start`` (``_alias_after``, waiting for a backward
-    value); None where there is no backward value to wait for."""
+    value); None where there is no backward value to wait for. The plan's last item names the value of each
+    copy and of the alias (``_place``)."""
     readers = backward_readers(saved, g, index, seed)
     after = _barrier_value(readers, g, index, seed)
     if after is None:
         return None
     needed = _ancestors(saved, {name: m for m in members for name in m.output})
     copies, names = _copy_nodes([m for m in members if id(m) in needed], {root: start}, _SUFFIX)
-    return _alias_after(root, after, start) + copies, {n: names[n] for n in saved}, readers[0]
+    return _alias_after(root, after, start) + copies, {n: names[n] for n in saved}, readers[0], {**names, root: start}
 
 
 def _numel(shape: list | None) -> int | None:

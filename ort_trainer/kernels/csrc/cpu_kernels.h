@@ -148,20 +148,27 @@ void softmax_grad_cpu(const void* dy_, const void* y_, void* dx_, int64_t rows, 
 }
 
 // a safe softmax over rows of `cols` values: exp(x - max) / sum, zeros for a row of only -inf (a NaN anywhere in
-// a row makes the row NaN, as torch's softmax does)
+// a row makes the row NaN, as torch's softmax does); with a bias (nullptr: none), of x + bias broadcast
+// (RowBroadcast) and rounded to the dtype, as an Add node before it gives
 template <typename T>
-void safe_softmax_cpu(const void* x_, void* y_, int64_t rows, int64_t cols) {
+void safe_softmax_cpu(const void* x_, const void* bias_, const RowBroadcast& broadcast, void* y_, int64_t rows,
+                      int64_t cols) {
   using S = typename T::Storage;
   const S* x = static_cast<const S*>(x_);
+  const S* bias = static_cast<const S*>(bias_);
   S* y = static_cast<S*>(y_);
   parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> row_values(static_cast<size_t>(cols));
     for (int64_t row = begin; row < end; ++row) {
       const S* v = x + row * cols;
+      const S* b = bias == nullptr ? nullptr : bias + broadcast.row_offset(row);
       S* out = y + row * cols;
       double top = -INFINITY;
       bool masked = true;
       for (int64_t c = 0; c < cols; ++c) {
-        const double value = T::load(v[c]);
+        const float value =
+            b == nullptr ? T::load(v[c]) : T::load(T::store(T::load(v[c]) + T::load(b[c * broadcast.col_stride])));
+        row_values[c] = value;
         top = value > top ? value : top;
         masked = masked && value == -INFINITY;
       }
@@ -170,8 +177,8 @@ void safe_softmax_cpu(const void* x_, void* y_, int64_t rows, int64_t cols) {
         continue;
       }
       double sum = 0.0;
-      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
-      for (int64_t c = 0; c < cols; ++c) out[c] = T::store(static_cast<float>(exp(T::load(v[c]) - top) / sum));
+      for (int64_t c = 0; c < cols; ++c) sum += exp(row_values[c] - top);
+      for (int64_t c = 0; c < cols; ++c) out[c] = T::store(static_cast<float>(exp(row_values[c] - top) / sum));
     }
   });
 }

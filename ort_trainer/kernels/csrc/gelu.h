@@ -10,11 +10,7 @@
 
 #include <math.h>
 
-#if defined(__CUDACC__)
-#define ORTT_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define ORTT_HOST_DEVICE inline
-#endif
+#include "kernels.h"  // ORTT_HOST_DEVICE
 
 namespace ort_trainer_kernels {
 

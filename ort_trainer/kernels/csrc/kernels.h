@@ -27,8 +27,37 @@ const char* layer_norm_grad_cuda(ElementType t, ElementType g, const void* dy, c
 const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,
                               void* stream);
 
-// a safe softmax over the last axis: a row whose every value is -inf gives zeros (torch's _safe_softmax)
-const char* safe_softmax_cuda(ElementType type, const void* x, void* y, int64_t rows, int64_t cols, void* stream);
+// a function of the CPU kernels and the CUDA ones alike
+#if defined(__CUDACC__)
+#define ORTT_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ORTT_HOST_DEVICE inline
+#endif
+
+// a bias broadcast over a softmax's rows (BiasSafeSoftmax): row r of x, whose dims before the last are `dims`
+// (row-major), reads the bias at row_offset(r) + c * col_stride (col_stride 0 or 1; strides 0 along a dim the bias
+// has 1 of)
+constexpr int kMaxRowRank = 8;
+struct RowBroadcast {
+  int rank = 0;
+  int64_t dims[kMaxRowRank] = {};
+  int64_t strides[kMaxRowRank] = {};
+  int64_t col_stride = 0;
+
+  ORTT_HOST_DEVICE int64_t row_offset(int64_t row) const {
+    int64_t offset = 0;
+    for (int i = rank - 1; i >= 0; --i) {
+      offset += (row % dims[i]) * strides[i];
+      row /= dims[i];
+    }
+    return offset;
+  }
+};
+
+// a safe softmax over the last axis: a row whose every value is -inf gives zeros (torch's _safe_softmax); with a
+// bias (nullptr: none), of x + bias rounded to the dtype, as an Add node before it gives (broadcast: RowBroadcast)
+const char* safe_softmax_cuda(ElementType type, const void* x, const void* bias, RowBroadcast broadcast, void* y,
+                              int64_t rows, int64_t cols, void* stream);
 
 // cross-entropy over `rows` rows of `cols` class scores x against int64 targets: each row's log-sum-exp and loss
 // (lse - x[target]; 0 for an ignored row, NaN for a target out of range), float32

@@ -14,6 +14,10 @@
 //                               output y; float32, float16 and bfloat16, computed in float32
 //   SafeSoftmax(x) -> y         a softmax over the last axis whose rows of only -inf give zeros (torch's
 //                               _safe_softmax, attention's); float32, float16 and bfloat16, computed in float32
+//   BiasSafeSoftmax(x, bias) -> y
+//                               SafeSoftmax(x + bias), x + bias rounded to the dtype as an Add node rounds it;
+//                               bias broadcast to x (numpy's rules: of rank <= x's, each dim 1 or x's; attention's
+//                               mask, [batch, 1, seq, seq] or [batch, 1, 1, seq])
 //   CrossEntropy(x, target) -> (losses, lse)
 //                               each row's cross-entropy of class scores x [rows, classes] (float32, float16 or
 //                               bfloat16) against int64 targets, and its log-sum-exp, float32 [rows]: lse -
@@ -40,7 +44,15 @@ using namespace ort_abi;
 
 constexpr uint32_t kOpVersion = 16;  // KernelComputeV2 (errors reach the session as a failed run)
 
-enum class Kind { kGeluGrad, kLayerNormGrad, kSoftmaxGrad, kSafeSoftmax, kCrossEntropy, kCrossEntropyGrad };
+enum class Kind {
+  kGeluGrad,
+  kLayerNormGrad,
+  kSoftmaxGrad,
+  kSafeSoftmax,
+  kBiasSafeSoftmax,
+  kCrossEntropy,
+  kCrossEntropyGrad
+};
 
 struct Operator : OrtCustomOp {
   const char* name;
@@ -186,17 +198,52 @@ OrtStatus* compute_softmax_grad(const OrtApi* api, const Operator* op, OrtKernel
   return nullptr;
 }
 
+// how `bias` broadcasts over the rows of x (numpy's rules), or an error naming the shapes
+OrtStatus* row_broadcast(const OrtApi* api, const Tensor& x, const Tensor& bias, RowBroadcast* broadcast) {
+  const size_t rank = x.dims.size();
+  auto shape = [](const std::vector<int64_t>& dims) {
+    std::string text = "[";
+    for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+    return text + "]";
+  };
+  if (bias.dims.size() > rank || rank - 1 > static_cast<size_t>(kMaxRowRank))
+    return fail(api, "BiasSafeSoftmax: bias " + shape(bias.dims) + " does not broadcast to x " + shape(x.dims) +
+                         " (of rank at most x's, and x of rank at most " + std::to_string(kMaxRowRank + 1) + ")");
+  std::vector<int64_t> dims(rank - bias.dims.size(), 1);
+  dims.insert(dims.end(), bias.dims.begin(), bias.dims.end());
+  int64_t stride = 1;
+  std::vector<int64_t> strides(rank);
+  for (size_t i = rank; i-- > 0;) {
+    if (dims[i] != 1 && dims[i] != x.dims[i])
+      return fail(api, "BiasSafeSoftmax: bias " + shape(bias.dims) + " does not broadcast to x " + shape(x.dims));
+    strides[i] = dims[i] == 1 ? 0 : stride;
+    stride *= dims[i];
+  }
+  broadcast->rank = static_cast<int>(rank - 1);
+  for (size_t i = 0; i + 1 < rank; ++i) {
+    broadcast->dims[i] = x.dims[i];
+    broadcast->strides[i] = strides[i];
+  }
+  broadcast->col_stride = strides[rank - 1];
+  return nullptr;
+}
+
 OrtStatus* compute_safe_softmax(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
-  Tensor x, y;
+  Tensor x, bias, y;
   ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
-  if (x.dims.empty()) return fail(api, "SafeSoftmax: x must have rank >= 1");
+  if (x.dims.empty()) return fail(api, std::string(op->name) + ": x must have rank >= 1");
+  RowBroadcast broadcast;
+  if (op->kind == Kind::kBiasSafeSoftmax) {
+    ORTT_RETURN_IF_ERROR(input(api, context, 1, &bias));
+    ORTT_RETURN_IF_ERROR(row_broadcast(api, x, bias, &broadcast));
+  }
   const int64_t cols = x.dims.back(), rows = cols > 0 ? x.size / cols : 0;
   ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y));
   if (op->cuda)
-    return on_cuda_stream(api, context, "SafeSoftmax", [&](void* stream) {
-      return safe_softmax_cuda(op->type, x.data, y.data, rows, cols, stream);
+    return on_cuda_stream(api, context, op->name, [&](void* stream) {
+      return safe_softmax_cuda(op->type, x.data, bias.data, broadcast, y.data, rows, cols, stream);
     });
-  dispatch(op->type, [&]<typename T>() { safe_softmax_cpu<T>(x.data, y.data, rows, cols); });
+  dispatch(op->type, [&]<typename T>() { safe_softmax_cpu<T>(x.data, bias.data, broadcast, y.data, rows, cols); });
   return nullptr;
 }
 
@@ -250,7 +297,8 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kGeluGrad: return compute_gelu_grad(kernel->api, kernel->op, context);
     case Kind::kLayerNormGrad: return compute_layer_norm_grad(kernel->api, kernel->op, context);
     case Kind::kSoftmaxGrad: return compute_softmax_grad(kernel->api, kernel->op, context);
-    case Kind::kSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
+    case Kind::kSafeSoftmax:
+    case Kind::kBiasSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
     case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
   }
@@ -316,6 +364,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   const std::vector<ONNXTensorElementDataType> ins =
       kind == Kind::kLayerNormGrad      ? std::vector{t, t, t, t, g}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
+      : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
       : kind == Kind::kCrossEntropyGrad ? std::vector{f32, t, i64, f32}
                                         : std::vector{t, t};
@@ -350,6 +399,7 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("TanhGeluGrad", Kind::kGeluGrad, true, cuda, type));
         ops.push_back(make_operator("SoftmaxGrad", Kind::kSoftmaxGrad, false, cuda, type));
         ops.push_back(make_operator("SafeSoftmax", Kind::kSafeSoftmax, false, cuda, type));
+        ops.push_back(make_operator("BiasSafeSoftmax", Kind::kBiasSafeSoftmax, false, cuda, type));
         ops.push_back(make_operator("CrossEntropy", Kind::kCrossEntropy, false, cuda, type));
         ops.push_back(make_operator("CrossEntropyGrad", Kind::kCrossEntropyGrad, false, cuda, type));
       }
