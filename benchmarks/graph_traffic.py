@@ -42,7 +42,11 @@ BROADCASTING = {"Mul", "Add", "Sub", "Div", "Neg", "Sigmoid", "Tanh", "Erf", "Ex
 # ort_trainer's own kernels (ort_trainer/kernels): the input whose shape each output has (LayerNormGrad's partial
 # sums, [chunks, 2, hidden], counted as one more weight-sized tensor)
 KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "SafeSoftmax": (0,),
-                  "BiasSafeSoftmax": (0,), "LayerNormGrad": (1, 4, 4, 4)}
+                  "BiasSafeSoftmax": (0,), "LayerNormGrad": (1, 4, 4, 4),
+                  # torch's attention (fused_attention): out as q; the row log-sum-exp [batch, heads, seq] counted as
+                  # out's size (an overcount by the head dim, ~1% of the node's bytes at head dim 64)
+                  "Attention": (0, 0), "BiasAttention": (0, 0), "AttentionGrad": (1, 2, 3),
+                  "BiasAttentionGrad": (1, 2, 3)}
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",

@@ -41,6 +41,10 @@ def _device_problems(values: dict[str, Any], own: set[str]) -> list[str]:
     cuda = "device.id" in own or devices.parse_device_id(values["device.id"])[0] == "cuda"
     if values["device.cuda_graph"] is True and not cuda:
         found.append(f"device.cuda_graph: CUDA graphs need a GPU; device.id is {values['device.id']!r} (use 'cuda')")
+    if values["device.cuda_graph"] is True and values["graph_optimizations.fused_attention"] is True:
+        found.append("graph_optimizations.fused_attention: torch's attention kernels allocate from torch's caching "
+                     "allocator while they run, which a CUDA graph captured by ONNX Runtime (device.cuda_graph) cannot "
+                     "replay: turn one of the two off")
     if "provider_options" not in own and "enable_cuda_graph" in values["provider_options"]:
         found.append("provider_options: enable_cuda_graph needs fixed buffers for every input and output of the "
                      "step: ask for it with device.cuda_graph=True")

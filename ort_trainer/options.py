@@ -198,6 +198,8 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "a softmax's backward as one kernel"),
     "graph_optimizations.fused_safe_softmax": _Field(_BOOL, False, "attention's safe softmax as one kernel"),
     "graph_optimizations.fused_cross_entropy": _Field(_BOOL, False, "a cross-entropy as two kernels, no float32 copy"),
+    "graph_optimizations.fused_attention": _Field(
+        _BOOL, False, "each scaled_dot_product_attention as torch's fused attention kernels, forward and backward"),
     "graph_optimizations.host_dropout_masks": _Field(
         _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "

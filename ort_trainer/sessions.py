@@ -13,6 +13,7 @@ import onnxruntime as ort
 import torch
 
 from . import kernels
+from .kernels import torch_ops
 from ._logging import logger
 from ._optimized_graphs import OptimizedGraphs
 from ._run_errors import ONNXRUNTIME_ERRORS, explain, node_modules
@@ -52,6 +53,8 @@ class Sessions:
         self.placement.check_graph(model)
         if kernels.uses_kernels(model):  # nodes of ort_trainer's own kernel library
             kernels.register(self.options, cuda=self.placement.kind == "cuda")
+        if torch_ops.uses_torch_ops(model):  # torch's attention kernels (graph_optimizations.fused_attention)
+            torch_ops.register(self.options, cuda=self.placement.kind == "cuda")
         data = model.SerializeToString()
         providers = self.placement.capture_providers(self._providers) if capture else self._providers
         if self._optimized is not None:

@@ -27,7 +27,7 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import (attention as torch_attention, eval_program, gelu as torch_gelu, joint_onnx, kernel_ops,
+from . import (attention as torch_attention, attention_ops, eval_program, gelu as torch_gelu, joint_onnx, kernel_ops,
                loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels, torch_export)
 from .torch_export import _first_line
 
@@ -252,6 +252,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         kernel_ops.fused_cross_entropy(program)
     if gelu:
         torch_gelu.rewrite_formulas(program)
+    if "fused_attention" in kernels:  # first: the calls it takes are not computed in half by the math attention
+        attention_ops.fused_attention(program)
     if half_attention:
         torch_attention.half_precision(program)
     keep = (torch_gelu.KEPT if gelu else ()) + kernel_ops.kept(program, kernels)

@@ -31,7 +31,7 @@ from ..export.torchscript import ExportError
 from ..onnx_graph import compacted
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS
-from . import kernel_ops
+from . import attention_ops, kernel_ops
 from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
 from .torch_export import without_stack_traces
@@ -58,6 +58,7 @@ def _registry_and_tables() -> tuple:
     with _quiet_exporter():
         registry = lazy_torchlib_registry()
     kernel_ops.register_translations(registry)  # the operators of ort_trainer's own kernels
+    attention_ops.register_translations(registry)  # torch's attention kernels (kernels/torch_ops.py)
     onnx_table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
     # torchlib translates training-mode batch norm in inference mode (running statistics, never
     # updated): decompose it into the batch-statistics arithmetic torch itself runs

@@ -305,7 +305,9 @@ _JOINT_REWRITES = (
     ("fused_softmax_gradient", _aten._softmax_backward_data.default, _softmax_backward),
     ("fused_safe_softmax", _aten._safe_softmax.default, _safe_softmax),
 )
-SWITCHES = ("fused_gelu_gradient", "fused_cross_entropy", *(switch for switch, _, _ in _JOINT_REWRITES))
+# (fused_attention: attention_ops.py, torch's attention kernels)
+SWITCHES = ("fused_gelu_gradient", "fused_cross_entropy", "fused_attention",
+            *(switch for switch, _, _ in _JOINT_REWRITES))
 
 
 def kept(program, switches) -> tuple:

@@ -64,7 +64,7 @@ JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_g
 # the "torch" source's rewrites of the traced program before autograd (gradient/attention.py, gradient/loss_pieces.py;
 # loss_pieces' piece size, graph_optimizations.loss_piece_elements, reaches the job beside the switches)
 TRACE_PASSES = ("half_precision_attention", "loss_pieces", "fused_gelu_gradient", "fused_layer_norm_gradient",
-                "fused_softmax_gradient", "fused_safe_softmax", "fused_cross_entropy")
+                "fused_softmax_gradient", "fused_safe_softmax", "fused_cross_entropy", "fused_attention")
 GRADIENT_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
 ALL_PASSES += JOINT_COPY_PASSES + TRACE_PASSES
 

@@ -34,6 +34,7 @@
 #include "kernels.h"
 #include "layer_norm.h"
 #include "ort_abi.h"
+#include "ort_io.h"
 
 #define ORTT_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -70,52 +71,6 @@ struct Kernel {
   const Operator* op;
   int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attribute
 };
-
-// ---- one run of an operator ----------------------------------------------------------------------------------
-OrtStatus* fail(const OrtApi* api, const std::string& message) {
-  return slot<CreateStatus>(api, kCreateStatus)(ORT_RUNTIME_EXCEPTION, ("ort_trainer kernels: " + message).c_str());
-}
-
-#define ORTT_RETURN_IF_ERROR(expression)   \
-  do {                                     \
-    OrtStatus* status_ = (expression);     \
-    if (status_ != nullptr) return status_; \
-  } while (0)
-
-struct Tensor {
-  void* data = nullptr;
-  std::vector<int64_t> dims;
-  int64_t size = 1;  // elements
-};
-
-OrtStatus* input(const OrtApi* api, OrtKernelContext* context, size_t index, Tensor* tensor) {
-  const OrtValue* value = nullptr;
-  ORTT_RETURN_IF_ERROR(slot<KernelContextGetInput>(api, kKernelContextGetInput)(context, index, &value));
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  ORTT_RETURN_IF_ERROR(slot<GetTensorTypeAndShape>(api, kGetTensorTypeAndShape)(value, &info));
-  size_t rank = 0;
-  OrtStatus* status = slot<GetDimensionsCount>(api, kGetDimensionsCount)(info, &rank);
-  if (status == nullptr) {
-    tensor->dims.resize(rank);
-    status = slot<GetDimensions>(api, kGetDimensions)(info, tensor->dims.data(), rank);
-  }
-  slot<ReleaseTensorTypeAndShapeInfo>(api, kReleaseTensorTypeAndShapeInfo)(info);
-  ORTT_RETURN_IF_ERROR(status);
-  tensor->size = 1;
-  for (int64_t d : tensor->dims) tensor->size *= d;
-  return slot<GetTensorMutableData>(api, kGetTensorMutableData)(const_cast<OrtValue*>(value), &tensor->data);
-}
-
-OrtStatus* output(const OrtApi* api, OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
-                  Tensor* tensor) {
-  OrtValue* value = nullptr;
-  ORTT_RETURN_IF_ERROR(
-      slot<KernelContextGetOutput>(api, kKernelContextGetOutput)(context, index, dims.data(), dims.size(), &value));
-  tensor->dims = dims;
-  tensor->size = 1;
-  for (int64_t d : dims) tensor->size *= d;
-  return slot<GetTensorMutableData>(api, kGetTensorMutableData)(value, &tensor->data);
-}
 
 // runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
 // run's. Operators with CUDA kernels exist only where nvcc built the library: elsewhere launch is never called

@@ -1,0 +1,265 @@
+// ort_trainer's operators that run torch's own kernels inside ONNX Runtime (domain "ort_trainer.torch",
+// ../torch_ops.py): built against the torch of the process that loads it, linked to its libraries, on the tensors
+// ONNX Runtime gives the run (wrapped without a copy) and, on a GPU, on the session's CUDA stream. Not part of the
+// kernel library (ops.cc), which needs no torch.
+//
+// Operators (T: float32, float16 or bfloat16; attributes scale (float) and causal (int 0/1)):
+//   Attention(q, k, v) -> (out, lse)          softmax(q·kᵀ·scale [+ causal mask]) · v over q, k, v [batch, heads,
+//   BiasAttention(q, k, v, bias) -> (out, lse)  seq, head dim]; with an additive bias broadcast to [batch, heads,
+//                                             seq_q, seq_k] (attention's mask); lse: each row's log-sum-exp of the
+//                                             scores, float32 [batch, heads, seq_q]
+//   AttentionGrad(dout, q, k, v, out, lse) -> (dq, dk, dv)
+//   BiasAttentionGrad(dout, q, k, v, bias, out, lse) -> (dq, dk, dv)
+//                                             the backward, from the forward's out and lse (no probabilities kept)
+// On the CPU: torch's flash attention for the CPU (_scaled_dot_product_flash_attention_for_cpu and its backward);
+// on CUDA: torch's memory-efficient attention (_scaled_dot_product_efficient_attention and its backward), which
+// takes an additive bias. Neither keeps a [seq_q, seq_k] tensor.
+#include <ATen/ATen.h>
+
+#ifdef ORT_TRAINER_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <array>
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ort_abi.h"
+#include "ort_io.h"
+
+#define ORTT_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace ort_trainer_kernels {
+namespace {
+
+using namespace ort_abi;
+
+constexpr uint32_t kOpVersion = 16;
+using KernelInfoGetAttributeFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);  // 85
+constexpr Slot kKernelInfoGetAttributeFloat = static_cast<Slot>(85);
+
+struct Operator : OrtCustomOp {
+  const char* name;
+  bool backward, bias, cuda;
+  ONNXTensorElementDataType type;
+  size_t inputs, outputs;
+  ONNXTensorElementDataType input_types[7], output_types[3];
+};
+
+struct Kernel {
+  const OrtApi* api;
+  const Operator* op;
+  float scale;
+  bool causal;
+};
+
+at::ScalarType scalar_type(ONNXTensorElementDataType type) {
+  return type == ONNX_FLOAT16 ? at::kHalf : type == ONNX_BFLOAT16 ? at::kBFloat16 : at::kFloat;
+}
+
+// the efficient kernel reads a bias whose last dim is a multiple of 16 elements, and [batch, heads, seq_q, seq_k]
+// (broadcast dims as stride 0): torch's own scaled_dot_product_attention prepares it so
+at::Tensor prepared_bias(const at::Tensor& bias, const at::Tensor& q, const at::Tensor& k) {
+  at::Tensor b = bias;
+  const int64_t keys = k.size(2), padded = (keys + 15) / 16 * 16;
+  if (padded != keys) b = at::constant_pad_nd(b, {0, padded - keys}, 0).narrow(3, 0, keys);
+  return b.expand({q.size(0), q.size(1), q.size(2), keys});
+}
+
+OrtStatus* compute(void* opaque, OrtKernelContext* context) {
+  const Kernel* kernel = static_cast<const Kernel*>(opaque);
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
+  std::vector<Tensor> in(op->inputs);
+  for (size_t i = 0; i < op->inputs; ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &in[i]));
+  at::TensorOptions options = at::TensorOptions().dtype(scalar_type(op->type));
+  void* stream = nullptr;
+#ifdef ORT_TRAINER_TORCH_CUDA
+  if (op->cuda) {
+    ORTT_RETURN_IF_ERROR(
+        slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, &stream));
+    options = options.device(at::kCUDA, c10::cuda::current_device());
+  }
+#endif
+  auto wrap = [&](const Tensor& t, at::ScalarType type) {
+    return at::from_blob(t.data, t.dims, options.dtype(type));
+  };
+  try {
+#ifdef ORT_TRAINER_TORCH_CUDA
+    std::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (op->cuda)
+      guard.emplace(c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), c10::cuda::current_device()));
+#endif
+    const at::ScalarType t = scalar_type(op->type);
+    const size_t first = op->backward ? 1 : 0;  // q's index
+    for (size_t i = first; i < first + 3; ++i)
+      if (in[i].dims.size() != 4)
+        return fail(api, std::string(op->name) + ": q, k and v must be [batch, heads, seq, dim]");
+    at::Tensor q = wrap(in[first], t), k = wrap(in[first + 1], t), v = wrap(in[first + 2], t);
+    std::optional<at::Tensor> bias;
+    if (op->bias) {
+      bias = wrap(in[first + 3], t);
+      while (bias->dim() < 4) bias = bias->unsqueeze(0);
+    }
+    const double scale = kernel->scale;
+    if (!op->backward) {
+      at::Tensor out, lse;
+      if (op->cuda) {
+        std::optional<at::Tensor> b;
+        if (bias) b = prepared_bias(*bias, q, k);
+        auto result = at::_scaled_dot_product_efficient_attention(q, k, v, b, true, 0.0, kernel->causal, scale);
+        out = std::get<0>(result);
+        lse = std::get<1>(result).narrow(2, 0, q.size(2));  // (padded to a multiple of 32 rows)
+      } else {
+        auto result = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, kernel->causal, bias, scale);
+        out = std::get<0>(result);
+        lse = std::get<1>(result);
+      }
+      Tensor out_t, lse_t;
+      ORTT_RETURN_IF_ERROR(output(api, context, 0, in[0].dims, &out_t));
+      ORTT_RETURN_IF_ERROR(output(api, context, 1, {q.size(0), q.size(1), q.size(2)}, &lse_t));
+      wrap(out_t, t).copy_(out);
+      wrap(lse_t, at::kFloat).copy_(lse);
+      return nullptr;
+    }
+    const size_t rest = first + 3 + (op->bias ? 1 : 0);
+    at::Tensor dout = wrap(in[0], t), out = wrap(in[rest], t), lse = wrap(in[rest + 1], at::kFloat);
+    at::Tensor dq, dk, dv;
+    if (op->cuda) {
+      const int64_t rows = q.size(2), padded = (rows + 31) / 32 * 32;
+      at::Tensor lse_padded = at::zeros({q.size(0), q.size(1), padded}, lse.options());
+      lse_padded.narrow(2, 0, rows).copy_(lse);
+      const at::Tensor none = at::empty({}, at::TensorOptions().dtype(at::kLong));
+      const at::Tensor b = bias ? prepared_bias(*bias, q, k) : at::Tensor();
+      auto grads = at::_scaled_dot_product_efficient_attention_backward(
+          dout, q, k, v, b, out, lse_padded, none, none, 0.0, {true, true, true, false}, kernel->causal, scale);
+      dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
+    } else {
+      auto grads = at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
+                                                                            kernel->causal, bias, scale);
+      dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
+    }
+    const at::Tensor* grads[] = {&dq, &dk, &dv};
+    for (size_t i = 0; i < 3; ++i) {
+      Tensor grad;
+      ORTT_RETURN_IF_ERROR(output(api, context, i, in[first + i].dims, &grad));
+      wrap(grad, t).copy_(*grads[i]);
+    }
+    return nullptr;
+  } catch (const std::exception& error) {
+    return fail(api, std::string(op->name) + ": " + error.what());
+  }
+}
+
+const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Operator*>(op); }
+
+void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
+  float scale = 1.0f;
+  int64_t causal = 0;
+  OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "scale", &scale);
+  if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, "causal", &causal);
+  if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  return new Kernel{api, as_operator(op), scale, causal != 0};
+}
+const char* name(const OrtCustomOp* op) { return as_operator(op)->name; }
+const char* provider(const OrtCustomOp* op) { return as_operator(op)->cuda ? "CUDAExecutionProvider" : nullptr; }
+ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t index) {
+  return as_operator(op)->input_types[index];
+}
+ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t index) {
+  return as_operator(op)->output_types[index];
+}
+size_t input_count(const OrtCustomOp* op) { return as_operator(op)->inputs; }
+size_t output_count(const OrtCustomOp* op) { return as_operator(op)->outputs; }
+void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtMemType device_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int variadic_min_arity(const OrtCustomOp*) { return 1; }
+int variadic_homogeneous(const OrtCustomOp*) { return 1; }
+
+Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda, ONNXTensorElementDataType t) {
+  Operator op{};
+  op.version = kOpVersion;
+  op.CreateKernel = create_kernel;
+  op.GetName = name;
+  op.GetExecutionProviderType = provider;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = device_memory;
+  op.GetVariadicInputMinArity = variadic_min_arity;
+  op.GetVariadicInputHomogeneity = variadic_homogeneous;
+  op.GetVariadicOutputMinArity = variadic_min_arity;
+  op.GetVariadicOutputHomogeneity = variadic_homogeneous;
+  op.KernelComputeV2 = compute;
+  op.name = op_name;
+  op.backward = backward;
+  op.bias = bias;
+  op.cuda = cuda;
+  op.type = t;
+  std::vector<ONNXTensorElementDataType> ins(backward ? 4 : 3, t), outs;
+  if (bias) ins.push_back(t);
+  if (backward) {
+    ins.push_back(t);           // out
+    ins.push_back(ONNX_FLOAT);  // lse
+    outs = {t, t, t};
+  } else {
+    outs = {t, ONNX_FLOAT};
+  }
+  op.inputs = ins.size();
+  op.outputs = outs.size();
+  std::copy(ins.begin(), ins.end(), op.input_types);
+  std::copy(outs.begin(), outs.end(), op.output_types);
+  return op;
+}
+
+const std::vector<Operator>& operators() {
+  static const std::vector<Operator> all = [] {
+    std::vector<Operator> ops;
+#ifdef ORT_TRAINER_TORCH_CUDA
+    const bool providers[] = {false, true};
+#else
+    const bool providers[] = {false};
+#endif
+    for (bool cuda : providers)
+      for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_FLOAT16, ONNX_BFLOAT16}) {
+        ops.push_back(make_operator("Attention", false, false, cuda, t));
+        ops.push_back(make_operator("BiasAttention", false, true, cuda, t));
+        ops.push_back(make_operator("AttentionGrad", true, false, cuda, t));
+        ops.push_back(make_operator("BiasAttentionGrad", true, true, cuda, t));
+      }
+    return ops;
+  }();
+  return all;
+}
+
+}  // namespace
+}  // namespace ort_trainer_kernels
+
+ORTT_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  using namespace ort_abi;
+  const OrtApi* api = base->GetApi(ort_trainer_kernels::kOpVersion);
+  if (api == nullptr) return nullptr;
+  OrtCustomOpDomain* domain = nullptr;
+  ORTT_RETURN_IF_ERROR(slot<CreateCustomOpDomain>(api, kCreateCustomOpDomain)("ort_trainer.torch", &domain));
+  for (const auto& op : ort_trainer_kernels::operators())
+    ORTT_RETURN_IF_ERROR(slot<CustomOpDomainAdd>(api, kCustomOpDomainAdd)(domain, &op));
+  return slot<AddCustomOpDomain>(api, kAddCustomOpDomain)(options, domain);
+}
+
+ORTT_EXPORT int OrtTrainerTorchOpsHaveCuda() {
+#ifdef ORT_TRAINER_TORCH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}

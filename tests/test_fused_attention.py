@@ -1,0 +1,179 @@
+"""``graph_optimizations.fused_attention`` (``graph/gradient/attention_ops.py``, ``kernels/torch_ops.py``): each
+``scaled_dot_product_attention`` as one ``Attention`` / ``BiasAttention`` node and one ``...Grad`` node running
+torch's fused attention kernels inside ONNX Runtime (the CPU's flash attention here, the memory-efficient one on
+CUDA under ``make gpu-check``).
+
+Checked against float64 PyTorch: one float32 and one float16 step of a tiny Hugging Face GPT-2 (causal mask and
+padding mask, added as a bias), loss and every gradient, the option on and off; attention with no mask and
+``is_causal``, a boolean mask, a trained float mask (its gradient from torch's arithmetic), queries and keys of
+different lengths; a call with dropout left to the math attention; the library built against this torch, its
+CUDA path compiled against torch's CUDA headers; the option refused with a CUDA graph.
+"""
+
+import copy
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ort_trainer import ORTTrainer, ORTTrainerOptions, _runtime
+from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.kernels import _compilers, torch_ops
+from ort_trainer.kernels.torch_allocator import cuda_include_dir
+from ort_trainer.optim import SGDConfig
+
+from test_half_loss import _float64, _gpt2_case, _relative
+from test_torch_allocator import _stub_for_a_cpu_torch
+from tolerances import FLOAT16, FLOAT32, check
+
+pytestmark = [pytest.mark.skipif(not _runtime.has_onnxscript(),
+                                 reason="the 'torch' gradient source exports with onnxscript"),
+              pytest.mark.skipif(_compilers()[1] is None,
+                                 reason="builds a library against torch: needs a C++ compiler")]
+
+# float32 against float64, relative to each tensor's norm: test_fused_kernels.py's bound (~800 roundings of the tiny
+# GPT-2's longest chain, 5x margin); torch's flash kernel sums each row's terms in blocks, another order of the same
+# float32 sums
+FLOAT32_BOUND = 4000 * FLOAT32
+# float16: test_half_loss.py's HALF_BOUND (40 roundings of the tiny models' longest float16 chain); the kernel rounds
+# the attention's output once where the math attention rounds its scores, probabilities and product
+HALF_BOUND = 40 * FLOAT16
+OPTIONS = {"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False}}
+
+
+def _kernel_nodes(trainer) -> list[str]:
+    return [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_gpt2_trains_within_rounding_of_float64(half, record_property):
+    """One step of the tiny GPT-2 (two layers), the option on and off: loss and every gradient within the bound of
+    float64 PyTorch's, on against off too; on, each layer's attention is one BiasAttention and one
+    BiasAttentionGrad node (the causal and padding mask added as a bias) and no Softmax is left."""
+    model, desc, batch, _ = _gpt2_case()
+    loss64, grads64 = _float64(model, batch, None)
+    bound = HALF_BOUND if half else FLOAT32_BOUND
+    results, errors = {}, {}
+    for on in (True, False):
+        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)  # unscaled gradients, no skipped step
+        mixed = {"enabled": True, "dtype": "float16", "loss_scaler": scaler} if half else {"enabled": False}
+        torch.manual_seed(0)
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={**OPTIONS, "mixed_precision": mixed,
+                                      "graph_optimizations": {"fused_attention": on}})
+        loss = float(trainer.train_step(*batch)[0])
+        grads = {w: g.float().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
+        results[on] = grads
+        errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
+                      **{name: _relative(grads[name], grad) for name, grad in grads64.items()}}
+        for name, error in errors[on].items():
+            check(error, bound, (on, name))
+        nodes = trainer._graphs.gradient.graph.node
+        assert _kernel_nodes(trainer) == (["BiasAttention"] * 2 + ["BiasAttentionGrad"] * 2 if on else [])
+        assert (sum(n.op_type == "Softmax" for n in nodes) == 0) == on
+    on_off = {name: _relative(results[True][name], grad) for name, grad in results[False].items()}
+    for name, error in on_off.items():
+        check(error, bound, ("on/off", name))
+    record_property("errors", {**{on: max(e.values()) for on, e in errors.items()}, "on/off": max(on_off.values())})
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v projections of x (and of y, for keys of another length) and one scaled_dot_product_attention."""
+
+    def __init__(self, mask: str):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.mask = mask
+        if mask == "trained":  # a trained additive bias, one per head, query and key
+            self.bias = torch.nn.Parameter(torch.randn(1, 2, 5, 5))
+
+    def forward(self, x, y, target):
+        keys = y if self.mask == "cross" else x
+
+        def heads(t):
+            return t.reshape(t.shape[0], t.shape[1], 2, 4).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(keys)), heads(self.v(keys))
+        kwargs = {"causal": {"is_causal": True}, "dropout": {"dropout_p": 0.5},
+                  "bool": {"attn_mask": torch.ones(5, 5, dtype=torch.bool).tril()},
+                  "trained": {"attn_mask": getattr(self, "bias", None)}}.get(self.mask, {})
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+        return torch.nn.functional.mse_loss(out.transpose(1, 2).reshape(x.shape), target)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "trained", "cross", "dropout"])
+def test_masks_and_shapes_within_rounding_of_float64(mask):
+    """float32 gradients of every weight (the trained mask's too) within FLOAT32_BOUND of float64 PyTorch's, and
+    the nodes: Attention for no mask (is_causal an attribute), BiasAttention for a mask; a call with dropout is left
+    to the math attention (no node)."""
+    gen = torch.Generator().manual_seed(4)
+    batch = tuple(torch.randn(3, n, 8, generator=gen) for n in (5, 7, 5))  # x, y (the cross keys), target
+    desc = {"inputs": [("x", [3, 5, 8]), ("y", [3, 7, 8]), ("target", [3, 5, 8])], "outputs": [("loss", [], True)]}
+    torch.manual_seed(0)
+    model = _Attention(mask)
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                         options={**OPTIONS, "graph_optimizations": {"fused_attention": True}})
+    trainer.train_step(*batch)
+    expected = {"causal": ["Attention", "AttentionGrad"], "cross": ["Attention", "AttentionGrad"], "dropout": [],
+                "bool": ["BiasAttention", "BiasAttentionGrad"], "trained": ["BiasAttention", "BiasAttentionGrad"]}
+    assert _kernel_nodes(trainer) == expected[mask]
+    if mask == "dropout":
+        return  # (its values are the dropout's draw)
+    double = copy.deepcopy(model).double()
+    double(*(t.double() for t in batch)).backward()
+    for name, parameter in double.named_parameters():
+        if name == "k.bias":  # adds q·b to every score of a row: its gradient is 0 (roundoff on both sides)
+            continue
+        check(_relative(trainer._engine.grads[name].numpy().astype(np.float64), parameter.grad.numpy()),
+              FLOAT32_BOUND, (mask, name))
+
+
+def test_the_library_builds_against_this_torch_and_its_cuda_path_compiles(tmp_path):
+    """The operators build and load against the installed torch (CUDA kernels where it is a CUDA build), and their
+    CUDA path (torch's memory-efficient attention on the session's stream) compiles against torch's CUDA headers."""
+    path = torch_ops.build()
+    assert path.is_file() and torch_ops.has_cuda_kernels(path) == (torch.version.cuda is not None)
+    cxx, cuda_include = _compilers()[1], cuda_include_dir()
+    if cuda_include is None:
+        pytest.skip("no CUDA runtime headers here: the CUDA path is compiled where they are")
+    command = torch_ops._command(cxx, tmp_path / "torch_ops.o", Path(torch.__file__).parent,
+                                 torch._C._GLIBCXX_USE_CXX11_ABI, cuda_include,
+                                 _stub_for_a_cpu_torch(tmp_path / "stub"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    symbols = subprocess.run(["nm", "-C", str(tmp_path / "torch_ops.o")], capture_output=True, text=True).stdout
+    assert "_scaled_dot_product_efficient_attention_backward" in symbols and "getStreamFromExternal" in symbols
+
+
+def test_a_cuda_graph_is_refused_with_it():
+    with pytest.raises(ValueError, match="fused_attention: torch's attention kernels allocate"):
+        ORTTrainerOptions({"device": {"id": "cuda", "cuda_graph": True},
+                           "graph_optimizations": {"fused_attention": True}})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpt2_on_cuda_within_rounding_of_float64(dtype, record_property):
+    """One mixed-precision step of the tiny GPT-2 on CUDA (torch's memory-efficient attention) within the bound of
+    float64 PyTorch's (bfloat16: the same 40 roundings of its own precision)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    model, desc, batch, _ = _gpt2_case()
+    loss64, grads64 = _float64(model, batch, None)
+    scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
+    mixed = {"enabled": True, "dtype": dtype, **({"loss_scaler": scaler} if dtype == "float16" else {})}
+    torch.manual_seed(0)
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                         options={**OPTIONS, "device": {"id": "cuda"}, "mixed_precision": mixed,
+                                  "graph_optimizations": {"fused_attention": True}})
+    loss = float(trainer.train_step(*[t.cuda() for t in batch])[0])
+    bound = 40 * (FLOAT16 if dtype == "float16" else 2.0 ** -8)
+    errors = {"loss": abs(loss - loss64) / abs(loss64),
+              **{name: _relative(trainer._engine.grads[name].float().cpu().numpy().astype(np.float64), grad)
+                 for name, grad in grads64.items()}}
+    for name, error in errors.items():
+        check(error, bound, name)
+    assert _kernel_nodes(trainer) == ["BiasAttention"] * 2 + ["BiasAttentionGrad"] * 2
+    record_property("errors", max(errors.values()))
