@@ -85,6 +85,7 @@ def library() -> Path:
     return build()
 
 
+@functools.lru_cache(maxsize=None)
 def has_cuda_kernels(path: Path | None = None) -> bool:
     """Whether the library (default: ``library()``) runs its operators on CUDA too (built against a CUDA torch)."""
     return bool(ctypes.CDLL(str(path or library())).OrtTrainerTorchOpsHaveCuda())

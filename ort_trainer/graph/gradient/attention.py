@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,25 +53,45 @@ def half_precision(program: Any) -> int:
     Returns:
         How many calls were rewritten.
     """
+    count = retarget(program, _is_half, attention)
+    if count:
+        logger.debug("half_precision_attention: %d attention call(s) computed in half precision", count)
+    return count
+
+
+def _is_half(node: torch.fx.Node) -> bool:
+    query = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return isinstance(query, torch.Tensor) and query.dtype in _HALF
+
+
+def retarget(program: Any, accept: Callable[[torch.fx.Node], bool], target: Callable) -> int:
+    """Have each ``scaled_dot_product_attention`` call of ``program`` (its submodules', the regions ``torch.export``
+    traced under autocast, too) that ``accept(node)`` takes compute ``target`` (same arguments), in place; returns
+    how many. The joint trace then traces ``target``'s operators."""
     count = 0
     for module in program.graph_module.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
         found = 0
         for node in module.graph.nodes:
-            if node.op != "call_function" or node.target is not _aten.scaled_dot_product_attention.default:
-                continue
-            query = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-            if isinstance(query, torch.Tensor) and query.dtype in _HALF:
-                node.target = attention
+            if node.op == "call_function" and node.target is _aten.scaled_dot_product_attention.default \
+                    and accept(node):
+                node.target = target
                 found += 1
         if found:
             module.graph.lint()
             module.recompile()
             count += found
-    if count:
-        logger.debug("half_precision_attention: %d attention call(s) computed in half precision", count)
     return count
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An attention mask as what is added to the scores, in ``dtype``: a boolean one as ``0`` where it keeps and
+    ``-inf`` where it masks (as the math attention makes it), a float one cast."""
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                           torch.full((), -math.inf, dtype=dtype, device=mask.device))
+    return mask.to(dtype)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -92,14 +112,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         attn_mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
     scores = (query * root) @ (key * root).transpose(-2, -1)
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            attn_mask = torch.where(attn_mask, torch.zeros((), dtype=scores.dtype, device=scores.device),
-                                    torch.full((), -math.inf, dtype=scores.dtype, device=scores.device))
-        scores = scores + attn_mask.to(scores.dtype)
+        scores = scores + additive_mask(attn_mask, scores.dtype)
     weights = _aten._safe_softmax(scores, -1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, dropout_p, training=True)
     return weights @ value
 
 
-__all__ = ["attention", "half_precision"]
+__all__ = ["additive_mask", "attention", "half_precision", "retarget"]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
+from .attention import additive_mask, retarget
 
 _aten = torch.ops.aten
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -66,8 +67,8 @@ def attention_grad(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    out: torch.Tensor, lse: torch.Tensor, scale: float,
                    causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention``'s gradients (dq, dk, dv) from its out and lse, in float32, rounded once to the dtype."""
-    ds = _score_gradient(dout, q, k, v, bias, out, lse, scale, causal)
     probabilities = _probabilities(_scores(q, k, bias, scale, causal), lse)
+    ds = _score_gradient(dout, v, out, probabilities)
     dv = probabilities.transpose(-2, -1) @ dout.float()
     dq = (ds @ k.float()) * scale
     dk = (ds.transpose(-2, -1) @ q.float()) * scale
@@ -79,9 +80,9 @@ def _attention_grad_fake(dout, q, k, v, bias, out, lse, scale, causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _score_gradient(dout, q, k, v, bias, out, lse, scale: float, causal: bool) -> torch.Tensor:
-    """The gradient of the scores (float32 [batch, heads, seq_q, seq_k]): P · (dP - rowsum(dout · out))."""
-    probabilities = _probabilities(_scores(q, k, bias, scale, causal), lse)
+def _score_gradient(dout, v, out, probabilities: torch.Tensor) -> torch.Tensor:
+    """The gradient of the scores (float32 [batch, heads, seq_q, seq_k]) from the probabilities P:
+    P · (dP - rowsum(dout · out))."""
     dp = dout.float() @ v.float().transpose(-2, -1)
     return probabilities * (dp - (dout.float() * out.float()).sum(-1, keepdim=True))
 
@@ -98,7 +99,7 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.ort_trainer.attention_grad(dout, q, k, v, bias, out, lse, ctx.scale, ctx.causal)
     dbias = None
     if bias is not None and ctx.needs_input_grad[3]:  # a trained bias: torch's arithmetic, [seq_q, seq_k] again
-        ds = _score_gradient(dout, q, k, v, bias, out, lse, ctx.scale, ctx.causal)
+        ds = _score_gradient(dout, v, out, _probabilities(_scores(q, k, bias, ctx.scale, ctx.causal), lse))
         dims = [i for i in range(ds.dim()) if i < ds.dim() - bias.dim() or bias.size(i - ds.dim() + bias.dim()) == 1]
         dbias = ds.sum(dims, keepdim=True).reshape(bias.shape).to(bias.dtype)
     return dq, dk, dv, dbias, None, None
@@ -112,12 +113,7 @@ def fused(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: 
     """``scaled_dot_product_attention`` as ``ort_trainer::attention`` (what an eligible call computes once
     ``fused_attention`` retargeted it): a boolean mask as ``0`` / ``-inf`` in q's dtype, a float one in q's dtype."""
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    bias = attn_mask
-    if bias is not None:
-        if bias.dtype == torch.bool:
-            bias = torch.where(bias, torch.zeros((), dtype=query.dtype, device=query.device),
-                               torch.full((), -math.inf, dtype=query.dtype, device=query.device))
-        bias = bias.to(query.dtype)
+    bias = None if attn_mask is None else additive_mask(attn_mask, query.dtype)
     return torch.ops.ort_trainer.attention(query, key, value, bias, float(scale), bool(is_causal))[0]
 
 
@@ -138,21 +134,7 @@ def _eligible(node: torch.fx.Node) -> bool:
 def fused_attention(program: Any) -> int:
     """Retarget each eligible ``scaled_dot_product_attention`` of ``program`` (its submodules too) to ``fused``, in
     place (module docstring); returns how many."""
-    count = 0
-    for module in program.graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        found = 0
-        for node in module.graph.nodes:
-            if node.op == "call_function" and node.target is _aten.scaled_dot_product_attention.default \
-                    and _eligible(node):
-                node.target = fused
-                found += 1
-        if found:
-            module.graph.lint()
-            module.recompile()
-            count += found
-    return count
+    return retarget(program, _eligible, fused)
 
 
 # each operator's ONNX inputs, outputs and attributes; T: q's dtype, U: float32

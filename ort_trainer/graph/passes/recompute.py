@@ -34,10 +34,10 @@ Each attention's probabilities are recomputed the same way (``_attention_plan``)
 the scores' product ``MatMul(q, k)`` through scale, mask and ``Softmax`` to the safe softmax's
 ``Where`` (or through ort_trainer's ``SafeSoftmax`` or ``BiasSafeSoftmax`` kernel, ``fused_safe_softmax``) is
 copied before its first backward reader, reading ``q`` through the same no-op ``Reshape`` and ``k`` as it is
-(the backward keeps both for their own gradients). The forward then keeps no ``[batch, heads, seq, seq]`` tensor, as eager PyTorch's fused attention keeps none; the
-copy costs one batched product and a softmax per layer. Side inputs of the chain (the mask, one
-flag per row) stay alive to the backward, so a chain with one as large as the probabilities is
-left alone.
+(the backward keeps both for their own gradients). The forward then keeps no ``[batch, heads, seq, seq]``
+tensor, as eager PyTorch's fused attention keeps none; the copy costs one batched product and a softmax per
+layer. Side inputs of the chain (the mask, one flag per row) stay alive to the backward, so a chain with one as
+large as the probabilities is left alone.
 
 The backward is the part of the node list from the first node that reads the loss scale (the
 gradient seed) on: the joint graph lists the forward first.

@@ -55,15 +55,11 @@ enum class Kind {
   kCrossEntropyGrad
 };
 
-struct Operator : OrtCustomOp {
-  const char* name;
+struct Operator : OperatorEntry {
   Kind kind;
   bool tanh_form;
-  bool cuda;
   ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
   ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta
-  size_t inputs, outputs;
-  ONNXTensorElementDataType input_types[5], output_types[4];
 };
 
 struct Kernel {
@@ -273,46 +269,11 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
   }
   return new Kernel{api, as_operator(op), ignore_index};
 }
-const char* name(const OrtCustomOp* op) { return as_operator(op)->name; }
-const char* provider(const OrtCustomOp* op) { return as_operator(op)->cuda ? "CUDAExecutionProvider" : nullptr; }
-ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t index) {
-  return as_operator(op)->input_types[index];
-}
-ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t index) {
-  return as_operator(op)->output_types[index];
-}
-size_t input_count(const OrtCustomOp* op) { return as_operator(op)->inputs; }
-size_t output_count(const OrtCustomOp* op) { return as_operator(op)->outputs; }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
-OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
-OrtMemType device_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int variadic_min_arity(const OrtCustomOp*) { return 1; }
-int variadic_homogeneous(const OrtCustomOp*) { return 1; }
 
 Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda, ElementType type,
                        ElementType gamma_type = ElementType::kFloat) {
   Operator op{};
-  op.version = kOpVersion;
-  op.CreateKernel = create_kernel;
-  op.GetName = name;
-  op.GetExecutionProviderType = provider;
-  op.GetInputType = input_type;
-  op.GetInputTypeCount = input_count;
-  op.GetOutputType = output_type;
-  op.GetOutputTypeCount = output_count;
-  op.KernelCompute = nullptr;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = device_memory;
-  op.GetVariadicInputMinArity = variadic_min_arity;
-  op.GetVariadicInputHomogeneity = variadic_homogeneous;
-  op.GetVariadicOutputMinArity = variadic_min_arity;
-  op.GetVariadicOutputHomogeneity = variadic_homogeneous;
-  op.CreateKernelV2 = nullptr;
-  op.KernelComputeV2 = compute;
-  op.name = op_name;
-  op.kind = kind;
   // each input's and output's dtype: T the operator's, G LayerNormGrad's weights', float32 and int64 fixed
   const auto t = static_cast<ONNXTensorElementDataType>(type), g = static_cast<ONNXTensorElementDataType>(gamma_type);
   const auto f32 = ONNX_FLOAT, i64 = ONNX_INT64;
@@ -327,12 +288,9 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       kind == Kind::kLayerNormGrad  ? std::vector{t, g, g, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
                                     : std::vector{t};
-  op.inputs = ins.size();
-  op.outputs = outs.size();
-  std::copy(ins.begin(), ins.end(), op.input_types);
-  std::copy(outs.begin(), outs.end(), op.output_types);
+  set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
+  op.kind = kind;
   op.tanh_form = tanh_form;
-  op.cuda = cuda;
   op.type = type;
   op.gamma_type = gamma_type;
   return op;
@@ -376,16 +334,8 @@ const std::vector<Operator>& operators() {
 
 // ONNX Runtime's entry point of a custom-operator library (SessionOptions.register_custom_ops_library)
 ORTT_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  using namespace ort_abi;
-  const OrtApi* api = base->GetApi(ort_trainer_kernels::kOpVersion);
-  // a runtime older than 1.16: nothing registered (a session of a graph with these operators says they are missing)
-  if (api == nullptr) return nullptr;
-  OrtCustomOpDomain* domain = nullptr;
-  ORTT_RETURN_IF_ERROR(slot<CreateCustomOpDomain>(api, kCreateCustomOpDomain)("ort_trainer", &domain));
-  for (const auto& op : ort_trainer_kernels::operators())
-    ORTT_RETURN_IF_ERROR(slot<CustomOpDomainAdd>(api, kCustomOpDomainAdd)(domain, &op));
-  // the domain is left to the process (ONNX Runtime's sessions refer to it; one a registration)
-  return slot<AddCustomOpDomain>(api, kAddCustomOpDomain)(options, domain);
+  using namespace ort_trainer_kernels;
+  return register_operators(options, base, kOpVersion, "ort_trainer", operators());
 }
 
 // 1 where nvcc built the library (its operators have CUDA kernels), 0 otherwise (../__init__.py)

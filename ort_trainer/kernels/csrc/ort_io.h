@@ -1,10 +1,12 @@
-// What a custom operator's run reads and writes through ONNX Runtime's C ABI (ort_abi.h): its inputs' and outputs'
-// data and shapes, and a failed run's status. Shared by the kernel library (ops.cc) and the torch operators
+// A custom-operator library's side of ONNX Runtime's C ABI (ort_abi.h): what a run reads and writes (its inputs' and
+// outputs' data and shapes, a failed run's status), each operator's entry in ONNX Runtime's table, and the
+// registration of a library's operators. Shared by the kernel library (ops.cc) and the torch operators
 // (torch_ops.cc).
 #pragma once
 
 #include <stdint.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -58,6 +60,81 @@ inline OrtStatus* output(const OrtApi* api, OrtKernelContext* context, size_t in
   tensor->size = 1;
   for (int64_t d : dims) tensor->size *= d;
   return slot<GetTensorMutableData>(api, kGetTensorMutableData)(value, &tensor->data);
+}
+
+// ---- an operator's entry in ONNX Runtime's table ----------------------------------------------------------------
+// Its name, provider and dtypes; each library's operator struct derives from it and adds what its kernels read.
+struct OperatorEntry : OrtCustomOp {
+  const char* name;
+  bool cuda;  // the CUDA provider's, else the CPU's
+  size_t inputs, outputs;
+  ONNXTensorElementDataType input_types[8], output_types[4];
+};
+
+namespace entry {
+inline const OperatorEntry* of(const OrtCustomOp* op) { return static_cast<const OperatorEntry*>(op); }
+inline const char* name(const OrtCustomOp* op) { return of(op)->name; }
+inline const char* provider(const OrtCustomOp* op) { return of(op)->cuda ? "CUDAExecutionProvider" : nullptr; }
+inline ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t index) { return of(op)->input_types[index]; }
+inline ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t index) {
+  return of(op)->output_types[index];
+}
+inline size_t input_count(const OrtCustomOp* op) { return of(op)->inputs; }
+inline size_t output_count(const OrtCustomOp* op) { return of(op)->outputs; }
+inline OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+inline OrtMemType device_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+inline int variadic_min_arity(const OrtCustomOp*) { return 1; }
+inline int variadic_homogeneous(const OrtCustomOp*) { return 1; }
+}  // namespace entry
+
+// `op`'s entry: struct version `version` (16: KernelComputeV2, whose errors reach the session as a failed run), its
+// name, provider and input and output dtypes, and the library's kernel functions
+inline void set_entry(OperatorEntry* op, uint32_t version, const char* name, bool cuda,
+                      const std::vector<ONNXTensorElementDataType>& ins,
+                      const std::vector<ONNXTensorElementDataType>& outs,
+                      void* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*),
+                      void (*destroy)(void*), OrtStatus* (*compute)(void*, OrtKernelContext*)) {
+  op->version = version;
+  op->CreateKernel = create;
+  op->GetName = entry::name;
+  op->GetExecutionProviderType = entry::provider;
+  op->GetInputType = entry::input_type;
+  op->GetInputTypeCount = entry::input_count;
+  op->GetOutputType = entry::output_type;
+  op->GetOutputTypeCount = entry::output_count;
+  op->KernelCompute = nullptr;
+  op->KernelDestroy = destroy;
+  op->GetInputCharacteristic = entry::required;
+  op->GetOutputCharacteristic = entry::required;
+  op->GetInputMemoryType = entry::device_memory;
+  op->GetVariadicInputMinArity = entry::variadic_min_arity;
+  op->GetVariadicInputHomogeneity = entry::variadic_homogeneous;
+  op->GetVariadicOutputMinArity = entry::variadic_min_arity;
+  op->GetVariadicOutputHomogeneity = entry::variadic_homogeneous;
+  op->CreateKernelV2 = nullptr;
+  op->KernelComputeV2 = compute;
+  op->name = name;
+  op->cuda = cuda;
+  op->inputs = ins.size();
+  op->outputs = outs.size();
+  std::copy(ins.begin(), ins.end(), op->input_types);
+  std::copy(outs.begin(), outs.end(), op->output_types);
+}
+
+// a library's RegisterCustomOps: `ops` (kept by ONNX Runtime for the process's life) in the domain `domain_name`,
+// added to `options`; nothing registered with a runtime older than `version` (a session of a graph with these
+// operators then says they are missing)
+template <typename Operator>
+OrtStatus* register_operators(OrtSessionOptions* options, const OrtApiBase* base, uint32_t version,
+                              const char* domain_name, const std::vector<Operator>& ops) {
+  using namespace ort_abi;
+  const OrtApi* api = base->GetApi(version);
+  if (api == nullptr) return nullptr;
+  OrtCustomOpDomain* domain = nullptr;
+  ORTT_RETURN_IF_ERROR(slot<CreateCustomOpDomain>(api, kCreateCustomOpDomain)(domain_name, &domain));
+  for (const auto& op : ops) ORTT_RETURN_IF_ERROR(slot<CustomOpDomainAdd>(api, kCustomOpDomainAdd)(domain, &op));
+  // the domain is left to the process (ONNX Runtime's sessions refer to it; one a registration)
+  return slot<AddCustomOpDomain>(api, kAddCustomOpDomain)(options, domain);
 }
 
 }  // namespace ort_trainer_kernels

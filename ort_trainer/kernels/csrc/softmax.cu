@@ -41,7 +41,8 @@ __device__ __forceinline__ float biased(const T* x_row, const T* bias_row, int64
 }
 
 template <typename T>
-__global__ void safe_softmax_rows(const T* x, const T* bias, RowBroadcast broadcast, T* y, int64_t rows, int64_t cols) {
+__global__ void safe_softmax_rows(const T* x, const T* bias, RowBroadcast broadcast, T* y, int64_t rows,
+                                  int64_t cols) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;

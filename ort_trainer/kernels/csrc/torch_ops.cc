@@ -42,12 +42,9 @@ constexpr uint32_t kOpVersion = 16;
 using KernelInfoGetAttributeFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);  // 85
 constexpr Slot kKernelInfoGetAttributeFloat = static_cast<Slot>(85);
 
-struct Operator : OrtCustomOp {
-  const char* name;
-  bool backward, bias, cuda;
+struct Operator : OperatorEntry {
+  bool backward, bias;
   ONNXTensorElementDataType type;
-  size_t inputs, outputs;
-  ONNXTensorElementDataType input_types[7], output_types[3];
 };
 
 struct Kernel {
@@ -166,46 +163,9 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
   if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   return new Kernel{api, as_operator(op), scale, causal != 0};
 }
-const char* name(const OrtCustomOp* op) { return as_operator(op)->name; }
-const char* provider(const OrtCustomOp* op) { return as_operator(op)->cuda ? "CUDAExecutionProvider" : nullptr; }
-ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t index) {
-  return as_operator(op)->input_types[index];
-}
-ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t index) {
-  return as_operator(op)->output_types[index];
-}
-size_t input_count(const OrtCustomOp* op) { return as_operator(op)->inputs; }
-size_t output_count(const OrtCustomOp* op) { return as_operator(op)->outputs; }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
-OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
-OrtMemType device_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int variadic_min_arity(const OrtCustomOp*) { return 1; }
-int variadic_homogeneous(const OrtCustomOp*) { return 1; }
 
 Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda, ONNXTensorElementDataType t) {
-  Operator op{};
-  op.version = kOpVersion;
-  op.CreateKernel = create_kernel;
-  op.GetName = name;
-  op.GetExecutionProviderType = provider;
-  op.GetInputType = input_type;
-  op.GetInputTypeCount = input_count;
-  op.GetOutputType = output_type;
-  op.GetOutputTypeCount = output_count;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = device_memory;
-  op.GetVariadicInputMinArity = variadic_min_arity;
-  op.GetVariadicInputHomogeneity = variadic_homogeneous;
-  op.GetVariadicOutputMinArity = variadic_min_arity;
-  op.GetVariadicOutputHomogeneity = variadic_homogeneous;
-  op.KernelComputeV2 = compute;
-  op.name = op_name;
-  op.backward = backward;
-  op.bias = bias;
-  op.cuda = cuda;
-  op.type = t;
   std::vector<ONNXTensorElementDataType> ins(backward ? 4 : 3, t), outs;
   if (bias) ins.push_back(t);
   if (backward) {
@@ -215,10 +175,11 @@ Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda,
   } else {
     outs = {t, ONNX_FLOAT};
   }
-  op.inputs = ins.size();
-  op.outputs = outs.size();
-  std::copy(ins.begin(), ins.end(), op.input_types);
-  std::copy(outs.begin(), outs.end(), op.output_types);
+  Operator op{};
+  set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
+  op.backward = backward;
+  op.bias = bias;
+  op.type = t;
   return op;
 }
 
@@ -246,14 +207,8 @@ const std::vector<Operator>& operators() {
 }  // namespace ort_trainer_kernels
 
 ORTT_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  using namespace ort_abi;
-  const OrtApi* api = base->GetApi(ort_trainer_kernels::kOpVersion);
-  if (api == nullptr) return nullptr;
-  OrtCustomOpDomain* domain = nullptr;
-  ORTT_RETURN_IF_ERROR(slot<CreateCustomOpDomain>(api, kCreateCustomOpDomain)("ort_trainer.torch", &domain));
-  for (const auto& op : ort_trainer_kernels::operators())
-    ORTT_RETURN_IF_ERROR(slot<CustomOpDomainAdd>(api, kCustomOpDomainAdd)(domain, &op));
-  return slot<AddCustomOpDomain>(api, kAddCustomOpDomain)(options, domain);
+  using namespace ort_trainer_kernels;
+  return register_operators(options, base, kOpVersion, "ort_trainer.torch", operators());
 }
 
 ORTT_EXPORT int OrtTrainerTorchOpsHaveCuda() {
