@@ -46,7 +46,9 @@ KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "
                   # torch's attention (fused_attention): out as q; the row log-sum-exp [batch, heads, seq] counted as
                   # out's size (an overcount by the head dim, ~1% of the node's bytes at head dim 64)
                   "Attention": (0, 0), "BiasAttention": (0, 0), "AttentionGrad": (1, 2, 3),
-                  "BiasAttentionGrad": (1, 2, 3)}
+                  "BiasAttentionGrad": (1, 2, 3),
+                  # the scores' gradient as wide as the scores (aligned_products': a padded product's)
+                  "CrossEntropyGrad": (1,)}
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",

@@ -291,7 +291,8 @@ _SCHEMA: dict[str, _Field] = {
         _BOOL, False, "matrix products with a static dimension of 1024 or more that is not a multiple of 8 (a "
         "50257- or 30522-word vocabulary's language-model head, forward and backward) computed on operands padded "
         "with zeros to a multiple of 64, the result sliced back: the 16-byte aligned rows that Hopper's tensor-core "
-        "kernels need. The same values; off by default until a GPU measurement shows it wins there (on the CPU it "
+        "kernels need (with fused_cross_entropy, its kernels read the padded logits and write their gradient padded, "
+        "no sliced or padded copy). The same values; off by default until a GPU measurement shows it wins there (on the CPU it "
         "only adds copies) (gradient source 'torch' only)"
     ),
     "graph_optimizations.gelu_forward_kernel": _Field(

@@ -288,26 +288,36 @@ def test_bias_safe_softmax_refuses_a_bias_that_does_not_broadcast(cpu_library):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
-def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype):
+@pytest.mark.parametrize("padded", [False, True], ids=["rows", "padded-rows"])
+def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype, padded):
     """Each row's loss and log-sum-exp of [37, 101] scores (a row ignored, ignore_index -7) against float64
     ``cross_entropy(reduction="none")`` and ``logsumexp`` of the same rounded scores, and dx for a random grad of
     each row against float64 autograd: float64 arithmetic rounded once to float32 (losses, lse: within u32 of
     lse + |x[target]| for cancellation), then dx once more to the dtype (within (u32 + u)·|dx|, plus a u32 of the
     row's grad times (1 + |lse|): the gradient reads lse as stored, in float32, off by u32·|lse|, which moves every
-    probability exp(x - lse) by as much relatively; plus half the subnormals' spacing)."""
+    probability exp(x - lse) by as much relatively; plus half the subnormals' spacing). Padded: the scores are the
+    first 101 of rows 128 wide (``classes=101``, an aligned product's), the rest large values that would dominate
+    every row if read; dx is 128 wide, exactly zero past 101."""
     gen = torch.Generator().manual_seed(6)
     x = (torch.randn(37, 101, generator=gen) * 3).to(dtype)
     target = torch.randint(0, 101, (37,), generator=gen)
     target[5] = -7
     grad = torch.randn(37, generator=gen)
     elem, f32 = _TYPES[dtype][0], TensorProto.FLOAT
+    stored, attributes = x, {"ignore_index": -7}
+    if padded:
+        stored = torch.cat([x, torch.full((37, 27), 100.0, dtype=dtype)], 1)
+        attributes["classes"] = 101
     forward = _session(cpu_library, "CrossEntropy", {"x": elem, "target": _INT64}, {"losses": f32, "lse": f32},
-                       ignore_index=-7)
-    outs = _bound_run(forward, {"x": x, "target": target}, {"losses": torch.empty(37), "lse": torch.empty(37)})
+                       **attributes)
+    outs = _bound_run(forward, {"x": stored, "target": target}, {"losses": torch.empty(37), "lse": torch.empty(37)})
     backward = _session(cpu_library, "CrossEntropyGrad", {"grad": f32, "x": elem, "target": _INT64, "lse": f32},
-                        {"dx": elem}, ignore_index=-7)
-    outs.update(_bound_run(backward, {"grad": grad, "x": x, "target": target, "lse": outs["lse"]},
-                           {"dx": torch.empty_like(x)}))
+                        {"dx": elem}, **attributes)
+    outs.update(_bound_run(backward, {"grad": grad, "x": stored, "target": target, "lse": outs["lse"]},
+                           {"dx": torch.full_like(stored, float("nan"))}))
+    if padded:
+        assert torch.equal(outs["dx"][:, 101:], torch.zeros(37, 27, dtype=dtype))
+        outs["dx"] = outs["dx"][:, :101]
     x64 = x.double().requires_grad_()
     losses = torch.nn.functional.cross_entropy(x64, target, reduction="none", ignore_index=-7)
     lse = torch.logsumexp(x64, -1)
@@ -321,6 +331,14 @@ def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype):
              + FLOAT32 * grad.double().abs()[:, None] * (1 + lse.detach().abs()[:, None]) + _TYPES[dtype][2])
     excess = (outs["dx"].double() - want).abs() - bound
     assert excess.max() <= 0, float(excess.max())
+
+
+@needs_compiler
+def test_cross_entropy_refuses_more_classes_than_a_row_holds(cpu_library):
+    session = _session(cpu_library, "CrossEntropy", {"x": TensorProto.FLOAT, "target": _INT64},
+                       {"losses": TensorProto.FLOAT, "lse": TensorProto.FLOAT}, classes=9)
+    with pytest.raises(Exception, match=r"CrossEntropy: the attribute classes \(9\) must be in \[1, 8\]"):
+        session.run(None, {"x": np.zeros((2, 8), np.float32), "target": np.zeros(2, np.int64)})
 
 
 @needs_compiler

@@ -346,9 +346,10 @@ _SCHEMAS = {
     "BiasSafeSoftmax": ([("x", "T"), ("bias", "T")], [("y", "T")], ()),
     "LayerNormGrad": ([("dy", "T"), ("x", "T"), ("mean", "T"), ("rstd", "T"), ("gamma", "G")],
                       [("dx", "T"), ("dgamma", "G"), ("dbeta", "G"), ("partials", "U")], ()),
-    "CrossEntropy": ([("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")], ("ignore_index",)),
+    # classes: the scores are each row's first ``classes`` values (graph/passes/aligned.py: a padded product's)
+    "CrossEntropy": ([("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")], ("ignore_index", "classes")),
     "CrossEntropyGrad": ([("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")], [("dx", "T")],
-                         ("ignore_index",)),
+                         ("ignore_index", "classes")),
 }
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 

@@ -25,9 +25,17 @@ of its backward products, and the weight, read by the forward and ``dY · W``). 
 sees are unchanged: every padded element multiplies a zero, every sliced-off one is dropped. The cost:
 a padded copy of the head's weight and of ``dY`` per step, and the logits sliced out of the wider product.
 
-``MatMul`` (``A`` of any rank ≥ 2, ``B`` a matrix), ``Gemm`` without a bias input and
-``com.microsoft.FusedMatMul`` of 2-D operands are rewritten; products with dynamic dimensions or a
-batched ``B`` are left alone.
+``MatMul`` (``A`` of any rank ≥ 2, ``B`` a matrix), ``Gemm`` without a bias input or with a bias vector
+over the result's columns (BERT's head: padded with zeros as ``B`` is) and ``com.microsoft.FusedMatMul`` of
+2-D operands are rewritten; products with dynamic M, K or N or a batched ``B`` are left alone. An operand's
+other dimensions may be dynamic (the rows a loss keeps for its labels): its zeros are then a zero
+``Expand``-ed to its run-time shape.
+
+Where the fused cross-entropy (``graph_optimizations.fused_cross_entropy``, ``CrossEntropy`` and
+``CrossEntropyGrad`` of ort_trainer's kernels) reads a result sliced back on its columns, it reads the padded
+product instead, told how many of a row's values are scores (the attribute ``classes``), and writes the
+gradient as wide as the product, zeros past the scores: the backward products read it as it is, so the
+sliced copy of the logits and the padded copy of their gradient both go.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import math
 import onnx
 from onnx import helper
 
+from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ._graph import _ONNX_DOMAINS, _Graph, _attrs, _drop_unread_transposes, _elem_types, _is, _keep
 
 ALIGNMENT = 8  # 16 bytes of float16 / bfloat16 (32 of float32)
@@ -58,7 +67,7 @@ def _product(node: onnx.NodeProto, g: _Graph) -> tuple[bool, bool] | None:
     """``(transA, transB)`` of a product this pass rewrites, else None."""
     if node.domain in _ONNX_DOMAINS and node.op_type == "MatMul":
         flags = (False, False)
-    elif node.domain in _ONNX_DOMAINS and node.op_type == "Gemm" and len(node.input) == 2:  # no C: none to pad
+    elif node.domain in _ONNX_DOMAINS and node.op_type == "Gemm" and (len(node.input) == 2 or _bias(node, g)):
         attrs = _attrs(node)
         flags = (bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0)))
     elif node.domain == "com.microsoft" and node.op_type == "FusedMatMul":
@@ -77,6 +86,12 @@ def _product(node: onnx.NodeProto, g: _Graph) -> tuple[bool, bool] | None:
     return flags
 
 
+def _bias(node: onnx.NodeProto, g: _Graph) -> bool:
+    """A ``Gemm``'s C is a vector over the result's columns (a head's bias: padded with N)."""
+    c, out = g.shapes.get(node.input[2]), g.shapes.get(node.output[0])
+    return c is not None and out is not None and len(c) == 1 and isinstance(c[0], int) and c[0] == out[-1] != 1
+
+
 def aligned_products(model: onnx.ModelProto) -> int:
     """Pad the unaligned dimensions of every product (see the module docstring), in place; returns
     how many products changed."""
@@ -84,6 +99,7 @@ def aligned_products(model: onnx.ModelProto) -> int:
     g = _Graph(model)
     types = _elem_types(model)
     before: dict[int, list[onnx.NodeProto]] = {}
+    columns: dict[str, tuple[str, int, int]] = {}  # a result sliced back on its columns: (padded, width, padded)
     after: dict[int, list[onnx.NodeProto]] = {}
     pads: dict[tuple, str] = {}  # (tensor, pads) -> its padded copy; (transposed copy, depth) -> itself
     count = 0
@@ -118,14 +134,66 @@ def aligned_products(model: onnx.ModelProto) -> int:
         node.input[0], node.input[1] = (
             _pad(name, shape, elem, extra, g, pads, before.setdefault(id(node), [])) if any(extra) else name
             for name, shape, extra in ((node.input[0], a_shape, a_extra), (node.input[1], b_shape, b_extra)))
+        if len(node.input) == 3 and new_n:  # Gemm's bias vector: zeros under the padded columns
+            node.input[2] = _pad(node.input[2], [n], elem, [new_n - n], g, pads, before.setdefault(id(node), []))
         slices = ([(len(a_shape) - 1, n)] if new_n else []) + ([(0, m)] if new_m else [])
         if slices:
             after[id(node)] = _slice_back(node, slices)
+            if not new_m and len(a_shape) == 2:
+                columns[node.output[0].removesuffix("/aligned")] = (node.output[0], n, new_n)
         count += 1
     if count:
         _keep(model, set(), before=before, after=after)
+        _scores_read_padded(model, columns, pads)
         _drop_unread_transposes(model, g.outputs)
     return count
+
+
+def _scores_read_padded(model: onnx.ModelProto, columns: dict[str, tuple[str, int, int]], pads: dict) -> None:
+    """The fused cross-entropy reads a padded product's scores where they lie: each ``CrossEntropy`` and
+    ``CrossEntropyGrad`` (``ort_trainer`` domain) of a sliced result (``columns``: ``{result: (padded product,
+    classes, padded width)}``) reads the padded one with the attribute ``classes`` (the row's first ``classes``
+    scores; the gradient zero in the rest). The slice goes where nothing else reads it, and so does the gradient's
+    padded copy (``pads``) that the head's backward products read: they read the gradient itself."""
+    g = _Graph(model)
+    dead, after = set(), {}
+    for node in model.graph.node:
+        if node.domain != _KERNELS_DOMAIN or node.op_type not in ("CrossEntropy", "CrossEntropyGrad"):
+            continue
+        x = 1 if node.op_type == "CrossEntropyGrad" else 0
+        if node.input[x] not in columns or any(a.name == "classes" for a in node.attribute):
+            continue
+        padded, classes, width = columns[node.input[x]]
+        node.input[x] = padded
+        node.attribute.append(helper.make_attribute("classes", classes))
+        if node.op_type == "CrossEntropy":
+            continue
+        dx = node.output[0]
+        node.output[0] = f"{dx}/padded"
+        info = next((info for info in model.graph.value_info if info.name == dx), None)
+        if info is not None:  # the gradient's shape, for the passes after this one and shape inference
+            padded_info = model.graph.value_info.add()
+            padded_info.CopyFrom(info)
+            padded_info.name = node.output[0]
+            padded_info.type.tensor_type.shape.dim[-1].Clear()
+            padded_info.type.tensor_type.shape.dim[-1].dim_value = width
+        copy = pads.get((dx, (0, width - classes)))
+        readers = [reader for reader in g.consumers.get(dx, []) if copy is None or copy not in reader.output]
+        if copy is not None:  # the products read the gradient as it comes
+            for reader in model.graph.node:
+                reader.input[:] = [node.output[0] if name == copy else name for name in reader.input]
+            dead.add(id(g.producer[copy]))
+        if readers or dx in g.outputs:
+            after[id(node)] = _slicing(node.output[0], dx, [(1, classes)])
+    _keep(model, dead, after=after)
+    # this pass's nodes that nothing reads any more: the slices, the padded copies' zeros (and their constants)
+    while True:
+        read = {name for n in model.graph.node for name in n.input} | g.outputs
+        unread = [n for n in model.graph.node  # (held: the ids stay theirs)
+                  if all("/aligned_" in name and name not in read for name in n.output)]
+        if not unread:
+            return
+        _keep(model, {id(n) for n in unread})
 
 
 def _transposes(name: str, g: _Graph) -> list[onnx.NodeProto]:
@@ -156,10 +224,8 @@ def _pad(name: str, shape: list[int], elem: int, extra: list[int], g: _Graph, pa
         for axis, amount in enumerate(source_extra):
             if not amount:
                 continue
-            zeros_shape = [*current_shape[:axis], amount, *current_shape[axis + 1:]]
             zeros = f"{padded}/zeros{axis}"
-            nodes.append(helper.make_node("Constant", [], [zeros], value=helper.make_tensor(
-                zeros, elem, zeros_shape, b"\0" * (_ITEM_BYTES[elem] * math.prod(zeros_shape)), raw=True)))
+            nodes.extend(_zeros(zeros, elem, current, current_shape, axis, amount))
             current_shape[axis] += amount
             out = padded if sum(1 for a in source_extra[axis + 1:] if a) == 0 else f"{padded}/axis{axis}"
             nodes.append(helper.make_node("Concat", [current, zeros], [out], axis=axis, name=out))
@@ -173,18 +239,46 @@ def _pad(name: str, shape: list[int], elem: int, extra: list[int], g: _Graph, pa
     return padded
 
 
+def _zeros(name: str, elem: int, source: str, shape: list, axis: int, amount: int) -> list[onnx.NodeProto]:
+    """The nodes that make ``name``: zeros of ``source``'s ``shape`` but ``amount`` long on ``axis``. A constant
+    where every other dimension is static; else (a dimension only known at run time, as the rows a loss keeps) a
+    zero expanded to ``source``'s run-time shape with ``axis`` replaced (``Expand`` runs on CUDA for every type)."""
+    zeros_shape = [*shape[:axis], amount, *shape[axis + 1:]]
+    if all(isinstance(size, int) for size in zeros_shape):
+        return [helper.make_node("Constant", [], [name], value=helper.make_tensor(
+            name, elem, zeros_shape, b"\0" * (_ITEM_BYTES[elem] * math.prod(zeros_shape)), raw=True))]
+    rank = len(shape)
+    parts = [f"{name}/before", f"{name}/amount", f"{name}/after"]
+    nodes = [helper.make_node("Constant", [], [f"{name}/zero"], value=helper.make_tensor(
+                 f"{name}/zero", elem, [1] * rank, b"\0" * _ITEM_BYTES[elem], raw=True)),
+             helper.make_node("Constant", [], [parts[1]], value=helper.make_tensor(
+                 parts[1], onnx.TensorProto.INT64, [1], [amount]))]
+    if axis > 0:
+        nodes.append(helper.make_node("Shape", [source], [parts[0]], end=axis))
+    if axis + 1 < rank:
+        nodes.append(helper.make_node("Shape", [source], [parts[2]], start=axis + 1))
+    used = [part for i, part in enumerate(parts) if i == 1 or (i == 0 and axis > 0) or (i == 2 and axis + 1 < rank)]
+    nodes += [helper.make_node("Concat", used, [f"{name}/shape"], axis=0),
+              helper.make_node("Expand", [f"{name}/zero", f"{name}/shape"], [name], name=name)]
+    return nodes
+
+
 def _slice_back(node: onnx.NodeProto, slices: list[tuple[int, int]]) -> list[onnx.NodeProto]:
     """The product now writes ``<output>/aligned``; the nodes that slice ``<output>`` out of it (each
     ``(axis, size)`` of ``slices`` cut back to ``size``)."""
     result = node.output[0]
     node.output[0] = f"{result}/aligned"
+    return _slicing(node.output[0], result, slices)
+
+
+def _slicing(source: str, result: str, slices: list[tuple[int, int]]) -> list[onnx.NodeProto]:
+    """The nodes that slice ``result`` out of ``source`` (see ``_slice_back``)."""
     name = f"{result}/aligned_slice"
     axes, ends = zip(*slices)
     constants = [helper.make_node("Constant", [], [f"{name}/{what}"], value=helper.make_tensor(
         f"{name}/{what}", onnx.TensorProto.INT64, [len(axes)], values))
         for what, values in (("starts", [0] * len(axes)), ("ends", list(ends)), ("axes", list(axes)))]
-    return [*constants, helper.make_node("Slice", [node.output[0], *(c.output[0] for c in constants)], [result],
-                                         name=name)]
+    return [*constants, helper.make_node("Slice", [source, *(c.output[0] for c in constants)], [result], name=name)]
 
 
 __all__ = ["aligned_products"]

@@ -183,35 +183,37 @@ void safe_softmax_cpu(const void* x_, const void* bias_, const RowBroadcast& bro
   });
 }
 
-// cross-entropy of rows of `cols` scores: lse by a max and a float64 sum of exp; the row's loss lse - x[target]
+// cross-entropy of rows of `classes` scores `cols` apart (a padded product's rows: the rest are not scores): lse
+// by a max and a float64 sum of exp; the row's loss lse - x[target]
 template <typename T>
 void cross_entropy_cpu(const void* x_, const int64_t* target, float* losses, float* lse, int64_t rows, int64_t cols,
-                       int64_t ignore_index) {
+                       int64_t classes, int64_t ignore_index) {
   using S = typename T::Storage;
   const S* x = static_cast<const S*>(x_);
-  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+  parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(classes, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const S* v = x + row * cols;
       double top = -INFINITY, sum = 0.0;
       bool nan = false;
-      for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t c = 0; c < classes; ++c) {
         const double value = T::load(v[c]);
         nan = nan || value != value;
         top = value > top ? value : top;
       }
-      for (int64_t c = 0; c < cols; ++c) sum += exp(T::load(v[c]) - top);
+      for (int64_t c = 0; c < classes; ++c) sum += exp(T::load(v[c]) - top);
       const double row_lse = nan ? NAN : top + log(sum);
       lse[row] = static_cast<float>(row_lse);
       const int64_t t = target[row];
       losses[row] = t == ignore_index ? 0.0f
-                    : (t >= 0 && t < cols ? static_cast<float>(row_lse - T::load(v[t])) : NAN);
+                    : (t >= 0 && t < classes ? static_cast<float>(row_lse - T::load(v[t])) : NAN);
     }
   });
 }
 
+// dx of rows `cols` wide: the gradient in the first `classes`, zeros in the rest
 template <typename T>
 void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* target, const float* lse, void* dx_,
-                            int64_t rows, int64_t cols, int64_t ignore_index) {
+                            int64_t rows, int64_t cols, int64_t classes, int64_t ignore_index) {
   using S = typename T::Storage;
   const S* x = static_cast<const S*>(x_);
   S* dx = static_cast<S*>(dx_);
@@ -221,10 +223,11 @@ void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* ta
       const double g = t == ignore_index ? 0.0 : grad[row];
       const S* v = x + row * cols;
       S* out = dx + row * cols;
-      for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t c = 0; c < classes; ++c) {
         const double p = g == 0.0 ? 0.0 : exp(T::load(v[c]) - static_cast<double>(lse[row])) * g;
         out[c] = T::store(static_cast<float>(c == t ? p - g : p));
       }
+      for (int64_t c = classes; c < cols; ++c) out[c] = T::store(0.0f);
     }
   });
 }

@@ -59,14 +59,15 @@ struct RowBroadcast {
 const char* safe_softmax_cuda(ElementType type, const void* x, const void* bias, RowBroadcast broadcast, void* y,
                               int64_t rows, int64_t cols, void* stream);
 
-// cross-entropy over `rows` rows of `cols` class scores x against int64 targets: each row's log-sum-exp and loss
-// (lse - x[target]; 0 for an ignored row, NaN for a target out of range), float32
+// cross-entropy over `rows` rows of `classes` class scores x, rows `cols` apart (a padded product's, the rest no
+// scores), against int64 targets: each row's log-sum-exp and loss (lse - x[target]; 0 for an ignored row, NaN for
+// a target out of range), float32
 const char* cross_entropy_cuda(ElementType type, const void* x, const int64_t* target, float* losses, float* lse,
-                               int64_t rows, int64_t cols, int64_t ignore_index, void* stream);
+                               int64_t rows, int64_t cols, int64_t classes, int64_t ignore_index, void* stream);
 
-// its gradient: dx = grad[row] * (exp(x - lse) - [c == target]), zeros for an ignored row
+// its gradient: dx = grad[row] * (exp(x - lse) - [c == target]), zeros for an ignored row and past `classes`
 const char* cross_entropy_grad_cuda(ElementType type, const float* grad, const void* x, const int64_t* target,
-                                    const float* lse, void* dx, int64_t rows, int64_t cols, int64_t ignore_index,
-                                    void* stream);
+                                    const float* lse, void* dx, int64_t rows, int64_t cols, int64_t classes,
+                                    int64_t ignore_index, void* stream);
 
 }  // namespace ort_trainer_kernels

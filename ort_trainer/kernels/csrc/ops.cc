@@ -19,15 +19,19 @@
 //                               bias broadcast to x (numpy's rules: of rank <= x's, each dim 1 or x's; attention's
 //                               mask, [batch, 1, seq, seq] or [batch, 1, 1, seq])
 //   CrossEntropy(x, target) -> (losses, lse)
-//                               each row's cross-entropy of class scores x [rows, classes] (float32, float16 or
+//                               each row's cross-entropy of class scores x [rows, cols] (float32, float16 or
 //                               bfloat16) against int64 targets, and its log-sum-exp, float32 [rows]: lse -
-//                               x[target], 0 where target == the attribute ignore_index, NaN out of range
+//                               x[target], 0 where target == the attribute ignore_index, NaN out of range. The
+//                               attribute classes (default: cols): the scores are a row's first `classes` values
+//                               (a product padded to aligned rows, graph/passes/aligned.py)
 //   CrossEntropyGrad(grad, x, target, lse) -> dx
-//                               dx = grad[row] * (softmax(x) - onehot(target)), zeros for an ignored row, in x's dtype
+//                               dx = grad[row] * (softmax(x) - onehot(target)), zeros for an ignored row, in x's
+//                               dtype, of x's shape; zeros past `classes`
 #include <stdint.h>
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -65,8 +69,18 @@ struct Operator : OperatorEntry {
 struct Kernel {
   const OrtApi* api;
   const Operator* op;
-  int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attribute
+  int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attributes
+  int64_t classes;       // 0: a row's every value
 };
+
+// the scores a row of `cols` values holds (the attribute classes), or an error
+OrtStatus* row_classes(const Kernel* kernel, const char* name, int64_t cols, int64_t* classes) {
+  *classes = kernel->classes == 0 ? cols : kernel->classes;
+  if (*classes < 0 || *classes > cols)
+    return fail(kernel->api, std::string(name) + ": the attribute classes (" + std::to_string(kernel->classes) +
+                                 ") must be in [1, " + std::to_string(cols) + "], x's row length");
+  return nullptr;
+}
 
 // runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
 // run's. Operators with CUDA kernels exist only where nvcc built the library: elsewhere launch is never called
@@ -207,6 +221,8 @@ OrtStatus* compute_cross_entropy(const Kernel* kernel, OrtKernelContext* context
   if (x.dims.size() != 2 || target.dims.size() != 1 || target.dims[0] != x.dims[0])
     return fail(api, "CrossEntropy: x must be [rows, classes] and target [rows]");
   const int64_t rows = x.dims[0], cols = x.dims[1];
+  int64_t classes = 0;
+  ORTT_RETURN_IF_ERROR(row_classes(kernel, "CrossEntropy", cols, &classes));
   Tensor losses, lse;
   ORTT_RETURN_IF_ERROR(output(api, context, 0, {rows}, &losses));
   ORTT_RETURN_IF_ERROR(output(api, context, 1, {rows}, &lse));
@@ -214,9 +230,10 @@ OrtStatus* compute_cross_entropy(const Kernel* kernel, OrtKernelContext* context
   float *l = static_cast<float*>(losses.data), *e = static_cast<float*>(lse.data);
   if (op->cuda)
     return on_cuda_stream(api, context, "CrossEntropy", [&](void* stream) {
-      return cross_entropy_cuda(op->type, x.data, t, l, e, rows, cols, kernel->ignore_index, stream);
+      return cross_entropy_cuda(op->type, x.data, t, l, e, rows, cols, classes, kernel->ignore_index, stream);
     });
-  dispatch(op->type, [&]<typename T>() { cross_entropy_cpu<T>(x.data, t, l, e, rows, cols, kernel->ignore_index); });
+  dispatch(op->type,
+           [&]<typename T>() { cross_entropy_cpu<T>(x.data, t, l, e, rows, cols, classes, kernel->ignore_index); });
   return nullptr;
 }
 
@@ -229,15 +246,18 @@ OrtStatus* compute_cross_entropy_grad(const Kernel* kernel, OrtKernelContext* co
   if (x.dims.size() != 2 || target.size != x.dims[0] || grad.size != x.dims[0] || lse.size != x.dims[0])
     return fail(api, "CrossEntropyGrad: x must be [rows, classes], and grad, target and lse one value a row");
   const int64_t rows = x.dims[0], cols = x.dims[1];
+  int64_t classes = 0;
+  ORTT_RETURN_IF_ERROR(row_classes(kernel, "CrossEntropyGrad", cols, &classes));
   ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
   const float *g = static_cast<const float*>(grad.data), *e = static_cast<const float*>(lse.data);
   const int64_t* t = static_cast<const int64_t*>(target.data);
   if (op->cuda)
     return on_cuda_stream(api, context, "CrossEntropyGrad", [&](void* stream) {
-      return cross_entropy_grad_cuda(op->type, g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index, stream);
+      return cross_entropy_grad_cuda(op->type, g, x.data, t, e, dx.data, rows, cols, classes, kernel->ignore_index,
+                                     stream);
     });
   dispatch(op->type, [&]<typename T>() {
-    cross_entropy_grad_cpu<T>(g, x.data, t, e, dx.data, rows, cols, kernel->ignore_index);
+    cross_entropy_grad_cpu<T>(g, x.data, t, e, dx.data, rows, cols, classes, kernel->ignore_index);
   });
   return nullptr;
 }
@@ -260,14 +280,15 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
 const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Operator*>(op); }
 
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
-  int64_t ignore_index = -100;  // torch's default, where the node has no attribute
+  int64_t ignore_index = -100, classes = 0;  // torch's default, and every value, where the node has no attribute
   const Kind kind = as_operator(op)->kind;
   if (kind == Kind::kCrossEntropy || kind == Kind::kCrossEntropyGrad) {
-    OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, "ignore_index",
-                                                                                             &ignore_index);
-    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+    for (auto [name, value] : {std::pair{"ignore_index", &ignore_index}, std::pair{"classes", &classes}}) {
+      OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
+      if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+    }
   }
-  return new Kernel{api, as_operator(op), ignore_index};
+  return new Kernel{api, as_operator(op), ignore_index, classes};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
