@@ -47,6 +47,17 @@ def _kernel_nodes(trainer) -> list[str]:
     return [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
 
 
+def _heads_swapped(trainer) -> int:
+    """The graph's heads-swapping Transposes (attention_layout leaves none around a fused attention)."""
+    return sum(n.op_type == "Transpose" and list(n.attribute[0].ints) == [0, 2, 1, 3]
+               for n in trainer._graphs.gradient.graph.node)
+
+
+def _layouts(trainer) -> set[int]:
+    return {next((a.i for a in n.attribute if a.name == "layout"), 0)
+            for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN}
+
+
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
 def test_gpt2_trains_within_rounding_of_float64(half, record_property):
     """One step of the tiny GPT-2 (two layers), the option on and off: loss and every gradient within the bound of
@@ -73,6 +84,9 @@ def test_gpt2_trains_within_rounding_of_float64(half, record_property):
         nodes = trainer._graphs.gradient.graph.node
         assert _kernel_nodes(trainer) == (["BiasAttention"] * 2 + ["BiasAttentionGrad"] * 2 if on else [])
         assert (sum(n.op_type == "Softmax" for n in nodes) == 0) == on
+        if on:  # the nodes read and write [batch, seq, heads, dim]: no head transposes left (8 a layer before)
+            assert _layouts(trainer) == {1} and _heads_swapped(trainer) == 0, (_layouts(trainer),
+                                                                              _heads_swapped(trainer))
     on_off = {name: _relative(results[True][name], grad) for name, grad in results[False].items()}
     for name, error in on_off.items():
         check(error, bound, ("on/off", name))
@@ -121,6 +135,13 @@ def test_masks_and_shapes_within_rounding_of_float64(mask):
     assert _kernel_nodes(trainer) == expected[mask]
     if mask == "dropout":
         return  # (its values are the dropout's draw)
+    assert _layouts(trainer) == {1}
+    graph = trainer._graphs.gradient.graph
+    swapped = {n.output[0] for n in graph.node if n.op_type == "Transpose" and list(n.attribute[0].ints) == [0, 2, 1, 3]}
+    assert not [n.name for n in graph.node if n.domain == torch_ops.DOMAIN and swapped & set(n.input)]
+    # none left but, for a trained mask, those its gradient's arithmetic reads (q, k, v, out and dout in
+    # [batch, heads, seq, dim], as torch computes it)
+    assert (_heads_swapped(trainer) > 0) == (mask == "trained")
     double = copy.deepcopy(model).double()
     double(*(t.double() for t in batch)).backward()
     for name, parameter in double.named_parameters():

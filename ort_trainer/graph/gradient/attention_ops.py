@@ -161,7 +161,9 @@ def _register_schemas() -> None:
                          inputs=[parameter(*p) for p in typed], outputs=[parameter(*p) for p in outputs],
                          type_constraints=[(kind, _TYPES[kind], kind) for kind in ("T", "U")],
                          attributes=[schema.Attribute("scale", schema.AttrType.FLOAT, "scale", required=False),
-                                     schema.Attribute("causal", schema.AttrType.INT, "causal", required=False)])
+                                     schema.Attribute("causal", schema.AttrType.INT, "causal", required=False),
+                                     # 1: [batch, seq, heads, dim] tensors (graph/passes/attention_layout.py)
+                                     schema.Attribute("layout", schema.AttrType.INT, "layout", required=False)])
         onnx.defs.register_schema(schema_)
 
 

@@ -15,7 +15,8 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   gradient), ``loss.py`` (a mixed-precision cross-entropy in the half dtype), ``recompute.py``
   (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
   the others' graph), ``layer_recompute.py`` (each sublayer recomputed from its LayerNorm's input, before
-  ``activation_recompute``), ``aligned.py`` (products on operands padded to aligned widths; last);
+  ``activation_recompute``), ``attention_layout.py`` (``fused_attention``'s nodes on the heads as the projections
+  lay them), ``aligned.py`` (products on operands padded to aligned widths; last);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
@@ -33,8 +34,8 @@ from __future__ import annotations
 import onnx
 
 from ..onnx_graph import dangling_names, drop_dead_nodes
-from . import (aligned, copies, dropout, embedding, forward, gelu_kernel, layer_recompute, loss, order, recompute,
-               softmax, tied_embedding)
+from . import (aligned, attention_layout, copies, dropout, embedding, forward, gelu_kernel, layer_recompute, loss,
+               order, recompute, softmax, tied_embedding)
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -56,7 +57,8 @@ _JOINT = (
     ("transposed_products", recompute.transposed_products),
     ("half_precision_transposed_products", recompute.half_transposed_products),
     ("layer_recompute", layer_recompute.layer_recompute), ("activation_recompute", recompute.activation_recompute),
-    ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("aligned_products", aligned.aligned_products),
+    ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("fused_attention", attention_layout.attention_layout),
+    ("aligned_products", aligned.aligned_products),
     ("loss_pieces", order.piece_gradients_early))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph

@@ -11,6 +11,8 @@
 //   AttentionGrad(dout, q, k, v, out, lse) -> (dq, dk, dv)
 //   BiasAttentionGrad(dout, q, k, v, bias, out, lse) -> (dq, dk, dv)
 //                                             the backward, from the forward's out and lse (no probabilities kept)
+// Attribute layout (int): 0 (default) as above; 1: q, k, v, out, dout, dq, dk and dv are [batch, seq, heads, dim]
+// (as a projection's output lies once split into heads: no transposed copy), lse as above.
 // On the CPU: torch's flash attention for the CPU (_scaled_dot_product_flash_attention_for_cpu and its backward);
 // on CUDA: torch's memory-efficient attention (_scaled_dot_product_efficient_attention and its backward), which
 // takes an additive bias. Neither keeps a [seq_q, seq_k] tensor.
@@ -26,6 +28,7 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ort_abi.h"
@@ -52,6 +55,7 @@ struct Kernel {
   const Operator* op;
   float scale;
   bool causal;
+  bool heads_last;  // the attribute layout: 1
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
@@ -85,6 +89,11 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   auto wrap = [&](const Tensor& t, at::ScalarType type) {
     return at::from_blob(t.data, t.dims, options.dtype(type));
   };
+  // a [batch, heads, seq, dim] view of a q, k, v, out or gradient tensor in the node's layout
+  auto heads = [&](const Tensor& t, at::ScalarType type) {
+    at::Tensor view = wrap(t, type);
+    return kernel->heads_last ? view.transpose(1, 2) : view;
+  };
   try {
 #ifdef ORT_TRAINER_TORCH_CUDA
     std::optional<c10::cuda::CUDAStreamGuard> guard;
@@ -95,8 +104,9 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     const size_t first = op->backward ? 1 : 0;  // q's index
     for (size_t i = first; i < first + 3; ++i)
       if (in[i].dims.size() != 4)
-        return fail(api, std::string(op->name) + ": q, k and v must be [batch, heads, seq, dim]");
-    at::Tensor q = wrap(in[first], t), k = wrap(in[first + 1], t), v = wrap(in[first + 2], t);
+        return fail(api, std::string(op->name) + ": q, k and v must be 4-D ([batch, heads, seq, dim]; with the "
+                                                 "attribute layout 1, [batch, seq, heads, dim])");
+    at::Tensor q = heads(in[first], t), k = heads(in[first + 1], t), v = heads(in[first + 2], t);
     std::optional<at::Tensor> bias;
     if (op->bias) {
       bias = wrap(in[first + 3], t);
@@ -119,12 +129,12 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
       Tensor out_t, lse_t;
       ORTT_RETURN_IF_ERROR(output(api, context, 0, in[0].dims, &out_t));
       ORTT_RETURN_IF_ERROR(output(api, context, 1, {q.size(0), q.size(1), q.size(2)}, &lse_t));
-      wrap(out_t, t).copy_(out);
+      heads(out_t, t).copy_(out);
       wrap(lse_t, at::kFloat).copy_(lse);
       return nullptr;
     }
     const size_t rest = first + 3 + (op->bias ? 1 : 0);
-    at::Tensor dout = wrap(in[0], t), out = wrap(in[rest], t), lse = wrap(in[rest + 1], at::kFloat);
+    at::Tensor dout = heads(in[0], t), out = heads(in[rest], t), lse = wrap(in[rest + 1], at::kFloat);
     at::Tensor dq, dk, dv;
     if (op->cuda) {
       const int64_t rows = q.size(2), padded = (rows + 31) / 32 * 32;
@@ -132,8 +142,12 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
       lse_padded.narrow(2, 0, rows).copy_(lse);
       const at::Tensor none = at::empty({}, at::TensorOptions().dtype(at::kLong));
       const at::Tensor b = bias ? prepared_bias(*bias, q, k) : at::Tensor();
+      // the kernel reads out as rows of heads · dim values, [batch, seq, heads, dim] as its forward wrote it
+      // (its o_strideM is heads · dim, whatever the tensor's stride): layout 1 is that; else a copy in it
+      const at::Tensor out_rows =
+          out.transpose(1, 2).is_contiguous() ? out : out.transpose(1, 2).contiguous().transpose(1, 2);
       auto grads = at::_scaled_dot_product_efficient_attention_backward(
-          dout, q, k, v, b, out, lse_padded, none, none, 0.0, {true, true, true, false}, kernel->causal, scale);
+          dout, q, k, v, b, out_rows, lse_padded, none, none, 0.0, {true, true, true, false}, kernel->causal, scale);
       dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
     } else {
       auto grads = at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
@@ -144,7 +158,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     for (size_t i = 0; i < 3; ++i) {
       Tensor grad;
       ORTT_RETURN_IF_ERROR(output(api, context, i, in[first + i].dims, &grad));
-      wrap(grad, t).copy_(*grads[i]);
+      heads(grad, t).copy_(*grads[i]);
     }
     return nullptr;
   } catch (const std::exception& error) {
@@ -156,12 +170,14 @@ const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Op
 
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   float scale = 1.0f;
-  int64_t causal = 0;
+  int64_t causal = 0, layout = 0;
   OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "scale", &scale);
   if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
-  status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, "causal", &causal);
-  if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
-  return new Kernel{api, as_operator(op), scale, causal != 0};
+  for (auto [name, value] : {std::pair{"causal", &causal}, std::pair{"layout", &layout}}) {
+    status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  }
+  return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
