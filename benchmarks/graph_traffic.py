@@ -48,7 +48,7 @@ KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "
                   "Attention": (0, 0), "BiasAttention": (0, 0), "AttentionGrad": (1, 2, 3),
                   "BiasAttentionGrad": (1, 2, 3),
                   # the scores' gradient as wide as the scores (aligned_products': a padded product's)
-                  "CrossEntropyGrad": (1,)}
+                  "CrossEntropyGrad": (1,), "AddHalf": (0,)}
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",

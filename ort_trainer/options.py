@@ -295,6 +295,13 @@ _SCHEMA: dict[str, _Field] = {
         "no sliced or padded copy). The same values; off by default until a GPU measurement shows it wins there (on the CPU it "
         "only adds copies) (gradient source 'torch' only)"
     ),
+    "graph_optimizations.fused_gradient_sums": _Field(
+        _BOOL, False, "mixed precision: each float32 sum of a half-precision gradient (an Add of a Cast to float32: a "
+        "weight read by several half products, as GPT-2's tied embedding with loss_pieces) as one AddHalf node of "
+        "ort_trainer's kernels, the half tensor widened as it is read (no float32 copy; where it is a padded "
+        "product's leading rows, the padded product read directly); the same values. Off by default until a GPU "
+        "measurement shows it wins (gradient source 'torch' only)"
+    ),
     "graph_optimizations.gelu_forward_kernel": _Field(
         _BOOL, False, "each GELU's forward, once its backward recomputes its values (activation_recompute), as one "
         "com.microsoft FastGelu (tanh) or BiasGelu with a zero bias (erf) node instead of five or six element-wise "

@@ -342,6 +342,29 @@ def test_cross_entropy_refuses_more_classes_than_a_row_holds(cpu_library):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("padded", [False, True], ids=["same-size", "padded-rows"])
+def test_add_half_is_cast_then_add_bit_for_bit(cpu_library, dtype, padded):
+    """AddHalf(sum, x) is torch's ``sum + x.float()`` bit for bit (x widened exactly, one float32 add), over sum's
+    elements; padded: x has 9 rows more than sum (a padded product), only its leading rows are read."""
+    gen = torch.Generator().manual_seed(8)
+    total = torch.randn(37, 33, generator=gen) * 1e3
+    x = (torch.randn(37 + (9 if padded else 0), 33, generator=gen) * 7).to(dtype)
+    session = _session(cpu_library, "AddHalf", {"sum": TensorProto.FLOAT, "x": _TYPES[dtype][0]},
+                       {"y": TensorProto.FLOAT})
+    out = _bound_run(session, {"sum": total, "x": x}, {"y": torch.empty_like(total)})["y"]
+    assert torch.equal(out, total + x[:37].float())
+
+
+@needs_compiler
+def test_add_half_refuses_an_x_smaller_than_the_sum(cpu_library):
+    session = _session(cpu_library, "AddHalf", {"sum": TensorProto.FLOAT, "x": TensorProto.FLOAT16},
+                       {"y": TensorProto.FLOAT})
+    with pytest.raises(Exception, match="AddHalf: x has 6 elements, fewer than sum's 8"):
+        session.run(None, {"sum": np.zeros((2, 4), np.float32), "x": np.zeros((2, 3), np.float16)})
+
+
+@needs_compiler
 def test_make_kernels_builds_the_library_and_prints_its_path(tmp_path):
     """``make kernels`` (README): the library built into the kernels cache, its path the last line printed."""
     import os

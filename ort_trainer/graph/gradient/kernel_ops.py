@@ -350,6 +350,8 @@ _SCHEMAS = {
     "CrossEntropy": ([("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")], ("ignore_index", "classes")),
     "CrossEntropyGrad": ([("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")], [("dx", "T")],
                          ("ignore_index", "classes")),
+    # written by graph/passes/gradient_sums.py (no torch operator stands for it)
+    "AddHalf": ([("sum", "U"), ("x", "T")], [("y", "U")], ()),
 }
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 

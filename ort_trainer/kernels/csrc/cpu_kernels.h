@@ -232,4 +232,15 @@ void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* ta
   });
 }
 
+// sum + x widened to float32, over sum's n values (x's first n: a padded product's leading rows), one float32 add
+// an element as Cast then Add compute it
+template <typename T>
+void add_half_cpu(const float* sum, const void* x_, float* out, int64_t n) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(x_);
+  parallel(n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = sum[i] + T::load(x[i]);
+  });
+}
+
 }  // namespace ort_trainer_kernels

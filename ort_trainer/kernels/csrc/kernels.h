@@ -70,4 +70,7 @@ const char* cross_entropy_grad_cuda(ElementType type, const float* grad, const v
                                     const float* lse, void* dx, int64_t rows, int64_t cols, int64_t classes,
                                     int64_t ignore_index, void* stream);
 
+// sum + x widened to float32 over sum's n values (x holds at least n: its first n are read)
+const char* add_half_cuda(ElementType type, const float* sum, const void* x, float* out, int64_t n, void* stream);
+
 }  // namespace ort_trainer_kernels

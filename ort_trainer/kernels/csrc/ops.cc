@@ -27,6 +27,9 @@
 //   CrossEntropyGrad(grad, x, target, lse) -> dx
 //                               dx = grad[row] * (softmax(x) - onehot(target)), zeros for an ignored row, in x's
 //                               dtype, of x's shape; zeros past `classes`
+//   AddHalf(sum, x) -> y        y = sum + x widened to float32 (sum and y float32, x float16 or bfloat16 holding at
+//                               least sum's elements: its first ones are read, as a padded product's leading rows
+//                               are), one float32 add an element as Cast then Add compute it
 #include <stdint.h>
 
 #include <algorithm>
@@ -56,7 +59,8 @@ enum class Kind {
   kSafeSoftmax,
   kBiasSafeSoftmax,
   kCrossEntropy,
-  kCrossEntropyGrad
+  kCrossEntropyGrad,
+  kAddHalf
 };
 
 struct Operator : OperatorEntry {
@@ -262,6 +266,23 @@ OrtStatus* compute_cross_entropy_grad(const Kernel* kernel, OrtKernelContext* co
   return nullptr;
 }
 
+OrtStatus* compute_add_half(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
+  Tensor sum, x, y;
+  ORTT_RETURN_IF_ERROR(input(api, context, 0, &sum));
+  ORTT_RETURN_IF_ERROR(input(api, context, 1, &x));
+  if (x.size < sum.size)
+    return fail(api, "AddHalf: x has " + std::to_string(x.size) + " elements, fewer than sum's " +
+                         std::to_string(sum.size));
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, sum.dims, &y));
+  const float* s = static_cast<const float*>(sum.data);
+  float* out = static_cast<float*>(y.data);
+  if (op->cuda)
+    return on_cuda_stream(api, context, "AddHalf",
+                          [&](void* stream) { return add_half_cuda(op->type, s, x.data, out, sum.size, stream); });
+  dispatch(op->type, [&]<typename T>() { add_half_cpu<T>(s, x.data, out, sum.size); });
+  return nullptr;
+}
+
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
@@ -272,6 +293,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kBiasSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
     case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
+    case Kind::kAddHalf: return compute_add_half(kernel->api, kernel->op, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -304,10 +326,12 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
       : kind == Kind::kCrossEntropyGrad ? std::vector{f32, t, i64, f32}
+      : kind == Kind::kAddHalf          ? std::vector{f32, t}
                                         : std::vector{t, t};
   const std::vector<ONNXTensorElementDataType> outs =
       kind == Kind::kLayerNormGrad  ? std::vector{t, g, g, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
+      : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
   op.kind = kind;
@@ -336,6 +360,7 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("BiasSafeSoftmax", Kind::kBiasSafeSoftmax, false, cuda, type));
         ops.push_back(make_operator("CrossEntropy", Kind::kCrossEntropy, false, cuda, type));
         ops.push_back(make_operator("CrossEntropyGrad", Kind::kCrossEntropyGrad, false, cuda, type));
+        if (type != ElementType::kFloat) ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type));
       }
       // LayerNorm's tensors in one dtype, or a half-precision input with float32 weights (torch's layer norm of a
       // float16 activation under autocast: its mean and rstd in the input's dtype)

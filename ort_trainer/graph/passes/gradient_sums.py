@@ -1,0 +1,84 @@
+"""``fused_gradient_sums``: a float32 sum of a half-precision gradient in one kernel node.
+
+Under mixed precision a weight read by several half-precision products (GPT-2's tied embedding: the input
+embedding and, with ``loss_pieces``, the head of each piece of the loss) gets its float32 gradient as a chain
+``Add(sum, Cast(g, to=float32))``: each term cast to a float32 copy first (GPT-2 small's head: a
+``[50257, 768]`` copy per piece, read again by the ``Add``). Here each such ``Add`` whose cast has no other
+reader is one ``AddHalf(sum, g)`` node of ort_trainer's kernels (``ort_trainer/kernels``): g widened as it is
+read, one float32 add an element, the same values bit for bit. Where g is a padded product's leading rows
+(``aligned_products``' ``Slice`` of rows from 0, possibly under pairs of ``Transpose`` nodes that undo each
+other), the kernel reads the padded product itself: its first elements are those rows.
+
+Only an ``Add`` of two tensors of one static shape is rewritten (no broadcasting).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from ...kernels import DOMAIN as _KERNELS_DOMAIN
+from ...kernels import OPSET as _KERNELS_OPSET
+from ._graph import _Graph, _attrs, _elem_types, _is
+
+_HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def fused_gradient_sums(model: onnx.ModelProto) -> int:
+    """Rewrite each eligible ``Add`` (module docstring) in place; returns how many."""
+    g = _Graph(model)
+    types = _elem_types(model)
+    replaced: dict[int, onnx.NodeProto] = {}
+    for node in model.graph.node:
+        if not _is(node, "Add") or types.get(node.output[0]) != onnx.TensorProto.FLOAT:
+            continue
+        shape = g.shapes.get(node.output[0])
+        if not shape or not all(isinstance(size, int) for size in shape):
+            continue
+        for index in (0, 1):
+            name, other = node.input[index], node.input[1 - index]
+            cast = g.producer.get(name)
+            if (cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") != onnx.TensorProto.FLOAT
+                    or types.get(cast.input[0]) not in _HALF or not g.only_used_by(name, node)
+                    or g.shapes.get(name) != shape or g.shapes.get(other) != shape):
+                continue
+            replaced[id(node)] = helper.make_node("AddHalf", [other, _rows_source(cast.input[0], g)], [node.output[0]],
+                                                  name=f"{node.output[0]}/AddHalf", domain=_KERNELS_DOMAIN)
+            break
+    if replaced:
+        nodes = [replaced.get(id(n), n) for n in model.graph.node]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        if not any(o.domain == _KERNELS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(_KERNELS_DOMAIN, _KERNELS_OPSET))
+    return len(replaced)
+
+
+def _rows_source(name: str, g: _Graph) -> str:
+    """The tensor whose first elements are ``name``'s, in order: ``name`` itself, or what a pair of ``Transpose``
+    nodes that undo each other reads, or the input of a ``Slice`` of leading rows from 0 (a padded product)."""
+    while True:
+        second = g.producer.get(name)
+        first = g.producer.get(second.input[0]) if second is not None and _is(second, "Transpose") else None
+        if first is None or not _is(first, "Transpose") or not _undo(_attrs(first).get("perm"),
+                                                                      _attrs(second).get("perm")):
+            break
+        name = first.input[0]
+    piece = g.producer.get(name)
+    if piece is None or not _is(piece, "Slice") or len(piece.input) < 4:
+        return name
+    starts, axes = g.const(piece.input[1]), g.const(piece.input[3])
+    steps = g.const(piece.input[4]) if len(piece.input) > 4 and piece.input[4] else [1]
+    if (starts is not None and axes is not None and steps is not None and list(starts) == [0]
+            and list(axes) == [0] and list(steps) == [1]):
+        return piece.input[0]
+    return name
+
+
+def _undo(first: list[int] | None, second: list[int] | None) -> bool:
+    """Transposing by ``first`` and then by ``second`` is the identity."""
+    return first is not None and second is not None and len(first) == len(second) and all(
+        first[axis] == i for i, axis in enumerate(second))
+
+
+__all__ = ["fused_gradient_sums"]
