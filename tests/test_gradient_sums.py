@@ -31,21 +31,24 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
                                 reason="the 'torch' gradient source exports with onnxscript")
 
 
-def _step(model, desc, batch, on: bool):
-    options = {"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
+def _step(model, desc, batch, on: bool, device: str):
+    options = {"device": {"id": device}, "graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
                "mixed_precision": {"enabled": True, "dtype": "float16", "loss_scaler":
                                    DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)},
                "graph_optimizations": {"aligned_products": True, "fused_cross_entropy": True, "loss_pieces": True,
                                        "loss_piece_elements": 4 * VOCAB, "fused_gradient_sums": on}}
     trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), options=options)
     trainer._train_step_info.fetches = ["loss"]
-    loss = float(trainer.train_step(*batch))
+    loss = float(trainer.train_step(*[t.to(device) for t in batch]).cpu())
     (key,) = [k for k in trainer._engine._session_sets if k is not None and k[1] == ()]
     graph = trainer._shapes.graphs_for(key)[0]().graph
-    return loss, {w: g.float().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}, graph
+    return loss, {w: g.float().cpu().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}, graph
 
 
-def test_the_tied_embeddings_sums_read_the_half_gradients_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_tied_embeddings_sums_read_the_half_gradients_bit_for_bit(monkeypatch, device):
+    """The loss and every gradient bit for bit those without the switch, within the float16 bound of float64
+    PyTorch; three sums or more read the padded head product itself (on CUDA, ``make gpu-check``: its kernel)."""
     from ort_trainer.graph.gradient import loss_pieces
 
     monkeypatch.setattr(loss_pieces, "_MIN_ROWS", 1)
@@ -53,7 +56,8 @@ def test_the_tied_embeddings_sums_read_the_half_gradients_bit_for_bit(monkeypatc
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 8), generator=generator)
     batch = (ids, torch.ones_like(ids), ids)
-    (loss_off, grads_off, _), (loss_on, grads_on, graph) = (_step(model, desc, batch, on) for on in (False, True))
+    (loss_off, grads_off, _), (loss_on, grads_on, graph) = (_step(model, desc, batch, on, device)
+                                                            for on in (False, True))
     assert loss_on == loss_off
     for name, grad in grads_off.items():
         assert np.array_equal(grads_on[name], grad), name
