@@ -149,11 +149,25 @@ def tiny_gpt2(n_layer: int = 2, dropout: float = 0.0, vocab: int = VOCAB, seq: i
                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
                                      eos_token_id=0, loss_type="ForCausalLM", use_cache=False)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
+    return transformers.GPT2LMHeadModel(config), _language_model_description(vocab)
+
+
+def tiny_bert_mlm(vocab: int = VOCAB) -> tuple:
+    """A tiny Hugging Face ``BertForMaskedLM`` (its head a Linear with a bias, the loss over the labelled rows;
+    initialised after ``torch.manual_seed(0)``) and its description, as ``tiny_gpt2``'s."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    config = transformers.BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(config), _language_model_description(vocab)
+
+
+def _language_model_description(vocab: int) -> dict:
+    """``(input_ids, attention_mask, labels) -> (loss, logits)`` of a Hugging Face language model."""
+    return {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
                        ("labels", ["batch", "seq"])],
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
-    return model, desc
 
 
 def save_tiny_pretrained(directory, task: str = "causal-lm"):

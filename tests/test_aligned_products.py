@@ -20,7 +20,7 @@ from ort_trainer.amp import DynamicLossScaler
 from ort_trainer.graph.passes import aligned
 from ort_trainer.optim import SGDConfig
 
-from models import tiny_gpt2
+from models import tiny_bert_mlm, tiny_gpt2
 from tolerances import FLOAT32, FLOAT64, check
 
 VOCAB = 1031  # prime and ≥ aligned.MIN_DIMENSION: padded to 1088
@@ -230,20 +230,6 @@ def test_gpt2_with_an_unaligned_vocabulary_trains_as_float64_pytorch(half):
             check(_relative(results[True][3][name], results[False][3][name]), VOCAB * FLOAT32, name)
 
 
-def _tiny_bert_mlm(vocab: int):
-    """A tiny Hugging Face ``BertForMaskedLM`` (its head a Linear with a bias, the loss over the labelled rows)."""
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
-    config = transformers.BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(config)
-    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]),
-                       ("labels", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
-    return model, desc
-
-
 @pytestmark_torch
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
@@ -260,7 +246,7 @@ def test_the_fused_cross_entropy_reads_the_padded_scores(monkeypatch, kind, half
     from ort_trainer.graph.gradient import loss_pieces
 
     monkeypatch.setattr(loss_pieces, "_MIN_ROWS", 1)
-    model, desc = tiny_gpt2(vocab=VOCAB) if kind == "gpt2" else _tiny_bert_mlm(VOCAB)
+    model, desc = tiny_gpt2(vocab=VOCAB) if kind == "gpt2" else tiny_bert_mlm(VOCAB)
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(0, VOCAB, (2, 8), generator=generator)
     labels = ids if kind == "gpt2" else torch.where(torch.rand(2, 8, generator=generator) < 0.5, ids, -100)

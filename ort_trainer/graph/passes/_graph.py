@@ -126,6 +126,29 @@ def _keep(model: onnx.ModelProto, dead: set[int], before: dict[int, list[onnx.No
     model.graph.node.extend(nodes)
 
 
+def _value_info_like(model: onnx.ModelProto, name: str, new_name: str, dims: list | None = None) -> None:
+    """Give ``new_name`` the value info of ``name`` (nothing where it has none), its dims replaced by ``dims``
+    where given, as ``_Graph.shapes`` holds them: an int (a static size), a str (a symbolic one) or None."""
+    info = next((info for info in model.graph.value_info if info.name == name), None)
+    if info is None:
+        return
+    like = model.graph.value_info.add()
+    like.CopyFrom(info)
+    like.name = new_name
+    if dims is not None:
+        shape = like.type.tensor_type.shape
+        copies = []
+        for size in dims:
+            dim = onnx.TensorShapeProto.Dimension()
+            if isinstance(size, int):
+                dim.dim_value = size
+            elif size:
+                dim.dim_param = size
+            copies.append(dim)
+        del shape.dim[:]
+        shape.dim.extend(copies)
+
+
 def _shared_constants(g: _Graph, pending: dict[str, onnx.TensorProto], constants) -> None:
     """Queue each ``(name, value)`` of ``constants`` as an initializer unless the graph or
     ``pending`` has it already (passes name their constants by value, so equal ones are shared)."""

@@ -46,7 +46,8 @@ import onnx
 from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
-from ._graph import _ONNX_DOMAINS, _Graph, _attrs, _drop_unread_transposes, _elem_types, _is, _keep
+from ._graph import (_ONNX_DOMAINS, _Graph, _attrs, _drop_unread_transposes, _elem_types, _is, _keep, _redirect,
+                     _value_info_like)
 
 ALIGNMENT = 8  # 16 bytes of float16 / bfloat16 (32 of float32)
 PAD_TO = 64
@@ -156,7 +157,7 @@ def _scores_read_padded(model: onnx.ModelProto, columns: dict[str, tuple[str, in
     scores; the gradient zero in the rest). The slice goes where nothing else reads it, and so does the gradient's
     padded copy (``pads``) that the head's backward products read: they read the gradient itself."""
     g = _Graph(model)
-    dead, after = set(), {}
+    dead, after, renamed = {}, {}, {}
     for node in model.graph.node:
         if node.domain != _KERNELS_DOMAIN or node.op_type not in ("CrossEntropy", "CrossEntropyGrad"):
             continue
@@ -170,22 +171,19 @@ def _scores_read_padded(model: onnx.ModelProto, columns: dict[str, tuple[str, in
             continue
         dx = node.output[0]
         node.output[0] = f"{dx}/padded"
-        info = next((info for info in model.graph.value_info if info.name == dx), None)
-        if info is not None:  # the gradient's shape, for the passes after this one and shape inference
-            padded_info = model.graph.value_info.add()
-            padded_info.CopyFrom(info)
-            padded_info.name = node.output[0]
-            padded_info.type.tensor_type.shape.dim[-1].Clear()
-            padded_info.type.tensor_type.shape.dim[-1].dim_value = width
+        shape = g.shapes.get(dx)  # the gradient's shape, for the passes after this one and shape inference
+        _value_info_like(model, dx, node.output[0], [*shape[:-1], width] if shape else None)
         copy = pads.get((dx, (0, width - classes)))
-        readers = [reader for reader in g.consumers.get(dx, []) if copy is None or copy not in reader.output]
         if copy is not None:  # the products read the gradient as it comes
-            for reader in model.graph.node:
-                reader.input[:] = [node.output[0] if name == copy else name for name in reader.input]
-            dead.add(id(g.producer[copy]))
+            renamed[copy] = node.output[0]
+            dead[id(g.producer[copy])] = g.producer[copy]
+        # its readers but the padded copy's nodes (its Concat, the run-time shape of its zeros)
+        readers = [r for r in g.consumers.get(dx, []) if not all("/aligned_pad_" in name for name in r.output)]
         if readers or dx in g.outputs:
             after[id(node)] = _slicing(node.output[0], dx, [(1, classes)])
-    _keep(model, dead, after=after)
+    identities = _redirect(model, renamed, set(dead))  # (in a graph with subgraphs: an Identity where the copy was)
+    before = {key: [identities[copy.output[0]]] for key, copy in dead.items() if copy.output[0] in identities}
+    _keep(model, set(dead), before=before, after=after)
     # this pass's nodes that nothing reads any more: the slices, the padded copies' zeros (and their constants)
     while True:
         read = {name for n in model.graph.node for name in n.input} | g.outputs
@@ -248,19 +246,19 @@ def _zeros(name: str, elem: int, source: str, shape: list, axis: int, amount: in
         return [helper.make_node("Constant", [], [name], value=helper.make_tensor(
             name, elem, zeros_shape, b"\0" * (_ITEM_BYTES[elem] * math.prod(zeros_shape)), raw=True))]
     rank = len(shape)
-    parts = [f"{name}/before", f"{name}/amount", f"{name}/after"]
     nodes = [helper.make_node("Constant", [], [f"{name}/zero"], value=helper.make_tensor(
                  f"{name}/zero", elem, [1] * rank, b"\0" * _ITEM_BYTES[elem], raw=True)),
-             helper.make_node("Constant", [], [parts[1]], value=helper.make_tensor(
-                 parts[1], onnx.TensorProto.INT64, [1], [amount]))]
+             helper.make_node("Constant", [], [f"{name}/amount"], value=helper.make_tensor(
+                 f"{name}/amount", onnx.TensorProto.INT64, [1], [amount]))]
+    parts = [f"{name}/amount"]  # the zeros' shape: source's dims before axis, amount, source's dims after it
     if axis > 0:
-        nodes.append(helper.make_node("Shape", [source], [parts[0]], end=axis))
+        nodes.append(helper.make_node("Shape", [source], [f"{name}/before"], end=axis))
+        parts.insert(0, f"{name}/before")
     if axis + 1 < rank:
-        nodes.append(helper.make_node("Shape", [source], [parts[2]], start=axis + 1))
-    used = [part for i, part in enumerate(parts) if i == 1 or (i == 0 and axis > 0) or (i == 2 and axis + 1 < rank)]
-    nodes += [helper.make_node("Concat", used, [f"{name}/shape"], axis=0),
-              helper.make_node("Expand", [f"{name}/zero", f"{name}/shape"], [name], name=name)]
-    return nodes
+        nodes.append(helper.make_node("Shape", [source], [f"{name}/after"], start=axis + 1))
+        parts.append(f"{name}/after")
+    return [*nodes, helper.make_node("Concat", parts, [f"{name}/shape"], axis=0),
+            helper.make_node("Expand", [f"{name}/zero", f"{name}/shape"], [name], name=name)]
 
 
 def _slice_back(node: onnx.NodeProto, slices: list[tuple[int, int]]) -> list[onnx.NodeProto]:

@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _is, _keep
+from ._graph import _Graph, _attrs, _is, _keep, _redirect, _value_info_like
 
 HEADS_SWAPPED = [0, 2, 1, 3]  # [batch, seq, heads, dim] <-> [batch, heads, seq, dim] (its own inverse)
 # each operator's inputs that are [batch, heads, seq, dim] tensors and the index of the forward output it reads
@@ -35,7 +35,6 @@ def attention_layout(model: onnx.ModelProto) -> int:
     g = _Graph(model)
     after: dict[int, list[onnx.NodeProto]] = {}
     laid_out: dict[str, str] = {}  # a forward output -> its [batch, seq, heads, dim] form
-    infos = {info.name: info for info in model.graph.value_info}
     count = 0
     for node in model.graph.node:
         if node.domain != TORCH_OPS_DOMAIN or node.op_type not in _FORWARD | set(_BACKWARD):
@@ -54,17 +53,8 @@ def attention_layout(model: onnx.ModelProto) -> int:
         for i in (0,) if forward else (0, 1, 2):
             name = node.output[i]
             node.output[i] = laid_out[name] = name + _SUFFIX
-            if name in infos:  # its shape, heads and seq swapped, for the passes after this one
-                info = model.graph.value_info.add()
-                info.CopyFrom(infos[name])
-                info.name = node.output[i]
-                dims = info.type.tensor_type.shape.dim
-                if len(dims) == 4:
-                    swapped = [onnx.TensorShapeProto.Dimension(), onnx.TensorShapeProto.Dimension()]
-                    swapped[0].CopyFrom(dims[2])
-                    swapped[1].CopyFrom(dims[1])
-                    dims[1].CopyFrom(swapped[0])
-                    dims[2].CopyFrom(swapped[1])
+            shape = g.shapes.get(name)  # heads and seq swapped, for the passes after this one
+            _value_info_like(model, name, node.output[i], [shape[p] for p in HEADS_SWAPPED] if shape else None)
             back.append(helper.make_node("Transpose", [node.output[i]], [name], perm=HEADS_SWAPPED,
                                          name=name + _SUFFIX + "/back"))
         after[id(node)] = back
@@ -85,11 +75,11 @@ def _unswapped(name: str, g: _Graph) -> str | None:
 
 def _cancel_inverse_transposes(model: onnx.ModelProto) -> None:
     """Each heads-swapping ``Transpose`` that reads (through ``Reshape`` nodes that keep the shape) another one's
-    output: its readers read the first one's input instead (the two are the identity)."""
+    output goes: its readers read the first one's input instead (the two are the identity)."""
     g = _Graph(model)
-    renamed = {}
+    renamed, removed = {}, {}
     for node in model.graph.node:
-        if not _is(node, "Transpose") or _attrs(node).get("perm") != HEADS_SWAPPED or node.output[0] in g.outputs:
+        if not _is(node, "Transpose") or _attrs(node).get("perm") != HEADS_SWAPPED:
             continue
         name = node.input[0]
         while (producer := g.producer.get(name)) is not None and _is(producer, "Reshape") and _same_shape(
@@ -98,8 +88,10 @@ def _cancel_inverse_transposes(model: onnx.ModelProto) -> None:
         source = _unswapped(name, g)
         if source is not None:
             renamed[node.output[0]] = source
-    for node in model.graph.node:
-        node.input[:] = [renamed.get(name, name) for name in node.input]
+            removed[id(node)] = node
+    identities = _redirect(model, renamed, set(removed))  # a graph output keeps its name through an Identity
+    _keep(model, set(removed), before={key: [identities[node.output[0]]] for key, node in removed.items()
+                                       if node.output[0] in identities})
 
 
 def _same_shape(reshape: onnx.NodeProto, g: _Graph) -> bool:

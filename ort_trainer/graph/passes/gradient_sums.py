@@ -19,7 +19,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ...kernels import OPSET as _KERNELS_OPSET
-from ._graph import _Graph, _attrs, _elem_types, _is
+from ._graph import _Graph, _attrs, _elem_types, _is, _replace_nodes
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -28,7 +28,7 @@ def fused_gradient_sums(model: onnx.ModelProto) -> int:
     """Rewrite each eligible ``Add`` (module docstring) in place; returns how many."""
     g = _Graph(model)
     types = _elem_types(model)
-    replaced: dict[int, onnx.NodeProto] = {}
+    replaced: dict[int, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if not _is(node, "Add") or types.get(node.output[0]) != onnx.TensorProto.FLOAT:
             continue
@@ -42,13 +42,11 @@ def fused_gradient_sums(model: onnx.ModelProto) -> int:
                     or types.get(cast.input[0]) not in _HALF or not g.only_used_by(name, node)
                     or g.shapes.get(name) != shape or g.shapes.get(other) != shape):
                 continue
-            replaced[id(node)] = helper.make_node("AddHalf", [other, _rows_source(cast.input[0], g)], [node.output[0]],
-                                                  name=f"{node.output[0]}/AddHalf", domain=_KERNELS_DOMAIN)
+            replaced[id(node)] = [helper.make_node("AddHalf", [other, _rows_source(cast.input[0], g)],
+                                                   [node.output[0]], name=f"{node.output[0]}/AddHalf",
+                                                   domain=_KERNELS_DOMAIN)]
             break
-    if replaced:
-        nodes = [replaced.get(id(n), n) for n in model.graph.node]
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
+    if _replace_nodes(model, replaced, {}):
         if not any(o.domain == _KERNELS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(_KERNELS_DOMAIN, _KERNELS_OPSET))
     return len(replaced)
