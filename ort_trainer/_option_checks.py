@@ -34,17 +34,20 @@ def cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[st
 
 
 def _device_problems(values: dict[str, Any], own: set[str]) -> list[str]:
-    """The device block: a CUDA graph and torch's allocator need a GPU, and the allocator excludes the capture
-    (whose replays write where its capture run's memory was, which torch may hand out again) and the arena's limit
+    """The device block: a CUDA graph and torch's allocator need a GPU; a capture of a step in which torch
+    allocates (torch's allocator, torch's attention kernels) needs a torch that keeps those allocations in a pool of
+    their own (their replays write where the capture run's memory was); the allocator excludes the arena's limit
     (there is no arena to cap)."""
     found = []
     cuda = "device.id" in own or devices.parse_device_id(values["device.id"])[0] == "cuda"
     if values["device.cuda_graph"] is True and not cuda:
         found.append(f"device.cuda_graph: CUDA graphs need a GPU; device.id is {values['device.id']!r} (use 'cuda')")
-    if values["device.cuda_graph"] is True and values["graph_optimizations.fused_attention"] is True:
-        found.append("graph_optimizations.fused_attention: torch's attention kernels allocate from torch's caching "
-                     "allocator while they run, which a CUDA graph captured by ONNX Runtime (device.cuda_graph) cannot "
-                     "replay: turn one of the two off")
+    # what torch allocates during a capture is kept in a private pool (devices.CUDADevice.capture_memory)
+    pool_problem = devices.capture_memory_problem() if values["device.cuda_graph"] is True else None
+    if pool_problem and values["graph_optimizations.fused_attention"] is True:
+        found.append(f"graph_optimizations.fused_attention: torch's attention kernels allocate from torch's caching "
+                     f"allocator while they run, which a CUDA graph captured by ONNX Runtime (device.cuda_graph) "
+                     f"replays only from a pool of its own, and {pool_problem}: upgrade torch or turn one of the two off")
     if "provider_options" not in own and "enable_cuda_graph" in values["provider_options"]:
         found.append("provider_options: enable_cuda_graph needs fixed buffers for every input and output of the "
                      "step: ask for it with device.cuda_graph=True")
@@ -53,9 +56,10 @@ def _device_problems(values: dict[str, Any], own: set[str]) -> list[str]:
     if not cuda:
         found.append(f"device.torch_allocator: torch's caching allocator serves GPU memory; device.id is "
                      f"{values['device.id']!r} (use 'cuda', or leave it off)")
-    if values["device.cuda_graph"] is True:
-        found.append("device.torch_allocator: a captured CUDA graph (device.cuda_graph) replays into the memory of its "
-                     "capture run, which torch's allocator may hand out again: turn one of the two off")
+    if pool_problem:
+        found.append(f"device.torch_allocator: a captured CUDA graph (device.cuda_graph) replays into the memory of its "
+                     f"capture run, which must then come from a pool of its own, and {pool_problem}: upgrade torch "
+                     "or turn one of the two off")
     if "device.mem_limit" not in own and values["device.mem_limit"]:
         found.append("device.torch_allocator: device.mem_limit caps ONNX Runtime's own arena, which torch's allocator "
                      "replaces: leave it 0 and cap torch's pool (torch.cuda.set_per_process_memory_fraction)")

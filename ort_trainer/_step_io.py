@@ -122,7 +122,9 @@ class CapturedIO:
     ONNX Runtime allocates, which become the fixed buffers' first values. Every later run replays
     the capture of graph ``graph_id`` (ONNX Runtime captures on the first of them, after two runs
     of warm-up within that same call: the graph must compute the same values each time it runs on
-    the same inputs, as a training graph that writes its gradients does).
+    the same inputs, as a training graph that writes its gradients does). What torch allocates during
+    that run (torch's attention kernels; the graph's tensors under ``device.torch_allocator``) comes from
+    a pool of the capture's own (``Device.capture_memory``): the replays write there.
 
     Args:
         device: the engine's device.
@@ -138,6 +140,7 @@ class CapturedIO:
         self.device, self.binding, self.outputs, self.returned = device, binding, list(outputs), set(returned)
         self.inputs: dict[str, torch.Tensor] = {}
         self.fixed: dict[str, torch.Tensor] | None = None  # the output buffers, after the first run
+        self.captured = False  # whether ONNX Runtime has captured the graph (in the second run)
         self._learn, self._replay = ort.RunOptions(), ort.RunOptions()
         self._learn.add_run_config_entry(GRAPH_ID_KEY, "-1")
         self._replay.add_run_config_entry(GRAPH_ID_KEY, str(graph_id))
@@ -161,7 +164,12 @@ class CapturedIO:
             training: bool) -> dict[str, torch.Tensor]:
         """Run (the first time) or replay the binding; the outputs by name."""
         if self.fixed is not None:
-            sessions.run(session, self.binding, what, data, training, self._replay)
+            if self.captured:
+                sessions.run(session, self.binding, what, data, training, self._replay)
+            else:  # ONNX Runtime captures in this run: what torch allocates meanwhile stays the graph's
+                with self.device.capture_memory():
+                    sessions.run(session, self.binding, what, data, training, self._replay)
+                self.captured = True
             return {name: buffer.clone() if name in self.returned else buffer for name, buffer in self.fixed.items()}
         sessions.run(session, self.binding, what, data, training, self._learn)
         outputs = _bound_outputs(self.binding, self.outputs)

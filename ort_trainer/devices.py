@@ -113,6 +113,17 @@ def device_problem(value: str) -> str | None:
     return None
 
 
+def capture_memory_problem() -> str | None:
+    """Why this torch cannot keep what it allocates during a captured step in a private pool
+    (``CUDADevice.capture_memory``), which torch's attention kernels and ``device.torch_allocator`` need under
+    ``device.cuda_graph`` (None: it can). That takes ``torch.cuda.use_mem_pool`` routing the current thread's
+    allocations, whatever their stream (torch 2.8 and later): ONNX Runtime's kernels run on a stream of its own."""
+    if hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool") and hasattr(torch.cuda, "use_mem_pool"):
+        return None
+    return (f"torch {torch.__version__} cannot give one thread's allocations a private memory pool "
+            "(torch.cuda.use_mem_pool for the current thread, torch 2.8 and later)")
+
+
 def device_class(value: str) -> type["Device"]:
     """The ``Device`` class of a valid ``device.id`` (no device is made, nothing is checked)."""
     return CPUDevice if parse_device_id(value)[0] == "cpu" else CUDADevice
@@ -175,6 +186,11 @@ class Device:
         """``providers`` for a session whose runs are captured as a graph and replayed (``device.cuda_graph``);
         unchanged where the device has no capture (the engine's fixed bindings then rehearse one)."""
         return providers
+
+    def capture_memory(self) -> contextlib.AbstractContextManager:
+        """The context of the run in which ONNX Runtime captures a graph (``device.cuda_graph``): where what
+        torch allocates while it runs comes from. Nothing to arrange on a device without capture."""
+        return contextlib.nullcontext()
 
     def release_idle_memory(self) -> None:
         """Return the host memory ONNX Runtime holds free between runs to the system, before work that
@@ -318,6 +334,10 @@ class CUDADevice(Device):
 
     kind = "cuda"
 
+    def __init__(self, index: int = 0):
+        super().__init__(index)
+        self._capture_pool = None  # capture_memory's, made on first use
+
     def providers(self, provider_options: dict | None, mem_limit: int, deterministic: bool,
                   torch_allocator: bool = False) -> list[tuple[str, dict]]:
         options = {
@@ -345,6 +365,19 @@ class CUDADevice(Device):
     def capture_providers(self, providers: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
         return [(name, {**options, "enable_cuda_graph": "1"} if name == _CUDA_PROVIDER else options)
                 for name, options in providers]
+
+    def capture_memory(self) -> contextlib.AbstractContextManager:
+        """Every allocation this thread makes from torch's caching allocator while ONNX Runtime captures a step
+        from a private pool of torch's (``torch.cuda.MemPool``), kept as long as this device: torch's attention
+        kernels (``graph_optimizations.fused_attention``) and, under ``device.torch_allocator``, the graph's own
+        tensors. A captured graph replays its kernels on the addresses they had when it was captured, after
+        ONNX Runtime and torch have freed them: from torch's shared pool, the next tensor torch made (an
+        optimizer temporary, a checkpoint's copy) could be given one of them and be overwritten by the next
+        replay. A private pool's blocks go only to allocations routed to it again (a later capture's, replayed
+        in turn, never at once), as ``torch.cuda.graph`` keeps its captures' memory."""
+        if self._capture_pool is None:
+            self._capture_pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(self._capture_pool, self.torch_device)
 
     def check_graph(self, model: onnx.ModelProto) -> None:
         """No tensor of more than 2³¹ - 1 elements. ONNX Runtime's CUDA kernels index elements with

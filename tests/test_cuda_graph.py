@@ -7,13 +7,16 @@ exactly as the usual bindings do. And what a capture cannot replay rightly is re
 run, naming the modules: dropout, shapes that depend on the batch's values, control flow.
 """
 
+import contextlib
+import copy
+
 import numpy as np
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from models import ENCODER_DESC, MLP, MLP_DESC, TinyEncoder, mlm_batch, mlm_loss, mlp_batch, tiny_gpt2
-from ort_trainer import ORTTrainer, ORTTrainerOptions
+from ort_trainer import ORTTrainer, ORTTrainerOptions, devices, sessions
 from ort_trainer._step_io import CapturedIO, FreshIO, capture_problems
 from ort_trainer.optim import AdamConfig
 
@@ -176,8 +179,6 @@ def test_onnx_runtime_refusing_the_capture_says_to_turn_it_off(monkeypatch):
     check, after partitioning): the error names the option."""
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
-    from ort_trainer import sessions
-
     make = sessions.Sessions.make_session
 
     def refusing(self, model, capture=False):
@@ -209,3 +210,74 @@ def test_a_shape_past_the_specialised_ones_is_refused_on_the_shared_captured_gra
         trainer.train_step(*mlp_batch(generator, batch=4))
     assert trainer._train_step_info.step == 3
     trainer.train_step(*mlp_batch(generator, batch=8))  # the specialised graph still runs
+
+
+def test_only_the_capturing_run_allocates_from_the_captures_own_pool(monkeypatch):
+    """``Device.capture_memory`` surrounds the one run in which ONNX Runtime captures (a binding's second: the
+    first runs uncaptured to learn the outputs), not the first run and not the replays after it."""
+    entered = []
+
+    @contextlib.contextmanager
+    def counting(device):
+        entered.append(len(calls))
+        yield
+
+    calls = []
+    run = sessions.Sessions.run
+    monkeypatch.setattr(sessions.Sessions, "run", lambda self, *args: calls.append(args[-1]) or run(self, *args))
+    monkeypatch.setattr(devices.CPUDevice, "capture_memory", counting)
+    _train("mlp", captured=True, steps=4)
+    assert entered == [1]  # entered before the second training run, once
+
+
+def test_torch_memory_under_a_capture_is_refused_only_without_a_private_pool(monkeypatch):
+    """``fused_attention`` and ``torch_allocator`` go with ``device.cuda_graph`` where torch can keep a capture's
+    allocations in a pool of their own (``devices.capture_memory_problem``); elsewhere both are refused together,
+    naming the torch."""
+    both = {"device": {"id": "cpu", "cuda_graph": True, "torch_allocator": True},
+            "graph_optimizations": {"fused_attention": True}}
+    monkeypatch.setattr(devices, "capture_memory_problem", lambda: None)
+    with pytest.raises(ValueError) as raised:
+        ORTTrainerOptions(both)
+    assert "pool of its own" not in str(raised.value)  # only the CPU device's own problems
+    monkeypatch.setattr(devices, "capture_memory_problem", lambda: "torch 2.7 cannot give one thread's allocations")
+    with pytest.raises(ValueError) as raised:
+        ORTTrainerOptions(both)
+    message = str(raised.value)
+    assert "graph_optimizations.fused_attention: torch's attention kernels allocate" in message
+    assert "device.torch_allocator: a captured CUDA graph (device.cuda_graph) replays into the memory" in message
+    assert message.count("torch 2.7 cannot give one thread's allocations") == 2 and "upgrade torch" in message
+
+
+# A replay runs the captured kernels on the values the uncaptured run computes, in the same order (float32: only
+# atomically added sums, ≤ 64·u a step, through 10 steps: 10 · 64 · 2^-24 = 3.8e-5), held to 1e-4 as test_cuda.py's
+CAPTURED_RTOL = 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("setting", [{"graph_optimizations": {"fused_attention": True}},
+                                     {"device": {"torch_allocator": True}}], ids=["fused_attention", "torch_allocator"])
+def test_what_torch_allocates_in_a_captured_step_stays_the_graphs(setting):
+    """Torch's attention kernels, and ONNX Runtime's tensors from torch's allocator, under a captured step: 10
+    captured steps of the tiny GPT-2 equal 10 uncaptured ones, and tensors torch allocates after the capture (in the
+    blocks a capture run from torch's shared pool would have freed) keep their values through the replays."""
+    model, desc = tiny_gpt2()
+    generator = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 50, (4, 8), generator=generator) for _ in range(10)]
+    losses, sentinels = {}, []
+    for captured in (False, True):
+        options = {"graph": {"gradient_source": "torch"}, **setting,
+                   "device": {"id": "cuda", "cuda_graph": captured, **setting.get("device", {})}}
+        torch.manual_seed(0)
+        trainer = ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=1e-3), options=options)
+        losses[captured] = []
+        for step, ids in enumerate(batches):
+            losses[captured].append(float(trainer.train_step(ids, torch.ones_like(ids), ids)[0]))
+            if captured and step == 1:  # right after the capture: small and large blocks, as a step's tensors
+                sentinels = [torch.full((n,), float(i), device="cuda") for i, n in enumerate([64, 4096, 2**18, 2**21])]
+        if captured:
+            assert isinstance(trainer._engine._current.training.grad_io[0], CapturedIO)
+            assert trainer._engine._current.training.grad_io[0].captured
+    np.testing.assert_allclose(losses[True], losses[False], rtol=CAPTURED_RTOL)
+    for i, tensor in enumerate(sentinels):
+        assert bool((tensor == float(i)).all()), f"a tensor of {tensor.numel()} elements was overwritten by a replay"

@@ -7,7 +7,7 @@ Checked against float64 PyTorch: one float32 and one float16 step of a tiny Hugg
 padding mask, added as a bias), loss and every gradient, the option on and off; attention with no mask and
 ``is_causal``, a boolean mask, a trained float mask (its gradient from torch's arithmetic), queries and keys of
 different lengths; a call with dropout left to the math attention; the library built against this torch, its
-CUDA path compiled against torch's CUDA headers; the option refused with a CUDA graph.
+CUDA path compiled against torch's CUDA headers. Under a captured CUDA graph: test_cuda_graph.py.
 """
 
 import copy
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, ORTTrainerOptions, _runtime
+from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.amp import DynamicLossScaler
 from ort_trainer.kernels import _compilers, torch_ops
 from ort_trainer.kernels.torch_allocator import cuda_include_dir
@@ -166,12 +166,6 @@ def test_the_library_builds_against_this_torch_and_its_cuda_path_compiles(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     symbols = subprocess.run(["nm", "-C", str(tmp_path / "torch_ops.o")], capture_output=True, text=True).stdout
     assert "_scaled_dot_product_efficient_attention_backward" in symbols and "getStreamFromExternal" in symbols
-
-
-def test_a_cuda_graph_is_refused_with_it():
-    with pytest.raises(ValueError, match="fused_attention: torch's attention kernels allocate"):
-        ORTTrainerOptions({"device": {"id": "cuda", "cuda_graph": True},
-                           "graph_optimizations": {"fused_attention": True}})
 
 
 @pytest.mark.cuda

@@ -19,7 +19,9 @@ Allocations follow torch's current stream, and ONNX Runtime runs its kernels on 
 block one run frees is taken again by the same run (one stream: ordered), and the engine's runs end with
 their stream synchronized before torch touches the memory (``devices.CUDADevice``), so no block is reused
 while a kernel still reads it. A CUDA graph captured by ONNX Runtime (``device.cuda_graph``) keeps pointers to
-the memory of its capture run, which torch may hand out again: the two options are refused together.
+the memory of its capture run, which torch could hand out again: the trainer routes that run's allocations to a
+private pool of torch's (``devices.CUDADevice.capture_memory``), and an allocation here may ``cudaMalloc`` while
+ONNX Runtime's stream is capturing (the thread's capture mode relaxed for it, as torch does for its own captures).
 """
 
 from __future__ import annotations
