@@ -194,7 +194,8 @@ _SCHEMA: dict[str, _Field] = {
         _BOOL, True, "with gelu, mixed precision: a half GELU's forward and backward in its own dtype (torch source)"),
     # regions as kernels of ort_trainer's own library (ort_trainer/kernels; usage.md "ort_trainer's kernels")
     "graph_optimizations.fused_gelu_gradient": _Field(_BOOL, False, "with gelu: each GELU's backward as one kernel"),
-    "graph_optimizations.fused_layer_norm_gradient": _Field(_BOOL, False, "each LayerNorm's backward as one kernel"),
+    "graph_optimizations.fused_layer_norm_gradient": _Field(
+        _BOOL, False, "each LayerNorm's backward as one kernel (a pre-norm one's with the residual's gradient sum)"),
     "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "a softmax's backward as one kernel"),
     "graph_optimizations.fused_safe_softmax": _Field(_BOOL, False, "attention's safe softmax as one kernel"),
     "graph_optimizations.fused_cross_entropy": _Field(_BOOL, False, "a cross-entropy as two kernels, no float32 copy"),

@@ -207,6 +207,54 @@ def test_layer_norm_grad_computes_torchs_backward(cpu_library, dtype, gamma_dtyp
 
 
 @needs_compiler
+@pytest.mark.parametrize("dy_dtype, cast", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False),
+                                            (torch.float16, True), (torch.bfloat16, True)],
+                         ids=["float32", "float16", "bfloat16", "float16-cast", "bfloat16-cast"])
+def test_layer_norm_grad_add_is_the_gradient_then_add_then_cast_bit_for_bit(cpu_library, dy_dtype, cast):
+    """LayerNormGradAdd(Cast) of a [4, 16, 48] float32 LayerNorm, dy as a [64, 48] product of any dtype: the sum is
+    LayerNormGrad's dx of dy widened to float32 plus the residual (torch's one float32 add), the cast that sum
+    rounded to dy's dtype, dgamma, dbeta and the partial sums LayerNormGrad's, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 16, 48, generator=gen) * 3 + 1
+    dy = torch.randn(64, 48, generator=gen).to(dy_dtype)
+    residual = torch.randn(4, 16, 48, generator=gen) * 5
+    gamma = torch.randn(48, generator=gen) + 1
+    mean = x.double().mean(-1, keepdim=True).float()
+    rstd = (x.double().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
+    f32, d = TensorProto.FLOAT, _TYPES[dy_dtype][0]
+    statistics = {"x": x, "mean": mean, "rstd": rstd, "gamma": gamma}
+    sums = {"dgamma": torch.empty(48), "dbeta": torch.empty(48), "partials": torch.empty(1, 2, 48)}
+    plain = _bound_run(_session(cpu_library, "LayerNormGrad", {"dy": f32, "x": f32, "mean": f32, "rstd": f32,
+                                                                "gamma": f32},
+                                {"dx": f32, "dgamma": f32, "dbeta": f32, "partials": f32}),
+                       {"dy": dy.float().reshape(x.shape), **statistics},
+                       {"dx": torch.empty_like(x), **{k: v.clone() for k, v in sums.items()}})
+    op, casts = ("LayerNormGradAddCast", {"sum_cast": d}) if cast else ("LayerNormGradAdd", {})
+    fused = _bound_run(_session(cpu_library, op, {"dy": d, "x": f32, "mean": f32, "rstd": f32, "gamma": f32,
+                                                  "residual": f32},
+                                {"sum": f32, "dgamma": f32, "dbeta": f32, "partials": f32, **casts}),
+                       {"dy": dy, **statistics, "residual": residual},
+                       {"sum": torch.empty_like(x), **{k: v.clone() for k, v in sums.items()},
+                        **({"sum_cast": torch.empty(4, 16, 48, dtype=dy_dtype)} if cast else {})})
+    assert torch.equal(fused["sum"], residual + plain["dx"])
+    assert all(torch.equal(fused[name], plain[name]) for name in sums)
+    if cast:
+        assert torch.equal(fused["sum_cast"], fused["sum"].to(dy_dtype))
+
+
+@needs_compiler
+def test_layer_norm_grad_add_refuses_a_residual_of_another_shape(cpu_library):
+    f32 = TensorProto.FLOAT
+    session = _session(cpu_library, "LayerNormGradAdd", {n: f32 for n in ("dy", "x", "mean", "rstd", "gamma",
+                                                                          "residual")},
+                       {"sum": f32, "dgamma": f32, "dbeta": f32, "partials": f32})
+    zeros = {"dy": np.zeros((2, 4), np.float32), "x": np.zeros((2, 4), np.float32), "mean": np.zeros(2, np.float32),
+             "rstd": np.ones(2, np.float32), "gamma": np.ones(4, np.float32), "residual": np.zeros((1, 4), np.float32)}
+    with pytest.raises(Exception, match="LayerNormGradAdd: dy and x must have one shape .*the residual x's shape"):
+        session.run(None, zeros)
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", list(_TYPES), ids=["float32", "float16", "bfloat16"])
 def test_softmax_grad_computes_torchs_backward(cpu_library, dtype):
     """dx of [3, 4, 7, 33] softmax outputs over the last axis (rows with a zero, as the safe softmax writes for a

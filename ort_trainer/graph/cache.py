@@ -53,8 +53,10 @@ from .onnx_graph import dangling_names
 # rows (graphs of 8 are right, but grow ONNX Runtime's arena at each new labelled count), activation_recompute
 # recomputes attention probabilities; 10: the torch source's accumulating graphs add into accumulator inputs
 # (those of 9 return the micro-batch's gradients, which an engine of 10 would not add up); 11: input constraints
-# are index rules computed from the batch (those of 10 check labels only where they reach a loss unchanged)
-_VERSION = "11"
+# are index rules computed from the batch (those of 10 check labels only where they reach a loss unchanged); 12:
+# fused_layer_norm_gradient sums a pre-norm LayerNorm's gradient into the residual's in its kernel (graphs of 11
+# compute the same, unfused)
+_VERSION = "12"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]

@@ -350,8 +350,11 @@ _SCHEMAS = {
     "CrossEntropy": ([("x", "T"), ("target", "I")], [("losses", "U"), ("lse", "U")], ("ignore_index", "classes")),
     "CrossEntropyGrad": ([("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")], [("dx", "T")],
                          ("ignore_index", "classes")),
-    # written by graph/passes/gradient_sums.py (no torch operator stands for it)
+    # written by graph/passes/gradient_sums.py and layer_norm_sums.py (no torch operator stands for them)
     "AddHalf": ([("sum", "U"), ("x", "T")], [("y", "U")], ()),
+    **{name: ([("dy", "T"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U"), ("residual", "U")],
+              [("sum", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), *extra], ())
+       for name, extra in (("LayerNormGradAdd", []), ("LayerNormGradAddCast", [("sum_cast", "T")]))},
 }
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 

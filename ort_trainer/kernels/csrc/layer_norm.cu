@@ -1,6 +1,8 @@
-// The CUDA kernels of LayerNormGrad (ops.cc; the arithmetic: layer_norm.h), in float32 whatever the tensors'
-// dtypes (T: dy, x, mean, rstd and dx; G: gamma, dgamma and dbeta):
-//   rows:    one block a row: the row's two sums (of g and of g * xhat) reduced in the block, then dx
+// The CUDA kernels of LayerNormGrad and LayerNormGradAdd (ops.cc; the arithmetic: layer_norm.h), in float32
+// whatever the tensors' dtypes (T: x, mean, rstd, the residual and dx; D: dy and dx's cast; G: gamma, dgamma and
+// dbeta):
+//   rows:    one block a row: the row's two sums (of g and of g * xhat) reduced in the block, then dx (plus the
+//            residual, and its cast to D)
 //   columns: dgamma and dbeta's sums over each chunk of rows, a (32 columns x 8 rows) block a chunk and 32
 //            columns, into partials [chunks, 2, cols]
 //   finish:  partials summed over the chunks, in order: the same bits on every run
@@ -36,11 +38,11 @@ __device__ float2 block_sum(float2 v) {
   return warp_sums[0];
 }
 
-template <typename T, typename G>
-__global__ void rows_kernel(const T* dy, const T* x, const T* mean, const T* rstd, const G* gamma, T* dx,
-                            int64_t cols) {
+template <typename T, typename G, typename D>
+__global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rstd, const G* gamma, const T* residual,
+                            T* dx, D* dx_cast, int64_t cols) {
   const int64_t row = blockIdx.x;
-  const T* dy_row = dy + row * cols;
+  const D* dy_row = dy + row * cols;
   const T* x_row = x + row * cols;
   T* dx_row = dx + row * cols;
   const float m = to_float(mean[row]), r = to_float(rstd[row]);
@@ -55,14 +57,22 @@ __global__ void rows_kernel(const T* dy, const T* x, const T* mean, const T* rst
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     const float g = to_float(dy_row[c]) * to_float(gamma[c]);
     const float xhat = (to_float(x_row[c]) - m) * r;
-    dx_row[c] = from_float<T>(r * (g - mean_g - xhat * mean_gx));
+    const T grad = from_float<T>(r * (g - mean_g - xhat * mean_gx));
+    if (residual == nullptr) {
+      dx_row[c] = grad;
+      continue;
+    }
+    // the Add node's one rounded add (__fadd_rn: never contracted into the product above)
+    const T sum = from_float<T>(__fadd_rn(to_float(residual[row * cols + c]), to_float(grad)));
+    dx_row[c] = sum;
+    if (dx_cast != nullptr) dx_cast[row * cols + c] = from_float<D>(to_float(sum));
   }
 }
 
 constexpr int kColumnWidth = 32, kColumnDepth = 8;
 
-template <typename T>
-__global__ void columns_kernel(const T* dy, const T* x, const T* mean, const T* rstd, float* partials, int64_t rows,
+template <typename T, typename D>
+__global__ void columns_kernel(const D* dy, const T* x, const T* mean, const T* rstd, float* partials, int64_t rows,
                                int64_t cols, int64_t rows_per_chunk) {
   __shared__ float sums_g[kColumnDepth][kColumnWidth + 1], sums_b[kColumnDepth][kColumnWidth + 1];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnWidth + threadIdx.x;
@@ -106,55 +116,61 @@ __global__ void finish_kernel(const float* partials, G* dgamma, G* dbeta, int64_
 
 namespace {
 
-template <typename T, typename G>
-void launch(const void* dy, const void* x, const void* mean, const void* rstd, const void* gamma, void* dx,
-            void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols, int64_t chunks, cudaStream_t s) {
-  const int64_t rounded = (cols + 31) / 32 * 32;
+// the tensors of one launch
+struct Arguments {
+  const void *dy, *x, *mean, *rstd, *gamma, *residual;
+  void *dx, *dx_cast, *dgamma, *dbeta;
+  float* partials;
+  int64_t rows, cols, chunks;
+};
+
+template <typename T, typename G, typename D>
+void launch(const Arguments& a, cudaStream_t s) {
+  const int64_t rounded = (a.cols + 31) / 32 * 32;
   const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
-  rows_kernel<T, G><<<static_cast<unsigned>(rows), threads, 0, s>>>(
-      static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), static_cast<const T*>(rstd),
-      static_cast<const G*>(gamma), static_cast<T*>(dx), cols);
-  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>((cols + kColumnWidth - 1) / kColumnWidth), static_cast<unsigned>(chunks));
-  columns_kernel<T><<<grid, dim3(kColumnWidth, kColumnDepth), 0, s>>>(
-      static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), static_cast<const T*>(rstd),
-      partials, rows, cols, rows_per_chunk);
-  finish_kernel<G><<<static_cast<unsigned>((cols + 255) / 256), 256, 0, s>>>(
-      partials, static_cast<G*>(dgamma), static_cast<G*>(dbeta), cols, chunks);
+  rows_kernel<T, G, D><<<static_cast<unsigned>(a.rows), threads, 0, s>>>(
+      static_cast<const D*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.mean),
+      static_cast<const T*>(a.rstd), static_cast<const G*>(a.gamma), static_cast<const T*>(a.residual),
+      static_cast<T*>(a.dx), static_cast<D*>(a.dx_cast), a.cols);
+  const int64_t rows_per_chunk = (a.rows + a.chunks - 1) / a.chunks;
+  const dim3 grid(static_cast<unsigned>((a.cols + kColumnWidth - 1) / kColumnWidth), static_cast<unsigned>(a.chunks));
+  columns_kernel<T, D><<<grid, dim3(kColumnWidth, kColumnDepth), 0, s>>>(
+      static_cast<const D*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.mean),
+      static_cast<const T*>(a.rstd), a.partials, a.rows, a.cols, rows_per_chunk);
+  finish_kernel<G><<<static_cast<unsigned>((a.cols + 255) / 256), 256, 0, s>>>(
+      a.partials, static_cast<G*>(a.dgamma), static_cast<G*>(a.dbeta), a.cols, a.chunks);
 }
 
-template <typename T>
-bool launch_for(ElementType g, const void* dy, const void* x, const void* mean, const void* rstd, const void* gamma,
-                void* dx, void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols, int64_t chunks,
-                cudaStream_t s) {
-  switch (g) {
-    case ElementType::kFloat: launch<T, float>(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials, rows, cols,
-                                               chunks, s); return true;
-    case ElementType::kFloat16: launch<T, __half>(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials, rows, cols,
-                                                  chunks, s); return true;
-    case ElementType::kBFloat16: launch<T, __nv_bfloat16>(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials,
-                                                          rows, cols, chunks, s); return true;
+// calls run.template operator()<float / __half / __nv_bfloat16>() for `type`
+template <typename Run>
+void with_type(ElementType type, Run&& run) {
+  switch (type) {
+    case ElementType::kFloat: run.template operator()<float>(); break;
+    case ElementType::kFloat16: run.template operator()<__half>(); break;
+    case ElementType::kBFloat16: run.template operator()<__nv_bfloat16>(); break;
   }
-  return false;
+}
+
+bool known(ElementType type) {
+  return type == ElementType::kFloat || type == ElementType::kFloat16 || type == ElementType::kBFloat16;
 }
 
 }  // namespace
 
-const char* layer_norm_grad_cuda(ElementType t, ElementType g, const void* dy, const void* x, const void* mean,
-                                 const void* rstd, const void* gamma, void* dx, void* dgamma, void* dbeta,
-                                 float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream) {
+const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType g, const void* dy, const void* x,
+                                 const void* mean, const void* rstd, const void* gamma, const void* residual, void* dx,
+                                 void* dx_cast, void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols,
+                                 int64_t chunks, void* stream) {
   if (rows == 0 || cols == 0) return nullptr;  // (ops.cc writes an empty batch's zero sums itself)
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  bool known = false;
-  switch (t) {
-    case ElementType::kFloat: known = launch_for<float>(g, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials,
-                                                        rows, cols, chunks, s); break;
-    case ElementType::kFloat16: known = launch_for<__half>(g, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, partials,
-                                                           rows, cols, chunks, s); break;
-    case ElementType::kBFloat16: known = launch_for<__nv_bfloat16>(g, dy, x, mean, rstd, gamma, dx, dgamma, dbeta,
-                                                                   partials, rows, cols, chunks, s); break;
-  }
-  if (!known) return "unsupported dtype";
+  const Arguments arguments{dy, x, mean, rstd, gamma, residual, dx, dx_cast, dgamma, dbeta, partials, rows, cols,
+                            chunks};
+  if (!known(t) || !known(d) || !known(g)) return "unsupported dtype";
+  with_type(t, [&]<typename T>() {
+    with_type(g, [&]<typename G>() {
+      with_type(d, [&]<typename D>() { launch<T, G, D>(arguments, s); });
+    });
+  });
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }

@@ -10,6 +10,14 @@
 //                               from the forward's mean and rstd (one a row); float32. partials: the column sums
 //                               of each chunk of rows, [chunks, 2, cols] (the CUDA kernel's deterministic
 //                               reduction; one chunk on the CPU), read by no other node (layer_norm.h)
+//   LayerNormGradAdd(dy, x, mean, rstd, gamma, residual) -> (sum, dgamma, dbeta, partials)
+//   LayerNormGradAddCast(dy, x, mean, rstd, gamma, residual) -> (sum, dgamma, dbeta, partials, sum_cast)
+//                               the same with the gradient added to the residual (float32, x's shape) in the
+//                               kernel, one rounded float32 add as an Add node of the two computes it; dy float32,
+//                               float16 or bfloat16 of x's element count (a half gradient read as it is: no float32
+//                               copy); sum_cast: the sum rounded to dy's dtype (what the products that read the
+//                               sum take under mixed precision). x, mean, rstd, gamma and the sums float32
+//                               (graph/passes/layer_norm_sums.py)
 //   SoftmaxGrad(dy, y) -> dx    a softmax's gradient over the last axis, dx = y * (dy - sum(dy * y)), from its
 //                               output y; float32, float16 and bfloat16, computed in float32
 //   SafeSoftmax(x) -> y         a softmax over the last axis whose rows of only -inf give zeros (torch's
@@ -55,6 +63,7 @@ constexpr uint32_t kOpVersion = 16;  // KernelComputeV2 (errors reach the sessio
 enum class Kind {
   kGeluGrad,
   kLayerNormGrad,
+  kLayerNormGradAdd,
   kSoftmaxGrad,
   kSafeSoftmax,
   kBiasSafeSoftmax,
@@ -68,6 +77,8 @@ struct Operator : OperatorEntry {
   bool tanh_form;
   ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
   ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta
+  ElementType dy_type;     // LayerNormGradAdd's dy and sum_cast
+  bool casts;              // LayerNormGradAddCast: the fifth output
 };
 
 struct Kernel {
@@ -124,29 +135,38 @@ OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelCon
 }
 
 OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
-  Tensor dy, x, mean, rstd, gamma;
-  Tensor* inputs[] = {&dy, &x, &mean, &rstd, &gamma};
-  for (size_t i = 0; i < 5; ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, inputs[i]));
+  const bool adds = op->kind == Kind::kLayerNormGradAdd;
+  Tensor dy, x, mean, rstd, gamma, residual;
+  Tensor* inputs[] = {&dy, &x, &mean, &rstd, &gamma, &residual};
+  for (size_t i = 0; i < (adds ? 6 : 5); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, inputs[i]));
   const int64_t cols = gamma.size, rows = cols > 0 ? x.size / cols : 0;
-  if (dy.dims != x.dims || cols == 0 || rows * cols != x.size || mean.size != rows || rstd.size != rows)
-    return fail(api, "LayerNormGrad: dy and x must have one shape, a multiple of gamma's size, and mean and rstd "
-                     "one value for each row of gamma's size");
+  // (LayerNormGradAdd reads dy by its elements: a product's [rows, cols] for x's [batch, seq, cols])
+  if ((adds ? dy.size != x.size || residual.dims != x.dims : dy.dims != x.dims) || cols == 0 || rows * cols != x.size ||
+      mean.size != rows || rstd.size != rows)
+    return fail(api, std::string(op->name) + ": dy and x must have one shape (LayerNormGradAdd: dy x's element count, "
+                                             "the residual x's shape), a multiple of gamma's size, and mean and rstd "
+                                             "one value for each row of gamma's size");
   const int64_t chunks = op->cuda ? layer_norm_chunks(rows) : 1;
-  Tensor dx, dgamma, dbeta, partials;
+  Tensor dx, dgamma, dbeta, partials, cast;
   ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
   ORTT_RETURN_IF_ERROR(output(api, context, 1, gamma.dims, &dgamma));
   ORTT_RETURN_IF_ERROR(output(api, context, 2, gamma.dims, &dbeta));
   ORTT_RETURN_IF_ERROR(output(api, context, 3, {chunks, 2, cols}, &partials));
+  if (op->casts) ORTT_RETURN_IF_ERROR(output(api, context, 4, x.dims, &cast));
   float* sums = static_cast<float*>(partials.data);
+  const ElementType d = adds ? op->dy_type : op->type;
   if (op->cuda)
-    return on_cuda_stream(api, context, "LayerNormGrad", [&](void* stream) {
-      return layer_norm_grad_cuda(op->type, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
-                                  dx.data, dgamma.data, dbeta.data, sums, rows, cols, chunks, stream);
+    return on_cuda_stream(api, context, op->name, [&](void* stream) {
+      return layer_norm_grad_cuda(op->type, d, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
+                                  residual.data, dx.data, cast.data, dgamma.data, dbeta.data, sums, rows, cols, chunks,
+                                  stream);
     });
   dispatch(op->type, [&]<typename T>() {
     dispatch(op->gamma_type, [&]<typename G>() {
-      layer_norm_grad_cpu<T, G>(dy.data, x.data, mean.data, rstd.data, gamma.data, dx.data, dgamma.data, dbeta.data,
-                                sums, rows, cols);
+      dispatch(d, [&]<typename D>() {
+        layer_norm_grad_cpu<T, G, D>(dy.data, x.data, mean.data, rstd.data, gamma.data, residual.data, dx.data,
+                                     cast.data, dgamma.data, dbeta.data, sums, rows, cols);
+      });
     });
   });
   return nullptr;
@@ -287,7 +307,8 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
     case Kind::kGeluGrad: return compute_gelu_grad(kernel->api, kernel->op, context);
-    case Kind::kLayerNormGrad: return compute_layer_norm_grad(kernel->api, kernel->op, context);
+    case Kind::kLayerNormGrad:
+    case Kind::kLayerNormGradAdd: return compute_layer_norm_grad(kernel->api, kernel->op, context);
     case Kind::kSoftmaxGrad: return compute_softmax_grad(kernel->api, kernel->op, context);
     case Kind::kSafeSoftmax:
     case Kind::kBiasSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
@@ -318,10 +339,13 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
                        ElementType gamma_type = ElementType::kFloat) {
   Operator op{};
   // each input's and output's dtype: T the operator's, G LayerNormGrad's weights', float32 and int64 fixed
+  // (LayerNormGradAdd: T is dy's, every other tensor float32)
   const auto t = static_cast<ONNXTensorElementDataType>(type), g = static_cast<ONNXTensorElementDataType>(gamma_type);
   const auto f32 = ONNX_FLOAT, i64 = ONNX_INT64;
+  const bool casts = kind == Kind::kLayerNormGradAdd && std::string(op_name) == "LayerNormGradAddCast";
   const std::vector<ONNXTensorElementDataType> ins =
       kind == Kind::kLayerNormGrad      ? std::vector{t, t, t, t, g}
+      : kind == Kind::kLayerNormGradAdd ? std::vector{t, f32, f32, f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
@@ -329,15 +353,23 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kAddHalf          ? std::vector{f32, t}
                                         : std::vector{t, t};
   const std::vector<ONNXTensorElementDataType> outs =
-      kind == Kind::kLayerNormGrad  ? std::vector{t, g, g, f32}
+      kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
+      : casts                           ? std::vector{f32, f32, f32, f32, t}
+      : kind == Kind::kLayerNormGradAdd ? std::vector{f32, f32, f32, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
   op.kind = kind;
   op.tanh_form = tanh_form;
-  op.type = type;
-  op.gamma_type = gamma_type;
+  op.casts = casts;
+  if (kind == Kind::kLayerNormGradAdd) {
+    op.type = op.gamma_type = ElementType::kFloat;
+    op.dy_type = type;
+  } else {
+    op.type = type;
+    op.gamma_type = gamma_type;
+  }
   return op;
 }
 
@@ -368,6 +400,10 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("LayerNormGrad", Kind::kLayerNormGrad, false, cuda, type, type));
         if (type != ElementType::kFloat)
           ops.push_back(make_operator("LayerNormGrad", Kind::kLayerNormGrad, false, cuda, type, ElementType::kFloat));
+        // float32 LayerNorms whose gradient goes on into a float32 residual sum, dy of any dtype
+        ops.push_back(make_operator("LayerNormGradAdd", Kind::kLayerNormGradAdd, false, cuda, type));
+        if (type != ElementType::kFloat)
+          ops.push_back(make_operator("LayerNormGradAddCast", Kind::kLayerNormGradAdd, false, cuda, type));
       }
     }
     return ops;

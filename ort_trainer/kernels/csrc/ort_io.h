@@ -68,7 +68,7 @@ struct OperatorEntry : OrtCustomOp {
   const char* name;
   bool cuda;  // the CUDA provider's, else the CPU's
   size_t inputs, outputs;
-  ONNXTensorElementDataType input_types[8], output_types[4];
+  ONNXTensorElementDataType input_types[8], output_types[8];
 };
 
 namespace entry {
