@@ -47,7 +47,8 @@ def _device_problems(values: dict[str, Any], own: set[str]) -> list[str]:
     if pool_problem and values["graph_optimizations.fused_attention"] is True:
         found.append(f"graph_optimizations.fused_attention: torch's attention kernels allocate from torch's caching "
                      f"allocator while they run, which a CUDA graph captured by ONNX Runtime (device.cuda_graph) "
-                     f"replays only from a pool of its own, and {pool_problem}: upgrade torch or turn one of the two off")
+                     f"replays only from a pool of its own, and {pool_problem}: upgrade torch or turn one of the "
+                     "two off")
     if "provider_options" not in own and "enable_cuda_graph" in values["provider_options"]:
         found.append("provider_options: enable_cuda_graph needs fixed buffers for every input and output of the "
                      "step: ask for it with device.cuda_graph=True")
@@ -57,9 +58,9 @@ def _device_problems(values: dict[str, Any], own: set[str]) -> list[str]:
         found.append(f"device.torch_allocator: torch's caching allocator serves GPU memory; device.id is "
                      f"{values['device.id']!r} (use 'cuda', or leave it off)")
     if pool_problem:
-        found.append(f"device.torch_allocator: a captured CUDA graph (device.cuda_graph) replays into the memory of its "
-                     f"capture run, which must then come from a pool of its own, and {pool_problem}: upgrade torch "
-                     "or turn one of the two off")
+        found.append(f"device.torch_allocator: a captured CUDA graph (device.cuda_graph) replays into the memory of "
+                     f"its capture run, which must then come from a pool of its own, and {pool_problem}: upgrade "
+                     "torch or turn one of the two off")
     if "device.mem_limit" not in own and values["device.mem_limit"]:
         found.append("device.torch_allocator: device.mem_limit caps ONNX Runtime's own arena, which torch's allocator "
                      "replaces: leave it 0 and cap torch's pool (torch.cuda.set_per_process_memory_fraction)")

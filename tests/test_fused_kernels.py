@@ -43,7 +43,9 @@ HALF_BOUND = 40 * FLOAT16
 # attention softmaxes). GPT-2's LayerNorms are pre-norm: but for the final one, each one's gradient goes on into the
 # residual's sum, in its kernel (LayerNormGradAdd; under mixed precision with the sum's half cast,
 # LayerNormGradAddCast, but for the first layer's first, whose sum the embeddings' float32 gradients read);
-# TinyEncoder's are post-norm, their gradient read by the sublayer's backward and the residual both
+# TinyEncoder's are post-norm, their gradient read by the sublayer's backward and the residual both (under mixed
+# precision the kernel casts it for the sublayer's products, LayerNormGradToFloat16, as for GPT-2's final one; the
+# encoder's own final LayerNorm's gradient goes to its embeddings in float32)
 NODES = {("fused_gelu_gradient", "gpt2"): ["TanhGeluGrad"] * 2, ("fused_gelu_gradient", "encoder"): ["GeluGrad"] * 2,
          ("fused_layer_norm_gradient", "gpt2"): ["LayerNormGrad"] + ["LayerNormGradAdd"] * 4,
          ("fused_layer_norm_gradient", "encoder"): ["LayerNormGrad"] * 5,
@@ -59,10 +61,15 @@ OPTIONS = ("fused_gelu_gradient", "fused_layer_norm_gradient", "fused_softmax_gr
            "fused_cross_entropy")
 
 
+_TO = {"float16": "LayerNormGradToFloat16", "bfloat16": "LayerNormGradToBFloat16"}
+
+
 def _nodes(option: str, case: str, half: str | None) -> list[str]:
     """``NODES[option, case]`` in a graph of ``half`` mixed precision (None: float32)."""
     if half and (option, case) == ("fused_layer_norm_gradient", "gpt2"):
-        return ["LayerNormGrad"] + ["LayerNormGradAddCast"] * 3 + ["LayerNormGradAdd"]
+        return [_TO[half]] + ["LayerNormGradAddCast"] * 3 + ["LayerNormGradAdd"]
+    if half and (option, case) == ("fused_layer_norm_gradient", "encoder"):
+        return ["LayerNormGrad"] + [_TO[half]] * 4
     return NODES[option, case]
 
 

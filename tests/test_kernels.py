@@ -243,6 +243,30 @@ def test_layer_norm_grad_add_is_the_gradient_then_add_then_cast_bit_for_bit(cpu_
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_layer_norm_grad_cast_is_the_gradient_then_its_cast_bit_for_bit(cpu_library, dtype):
+    """LayerNormGradToFloat16 / LayerNormGradToBFloat16 of float32 tensors: LayerNormGrad's four outputs bit for
+    bit, and dx rounded to the half dtype as torch's cast rounds it."""
+    gen = torch.Generator().manual_seed(6)
+    x, dy = torch.randn(64, 48, generator=gen) * 3 + 1, torch.randn(64, 48, generator=gen)
+    gamma = torch.randn(48, generator=gen) + 1
+    feeds = {"dy": dy, "x": x, "mean": x.double().mean(-1, keepdim=True).float(),
+             "rstd": (x.double().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float(), "gamma": gamma}
+    f32 = TensorProto.FLOAT
+    outputs = {"dx": torch.empty_like(x), "dgamma": torch.empty(48), "dbeta": torch.empty(48),
+               "partials": torch.empty(1, 2, 48)}
+    plain = _bound_run(_session(cpu_library, "LayerNormGrad", dict.fromkeys(feeds, f32), dict.fromkeys(outputs, f32)),
+                       feeds, {k: v.clone() for k, v in outputs.items()})
+    op = "LayerNormGradToFloat16" if dtype == torch.float16 else "LayerNormGradToBFloat16"
+    fused = _bound_run(_session(cpu_library, op, dict.fromkeys(feeds, f32),
+                                {**dict.fromkeys(outputs, f32), "dx_cast": _TYPES[dtype][0]}),
+                       feeds, {**{k: v.clone() for k, v in outputs.items()},
+                               "dx_cast": torch.empty(64, 48, dtype=dtype)})
+    assert all(torch.equal(fused[name], plain[name]) for name in outputs)
+    assert torch.equal(fused["dx_cast"], plain["dx"].to(dtype))
+
+
+@needs_compiler
 def test_layer_norm_grad_add_refuses_a_residual_of_another_shape(cpu_library):
     f32 = TensorProto.FLOAT
     session = _session(cpu_library, "LayerNormGradAdd", {n: f32 for n in ("dy", "x", "mean", "rstd", "gamma",

@@ -355,6 +355,9 @@ _SCHEMAS = {
     **{name: ([("dy", "T"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U"), ("residual", "U")],
               [("sum", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), *extra], ())
        for name, extra in (("LayerNormGradAdd", []), ("LayerNormGradAddCast", [("sum_cast", "T")]))},
+    **{name: ([("dy", "U"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U")],
+              [("dx", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), ("dx_cast", "T")], ())
+       for name in ("LayerNormGradToFloat16", "LayerNormGradToBFloat16")},
 }
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 

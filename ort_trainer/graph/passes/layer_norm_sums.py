@@ -13,6 +13,11 @@ nodes fewer.
 Only float32 LayerNorms (x, its statistics and gamma float32, as autocast computes them) whose gradient has the
 ``Add`` as its one reader are rewritten, the residual of the gradient's own static or symbolic shape; the new node
 takes the ``Add``'s place, so a reader of dgamma or dbeta before it leaves the chain as it is.
+
+A post-norm LayerNorm's gradient (BERT's) is read by the sublayer's backward and by the residual's sum both: there
+the gradient's half cast, which the sublayer's products read, is written by the kernel beside it
+(``LayerNormGradToFloat16`` / ``LayerNormGradToBFloat16``), about 13 MB a LayerNorm of BERT-base at 32 × 128 and a
+node less.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 def layer_norm_residual_sums(model: onnx.ModelProto) -> int:
-    """Rewrite each eligible ``LayerNormGrad`` and the ``Add`` after it (module docstring) in place; returns how
-    many."""
+    """Rewrite each eligible ``LayerNormGrad`` and the ``Add`` after it, then each other one whose gradient is cast
+    to half (module docstring), in place; returns how many."""
     g = _Graph(model)
     types = _elem_types(model)
     position = {id(node): i for i, node in enumerate(model.graph.node)}
@@ -58,9 +63,28 @@ def layer_norm_residual_sums(model: onnx.ModelProto) -> int:
             "LayerNormGradAddCast" if cast is not None else "LayerNormGradAdd", [dy, *node.input[1:5], residual],
             outputs, name=f"{node.name or node.output[0]}/add", domain=_KERNELS_DOMAIN)]
         dead |= {id(node), id(add), *dy_chain, *([id(cast)] if cast is not None else [])}
+    _gradient_casts(model, g, types, dead, before)
     if before:
         _keep(model, dead, before=before)
     return len(before)
+
+
+def _gradient_casts(model: onnx.ModelProto, g: _Graph, types: dict, dead: set[int],
+                    before: dict[int, list[onnx.NodeProto]]) -> None:
+    """Each float32 ``LayerNormGrad`` left whose gradient a ``Cast`` to a half dtype reads, as one
+    ``LayerNormGradToFloat16`` / ``LayerNormGradToBFloat16`` in its place (``dead`` and ``before`` take the edits)."""
+    for node in model.graph.node:
+        if (node.domain != _KERNELS_DOMAIN or node.op_type != "LayerNormGrad" or id(node) in dead
+                or any(types.get(name) != _FLOAT for name in node.input[:5])):
+            continue
+        cast = next((reader for reader in g.consumers.get(node.output[0], []) if _is(reader, "Cast")
+                     and _attrs(reader).get("to") in _HALF and id(reader) not in dead), None)
+        if cast is None:
+            continue
+        op = "LayerNormGradToFloat16" if _attrs(cast)["to"] == onnx.TensorProto.FLOAT16 else "LayerNormGradToBFloat16"
+        before[id(node)] = [helper.make_node(op, list(node.input), [*node.output[:4], cast.output[0]],
+                                             name=f"{node.name or node.output[0]}/cast", domain=_KERNELS_DOMAIN)]
+        dead |= {id(node), id(cast)}
 
 
 def _half_source(name: str, reader: onnx.NodeProto, g: _Graph, types: dict) -> tuple[str, list[int]]:

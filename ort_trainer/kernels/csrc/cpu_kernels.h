@@ -77,21 +77,22 @@ void gelu_grad_cpu(const void* dy, const void* x, void* dx, int64_t n) {
 
 // LayerNorm's backward (layer_norm.h), one chunk: partials [1, 2, cols] hold dgamma and dbeta's float32 sums (the
 // float64 sums of each core's share of rows, added in order). dy in D; with a residual (nullptr: none), dx is the
-// residual + the gradient rounded to T, one add in float32 as an Add node computes it, and with dx_cast (nullptr:
-// none) that sum rounded to D as well
-template <typename T, typename G, typename D>
+// residual + the gradient rounded to T, one add in float32 as an Add node computes it; with dx_cast (nullptr: none),
+// dx rounded to C as well
+template <typename T, typename G, typename D, typename C = D>
 void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, const void* rstd_, const void* gamma_,
                          const void* residual_, void* dx_, void* dx_cast_, void* dgamma_, void* dbeta_,
                          float* partials, int64_t rows, int64_t cols) {
   using S = typename T::Storage;
   using GS = typename G::Storage;
   using DS = typename D::Storage;
+  using CS = typename C::Storage;
   const DS* dy = static_cast<const DS*>(dy_);
   const S *x = static_cast<const S*>(x_), *residual = static_cast<const S*>(residual_);
   const S *mean = static_cast<const S*>(mean_), *rstd = static_cast<const S*>(rstd_);
   const GS* gamma = static_cast<const GS*>(gamma_);
   S* dx = static_cast<S*>(dx_);
-  DS* dx_cast = static_cast<DS*>(dx_cast_);
+  CS* dx_cast = static_cast<CS*>(dx_cast_);
   // each share of rows sums its own columns; the shares' sums are added in order
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1));
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
@@ -117,14 +118,10 @@ void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, con
         S* out = dx + row * cols;
         for (int64_t c = 0; c < cols; ++c) {
           const double xhat = (T::load(v[c]) - m) * r, g = D::load(d[c]) * static_cast<double>(G::load(gamma[c]));
-          const S grad = T::store(static_cast<float>(r * (g - mean_g - xhat * mean_gx)));
-          if (residual == nullptr) {
-            out[c] = grad;
-            continue;
-          }
-          const float sum = T::load(residual[row * cols + c]) + T::load(grad);  // float32, as the Add node's
-          out[c] = T::store(sum);
-          if (dx_cast != nullptr) dx_cast[row * cols + c] = D::store(T::load(out[c]));
+          out[c] = T::store(static_cast<float>(r * (g - mean_g - xhat * mean_gx)));
+          // float32, as the Add node's
+          if (residual != nullptr) out[c] = T::store(T::load(residual[row * cols + c]) + T::load(out[c]));
+          if (dx_cast != nullptr) dx_cast[row * cols + c] = C::store(T::load(out[c]));
         }
       }
     }

@@ -16,14 +16,15 @@ const char* gelu_grad_cuda(ElementType type, bool tanh_form, const void* dy, con
                            void* stream);
 
 // LayerNorm's backward over `rows` rows of `cols` values (layer_norm.h), in float32 whatever the dtypes (t: x,
-// mean, rstd and dx; d: dy; g: gamma, dgamma and dbeta): dx; the column sums of dy * xhat and of dy over each of
-// `chunks` runs of rows into partials [chunks, 2, cols] (float32); their sums over the chunks, in order, into dgamma
-// and dbeta. With a residual (nullptr: none; t's dtype), dx is the residual + the gradient rounded to t, one add
-// as an Add node computes it; with dx_cast (nullptr: none; only with a residual), that sum rounded to d as well
-const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType g, const void* dy, const void* x,
-                                 const void* mean, const void* rstd, const void* gamma, const void* residual, void* dx,
-                                 void* dx_cast, void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols,
-                                 int64_t chunks, void* stream);
+// mean, rstd and dx; d: dy; c: dx_cast; g: gamma, dgamma and dbeta): dx; the column sums of dy * xhat and of dy over
+// each of `chunks` runs of rows into partials [chunks, 2, cols] (float32); their sums over the chunks, in order, into
+// dgamma and dbeta. With a residual (nullptr: none; t's dtype), dx is the residual + the gradient rounded to t, one
+// add as an Add node computes it; with dx_cast (nullptr: none), dx rounded to c as well (c is d, or float16 or
+// bfloat16 where t, d and g are float32)
+const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType c, ElementType g, const void* dy,
+                                 const void* x, const void* mean, const void* rstd, const void* gamma,
+                                 const void* residual, void* dx, void* dx_cast, void* dgamma, void* dbeta,
+                                 float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream);
 
 // a softmax's gradient over the last axis: dx = y * (dy - sum(dy * y)) for each of `rows` rows of `cols` values
 const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,

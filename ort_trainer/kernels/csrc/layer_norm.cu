@@ -1,5 +1,5 @@
 // The CUDA kernels of LayerNormGrad and LayerNormGradAdd (ops.cc; the arithmetic: layer_norm.h), in float32
-// whatever the tensors' dtypes (T: x, mean, rstd, the residual and dx; D: dy and dx's cast; G: gamma, dgamma and
+// whatever the tensors' dtypes (T: x, mean, rstd, the residual and dx; D: dy; C: dx's cast; G: gamma, dgamma and
 // dbeta):
 //   rows:    one block a row: the row's two sums (of g and of g * xhat) reduced in the block, then dx (plus the
 //            residual, and its cast to D)
@@ -38,9 +38,9 @@ __device__ float2 block_sum(float2 v) {
   return warp_sums[0];
 }
 
-template <typename T, typename G, typename D>
+template <typename T, typename G, typename D, typename C>
 __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rstd, const G* gamma, const T* residual,
-                            T* dx, D* dx_cast, int64_t cols) {
+                            T* dx, C* dx_cast, int64_t cols) {
   const int64_t row = blockIdx.x;
   const D* dy_row = dy + row * cols;
   const T* x_row = x + row * cols;
@@ -57,15 +57,11 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     const float g = to_float(dy_row[c]) * to_float(gamma[c]);
     const float xhat = (to_float(x_row[c]) - m) * r;
-    const T grad = from_float<T>(r * (g - mean_g - xhat * mean_gx));
-    if (residual == nullptr) {
-      dx_row[c] = grad;
-      continue;
-    }
+    T out = from_float<T>(r * (g - mean_g - xhat * mean_gx));
     // the Add node's one rounded add (__fadd_rn: never contracted into the product above)
-    const T sum = from_float<T>(__fadd_rn(to_float(residual[row * cols + c]), to_float(grad)));
-    dx_row[c] = sum;
-    if (dx_cast != nullptr) dx_cast[row * cols + c] = from_float<D>(to_float(sum));
+    if (residual != nullptr) out = from_float<T>(__fadd_rn(to_float(residual[row * cols + c]), to_float(out)));
+    dx_row[c] = out;
+    if (dx_cast != nullptr) dx_cast[row * cols + c] = from_float<C>(to_float(out));
   }
 }
 
@@ -124,14 +120,14 @@ struct Arguments {
   int64_t rows, cols, chunks;
 };
 
-template <typename T, typename G, typename D>
+template <typename T, typename G, typename D, typename C>
 void launch(const Arguments& a, cudaStream_t s) {
   const int64_t rounded = (a.cols + 31) / 32 * 32;
   const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
-  rows_kernel<T, G, D><<<static_cast<unsigned>(a.rows), threads, 0, s>>>(
+  rows_kernel<T, G, D, C><<<static_cast<unsigned>(a.rows), threads, 0, s>>>(
       static_cast<const D*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.mean),
       static_cast<const T*>(a.rstd), static_cast<const G*>(a.gamma), static_cast<const T*>(a.residual),
-      static_cast<T*>(a.dx), static_cast<D*>(a.dx_cast), a.cols);
+      static_cast<T*>(a.dx), static_cast<C*>(a.dx_cast), a.cols);
   const int64_t rows_per_chunk = (a.rows + a.chunks - 1) / a.chunks;
   const dim3 grid(static_cast<unsigned>((a.cols + kColumnWidth - 1) / kColumnWidth), static_cast<unsigned>(a.chunks));
   columns_kernel<T, D><<<grid, dim3(kColumnWidth, kColumnDepth), 0, s>>>(
@@ -157,20 +153,25 @@ bool known(ElementType type) {
 
 }  // namespace
 
-const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType g, const void* dy, const void* x,
-                                 const void* mean, const void* rstd, const void* gamma, const void* residual, void* dx,
-                                 void* dx_cast, void* dgamma, void* dbeta, float* partials, int64_t rows, int64_t cols,
-                                 int64_t chunks, void* stream) {
+const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType c, ElementType g, const void* dy,
+                                 const void* x, const void* mean, const void* rstd, const void* gamma,
+                                 const void* residual, void* dx, void* dx_cast, void* dgamma, void* dbeta,
+                                 float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream) {
   if (rows == 0 || cols == 0) return nullptr;  // (ops.cc writes an empty batch's zero sums itself)
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arguments arguments{dy, x, mean, rstd, gamma, residual, dx, dx_cast, dgamma, dbeta, partials, rows, cols,
                             chunks};
-  if (!known(t) || !known(d) || !known(g)) return "unsupported dtype";
-  with_type(t, [&]<typename T>() {
-    with_type(g, [&]<typename G>() {
-      with_type(d, [&]<typename D>() { launch<T, G, D>(arguments, s); });
+  if (!known(t) || !known(d) || !known(c) || !known(g)) return "unsupported dtype";
+  if (c != d) {  // (LayerNormGradTo*: a float32 LayerNorm's gradient cast to half)
+    if (t != ElementType::kFloat || g != ElementType::kFloat || d != ElementType::kFloat) return "unsupported dtype";
+    with_type(c, [&]<typename C>() { launch<float, float, float, C>(arguments, s); });
+  } else {
+    with_type(t, [&]<typename T>() {
+      with_type(g, [&]<typename G>() {
+        with_type(d, [&]<typename D>() { launch<T, G, D, D>(arguments, s); });
+      });
     });
-  });
+  }
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }

@@ -18,6 +18,10 @@
 //                               copy); sum_cast: the sum rounded to dy's dtype (what the products that read the
 //                               sum take under mixed precision). x, mean, rstd, gamma and the sums float32
 //                               (graph/passes/layer_norm_sums.py)
+//   LayerNormGradToFloat16(dy, x, mean, rstd, gamma) -> (dx, dgamma, dbeta, partials, dx_cast)
+//   LayerNormGradToBFloat16(...)  LayerNormGrad of float32 tensors with dx rounded to float16 (bfloat16) as well (a
+//                               post-norm LayerNorm's gradient, which the sublayer's half products read); one name
+//                               a dtype, as the inputs' dtypes do not tell the two apart
 //   SoftmaxGrad(dy, y) -> dx    a softmax's gradient over the last axis, dx = y * (dy - sum(dy * y)), from its
 //                               output y; float32, float16 and bfloat16, computed in float32
 //   SafeSoftmax(x) -> y         a softmax over the last axis whose rows of only -inf give zeros (torch's
@@ -64,6 +68,7 @@ enum class Kind {
   kGeluGrad,
   kLayerNormGrad,
   kLayerNormGradAdd,
+  kLayerNormGradCast,
   kSoftmaxGrad,
   kSafeSoftmax,
   kBiasSafeSoftmax,
@@ -77,8 +82,9 @@ struct Operator : OperatorEntry {
   bool tanh_form;
   ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
   ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta
-  ElementType dy_type;     // LayerNormGradAdd's dy and sum_cast
-  bool casts;              // LayerNormGradAddCast: the fifth output
+  ElementType dy_type;     // LayerNormGradAdd's dy
+  ElementType cast_type;   // LayerNormGradAddCast's and LayerNormGradTo*'s fifth output
+  bool casts;              // LayerNormGradAddCast and LayerNormGradTo*: the fifth output
 };
 
 struct Kernel {
@@ -135,7 +141,7 @@ OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelCon
 }
 
 OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
-  const bool adds = op->kind == Kind::kLayerNormGradAdd;
+  const bool adds = op->kind == Kind::kLayerNormGradAdd;  // (LayerNormGradTo* read as LayerNormGrad does)
   Tensor dy, x, mean, rstd, gamma, residual;
   Tensor* inputs[] = {&dy, &x, &mean, &rstd, &gamma, &residual};
   for (size_t i = 0; i < (adds ? 6 : 5); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, inputs[i]));
@@ -154,18 +160,20 @@ OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKer
   ORTT_RETURN_IF_ERROR(output(api, context, 3, {chunks, 2, cols}, &partials));
   if (op->casts) ORTT_RETURN_IF_ERROR(output(api, context, 4, x.dims, &cast));
   float* sums = static_cast<float*>(partials.data);
-  const ElementType d = adds ? op->dy_type : op->type;
+  const ElementType d = adds ? op->dy_type : op->type, c = op->casts ? op->cast_type : d;
   if (op->cuda)
     return on_cuda_stream(api, context, op->name, [&](void* stream) {
-      return layer_norm_grad_cuda(op->type, d, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
+      return layer_norm_grad_cuda(op->type, d, c, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
                                   residual.data, dx.data, cast.data, dgamma.data, dbeta.data, sums, rows, cols, chunks,
                                   stream);
     });
   dispatch(op->type, [&]<typename T>() {
     dispatch(op->gamma_type, [&]<typename G>() {
       dispatch(d, [&]<typename D>() {
-        layer_norm_grad_cpu<T, G, D>(dy.data, x.data, mean.data, rstd.data, gamma.data, residual.data, dx.data,
-                                     cast.data, dgamma.data, dbeta.data, sums, rows, cols);
+        dispatch(c, [&]<typename C>() {
+          layer_norm_grad_cpu<T, G, D, C>(dy.data, x.data, mean.data, rstd.data, gamma.data, residual.data, dx.data,
+                                          cast.data, dgamma.data, dbeta.data, sums, rows, cols);
+        });
       });
     });
   });
@@ -308,7 +316,8 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   switch (kernel->op->kind) {
     case Kind::kGeluGrad: return compute_gelu_grad(kernel->api, kernel->op, context);
     case Kind::kLayerNormGrad:
-    case Kind::kLayerNormGradAdd: return compute_layer_norm_grad(kernel->api, kernel->op, context);
+    case Kind::kLayerNormGradAdd:
+    case Kind::kLayerNormGradCast: return compute_layer_norm_grad(kernel->api, kernel->op, context);
     case Kind::kSoftmaxGrad: return compute_softmax_grad(kernel->api, kernel->op, context);
     case Kind::kSafeSoftmax:
     case Kind::kBiasSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
@@ -339,13 +348,15 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
                        ElementType gamma_type = ElementType::kFloat) {
   Operator op{};
   // each input's and output's dtype: T the operator's, G LayerNormGrad's weights', float32 and int64 fixed
-  // (LayerNormGradAdd: T is dy's, every other tensor float32)
+  // (LayerNormGradAdd: T is dy's and the cast's, LayerNormGradTo*: the cast's; every other tensor float32)
   const auto t = static_cast<ONNXTensorElementDataType>(type), g = static_cast<ONNXTensorElementDataType>(gamma_type);
   const auto f32 = ONNX_FLOAT, i64 = ONNX_INT64;
-  const bool casts = kind == Kind::kLayerNormGradAdd && std::string(op_name) == "LayerNormGradAddCast";
+  const bool casts = kind == Kind::kLayerNormGradCast ||
+                     (kind == Kind::kLayerNormGradAdd && std::string(op_name) == "LayerNormGradAddCast");
   const std::vector<ONNXTensorElementDataType> ins =
-      kind == Kind::kLayerNormGrad      ? std::vector{t, t, t, t, g}
-      : kind == Kind::kLayerNormGradAdd ? std::vector{t, f32, f32, f32, f32, f32}
+      kind == Kind::kLayerNormGrad       ? std::vector{t, t, t, t, g}
+      : kind == Kind::kLayerNormGradAdd  ? std::vector{t, f32, f32, f32, f32, f32}
+      : kind == Kind::kLayerNormGradCast ? std::vector{f32, f32, f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
@@ -363,9 +374,10 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   op.kind = kind;
   op.tanh_form = tanh_form;
   op.casts = casts;
-  if (kind == Kind::kLayerNormGradAdd) {
+  if (kind == Kind::kLayerNormGradAdd || kind == Kind::kLayerNormGradCast) {
     op.type = op.gamma_type = ElementType::kFloat;
-    op.dy_type = type;
+    op.dy_type = kind == Kind::kLayerNormGradAdd ? type : ElementType::kFloat;
+    op.cast_type = type;
   } else {
     op.type = type;
     op.gamma_type = gamma_type;
@@ -402,8 +414,11 @@ const std::vector<Operator>& operators() {
           ops.push_back(make_operator("LayerNormGrad", Kind::kLayerNormGrad, false, cuda, type, ElementType::kFloat));
         // float32 LayerNorms whose gradient goes on into a float32 residual sum, dy of any dtype
         ops.push_back(make_operator("LayerNormGradAdd", Kind::kLayerNormGradAdd, false, cuda, type));
-        if (type != ElementType::kFloat)
+        if (type != ElementType::kFloat) {
           ops.push_back(make_operator("LayerNormGradAddCast", Kind::kLayerNormGradAdd, false, cuda, type));
+          const char* to = type == ElementType::kFloat16 ? "LayerNormGradToFloat16" : "LayerNormGradToBFloat16";
+          ops.push_back(make_operator(to, Kind::kLayerNormGradCast, false, cuda, type));
+        }
       }
     }
     return ops;
