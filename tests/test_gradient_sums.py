@@ -4,8 +4,9 @@ half-precision gradient (``Add(sum, Cast(g))``) as one ``AddHalf`` kernel node.
 Checked on a tiny Hugging Face GPT-2 with a 1031-word vocabulary in float16 mixed precision, its loss in pieces
 and its head's products padded (``aligned_products``): the tied embedding's gradient is the sum of the pieces'
 head gradients and the embedding's, and with the switch every one of those sums is an ``AddHalf`` that reads the
-padded product itself; the loss and every gradient bit for bit those of the graph without it (the kernel widens
-and adds as Cast and Add do), and within the float16 bound of float64 PyTorch. Sums it must leave alone: a
+padded product itself (the chain's first term too, read in float16); the loss and every gradient bit for bit those
+of the graph without it (the kernel widens and adds as Cast and Add do), and within the float16 bound of float64
+PyTorch. Sums it must leave alone: a
 broadcast, a cast another node reads too.
 """
 
@@ -73,6 +74,9 @@ def test_the_tied_embeddings_sums_read_the_half_gradients_bit_for_bit(monkeypatc
     # the pieces' head gradients (three sums of four pieces at least), each read from the padded product
     padded = [n for n in sums if producers[n.input[1]].op_type in ("Gemm", "MatMul", "FusedMatMul")]
     assert len(padded) >= 3, [(n.name, producers[n.input[1]].op_type) for n in sums]
+    # the chain's first term read in float16 too, from its padded product, the sum's rows an attribute
+    firsts = [n for n in sums if any(a.name == "rows" for a in n.attribute)]
+    assert len(firsts) == 1 and producers[firsts[0].input[0]].op_type in ("Gemm", "MatMul", "FusedMatMul"), firsts
 
 
 def _graph(nodes, inputs, outputs):

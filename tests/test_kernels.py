@@ -429,10 +429,24 @@ def test_add_half_is_cast_then_add_bit_for_bit(cpu_library, dtype, padded):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_add_half_of_two_halves_is_two_casts_then_add_bit_for_bit(cpu_library, dtype):
+    """A half sum (the chain's first term) is widened as x is: torch's ``sum.float() + x.float()`` bit for bit, over
+    the attribute rows' leading rows of both (two padded products, 9 and 5 rows more)."""
+    gen = torch.Generator().manual_seed(9)
+    total = (torch.randn(37 + 9, 33, generator=gen) * 1e3).to(dtype)
+    x = (torch.randn(37 + 5, 33, generator=gen) * 7).to(dtype)
+    t = _TYPES[dtype][0]
+    session = _session(cpu_library, "AddHalf", {"sum": t, "x": t}, {"y": TensorProto.FLOAT}, rows=37)
+    out = _bound_run(session, {"sum": total, "x": x}, {"y": torch.empty(37, 33)})["y"]
+    assert torch.equal(out, total[:37].float() + x[:37].float())
+
+
+@needs_compiler
 def test_add_half_refuses_an_x_smaller_than_the_sum(cpu_library):
     session = _session(cpu_library, "AddHalf", {"sum": TensorProto.FLOAT, "x": TensorProto.FLOAT16},
                        {"y": TensorProto.FLOAT})
-    with pytest.raises(Exception, match="AddHalf: x has 6 elements, fewer than sum's 8"):
+    with pytest.raises(Exception, match=r"AddHalf: y has 8 elements \(rows 2\), more than sum's 8 or x's 6"):
         session.run(None, {"sum": np.zeros((2, 4), np.float32), "x": np.zeros((2, 3), np.float16)})
 
 

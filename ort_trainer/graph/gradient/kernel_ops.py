@@ -351,7 +351,8 @@ _SCHEMAS = {
     "CrossEntropyGrad": ([("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")], [("dx", "T")],
                          ("ignore_index", "classes")),
     # written by graph/passes/gradient_sums.py and layer_norm_sums.py (no torch operator stands for them)
-    "AddHalf": ([("sum", "U"), ("x", "T")], [("y", "U")], ()),
+    # (the sum float32 or of x's half dtype; rows: y's first dim, where the inputs are padded products)
+    "AddHalf": ([("sum", "G"), ("x", "T")], [("y", "U")], ("rows",)),
     **{name: ([("dy", "T"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U"), ("residual", "U")],
               [("sum", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), *extra], ())
        for name, extra in (("LayerNormGradAdd", []), ("LayerNormGradAddCast", [("sum_cast", "T")]))},

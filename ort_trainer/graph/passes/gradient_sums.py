@@ -7,7 +7,9 @@ embedding and, with ``loss_pieces``, the head of each piece of the loss) gets it
 reader is one ``AddHalf(sum, g)`` node of ort_trainer's kernels (``ort_trainer/kernels``): g widened as it is
 read, one float32 add an element, the same values bit for bit. Where g is a padded product's leading rows
 (``aligned_products``' ``Slice`` of rows from 0, possibly under pairs of ``Transpose`` nodes that undo each
-other), the kernel reads the padded product itself: its first elements are those rows.
+other), the kernel reads the padded product itself: its first elements are those rows. The chain's first term,
+itself a ``Cast`` of a half tensor, is read in its half dtype too (from a padded product, the node's attribute
+``rows`` giving the sum's own).
 
 Only an ``Add`` of two tensors of one static shape is rewritten (no broadcasting).
 """
@@ -42,14 +44,28 @@ def fused_gradient_sums(model: onnx.ModelProto) -> int:
                     or types.get(cast.input[0]) not in _HALF or not g.only_used_by(name, node)
                     or g.shapes.get(name) != shape or g.shapes.get(other) != shape):
                 continue
-            replaced[id(node)] = [helper.make_node("AddHalf", [other, _rows_source(cast.input[0], g)],
+            source, attributes = _half_sum(other, node, types.get(cast.input[0]), shape, g, types)
+            replaced[id(node)] = [helper.make_node("AddHalf", [source, _rows_source(cast.input[0], g)],
                                                    [node.output[0]], name=f"{node.output[0]}/AddHalf",
-                                                   domain=_KERNELS_DOMAIN)]
+                                                   domain=_KERNELS_DOMAIN, **attributes)]
             break
     if _replace_nodes(model, replaced, {}):
         if not any(o.domain == _KERNELS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(_KERNELS_DOMAIN, _KERNELS_OPSET))
     return len(replaced)
+
+
+def _half_sum(name: str, add: onnx.NodeProto, half: int, shape: list[int], g: _Graph,
+              types: dict) -> tuple[str, dict]:
+    """The sum ``AddHalf`` reads for ``name``, and its attributes: where ``name`` is itself a ``Cast`` to float32 of
+    the half dtype ``half`` that ``add`` alone reads (the first term of a chain), the half tensor it widens (through
+    ``_rows_source``: a padded product itself), with ``rows`` the sum's first dim; else ``name``, none."""
+    cast = g.producer.get(name)
+    if (cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") != onnx.TensorProto.FLOAT
+            or types.get(cast.input[0]) != half or not g.only_used_by(name, add)):
+        return name, {}
+    # (the source is the cast's input, of ``shape``, or a tensor of ``shape``'s other dims and more rows)
+    return _rows_source(cast.input[0], g), {"rows": shape[0]}
 
 
 def _rows_source(name: str, g: _Graph) -> str:

@@ -243,14 +243,14 @@ void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* ta
   });
 }
 
-// sum + x widened to float32, over sum's n values (x's first n: a padded product's leading rows), one float32 add
-// an element as Cast then Add compute it
-template <typename T>
-void add_half_cpu(const float* sum, const void* x_, float* out, int64_t n) {
-  using S = typename T::Storage;
-  const S* x = static_cast<const S*>(x_);
+// sum + x, each widened to float32, over n values (the first n of each: a padded product's leading rows), one
+// float32 add an element as Casts then Add compute it; sum in U (float32, or x's half dtype)
+template <typename U, typename T>
+void add_half_cpu(const void* sum_, const void* x_, float* out, int64_t n) {
+  const typename U::Storage* sum = static_cast<const typename U::Storage*>(sum_);
+  const typename T::Storage* x = static_cast<const typename T::Storage*>(x_);
   parallel(n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = sum[i] + T::load(x[i]);
+    for (int64_t i = begin; i < end; ++i) out[i] = U::load(sum[i]) + T::load(x[i]);
   });
 }
 

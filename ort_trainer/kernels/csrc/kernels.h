@@ -73,7 +73,9 @@ const char* cross_entropy_grad_cuda(ElementType type, const float* grad, const v
                                     const float* lse, void* dx, int64_t rows, int64_t cols, int64_t classes,
                                     int64_t ignore_index, void* stream);
 
-// sum + x widened to float32 over sum's n values (x holds at least n: its first n are read)
-const char* add_half_cuda(ElementType type, const float* sum, const void* x, float* out, int64_t n, void* stream);
+// sum + x, each widened to float32, over n values (sum and x hold at least n: their first n are read); sum float32
+// (sum_type) or of x's half dtype (type)
+const char* add_half_cuda(ElementType type, ElementType sum_type, const void* sum, const void* x, float* out,
+                          int64_t n, void* stream);
 
 }  // namespace ort_trainer_kernels

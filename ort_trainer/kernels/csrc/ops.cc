@@ -41,7 +41,10 @@
 //                               dtype, of x's shape; zeros past `classes`
 //   AddHalf(sum, x) -> y        y = sum + x widened to float32 (sum and y float32, x float16 or bfloat16 holding at
 //                               least sum's elements: its first ones are read, as a padded product's leading rows
-//                               are), one float32 add an element as Cast then Add compute it
+//                               are), one float32 add an element as Cast then Add compute it. sum may be of x's
+//                               half dtype too (widened as well); the attribute rows (default: sum's first dim):
+//                               y is [rows, sum's other dims], the first elements of sum and x read (both may be
+//                               padded products)
 #include <stdint.h>
 
 #include <algorithm>
@@ -81,7 +84,7 @@ struct Operator : OperatorEntry {
   Kind kind;
   bool tanh_form;
   ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
-  ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta
+  ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta; AddHalf's sum
   ElementType dy_type;     // LayerNormGradAdd's dy
   ElementType cast_type;   // LayerNormGradAddCast's and LayerNormGradTo*'s fifth output
   bool casts;              // LayerNormGradAddCast and LayerNormGradTo*: the fifth output
@@ -92,6 +95,7 @@ struct Kernel {
   const Operator* op;
   int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attributes
   int64_t classes;       // 0: a row's every value
+  int64_t rows;          // AddHalf's attribute: 0, sum's
 };
 
 // the scores a row of `cols` values holds (the attribute classes), or an error
@@ -294,20 +298,29 @@ OrtStatus* compute_cross_entropy_grad(const Kernel* kernel, OrtKernelContext* co
   return nullptr;
 }
 
-OrtStatus* compute_add_half(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
+OrtStatus* compute_add_half(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
   Tensor sum, x, y;
   ORTT_RETURN_IF_ERROR(input(api, context, 0, &sum));
   ORTT_RETURN_IF_ERROR(input(api, context, 1, &x));
-  if (x.size < sum.size)
-    return fail(api, "AddHalf: x has " + std::to_string(x.size) + " elements, fewer than sum's " +
-                         std::to_string(sum.size));
-  ORTT_RETURN_IF_ERROR(output(api, context, 0, sum.dims, &y));
-  const float* s = static_cast<const float*>(sum.data);
+  std::vector<int64_t> dims = sum.dims;
+  if (kernel->rows != 0 && !dims.empty()) dims[0] = kernel->rows;
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  if (kernel->rows < 0 || x.size < n || sum.size < n)
+    return fail(api, "AddHalf: y has " + std::to_string(n) + " elements (rows " +
+                         std::to_string(dims.empty() ? 1 : dims[0]) + "), more than sum's " + std::to_string(sum.size) +
+                         " or x's " + std::to_string(x.size));
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, dims, &y));
   float* out = static_cast<float*>(y.data);
   if (op->cuda)
-    return on_cuda_stream(api, context, "AddHalf",
-                          [&](void* stream) { return add_half_cuda(op->type, s, x.data, out, sum.size, stream); });
-  dispatch(op->type, [&]<typename T>() { add_half_cpu<T>(s, x.data, out, sum.size); });
+    return on_cuda_stream(api, context, "AddHalf", [&](void* stream) {
+      return add_half_cuda(op->type, op->gamma_type, sum.data, x.data, out, n, stream);
+    });
+  dispatch(op->type, [&]<typename T>() {
+    dispatch(op->gamma_type, [&]<typename U>() { add_half_cpu<U, T>(sum.data, x.data, out, n); });
+  });
   return nullptr;
 }
 
@@ -323,7 +336,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kBiasSafeSoftmax: return compute_safe_softmax(kernel->api, kernel->op, context);
     case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
-    case Kind::kAddHalf: return compute_add_half(kernel->api, kernel->op, context);
+    case Kind::kAddHalf: return compute_add_half(kernel, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -332,15 +345,18 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
 const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Operator*>(op); }
 
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
-  int64_t ignore_index = -100, classes = 0;  // torch's default, and every value, where the node has no attribute
+  // torch's default, every value, sum's rows, where the node has no attribute
+  int64_t ignore_index = -100, classes = 0, rows = 0;
   const Kind kind = as_operator(op)->kind;
-  if (kind == Kind::kCrossEntropy || kind == Kind::kCrossEntropyGrad) {
-    for (auto [name, value] : {std::pair{"ignore_index", &ignore_index}, std::pair{"classes", &classes}}) {
-      OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
-      if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
-    }
+  std::vector<std::pair<const char*, int64_t*>> attributes;
+  if (kind == Kind::kCrossEntropy || kind == Kind::kCrossEntropyGrad)
+    attributes = {{"ignore_index", &ignore_index}, {"classes", &classes}};
+  if (kind == Kind::kAddHalf) attributes = {{"rows", &rows}};
+  for (auto [name, value] : attributes) {
+    OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  return new Kernel{api, as_operator(op), ignore_index, classes};
+  return new Kernel{api, as_operator(op), ignore_index, classes, rows};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -361,7 +377,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
       : kind == Kind::kCrossEntropyGrad ? std::vector{f32, t, i64, f32}
-      : kind == Kind::kAddHalf          ? std::vector{f32, t}
+      : kind == Kind::kAddHalf          ? std::vector{g, t}
                                         : std::vector{t, t};
   const std::vector<ONNXTensorElementDataType> outs =
       kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
@@ -404,7 +420,10 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("BiasSafeSoftmax", Kind::kBiasSafeSoftmax, false, cuda, type));
         ops.push_back(make_operator("CrossEntropy", Kind::kCrossEntropy, false, cuda, type));
         ops.push_back(make_operator("CrossEntropyGrad", Kind::kCrossEntropyGrad, false, cuda, type));
-        if (type != ElementType::kFloat) ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type));
+        if (type != ElementType::kFloat) {  // (a float32 sum, or one of x's dtype: G is the sum's)
+          ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, ElementType::kFloat));
+          ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, type));
+        }
       }
       // LayerNorm's tensors in one dtype, or a half-precision input with float32 weights (torch's layer norm of a
       // float16 activation under autocast: its mean and rstd in the input's dtype)
