@@ -1,14 +1,14 @@
-"""``fused_layer_norm_gradient``'s joint part: a LayerNorm's gradient added into the residual's in its kernel.
+"""``fused_layer_norm_gradient``'s joint part: a LayerNorm's gradient added into the residual's, or cast to half, in
+its kernel.
 
-In a pre-norm transformer (GPT-2, and BERT's post-norm layers alike) the gradient of a LayerNorm's input goes on
-into the float32 sum of the residual stream's gradient: ``Add(residual, LayerNormGrad(dy, ...).dx)``, and under
-mixed precision the sum is cast to the half dtype for the products that read it next, while dy arrives as a
-float32 copy of a half product (``Cast``). Each such chain becomes one ``LayerNormGradAdd`` node of ort_trainer's
-kernels (``ort_trainer/kernels``): dy read in its own dtype, the gradient added to the residual in the kernel
-(one rounded float32 add, as the ``Add`` computes it), and as ``LayerNormGradAddCast`` the sum also written in
-dy's half dtype in place of the ``Cast`` of it. The same values bit for bit; per LayerNorm of GPT-2 small at
-8 × 512 about 75 MB of memory traffic less (the dy copy read three times, the ``Add``, the ``Cast``) and three
-nodes fewer.
+In a pre-norm transformer (GPT-2) the gradient of a LayerNorm's input goes on into the float32 sum of the residual
+stream's gradient: ``Add(residual, LayerNormGrad(dy, ...).dx)``, and under mixed precision the sum is cast to the
+half dtype for the products that read it next, while dy arrives as a float32 copy of a half product (``Cast``).
+Each such chain becomes one ``LayerNormGradAdd`` node of ort_trainer's kernels (``ort_trainer/kernels``): dy read
+in its own dtype, the gradient added to the residual in the kernel (one rounded float32 add, as the ``Add``
+computes it), and as ``LayerNormGradAddCast`` the sum also written in dy's half dtype in place of the ``Cast`` of
+it. The same values bit for bit; per LayerNorm of GPT-2 small at 8 × 512 about 75 MB of memory traffic less (the
+dy copy read three times, the ``Add``, the ``Cast``) and three nodes fewer.
 
 Only float32 LayerNorms (x, its statistics and gamma float32, as autocast computes them) whose gradient has the
 ``Add`` as its one reader are rewritten, the residual of the gradient's own static or symbolic shape; the new node
@@ -99,8 +99,7 @@ def _half_source(name: str, reader: onnx.NodeProto, g: _Graph, types: dict) -> t
             chain.append(id(node))
             current, consumer = node.input[0], node
             continue
-        if (_is(node, "Cast") and _attrs(node).get("to") == _FLOAT and types.get(node.input[0]) in _HALF
-                and g.only_used_by(current, consumer)):
+        if _is(node, "Cast") and _attrs(node).get("to") == _FLOAT and types.get(node.input[0]) in _HALF:
             return node.input[0], [*chain, id(node)]
         return name, []
 
