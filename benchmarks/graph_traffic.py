@@ -47,6 +47,8 @@ KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "
                   "LayerNormGradAdd": (1, 4, 4, 4), "LayerNormGradAddCast": (1, 4, 4, 4, 0),
                   # (the cast: x's shape, its value info its dtype)
                   "LayerNormGradToFloat16": (1, 4, 4, 4, 1), "LayerNormGradToBFloat16": (1, 4, 4, 4, 1),
+                  # (y as x, its value info its dtype; the statistics counted as gamma: not the row count, ~0.1%)
+                  "LayerNormToFloat16": (0, 1, 1), "LayerNormToBFloat16": (0, 1, 1),
                   # torch's attention (fused_attention): out as q; the row log-sum-exp [batch, heads, seq] counted as
                   # out's size (an overcount by the head dim, ~1% of the node's bytes at head dim 64)
                   "Attention": (0, 0), "BiasAttention": (0, 0), "AttentionGrad": (1, 2, 3),

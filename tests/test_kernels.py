@@ -266,6 +266,30 @@ def test_layer_norm_grad_cast_is_the_gradient_then_its_cast_bit_for_bit(cpu_libr
     assert torch.equal(fused["dx_cast"], plain["dx"].to(dtype))
 
 
+# LayerNormTo*'s CPU kernel: float64 statistics rounded once to float32 (within u32 of float64's), y computed in
+# float64 and rounded once to the half dtype: within u of float64's |y|, plus half the subnormals' spacing
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_layer_norm_to_half_computes_torchs_layer_norm(cpu_library, dtype):
+    """LayerNormToFloat16 / LayerNormToBFloat16 of [4, 16, 48] float32 rows against float64 ``native_layer_norm``
+    with the attribute epsilon: y in the half dtype, mean and rstd float32 of shape [4, 16, 1] (ONNX's)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 16, 48, generator=gen) * 3 + 1
+    gamma, beta = torch.randn(48, generator=gen) + 1, torch.randn(48, generator=gen)
+    op = "LayerNormToFloat16" if dtype == torch.float16 else "LayerNormToBFloat16"
+    f32 = TensorProto.FLOAT
+    session = _session(cpu_library, op, {"x": f32, "gamma": f32, "beta": f32},
+                       {"y": _TYPES[dtype][0], "mean": f32, "rstd": f32}, epsilon=1e-3)
+    outs = _bound_run(session, {"x": x, "gamma": gamma, "beta": beta},
+                      {"y": torch.empty(4, 16, 48, dtype=dtype), "mean": torch.empty(4, 16, 1),
+                       "rstd": torch.empty(4, 16, 1)})
+    y, mean, rstd = torch.native_layer_norm(x.double(), [48], gamma.double(), beta.double(), 1e-3)
+    roundoff, tiny = _TYPES[dtype][1], _TYPES[dtype][2]
+    assert ((outs["y"].double() - y).abs() - ((roundoff + 4 * FLOAT32) * y.abs() + tiny)).max() <= 0
+    assert ((outs["mean"].double() - mean).abs() <= FLOAT32 * mean.abs()).all()
+    assert ((outs["rstd"].double() - rstd).abs() <= FLOAT32 * rstd.abs()).all()
+
+
 @needs_compiler
 def test_layer_norm_grad_add_refuses_a_residual_of_another_shape(cpu_library):
     f32 = TensorProto.FLOAT

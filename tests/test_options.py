@@ -37,6 +37,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.half_precision_transposed_products", "graph_optimizations.half_precision_gelu",
     "graph_optimizations.bfloat16_softmax_gradient", "graph_optimizations.gelu_forward_kernel",
     "graph_optimizations.fused_gelu_gradient", "graph_optimizations.fused_layer_norm_gradient",
+    "graph_optimizations.fused_layer_norm",
     "graph_optimizations.fused_softmax_gradient", "graph_optimizations.fused_safe_softmax",
     "graph_optimizations.fused_cross_entropy", "graph_optimizations.fused_attention",
     "graph_optimizations.loss_pieces", "graph_optimizations.loss_piece_elements",

@@ -46,6 +46,7 @@ LIBRARY_ENV = "ORT_TRAINER_KERNELS_LIBRARY"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _NAME = "libort_trainer_kernels.so"
 _CUDA_SOURCES = ("gelu.cu", "layer_norm.cu", "softmax.cu", "cross_entropy.cu", "add_half.cu")
+_SOURCES = ("ops.cc", "layer_norm_ops.cc")  # the operators' runs and registration (CPU kernels: headers)
 _CUDA_ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
                "-gencode", "arch=compute_90,code=compute_90")
 
@@ -68,7 +69,7 @@ def _root() -> Path:
 
 
 def _command(nvcc: str | None, cxx: str | None, output: Path) -> list[str]:
-    sources = [str(_CSRC / "ops.cc")]
+    sources = [str(_CSRC / name) for name in _SOURCES]
     if nvcc:
         # the CUDA runtime linked in (cudart_static, nvcc's default) and C++'s too: the library runs beside any
         # CUDA 12+ driver and any libstdc++, as on a GPU machine it was not built on
@@ -103,7 +104,7 @@ def build(output_dir: Path | None = None, cuda: bool | None = None) -> Path:
             f"(e.g. apt-get install g++), or set ${LIBRARY_ENV} to a library built elsewhere (make kernels)")
     digest = hashlib.sha256()
     # the headers and what _command compiles (csrc/torch_allocator.cc is torch_allocator.py's, built apart)
-    built = ("ops.cc", *_CUDA_SOURCES)
+    built = (*_SOURCES, *_CUDA_SOURCES)
     for source in sorted(p for p in _CSRC.iterdir() if p.suffix in (".h", ".cuh") or p.name in built):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(_command(nvcc, cxx, Path(_NAME))).encode())

@@ -359,7 +359,11 @@ _SCHEMAS = {
     **{name: ([("dy", "U"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U")],
               [("dx", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), ("dx_cast", "T")], ())
        for name in ("LayerNormGradToFloat16", "LayerNormGradToBFloat16")},
+    # written by graph/passes/layer_norm_forward.py (epsilon: a float attribute)
+    **{name: ([("x", "U"), ("gamma", "U"), ("beta", "U")], [("y", "T"), ("mean", "U"), ("rstd", "U")], ("epsilon",))
+       for name in ("LayerNormToFloat16", "LayerNormToBFloat16")},
 }
+_FLOAT_ATTRIBUTES = {"epsilon"}
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 
 
@@ -375,7 +379,8 @@ def _register_schemas() -> None:
             name, DOMAIN, OPSET, doc=f"ort_trainer's kernel library: {name}",
             inputs=[parameter(*p) for p in inputs], outputs=[parameter(*p) for p in outputs],
             type_constraints=[(kind, _TYPES[kind], kind) for kind in used],
-            attributes=[schema.Attribute(a, schema.AttrType.INT, a, required=False) for a in attributes]))
+            attributes=[schema.Attribute(a, schema.AttrType.FLOAT if a in _FLOAT_ATTRIBUTES else schema.AttrType.INT, a,
+                                         required=False) for a in attributes]))
 
 
 def register_translations(registry) -> None:

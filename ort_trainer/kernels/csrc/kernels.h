@@ -26,6 +26,12 @@ const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType c, El
                                  const void* residual, void* dx, void* dx_cast, void* dgamma, void* dbeta,
                                  float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream);
 
+// LayerNorm's forward over `rows` rows of `cols` float32 values (x, gamma, beta float32): each row's mean and
+// rstd = 1 / sqrt(var + epsilon) (float32, one a row), and y = (x - mean) * rstd * gamma + beta rounded to
+// `type` (float16 or bfloat16) alone: the float32 y is never written
+const char* layer_norm_cast_cuda(ElementType type, const float* x, const float* gamma, const float* beta, void* y,
+                                 float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon, void* stream);
+
 // a softmax's gradient over the last axis: dx = y * (dy - sum(dy * y)) for each of `rows` rows of `cols` values
 const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,
                               void* stream);

@@ -1,4 +1,5 @@
-// The CUDA kernels of LayerNormGrad and LayerNormGradAdd (ops.cc; the arithmetic: layer_norm.h), in float32
+// The CUDA kernels of LayerNormTo* (the forward, a row a block: its mean, then its variance about it, then y in the
+// half dtype) and of LayerNormGrad and LayerNormGradAdd (ops.cc; the arithmetic: layer_norm.h), in float32
 // whatever the tensors' dtypes (T: x, mean, rstd, the residual and dx; D: dy; C: dx's cast; G: gamma, dgamma and
 // dbeta):
 //   rows:    one block a row: the row's two sums (of g and of g * xhat) reduced in the block, then dx (plus the
@@ -62,6 +63,29 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
     if (residual != nullptr) out = from_float<T>(__fadd_rn(to_float(residual[row * cols + c]), to_float(out)));
     dx_row[c] = out;
     if (dx_cast != nullptr) dx_cast[row * cols + c] = from_float<C>(to_float(out));
+  }
+}
+
+template <typename H>
+__global__ void forward_kernel(const float* x, const float* gamma, const float* beta, H* y, float* mean, float* rstd,
+                               int64_t cols, float epsilon) {
+  const int64_t row = blockIdx.x;
+  const float* x_row = x + row * cols;
+  float2 sums = make_float2(0.0f, 0.0f);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sums.x += x_row[c];
+  const float m = block_sum(sums).x / static_cast<float>(cols);
+  __syncthreads();  // (every thread has read the first sum before block_sum's buffer takes the second)
+  sums = make_float2(0.0f, 0.0f);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float d = x_row[c] - m;
+    sums.x += d * d;
+  }
+  const float r = rsqrtf(block_sum(sums).x / static_cast<float>(cols) + epsilon);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    y[row * cols + c] = from_float<H>((x_row[c] - m) * r * gamma[c] + beta[c]);
+  if (threadIdx.x == 0) {
+    mean[row] = m;
+    rstd[row] = r;
   }
 }
 
@@ -152,6 +176,24 @@ bool known(ElementType type) {
 }
 
 }  // namespace
+
+const char* layer_norm_cast_cuda(ElementType type, const float* x, const float* gamma, const float* beta, void* y,
+                                 float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon, void* stream) {
+  if (rows == 0 || cols == 0) return nullptr;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t rounded = (cols + 31) / 32 * 32;
+  const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
+  if (type == ElementType::kFloat16)
+    forward_kernel<__half><<<static_cast<unsigned>(rows), threads, 0, s>>>(x, gamma, beta, static_cast<__half*>(y),
+                                                                            mean, rstd, cols, epsilon);
+  else if (type == ElementType::kBFloat16)
+    forward_kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), threads, 0, s>>>(
+        x, gamma, beta, static_cast<__nv_bfloat16*>(y), mean, rstd, cols, epsilon);
+  else
+    return "unsupported dtype";
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
 
 const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType c, ElementType g, const void* dy,
                                  const void* x, const void* mean, const void* rstd, const void* gamma,

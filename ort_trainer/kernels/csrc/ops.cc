@@ -5,23 +5,7 @@
 //   GeluGrad(dy, x) -> dx       dx = dy * GELU'(x), GELU(x) = x * Phi(x); float32, float16 and bfloat16, dy, x and
 //                               dx of one shape and dtype
 //   TanhGeluGrad(dy, x) -> dx   the same for GELU's tanh approximation (gelu.h)
-//   LayerNormGrad(dy, x, mean, rstd, gamma) -> (dx, dgamma, dbeta, partials)
-//                               LayerNorm's backward over the last dims (as many values a row as gamma has),
-//                               from the forward's mean and rstd (one a row); float32. partials: the column sums
-//                               of each chunk of rows, [chunks, 2, cols] (the CUDA kernel's deterministic
-//                               reduction; one chunk on the CPU), read by no other node (layer_norm.h)
-//   LayerNormGradAdd(dy, x, mean, rstd, gamma, residual) -> (sum, dgamma, dbeta, partials)
-//   LayerNormGradAddCast(dy, x, mean, rstd, gamma, residual) -> (sum, dgamma, dbeta, partials, sum_cast)
-//                               the same with the gradient added to the residual (float32, x's shape) in the
-//                               kernel, one rounded float32 add as an Add node of the two computes it; dy float32,
-//                               float16 or bfloat16 of x's element count (a half gradient read as it is: no float32
-//                               copy); sum_cast: the sum rounded to dy's dtype (what the products that read the
-//                               sum take under mixed precision). x, mean, rstd, gamma and the sums float32
-//                               (graph/passes/layer_norm_sums.py)
-//   LayerNormGradToFloat16(dy, x, mean, rstd, gamma) -> (dx, dgamma, dbeta, partials, dx_cast)
-//   LayerNormGradToBFloat16(...)  LayerNormGrad of float32 tensors with dx rounded to float16 (bfloat16) as well (a
-//                               post-norm LayerNorm's gradient, which the sublayer's half products read); one name
-//                               a dtype, as the inputs' dtypes do not tell the two apart
+//   LayerNorm's operators: layer_norm_ops.cc
 //   SoftmaxGrad(dy, y) -> dx    a softmax's gradient over the last axis, dx = y * (dy - sum(dy * y)), from its
 //                               output y; float32, float16 and bfloat16, computed in float32
 //   SafeSoftmax(x) -> y         a softmax over the last axis whose rows of only -inf give zeros (torch's
@@ -55,48 +39,14 @@
 #include "cpu_kernels.h"
 #include "kernels.h"
 #include "layer_norm.h"
-#include "ort_abi.h"
-#include "ort_io.h"
+#include "ops.h"
 
 #define ORTT_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace ort_trainer_kernels {
 namespace {
 
-using namespace ort_abi;
-
 constexpr uint32_t kOpVersion = 16;  // KernelComputeV2 (errors reach the session as a failed run)
-
-enum class Kind {
-  kGeluGrad,
-  kLayerNormGrad,
-  kLayerNormGradAdd,
-  kLayerNormGradCast,
-  kSoftmaxGrad,
-  kSafeSoftmax,
-  kBiasSafeSoftmax,
-  kCrossEntropy,
-  kCrossEntropyGrad,
-  kAddHalf
-};
-
-struct Operator : OperatorEntry {
-  Kind kind;
-  bool tanh_form;
-  ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
-  ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta; AddHalf's sum
-  ElementType dy_type;     // LayerNormGradAdd's dy
-  ElementType cast_type;   // LayerNormGradAddCast's and LayerNormGradTo*'s fifth output
-  bool casts;              // LayerNormGradAddCast and LayerNormGradTo*: the fifth output
-};
-
-struct Kernel {
-  const OrtApi* api;
-  const Operator* op;
-  int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attributes
-  int64_t classes;       // 0: a row's every value
-  int64_t rows;          // AddHalf's attribute: 0, sum's
-};
 
 // the scores a row of `cols` values holds (the attribute classes), or an error
 OrtStatus* row_classes(const Kernel* kernel, const char* name, int64_t cols, int64_t* classes) {
@@ -105,24 +55,6 @@ OrtStatus* row_classes(const Kernel* kernel, const char* name, int64_t cols, int
     return fail(kernel->api, std::string(name) + ": the attribute classes (" + std::to_string(kernel->classes) +
                                  ") must be in [1, " + std::to_string(cols) + "], x's row length");
   return nullptr;
-}
-
-// runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
-// run's. Operators with CUDA kernels exist only where nvcc built the library: elsewhere launch is never called
-// (nor compiled into the library).
-template <typename Launch>
-OrtStatus* on_cuda_stream(const OrtApi* api, OrtKernelContext* context, const char* name, Launch&& launch) {
-#ifdef ORT_TRAINER_KERNELS_CUDA
-  void* stream = nullptr;
-  ORTT_RETURN_IF_ERROR(
-      slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, &stream));
-  const char* error = launch(stream);
-  return error == nullptr ? nullptr : fail(api, std::string(name) + " on CUDA: " + error);
-#else
-  (void)context;
-  (void)launch;
-  return fail(api, std::string(name) + ": this library was built without CUDA kernels");
-#endif
 }
 
 OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
@@ -140,46 +72,6 @@ OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelCon
       gelu_grad_cpu<T, true>(dy.data, x.data, dx.data, x.size);
     else
       gelu_grad_cpu<T, false>(dy.data, x.data, dx.data, x.size);
-  });
-  return nullptr;
-}
-
-OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
-  const bool adds = op->kind == Kind::kLayerNormGradAdd;  // (LayerNormGradTo* read as LayerNormGrad does)
-  Tensor dy, x, mean, rstd, gamma, residual;
-  Tensor* inputs[] = {&dy, &x, &mean, &rstd, &gamma, &residual};
-  for (size_t i = 0; i < (adds ? 6 : 5); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, inputs[i]));
-  const int64_t cols = gamma.size, rows = cols > 0 ? x.size / cols : 0;
-  // (LayerNormGradAdd reads dy by its elements: a product's [rows, cols] for x's [batch, seq, cols])
-  if ((adds ? dy.size != x.size || residual.dims != x.dims : dy.dims != x.dims) || cols == 0 || rows * cols != x.size ||
-      mean.size != rows || rstd.size != rows)
-    return fail(api, std::string(op->name) + ": dy and x must have one shape (LayerNormGradAdd: dy x's element count, "
-                                             "the residual x's shape), a multiple of gamma's size, and mean and rstd "
-                                             "one value for each row of gamma's size");
-  const int64_t chunks = op->cuda ? layer_norm_chunks(rows) : 1;
-  Tensor dx, dgamma, dbeta, partials, cast;
-  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
-  ORTT_RETURN_IF_ERROR(output(api, context, 1, gamma.dims, &dgamma));
-  ORTT_RETURN_IF_ERROR(output(api, context, 2, gamma.dims, &dbeta));
-  ORTT_RETURN_IF_ERROR(output(api, context, 3, {chunks, 2, cols}, &partials));
-  if (op->casts) ORTT_RETURN_IF_ERROR(output(api, context, 4, x.dims, &cast));
-  float* sums = static_cast<float*>(partials.data);
-  const ElementType d = adds ? op->dy_type : op->type, c = op->casts ? op->cast_type : d;
-  if (op->cuda)
-    return on_cuda_stream(api, context, op->name, [&](void* stream) {
-      return layer_norm_grad_cuda(op->type, d, c, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
-                                  residual.data, dx.data, cast.data, dgamma.data, dbeta.data, sums, rows, cols, chunks,
-                                  stream);
-    });
-  dispatch(op->type, [&]<typename T>() {
-    dispatch(op->gamma_type, [&]<typename G>() {
-      dispatch(d, [&]<typename D>() {
-        dispatch(c, [&]<typename C>() {
-          layer_norm_grad_cpu<T, G, D, C>(dy.data, x.data, mean.data, rstd.data, gamma.data, residual.data, dx.data,
-                                          cast.data, dgamma.data, dbeta.data, sums, rows, cols);
-        });
-      });
-    });
   });
   return nullptr;
 }
@@ -337,6 +229,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
     case Kind::kAddHalf: return compute_add_half(kernel, context);
+    case Kind::kLayerNormCast: return compute_layer_norm_cast(kernel, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -356,7 +249,12 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  return new Kernel{api, as_operator(op), ignore_index, classes, rows};
+  float epsilon = 1e-5f;  // ONNX's default
+  if (kind == Kind::kLayerNormCast) {
+    OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "epsilon", &epsilon);
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  }
+  return new Kernel{api, as_operator(op), ignore_index, classes, rows, epsilon};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -373,6 +271,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       kind == Kind::kLayerNormGrad       ? std::vector{t, t, t, t, g}
       : kind == Kind::kLayerNormGradAdd  ? std::vector{t, f32, f32, f32, f32, f32}
       : kind == Kind::kLayerNormGradCast ? std::vector{f32, f32, f32, f32, f32}
+      : kind == Kind::kLayerNormCast     ? std::vector{f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
@@ -383,6 +282,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
       : casts                           ? std::vector{f32, f32, f32, f32, t}
       : kind == Kind::kLayerNormGradAdd ? std::vector{f32, f32, f32, f32}
+      : kind == Kind::kLayerNormCast    ? std::vector{t, f32, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
@@ -435,8 +335,11 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("LayerNormGradAdd", Kind::kLayerNormGradAdd, false, cuda, type));
         if (type != ElementType::kFloat) {
           ops.push_back(make_operator("LayerNormGradAddCast", Kind::kLayerNormGradAdd, false, cuda, type));
-          const char* to = type == ElementType::kFloat16 ? "LayerNormGradToFloat16" : "LayerNormGradToBFloat16";
-          ops.push_back(make_operator(to, Kind::kLayerNormGradCast, false, cuda, type));
+          const bool f16 = type == ElementType::kFloat16;
+          ops.push_back(make_operator(f16 ? "LayerNormGradToFloat16" : "LayerNormGradToBFloat16",
+                                      Kind::kLayerNormGradCast, false, cuda, type));
+          ops.push_back(make_operator(f16 ? "LayerNormToFloat16" : "LayerNormToBFloat16", Kind::kLayerNormCast, false,
+                                      cuda, type));
         }
       }
     }

@@ -40,6 +40,7 @@ using GetDimensionsCount = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size
 using GetDimensions = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t);          // 62
 using GetTensorShapeElementCount = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*);      // 64
 using GetTensorTypeAndShape = OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**);        // 65
+using KernelInfoGetAttributeFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);     // 85
 using KernelInfoGetAttributeInt64 = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);   // 86
 using KernelContextGetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);   // 90
 using KernelContextGetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);  // 91
@@ -58,6 +59,7 @@ enum Slot : int {
   kGetDimensions = 62,
   kGetTensorShapeElementCount = 64,
   kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeFloat = 85,
   kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,

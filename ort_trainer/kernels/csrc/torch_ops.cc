@@ -42,8 +42,6 @@ namespace {
 using namespace ort_abi;
 
 constexpr uint32_t kOpVersion = 16;
-using KernelInfoGetAttributeFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);  // 85
-constexpr Slot kKernelInfoGetAttributeFloat = static_cast<Slot>(85);
 
 struct Operator : OperatorEntry {
   bool backward, bias;

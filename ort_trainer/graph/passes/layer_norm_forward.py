@@ -1,0 +1,66 @@
+"""``fused_layer_norm``: a float32 LayerNorm whose output only half-precision products read, as one kernel node.
+
+Under mixed precision autocast computes each LayerNorm in float32 and the products after it cast its output to the
+half dtype: ``LayerNormalization`` writes a float32 ``[tokens, hidden]`` tensor that a ``Cast`` reads once to write
+the half copy (in GPT-2, the input of every layer's attention and MLP; 24 a step of GPT-2 small, 25 MB each at
+8 × 512 besides the LayerNorm's own). Each such ``LayerNormalization`` (float32 input, weight and bias, over the
+last axis) whose output is read by that ``Cast`` alone, directly or through a ``Reshape``, is one
+``LayerNormToFloat16`` / ``LayerNormToBFloat16`` node of ort_trainer's kernels (``ort_trainer/kernels``): the half
+output written directly, and the mean and inverse standard deviation (float32, one a row, the backward's) as
+ONNX's. The kernel computes the statistics in its own order (the CUDA kernel: float32 sums over a block, the CPU's
+float64), so the output may differ from ONNX Runtime's by a float32 rounding before the half one.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from ...kernels import DOMAIN as _KERNELS_DOMAIN
+from ...kernels import OPSET as _KERNELS_OPSET
+from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _sole_consumer
+
+_FLOAT = onnx.TensorProto.FLOAT
+_OPS = {onnx.TensorProto.FLOAT16: "LayerNormToFloat16", onnx.TensorProto.BFLOAT16: "LayerNormToBFloat16"}
+
+
+def fused_layer_norm(model: onnx.ModelProto) -> int:
+    """Rewrite each eligible ``LayerNormalization`` (module docstring) in place; returns how many."""
+    g = _Graph(model)
+    types = _elem_types(model)
+    dead: set[int] = set()
+    before: dict[int, list[onnx.NodeProto]] = {}
+    count = 0
+    for node in model.graph.node:
+        if not _is(node, "LayerNormalization") or len(node.input) < 3 or not node.input[2]:
+            continue
+        shape, attributes = g.shapes.get(node.input[0]), _attrs(node)
+        if (any(types.get(name) != _FLOAT for name in node.input[:3]) or not shape
+                or attributes.get("axis", -1) not in (-1, len(shape) - 1) or attributes.get("stash_type", 1) != 1
+                or len(g.shapes.get(node.input[1]) or []) != 1):
+            continue
+        reader = _sole_consumer(g, node.output[0])
+        view = reader if reader is not None and _is(reader, "Reshape") else None
+        cast = _sole_consumer(g, view.output[0]) if view is not None else reader
+        if cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") not in _OPS:
+            continue
+        half = f"{node.output[0]}/half" if view is not None else cast.output[0]
+        outputs = [half] + [name or f"{node.output[0]}/statistics{i}" for i, name in
+                            enumerate((list(node.output) + ["", ""])[1:3], 1)]
+        before[id(node)] = [helper.make_node(_OPS[_attrs(cast)["to"]], list(node.input[:3]), outputs,
+                                             name=f"{node.name or node.output[0]}/half", domain=_KERNELS_DOMAIN,
+                                             epsilon=float(attributes.get("epsilon", 1e-5)))]
+        if view is not None:  # (where the view was: its shape may be made after the LayerNorm)
+            before[id(view)] = [helper.make_node("Reshape", [half, view.input[1]], [cast.output[0]],
+                                                 name=f"{view.name or view.output[0]}/half")]
+            model.graph.value_info.append(helper.make_tensor_value_info(half, _attrs(cast)["to"], shape))
+        dead |= {id(node), id(cast), *([id(view)] if view is not None else [])}
+        count += 1
+    if before:
+        _keep(model, dead, before=before)
+        if not any(o.domain == _KERNELS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(_KERNELS_DOMAIN, _KERNELS_OPSET))
+    return count
+
+
+__all__ = ["fused_layer_norm"]

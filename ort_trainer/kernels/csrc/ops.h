@@ -1,0 +1,72 @@
+// What ops.cc (the operators' table and most of their runs) and layer_norm_ops.cc (LayerNorm's operators) share:
+// each operator's entry, a kernel's attributes, and the launch of a CUDA kernel on the session's stream.
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+#include "kernels.h"
+#include "ort_abi.h"
+#include "ort_io.h"
+
+namespace ort_trainer_kernels {
+
+using namespace ort_abi;
+
+enum class Kind {
+  kGeluGrad,
+  kLayerNormGrad,
+  kLayerNormGradAdd,
+  kLayerNormGradCast,
+  kLayerNormCast,
+  kSoftmaxGrad,
+  kSafeSoftmax,
+  kBiasSafeSoftmax,
+  kCrossEntropy,
+  kCrossEntropyGrad,
+  kAddHalf
+};
+
+struct Operator : OperatorEntry {
+  Kind kind;
+  bool tanh_form;
+  ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
+  ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta; AddHalf's sum
+  ElementType dy_type;     // LayerNormGradAdd's dy
+  ElementType cast_type;   // LayerNormGradAddCast's and LayerNormGradTo*'s fifth output
+  bool casts;              // LayerNormGradAddCast and LayerNormGradTo*: the fifth output
+};
+
+struct Kernel {
+  const OrtApi* api;
+  const Operator* op;
+  int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attributes
+  int64_t classes;       // 0: a row's every value
+  int64_t rows;          // AddHalf's attribute: 0, sum's
+  float epsilon;         // LayerNormTo*'s
+};
+
+// runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
+// run's. Operators with CUDA kernels exist only where nvcc built the library: elsewhere launch is never called
+// (nor compiled into the library).
+template <typename Launch>
+OrtStatus* on_cuda_stream(const OrtApi* api, OrtKernelContext* context, const char* name, Launch&& launch) {
+#ifdef ORT_TRAINER_KERNELS_CUDA
+  void* stream = nullptr;
+  ORTT_RETURN_IF_ERROR(
+      slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, &stream));
+  const char* error = launch(stream);
+  return error == nullptr ? nullptr : fail(api, std::string(name) + " on CUDA: " + error);
+#else
+  (void)context;
+  (void)launch;
+  return fail(api, std::string(name) + ": this library was built without CUDA kernels");
+#endif
+}
+
+// LayerNorm's operators' runs (layer_norm_ops.cc)
+OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context);
+OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* context);
+
+}  // namespace ort_trainer_kernels
