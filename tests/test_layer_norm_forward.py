@@ -3,27 +3,22 @@ output only half-precision products read, as one ``LayerNormToFloat16`` / ``Laye
 writes the half output itself.
 
 Checked on a tiny Hugging Face GPT-2 (two pre-norm layers) in float16 mixed precision on the CPU, and in float16 and
-bfloat16 on CUDA (``make gpu-check``): its five LayerNorms become kernel nodes, the loss and every gradient within the half dtype's bound of
-float64 PyTorch and of the graph without the switch (the kernel's statistics are summed in another order than
+bfloat16 on CUDA (``make gpu-check``): its five LayerNorms become kernel nodes, the loss and every gradient within
+the half dtype's bound of float64 PyTorch and of the graph without the switch (the kernel's statistics are summed in another order than
 ONNX Runtime's, a float32 rounding apart before the half one). LayerNorms it must leave: a float32 output read by
 another node too, one over two axes. The kernel's values: ``test_kernels.py``.
 """
 
-import copy
-
-import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 
-from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.amp import DynamicLossScaler
+from ort_trainer import _runtime
 from ort_trainer.graph.passes import layer_norm_forward
 from ort_trainer.kernels import DOMAIN
-from ort_trainer.optim import SGDConfig
 
-from models import VOCAB, tiny_gpt2
+from test_half_loss import _gpt2_case, _relative
+from test_layer_norm_sums import _check_float64, _mixed_step
 from tolerances import check
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
@@ -34,21 +29,6 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
 BOUNDS = {"float16": 1e-2, "bfloat16": 8e-2}
 
 
-def _step(model, desc, batch, precision: str, device: str, on: bool):
-    scaler = {"loss_scaler": DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)} if precision == "float16" else {}
-    options = {"device": {"id": device}, "graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
-               "mixed_precision": {"enabled": True, "dtype": precision, **scaler},
-               "graph_optimizations": {"fused_layer_norm": on}}
-    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), options=options)
-    loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
-    grads = {w: g.float().cpu().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
-    return loss, grads, trainer._graphs.gradient.graph
-
-
-def _relative(got: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
-
-
 @pytest.mark.parametrize("precision, device", [
     ("float16", "cpu"), pytest.param("float16", "cuda", marks=pytest.mark.cuda),
     pytest.param("bfloat16", "cuda", marks=pytest.mark.cuda)])
@@ -56,23 +36,17 @@ def test_the_layer_norms_write_their_half_output_within_rounding(precision, devi
     """Five LayerNorm kernel nodes (every layer's two and the final one, whose output the head's half product
     reads), no LayerNormalization left; the loss and every gradient within BOUNDS of float64 and of the graph
     without the switch."""
-    model, desc = tiny_gpt2()
-    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
-    batch = (ids, torch.ones_like(ids), ids)
-    loss_off, grads_off, _ = _step(model, desc, batch, precision, device, False)
-    loss_on, grads_on, graph = _step(model, desc, batch, precision, device, True)
+    model, desc, batch, _ = _gpt2_case()
+    loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": False})
+    loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": True})
     op = "LayerNormToFloat16" if precision == "float16" else "LayerNormToBFloat16"
     assert [n.op_type for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNormTo")] == [op] * 5
     assert not [n for n in graph.node if n.op_type == "LayerNormalization"]
-    double = copy.deepcopy(model).double()
-    out = double(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    out.loss.backward()
     bound = BOUNDS[precision]
-    check(abs(loss_on - float(out.loss.detach())) / float(out.loss.detach()), bound, "loss")
+    _check_float64(model, batch, loss_on, grads_on, bound)
     check(abs(loss_on - loss_off) / abs(loss_off), bound, "loss against off")
-    for name, parameter in double.named_parameters():
-        check(_relative(grads_on[name], parameter.grad.numpy()), bound, name)
-        check(_relative(grads_on[name], grads_off[name]), bound, (name, "against off"))
+    for name, grad in grads_off.items():
+        check(_relative(grads_on[name], grad), bound, (name, "against off"))
 
 
 def _model(nodes, outputs, x_shape=(4, 8), scale_shape=(8,)):

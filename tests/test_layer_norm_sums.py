@@ -16,7 +16,6 @@ import copy
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 
 from ort_trainer import ORTTrainer, _runtime
@@ -26,7 +25,7 @@ from ort_trainer.graph.passes import layer_norm_sums
 from ort_trainer.kernels import DOMAIN
 from ort_trainer.optim import SGDConfig
 
-from models import VOCAB, tiny_gpt2
+from test_half_loss import _float64, _gpt2_case, _relative
 from tolerances import FLOAT32, check
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
@@ -38,28 +37,38 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
 BOUNDS = {"fp32": 4000 * FLOAT32, "float16": 1e-2, "bfloat16": 8e-2}
 
 
-def _step(model, desc, batch, precision: str, device: str, joint: bool, monkeypatch):
-    """One step with fused_layer_norm_gradient on (``joint``: its joint part too), built afresh (the graph cache
-    keys the switch, not the pass): loss, gradients, graph."""
+def _mixed_step(model, desc, batch, precision: str, device: str, switches: dict):
+    """One unscaled SGD step (lr 0) of a Hugging Face model in ``precision`` ("fp32", "float16", "bfloat16") on
+    ``device`` with the ``graph_optimizations`` ``switches``: the loss, every gradient (float64 arrays), the graph."""
     mixed = {} if precision == "fp32" else {"mixed_precision": {
         "enabled": True, "dtype": precision,
         **({"loss_scaler": DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)} if precision == "float16"
            else {})}}
     options = {"device": {"id": device}, "graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
-               "graph_optimizations": {"fused_layer_norm_gradient": True}, **mixed}
+               "graph_optimizations": switches, **mixed}
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), options=options)
+    loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
+    grads = {w: g.float().cpu().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
+    return loss, grads, trainer._graphs.gradient.graph
+
+
+def _check_float64(model, batch, loss: float, grads: dict, bound: float) -> None:
+    """The loss and every gradient within ``bound`` of float64 PyTorch's (relative to each tensor's norm)."""
+    loss64, grads64 = _float64(model, batch, None)
+    check(abs(loss - loss64) / abs(loss64), bound, "loss")
+    for name, grad in grads64.items():
+        check(_relative(grads[name], grad), bound, name)
+
+
+def _step(model, desc, batch, precision: str, device: str, joint: bool, monkeypatch):
+    """One step with fused_layer_norm_gradient on (``joint``: its joint part too), built afresh (the graph cache
+    keys the switch, not the pass): loss, gradients, graph."""
     with monkeypatch.context() as patch:
         patch.setenv("ORT_TRAINER_CACHE_DIR", "off")
         if not joint:
             patch.setattr(passes, "_JOINT", tuple((name, run) for name, run in passes._JOINT
                                                   if run is not layer_norm_sums.layer_norm_residual_sums))
-        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), options=options)
-        loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
-    grads = {w: g.float().cpu().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
-    return loss, grads, trainer._graphs.gradient.graph
-
-
-def _relative(got: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
+        return _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm_gradient": True})
 
 
 @pytest.mark.parametrize("precision, device", [
@@ -72,9 +81,7 @@ def test_the_residual_sums_are_the_unfused_graphs_bit_for_bit(precision, device,
     the final one's is read twice), each now one node that reads dy in its own dtype (a half product's, under mixed
     precision) and, but for the last (the embeddings' gradients read it), writes the sum's half cast for the
     products after it."""
-    model, desc = tiny_gpt2()
-    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
-    batch = (ids, torch.ones_like(ids), ids)
+    model, desc, batch, _ = _gpt2_case()
     loss_off, grads_off, graph_off = _step(model, desc, batch, precision, device, False, monkeypatch)
     loss_on, grads_on, graph = _step(model, desc, batch, precision, device, True, monkeypatch)
     # ONNX Runtime's CPU provider has no float16 MatMul: it computes one in float32 between casts, and drops the
@@ -93,12 +100,7 @@ def test_the_residual_sums_are_the_unfused_graphs_bit_for_bit(precision, device,
     casts = [n for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNormGradTo")]
     assert len(casts) == (0 if precision == "fp32" else 1)
     assert len(graph.node) <= len(graph_off.node) - len(fused) - (0 if precision == "fp32" else 2 * 3 + 1 + 1)
-    double = copy.deepcopy(model).double()
-    out = double(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    out.loss.backward()
-    check(abs(loss_on - float(out.loss.detach())) / float(out.loss.detach()), BOUNDS[precision], "loss")
-    for name, parameter in double.named_parameters():
-        check(_relative(grads_on[name], parameter.grad.numpy()), BOUNDS[precision], name)
+    _check_float64(model, batch, loss_on, grads_on, BOUNDS[precision])
 
 
 def _layer_norm_grad(dy: str, dx: str, suffix: str = "") -> onnx.NodeProto:

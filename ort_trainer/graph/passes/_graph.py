@@ -157,6 +157,13 @@ def _shared_constants(g: _Graph, pending: dict[str, onnx.TensorProto], constants
             pending[name] = numpy_helper.from_array(value, name)
 
 
+def _import_domain(model: onnx.ModelProto, domain: str, version: int) -> None:
+    """Import ``domain`` at ``version`` into ``model``, unless it imports that domain already (a pass that wrote
+    nodes of another domain than ONNX's)."""
+    if not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(domain, version))
+
+
 def _replace_nodes(model: onnx.ModelProto, replaced: dict[int, list[onnx.NodeProto]],
                    initializers: dict[str, onnx.TensorProto]) -> int:
     """Put ``replaced[id(node)]`` in place of each such node, add ``initializers``; returns the count."""

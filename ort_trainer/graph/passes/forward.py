@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._graph import _Graph, _elem_types, _keep, _other, _sole_consumer
+from ._graph import _Graph, _elem_types, _import_domain, _keep, _other, _sole_consumer
 
 MS_DOMAIN = "com.microsoft"
 
@@ -268,8 +268,7 @@ def sigmoid_gelu_forward(model: onnx.ModelProto) -> int:
                                                  domain=MS_DOMAIN)]
     if replaced:
         _keep(model, dead, before=replaced)
-        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        _import_domain(model, MS_DOMAIN, 1)
     return len(replaced)
 
 

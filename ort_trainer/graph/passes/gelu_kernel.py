@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ._graph import _Graph, _elem_types, _keep, _op, _op_types, _shared_constants
+from ._graph import _Graph, _elem_types, _import_domain, _keep, _op, _op_types, _shared_constants
 
 _BINARY = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": np.divide}
 _UNARY = {"Neg": np.negative, "Sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v)), "Tanh": np.tanh,
@@ -158,8 +158,7 @@ def gelu_forward_kernel(model: onnx.ModelProto) -> int:
     known = {v.name for v in model.graph.value_info}
     model.graph.value_info.extend(helper.make_tensor_value_info(y, elem_type, shape)
                                   for y, (elem_type, shape) in typed.items() if y not in known)
-    if not any(o.domain == _DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(_DOMAIN, 1))
+    _import_domain(model, _DOMAIN, 1)
     return len(replaced)
 
 

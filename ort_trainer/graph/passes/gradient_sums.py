@@ -21,7 +21,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ...kernels import OPSET as _KERNELS_OPSET
-from ._graph import _Graph, _attrs, _elem_types, _is, _replace_nodes
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _replace_nodes
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -50,8 +50,7 @@ def fused_gradient_sums(model: onnx.ModelProto) -> int:
                                                    domain=_KERNELS_DOMAIN, **attributes)]
             break
     if _replace_nodes(model, replaced, {}):
-        if not any(o.domain == _KERNELS_DOMAIN for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(_KERNELS_DOMAIN, _KERNELS_OPSET))
+        _import_domain(model, _KERNELS_DOMAIN, _KERNELS_OPSET)
     return len(replaced)
 
 

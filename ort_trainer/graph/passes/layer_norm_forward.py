@@ -18,7 +18,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ...kernels import OPSET as _KERNELS_OPSET
-from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _sole_consumer
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer
 
 _FLOAT = onnx.TensorProto.FLOAT
 _OPS = {onnx.TensorProto.FLOAT16: "LayerNormToFloat16", onnx.TensorProto.BFLOAT16: "LayerNormToBFloat16"}
@@ -58,8 +58,7 @@ def fused_layer_norm(model: onnx.ModelProto) -> int:
         count += 1
     if before:
         _keep(model, dead, before=before)
-        if not any(o.domain == _KERNELS_DOMAIN for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(_KERNELS_DOMAIN, _KERNELS_OPSET))
+        _import_domain(model, _KERNELS_DOMAIN, _KERNELS_OPSET)
     return count
 
 

@@ -37,7 +37,14 @@
 namespace ort_trainer_kernels {
 
 OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
-  const bool adds = op->kind == Kind::kLayerNormGradAdd;  // (LayerNormGradTo* read as LayerNormGrad does)
+  const Kind kind = op->kind;
+  const bool adds = kind == Kind::kLayerNormGradAdd || kind == Kind::kLayerNormGradAddCast;
+  const bool casts = kind == Kind::kLayerNormGradAddCast || kind == Kind::kLayerNormGradCast;
+  // the dtypes (t: x's, g: gamma's, d: dy's, c: the cast's): LayerNormGrad's own; the others' LayerNorm is float32,
+  // their registered type dy's (LayerNormGradAdd*) and the cast's
+  const ElementType f32 = ElementType::kFloat, t = kind == Kind::kLayerNormGrad ? op->type : f32;
+  const ElementType g = kind == Kind::kLayerNormGrad ? op->gamma_type : f32, d = adds ? op->type : t;
+  const ElementType c = casts ? op->type : d;
   Tensor dy, x, mean, rstd, gamma, residual;
   Tensor* inputs[] = {&dy, &x, &mean, &rstd, &gamma, &residual};
   for (size_t i = 0; i < (adds ? 6 : 5); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, inputs[i]));
@@ -54,17 +61,16 @@ OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKer
   ORTT_RETURN_IF_ERROR(output(api, context, 1, gamma.dims, &dgamma));
   ORTT_RETURN_IF_ERROR(output(api, context, 2, gamma.dims, &dbeta));
   ORTT_RETURN_IF_ERROR(output(api, context, 3, {chunks, 2, cols}, &partials));
-  if (op->casts) ORTT_RETURN_IF_ERROR(output(api, context, 4, x.dims, &cast));
+  if (casts) ORTT_RETURN_IF_ERROR(output(api, context, 4, x.dims, &cast));
   float* sums = static_cast<float*>(partials.data);
-  const ElementType d = adds ? op->dy_type : op->type, c = op->casts ? op->cast_type : d;
   if (op->cuda)
     return on_cuda_stream(api, context, op->name, [&](void* stream) {
-      return layer_norm_grad_cuda(op->type, d, c, op->gamma_type, dy.data, x.data, mean.data, rstd.data, gamma.data,
+      return layer_norm_grad_cuda(t, d, c, g, dy.data, x.data, mean.data, rstd.data, gamma.data,
                                   residual.data, dx.data, cast.data, dgamma.data, dbeta.data, sums, rows, cols, chunks,
                                   stream);
     });
-  dispatch(op->type, [&]<typename T>() {
-    dispatch(op->gamma_type, [&]<typename G>() {
+  dispatch(t, [&]<typename T>() {
+    dispatch(g, [&]<typename G>() {
       dispatch(d, [&]<typename D>() {
         dispatch(c, [&]<typename C>() {
           layer_norm_grad_cpu<T, G, D, C>(dy.data, x.data, mean.data, rstd.data, gamma.data, residual.data, dx.data,
@@ -99,7 +105,8 @@ OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* conte
     return on_cuda_stream(api, context, op->name, [&](void* stream) {
       return layer_norm_cast_cuda(op->type, xs, g, b, y.data, m, r, rows, cols, kernel->epsilon, stream);
     });
-  dispatch(op->type, [&]<typename H>() { layer_norm_cast_cpu<H>(xs, g, b, y.data, m, r, rows, cols, kernel->epsilon); });
+  dispatch(op->type,
+           [&]<typename H>() { layer_norm_cast_cpu<H>(xs, g, b, y.data, m, r, rows, cols, kernel->epsilon); });
   return nullptr;
 }
 

@@ -222,6 +222,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kGeluGrad: return compute_gelu_grad(kernel->api, kernel->op, context);
     case Kind::kLayerNormGrad:
     case Kind::kLayerNormGradAdd:
+    case Kind::kLayerNormGradAddCast:
     case Kind::kLayerNormGradCast: return compute_layer_norm_grad(kernel->api, kernel->op, context);
     case Kind::kSoftmaxGrad: return compute_softmax_grad(kernel->api, kernel->op, context);
     case Kind::kSafeSoftmax:
@@ -265,11 +266,11 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   // (LayerNormGradAdd: T is dy's and the cast's, LayerNormGradTo*: the cast's; every other tensor float32)
   const auto t = static_cast<ONNXTensorElementDataType>(type), g = static_cast<ONNXTensorElementDataType>(gamma_type);
   const auto f32 = ONNX_FLOAT, i64 = ONNX_INT64;
-  const bool casts = kind == Kind::kLayerNormGradCast ||
-                     (kind == Kind::kLayerNormGradAdd && std::string(op_name) == "LayerNormGradAddCast");
+  const bool add = kind == Kind::kLayerNormGradAdd || kind == Kind::kLayerNormGradAddCast;
+  const bool casts = kind == Kind::kLayerNormGradAddCast || kind == Kind::kLayerNormGradCast;
   const std::vector<ONNXTensorElementDataType> ins =
       kind == Kind::kLayerNormGrad       ? std::vector{t, t, t, t, g}
-      : kind == Kind::kLayerNormGradAdd  ? std::vector{t, f32, f32, f32, f32, f32}
+      : add                              ? std::vector{t, f32, f32, f32, f32, f32}
       : kind == Kind::kLayerNormGradCast ? std::vector{f32, f32, f32, f32, f32}
       : kind == Kind::kLayerNormCast     ? std::vector{f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
@@ -281,7 +282,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   const std::vector<ONNXTensorElementDataType> outs =
       kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
       : casts                           ? std::vector{f32, f32, f32, f32, t}
-      : kind == Kind::kLayerNormGradAdd ? std::vector{f32, f32, f32, f32}
+      : add                             ? std::vector{f32, f32, f32, f32}
       : kind == Kind::kLayerNormCast    ? std::vector{t, f32, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
       : kind == Kind::kAddHalf      ? std::vector{f32}
@@ -289,15 +290,8 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
   op.kind = kind;
   op.tanh_form = tanh_form;
-  op.casts = casts;
-  if (kind == Kind::kLayerNormGradAdd || kind == Kind::kLayerNormGradCast) {
-    op.type = op.gamma_type = ElementType::kFloat;
-    op.dy_type = kind == Kind::kLayerNormGradAdd ? type : ElementType::kFloat;
-    op.cast_type = type;
-  } else {
-    op.type = type;
-    op.gamma_type = gamma_type;
-  }
+  op.type = type;
+  op.gamma_type = gamma_type;
   return op;
 }
 
@@ -334,7 +328,7 @@ const std::vector<Operator>& operators() {
         // float32 LayerNorms whose gradient goes on into a float32 residual sum, dy of any dtype
         ops.push_back(make_operator("LayerNormGradAdd", Kind::kLayerNormGradAdd, false, cuda, type));
         if (type != ElementType::kFloat) {
-          ops.push_back(make_operator("LayerNormGradAddCast", Kind::kLayerNormGradAdd, false, cuda, type));
+          ops.push_back(make_operator("LayerNormGradAddCast", Kind::kLayerNormGradAddCast, false, cuda, type));
           const bool f16 = type == ElementType::kFloat16;
           ops.push_back(make_operator(f16 ? "LayerNormGradToFloat16" : "LayerNormGradToBFloat16",
                                       Kind::kLayerNormGradCast, false, cuda, type));

@@ -18,6 +18,7 @@ enum class Kind {
   kGeluGrad,
   kLayerNormGrad,
   kLayerNormGradAdd,
+  kLayerNormGradAddCast,
   kLayerNormGradCast,
   kLayerNormCast,
   kSoftmaxGrad,
@@ -31,11 +32,9 @@ enum class Kind {
 struct Operator : OperatorEntry {
   Kind kind;
   bool tanh_form;
-  ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials
+  ElementType type;        // of every input and output but LayerNormGrad's gamma, dgamma, dbeta and partials (the
+                           // LayerNorm operators of float32 LayerNorms: dy's or the cast's, layer_norm_ops.cc)
   ElementType gamma_type;  // LayerNormGrad's gamma, dgamma and dbeta; AddHalf's sum
-  ElementType dy_type;     // LayerNormGradAdd's dy
-  ElementType cast_type;   // LayerNormGradAddCast's and LayerNormGradTo*'s fifth output
-  bool casts;              // LayerNormGradAddCast and LayerNormGradTo*: the fifth output
 };
 
 struct Kernel {
