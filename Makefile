@@ -58,8 +58,14 @@ $(LEGACY_STAMP): setup.py | $(LEGACY_PY)
 run: $(STAMP)
 	$(VENV)/bin/ort-trainer train configs/gpt_stdlib.yaml --overwrite
 
+# The tests run in TEST_WORKERS processes (pytest-xdist; each takes the next test as it finishes one), 0: in pytest's
+# own. Two keep both cores of a 2-core machine busy: most tests spend their time in one Python thread (tracing,
+# exporting, starting processes).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # the documentation site with the API reference generated from the docstrings (mkdocs.yml), into
 # site/; any warning is an error: a docstring that cannot be rendered, a public name without one, a
@@ -86,7 +92,7 @@ test-tolerances: $(STAMP)
 # the tests that must pass on both runtimes, run on the 1.19.2 training build (Python <= 3.12:
 # set LEGACY_PYTHON where python3 is newer)
 test-legacy: $(LEGACY_STAMP)
-	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS)
+	$(LEGACY_PY) -m pytest -q $(XDIST) $(LEGACY_TESTS)
 
 # ort_trainer vs eager PyTorch and torch.compile at GPT-2 small, BERT-base, a 656 M-weight GPT-2 and a 1024-wide MLP
 # (step, peak RSS, cold and warm builds, save_as_onnx); writes docs/benchmarks_real/<CPU kind>.md and lists it in

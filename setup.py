@@ -52,7 +52,7 @@ setup(
         "tensorboard": ["tensorboard>=2.14"],
         "bench": ["transformers>=4.40", "matplotlib>=3.7"],
         "docs": DOCS,
-        "dev": ["pytest>=7", "scikit-learn>=1.3", "transformers>=4.40", "tensorboard>=2.14", *DOCS],
+        "dev": ["pytest>=7", "pytest-xdist>=3.5", "scikit-learn>=1.3", "transformers>=4.40", "tensorboard>=2.14", *DOCS],
     },
     entry_points={"console_scripts": ["ort-trainer=ort_trainer.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],

@@ -9,6 +9,7 @@ threads (sums change order with the thread count: ``make test-tolerances`` runs 
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,22 @@ def pytest_collection_modifyitems(config, items):
 def _isolated_cache(tmp_path_factory):
     os.environ["ORT_TRAINER_CACHE_DIR"] = str(tmp_path_factory.mktemp("graph_cache"))
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernels_built_once():
+    """Every kernel library built into the one folder where caching is off (``ORT_TRAINER_CACHE_DIR=off``), with the
+    graph cache on too: each library is built once for the whole run, by whichever test worker needs it first (a
+    build takes about 40 s with nvcc), and kept for the next run (its folder is named by the hash of its sources and
+    compiler command, so a change builds anew). Tests of the cache's own folders pass folders of their own."""
+    from ort_trainer import kernels
+    from ort_trainer.kernels import torch_allocator, torch_ops
+
+    shared = Path(tempfile.gettempdir()) / f"ort_trainer-kernels-{os.getuid()}"
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (kernels, torch_allocator, torch_ops):
+            patch.setattr(module, "_root", lambda: shared)
+        yield shared
 
 
 @pytest.fixture(autouse=True)

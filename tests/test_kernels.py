@@ -33,8 +33,9 @@ needs_compiler = pytest.mark.skipif(kernels._compilers() == (None, None), reason
 
 
 @pytest.fixture(scope="module")
-def cpu_library(tmp_path_factory) -> Path:
-    return kernels.build(tmp_path_factory.mktemp("cpu"), cuda=False)
+def cpu_library() -> Path:
+    """The C++ compiler's build (no CUDA kernels), into the kernels folder the whole run shares (conftest.py)."""
+    return kernels.build(cuda=False)
 
 
 _INT64 = TensorProto.INT64
@@ -151,11 +152,11 @@ def test_without_a_compiler_or_with_a_missing_library_the_error_says_what_to_do(
 
 
 @pytest.mark.skipif(kernels._compilers()[0] is None, reason="no nvcc here")
-def test_nvcc_builds_cuda_kernels_that_leave_the_cpu_ones_as_they_are(tmp_path):
+def test_nvcc_builds_cuda_kernels_that_leave_the_cpu_ones_as_they_are():
     """With nvcc the library holds the CUDA kernels (compute capability 8.0 and 9.0, PTX for later) beside the
     CPU ones, links the CUDA runtime and C++'s own in (it loads on a GPU machine it was not built on), and a CPU
-    session runs its CPU kernels as the C++ build's do."""
-    path = kernels.build(tmp_path, cuda=True)
+    session runs its CPU kernels as the C++ build's do. (The build the other tests use where nvcc is found.)"""
+    path = kernels.build(cuda=True)
     assert kernels.has_cuda_kernels(path)
     if shutil.which("ldd"):
         import subprocess
@@ -475,14 +476,35 @@ def test_add_half_refuses_an_x_smaller_than_the_sum(cpu_library):
 
 
 @needs_compiler
-def test_make_kernels_builds_the_library_and_prints_its_path(tmp_path):
-    """``make kernels`` (README): the library built into the kernels cache, its path the last line printed."""
+def test_make_kernels_builds_the_library_and_prints_its_path(_kernels_built_once):
+    """``make kernels`` (README): the library built into the kernels cache (here the one where caching is off, which
+    the whole run shares: conftest.py), its path the last line printed; the one this process loads."""
     import os
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(["make", "--no-print-directory", "kernels"], cwd=root, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path)})
+                          timeout=600, env={**os.environ, "ORT_TRAINER_CACHE_DIR": "off"})
     assert done.returncode == 0, done.stdout + done.stderr
     path = Path(done.stdout.strip().splitlines()[-1])
-    assert path.is_file() and path.name == "libort_trainer_kernels.so" and tmp_path in path.parents
+    assert path.is_file() and path.name == "libort_trainer_kernels.so" and _kernels_built_once in path.parents
+    assert path == kernels.build()
+
+
+def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
+    """Two builders at once (threads here: each opens the lock file itself, as processes do): the second waits for
+    the first's build and takes it; a failed build leaves nothing, so the next one builds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    builds = tmp_path / "builds.txt"
+
+    def command(output):
+        return ["sh", "-c", f'echo built >> "{builds}"; sleep 1; echo library > "{output}"']
+
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: kernels._built(tmp_path / "lib" / "x.so", command, "x"), range(2)))
+    assert paths == [tmp_path / "lib" / "x.so"] * 2 and paths[0].read_text() == "library\n"
+    assert builds.read_text() == "built\n"
+    with pytest.raises(kernels.KernelsUnavailable, match="building y failed"):
+        kernels._built(tmp_path / "y" / "y.so", lambda output: ["false"], "y")
+    assert [p.name for p in (tmp_path / "y").iterdir()] == [".lock"]

@@ -318,8 +318,9 @@ def test_make_test_legacy_runs_the_parity_checkpoint_rewrite_and_mpi_tests_on_th
     out = _make_dry_run("test-legacy")
     assert 'pip install --quiet -e ".[training,dev,mpi]"' in out and "touch .venv-legacy/.installed-training" in out
     (command,) = [line for line in out.splitlines() if "-m pytest" in line]
-    assert command.startswith(".venv-legacy/bin/python -m pytest -q ")
-    files = command.split()[4:]
+    # in two worker processes, as make test
+    assert command.startswith(".venv-legacy/bin/python -m pytest -q -n 2 --dist worksteal ")
+    files = command.split()[8:]
     assert {"tests/test_parity.py", "tests/test_checkpoint.py", "tests/test_distributed.py",
             "tests/test_rewrites.py"} <= set(files)
     assert all((REPO / f).is_file() for f in files)
@@ -330,8 +331,13 @@ def test_make_test_installs_todays_onnxruntime_by_default_and_runs_the_whole_sui
     assert 'pip install --quiet -e ".[cpu,dev,mpi]"' in out and "touch .venv/.installed-cpu" in out
     assert '".[training' not in out
     (command,) = [line for line in out.splitlines() if "-m pytest" in line]
-    # the whole suite but the slow tests (a 2.6 GB model, 16 GB of memory), which make test-large runs
-    assert shlex.split(command) == [".venv/bin/python", "-m", "pytest", "-q", "-m", "not slow", "tests"]
+    # the whole suite but the slow tests (a 2.6 GB model, 16 GB of memory), which make test-large runs; in two
+    # worker processes (pytest-xdist, a dev requirement), each taking the next test as it finishes one
+    assert shlex.split(command) == [".venv/bin/python", "-m", "pytest", "-q", "-n", "2", "--dist", "worksteal", "-m",
+                                    "not slow", "tests"]
+    assert "pytest-xdist" in (REPO / "setup.py").read_text()
+    (serial,) = [line for line in _make_dry_run("test", "TEST_WORKERS=0").splitlines() if "-m pytest" in line]
+    assert shlex.split(serial)[4:6] == ["-n", "0"]  # pytest's own process
     (large,) = [line for line in _make_dry_run("test-large").splitlines() if "-m pytest" in line]
     assert shlex.split(large) == [".venv/bin/python", "-m", "pytest", "-q", "-m", "slow", "tests"]
 

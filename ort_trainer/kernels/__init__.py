@@ -17,8 +17,9 @@ The library is built on first use from ``csrc/`` into ``$ORT_TRAINER_CACHE_DIR/k
 the sources and compiler>/`` (``~/.cache/ort_trainer`` by default; a temporary folder where caching is off,
 ``ORT_TRAINER_CACHE_DIR=off``): with ``nvcc`` where one is found (CPU and CUDA kernels, for
 compute capability 8.0 and 9.0 and PTX for later GPUs; about a minute), else with the C++
-compiler (CPU kernels only; seconds). ``$ORT_TRAINER_KERNELS_LIBRARY`` names a library built
-elsewhere instead (a GPU machine without a compiler: ``make kernels`` writes one).
+compiler (CPU kernels only; seconds); processes that need it at once (a job's ranks on one machine)
+build it once. ``$ORT_TRAINER_KERNELS_LIBRARY`` names a library built elsewhere instead (a GPU
+machine without a compiler: ``make kernels`` writes one).
 
 The C++ side declares only the parts of ONNX Runtime's C ABI it calls (``csrc/ort_abi.h``: the API
 table's slots by index, which ONNX Runtime never moves, and the custom operator's struct).
@@ -27,6 +28,7 @@ table's slots by index, which ONNX Runtime never moves, and the custom operator'
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -115,7 +117,9 @@ def build(output_dir: Path | None = None, cuda: bool | None = None) -> Path:
 
 def _built(path: Path, command: Callable[[Path], list[str]], what: str, fix: str = "") -> Path:
     """``path``, built by ``command(output)`` unless it exists: under a name of its own in a scratch folder beside
-    it, then renamed, so that processes building at once each end with a whole library.
+    it, then renamed, so that a reader never sees half a library. Processes that need it at once (the ranks of a
+    job on one machine, test workers) build it once: each takes the folder's lock (``flock``, released by the
+    system when its holder ends, so that a build killed midway blocks no one) and looks again before building.
 
     Raises:
         KernelsUnavailable: the build failed (with the compiler's message, then ``fix``).
@@ -123,14 +127,18 @@ def _built(path: Path, command: Callable[[Path], list[str]], what: str, fix: str
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        partial = Path(scratch) / path.name
-        logger.info("building %s into %s", what, path.parent)
-        done = subprocess.run(command(partial), capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise KernelsUnavailable(f"building {what} failed ({done.args[0]}):\n"
-                                     f"{(done.stderr or done.stdout)[-4000:]}" + (f"\n{fix}" if fix else ""))
-        os.replace(partial, path)
+    with open(path.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # built by the process that held the lock before
+            return path
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            partial = Path(scratch) / path.name
+            logger.info("building %s into %s", what, path.parent)
+            done = subprocess.run(command(partial), capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise KernelsUnavailable(f"building {what} failed ({done.args[0]}):\n"
+                                         f"{(done.stderr or done.stdout)[-4000:]}" + (f"\n{fix}" if fix else ""))
+            os.replace(partial, path)
     return path
 
 
