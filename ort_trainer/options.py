@@ -197,8 +197,8 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.fused_layer_norm_gradient": _Field(
         _BOOL, False, "each LayerNorm's backward as one kernel (a pre-norm one's with the residual's gradient sum)"),
     "graph_optimizations.fused_layer_norm": _Field(
-        _BOOL, False, "mixed precision: a float32 LayerNorm whose output half products alone read as one kernel that "
-        "writes the half output (no float32 output and cast)"),
+        _BOOL, False, "mixed precision: a float32 LayerNorm whose output half products read as one kernel that "
+        "writes the half output (no float32 output and cast; both where others read the float32 output too)"),
     "graph_optimizations.fused_softmax_gradient": _Field(_BOOL, False, "a softmax's backward as one kernel"),
     "graph_optimizations.fused_safe_softmax": _Field(_BOOL, False, "attention's safe softmax as one kernel"),
     "graph_optimizations.fused_cross_entropy": _Field(_BOOL, False, "a cross-entropy as two kernels, no float32 copy"),

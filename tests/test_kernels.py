@@ -268,27 +268,36 @@ def test_layer_norm_grad_cast_is_the_gradient_then_its_cast_bit_for_bit(cpu_libr
 
 
 # LayerNormTo*'s CPU kernel: float64 statistics rounded once to float32 (within u32 of float64's), y computed in
-# float64 and rounded once to the half dtype: within u of float64's |y|, plus half the subnormals' spacing
+# float64 and rounded once to the half dtype: within u of float64's |y|, plus half the subnormals' spacing;
+# LayerNormWith*'s float32 y: within u32 (4 u32: margin), its half y the rounding of that float32 y
 @needs_compiler
+@pytest.mark.parametrize("both", [False, True], ids=["To", "With"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_layer_norm_to_half_computes_torchs_layer_norm(cpu_library, dtype):
+def test_layer_norm_to_half_computes_torchs_layer_norm(cpu_library, dtype, both):
     """LayerNormToFloat16 / LayerNormToBFloat16 of [4, 16, 48] float32 rows against float64 ``native_layer_norm``
-    with the attribute epsilon: y in the half dtype, mean and rstd float32 of shape [4, 16, 1] (ONNX's)."""
+    with the attribute epsilon: y in the half dtype, mean and rstd float32 of shape [4, 16, 1] (ONNX's).
+    LayerNormWithFloat16 / ...BFloat16: y in float32 first, the half y last, bit for bit a cast of the float32 y."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(4, 16, 48, generator=gen) * 3 + 1
     gamma, beta = torch.randn(48, generator=gen) + 1, torch.randn(48, generator=gen)
-    op = "LayerNormToFloat16" if dtype == torch.float16 else "LayerNormToBFloat16"
+    name = "Float16" if dtype == torch.float16 else "BFloat16"
     f32 = TensorProto.FLOAT
-    session = _session(cpu_library, op, {"x": f32, "gamma": f32, "beta": f32},
-                       {"y": _TYPES[dtype][0], "mean": f32, "rstd": f32}, epsilon=1e-3)
-    outs = _bound_run(session, {"x": x, "gamma": gamma, "beta": beta},
-                      {"y": torch.empty(4, 16, 48, dtype=dtype), "mean": torch.empty(4, 16, 1),
-                       "rstd": torch.empty(4, 16, 1)})
+    outputs = {"y": _TYPES[dtype][0], "mean": f32, "rstd": f32}
+    buffers = {"y": torch.empty(4, 16, 48, dtype=dtype), "mean": torch.empty(4, 16, 1), "rstd": torch.empty(4, 16, 1)}
+    if both:
+        outputs = {"y32": f32, "mean": f32, "rstd": f32, "y": _TYPES[dtype][0]}
+        buffers["y32"] = torch.empty(4, 16, 48)
+    session = _session(cpu_library, f"LayerNorm{'With' if both else 'To'}{name}",
+                       {"x": f32, "gamma": f32, "beta": f32}, outputs, epsilon=1e-3)
+    outs = _bound_run(session, {"x": x, "gamma": gamma, "beta": beta}, buffers)
     y, mean, rstd = torch.native_layer_norm(x.double(), [48], gamma.double(), beta.double(), 1e-3)
     roundoff, tiny = _TYPES[dtype][1], _TYPES[dtype][2]
     assert ((outs["y"].double() - y).abs() - ((roundoff + 4 * FLOAT32) * y.abs() + tiny)).max() <= 0
     assert ((outs["mean"].double() - mean).abs() <= FLOAT32 * mean.abs()).all()
     assert ((outs["rstd"].double() - rstd).abs() <= FLOAT32 * rstd.abs()).all()
+    if both:
+        assert ((outs["y32"].double() - y).abs() <= 4 * FLOAT32 * y.abs()).all()
+        assert torch.equal(outs["y"], outs["y32"].to(dtype))
 
 
 @needs_compiler

@@ -1,23 +1,26 @@
 """``graph_optimizations.fused_layer_norm`` (``graph/passes/layer_norm_forward.py``): a float32 LayerNorm whose
 output only half-precision products read, as one ``LayerNormToFloat16`` / ``LayerNormToBFloat16`` kernel node that
-writes the half output itself.
+writes the half output itself; one whose float32 output others read too, as ``LayerNormWithFloat16`` /
+``LayerNormWithBFloat16``, writing both.
 
 Checked on a tiny Hugging Face GPT-2 (two pre-norm layers) in float16 mixed precision on the CPU, and in float16 and
 bfloat16 on CUDA (``make gpu-check``): its five LayerNorms become kernel nodes, the loss and every gradient within
-the half dtype's bound of float64 PyTorch and of the graph without the switch (the kernel's statistics are summed in another order than
-ONNX Runtime's, a float32 rounding apart before the half one). LayerNorms it must leave: a float32 output read by
-another node too, one over two axes. The kernel's values: ``test_kernels.py``.
+the half dtype's bound of float64 PyTorch and of the graph without the switch (the kernel's statistics are summed in
+another order than ONNX Runtime's, a float32 rounding apart before the half one). A tiny BERT (post-norm) likewise,
+for the LayerNormWith* nodes that write the float32 output as well. The kernel's values: ``test_kernels.py``.
 """
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 from ort_trainer import _runtime
 from ort_trainer.graph.passes import layer_norm_forward
 from ort_trainer.kernels import DOMAIN
 
-from test_half_loss import _gpt2_case, _relative
+from models import VOCAB, tiny_bert_mlm
+from test_half_loss import _float64, _gpt2_case, _relative
 from test_layer_norm_sums import _check_float64, _mixed_step
 from tolerances import check
 
@@ -49,6 +52,50 @@ def test_the_layer_norms_write_their_half_output_within_rounding(precision, devi
         check(_relative(grads_on[name], grad), bound, (name, "against off"))
 
 
+def _bert_case():
+    """A tiny Hugging Face BERT (post-norm: the residual stream reads each LayerNorm's float32 output, the next
+    sublayer's products its half cast) and a masked-LM batch."""
+    model, desc = tiny_bert_mlm()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (3, 8), generator=gen)
+    labels = torch.where(torch.rand(3, 8, generator=gen) < 0.3, ids, -100)
+    labels[:, 0] = ids[:, 0]  # (a labelled word in every row)
+    return model, desc, (ids, torch.ones_like(ids), labels)
+
+
+@pytest.mark.parametrize("precision, device", [
+    ("float16", "cpu"), pytest.param("float16", "cuda", marks=pytest.mark.cuda),
+    pytest.param("bfloat16", "cuda", marks=pytest.mark.cuda)])
+def test_post_norm_layer_norms_write_both_outputs_within_rounding(precision, device):
+    """BERT: the embeddings' LayerNorm and the three that a next layer's products read become LayerNormWith* nodes
+    (float32 output for the residual, half for the products, no Cast left of their output); the last layer's and
+    the head's, which half products alone read, LayerNormTo*; the loss and every gradient within BOUNDS of float64
+    and of the graph without the switch."""
+    model, desc, batch = _bert_case()
+    loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": False})
+    loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": True})
+    name = "Float16" if precision == "float16" else "BFloat16"
+    kinds = [n.op_type for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNorm")
+             and not n.op_type.startswith("LayerNormGrad")]
+    assert sorted(kinds) == [f"LayerNormTo{name}"] * 2 + [f"LayerNormWith{name}"] * 4, kinds
+    assert not [n for n in graph.node if n.op_type == "LayerNormalization"]
+    for node in graph.node:
+        if node.op_type.startswith("LayerNormWith"):  # its float32 output read on, by no Cast
+            readers = [r for r in graph.node if node.output[0] in r.input]
+            assert readers and not [r for r in readers if r.op_type == "Cast"], node.name
+    bound = BOUNDS[precision]
+    # against float64: but attention's query and key weights, whose gradients through this tiny model's near-uniform
+    # softmax are small against the half roundings before them (5e-2 in float16 on or off; the key bias's is zero)
+    loss64, grads64 = _float64(model, batch, None)
+    check(abs(loss_on - loss64) / abs(loss64), bound, "loss")
+    for name, grad in grads64.items():
+        if ".query." not in name and ".key." not in name:
+            check(_relative(grads_on[name], grad), bound, name)
+    check(abs(loss_on - loss_off) / abs(loss_off), bound, "loss against off")
+    for name, grad in grads_off.items():
+        check(_relative(grads_on[name], grad), bound, (name, "against off"))
+
+
 def _model(nodes, outputs, x_shape=(4, 8), scale_shape=(8,)):
     f32 = TensorProto.FLOAT
     graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", f32, list(x_shape)),
@@ -59,8 +106,9 @@ def _model(nodes, outputs, x_shape=(4, 8), scale_shape=(8,)):
 
 
 def test_what_the_kernel_cannot_take_is_left_alone():
-    """A float32 output another node reads too, a LayerNorm over two axes; the plain one (through a Reshape) becomes
-    the kernel node and a Reshape of its half output, the cast's name kept."""
+    """A LayerNorm over two axes is left; the plain one (through a Reshape) becomes the kernel node and a Reshape of
+    its half output, the cast's name kept; one whose float32 output another node reads too, the node writing both
+    outputs (the float32 one under its name, the half one under the cast's)."""
     f16 = TensorProto.FLOAT16
     shape = helper.make_tensor("s", TensorProto.INT64, [2], [32, 1])
     ln = helper.make_node("LayerNormalization", ["x", "g", "b"], ["y", "m", "r"], axis=-1)
@@ -72,8 +120,10 @@ def test_what_the_kernel_cannot_take_is_left_alone():
     plain = _model([ln, helper.make_node("Constant", [], ["s"], value=shape),
                     helper.make_node("Reshape", ["y", "s"], ["v"]), helper.make_node("Cast", ["v"], ["h"], to=f16)],
                    [("h", f16, [32, 1]), ("m", TensorProto.FLOAT, [4, 1]), ("r", TensorProto.FLOAT, [4, 1])])
-    for model in (shared, two_axes):
-        assert layer_norm_forward.fused_layer_norm(model) == 0
+    assert layer_norm_forward.fused_layer_norm(two_axes) == 0
+    assert layer_norm_forward.fused_layer_norm(shared) == 1
+    assert [(n.op_type, list(n.input), list(n.output)) for n in shared.graph.node] == [
+        ("LayerNormWithFloat16", ["x", "g", "b"], ["y", "m", "r", "h"]), ("Neg", ["y"], ["n"])]
     assert layer_norm_forward.fused_layer_norm(plain) == 1
     assert [(n.op_type, list(n.input), list(n.output)) for n in plain.graph.node] == [
         ("LayerNormToFloat16", ["x", "g", "b"], ["y/half", "m", "r"]), ("Constant", [], ["s"]),

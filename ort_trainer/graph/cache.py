@@ -55,8 +55,9 @@ from .onnx_graph import dangling_names
 # (those of 9 return the micro-batch's gradients, which an engine of 10 would not add up); 11: input constraints
 # are index rules computed from the batch (those of 10 check labels only where they reach a loss unchanged); 12:
 # fused_layer_norm_gradient sums a pre-norm LayerNorm's gradient into the residual's in its kernel (graphs of 11
-# compute the same, unfused)
-_VERSION = "12"
+# compute the same, unfused); 13: fused_layer_norm writes a post-norm LayerNorm's float32 output and its half cast in
+# one kernel (graphs of 12 compute it with a Cast)
+_VERSION = "13"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]

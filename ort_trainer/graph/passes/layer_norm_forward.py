@@ -1,4 +1,4 @@
-"""``fused_layer_norm``: a float32 LayerNorm whose output only half-precision products read, as one kernel node.
+"""``fused_layer_norm``: a float32 LayerNorm and the half cast of its output, as one kernel node.
 
 Under mixed precision autocast computes each LayerNorm in float32 and the products after it cast its output to the
 half dtype: ``LayerNormalization`` writes a float32 ``[tokens, hidden]`` tensor that a ``Cast`` reads once to write
@@ -7,8 +7,12 @@ the half copy (in GPT-2, the input of every layer's attention and MLP; 24 a step
 last axis) whose output is read by that ``Cast`` alone, directly or through a ``Reshape``, is one
 ``LayerNormToFloat16`` / ``LayerNormToBFloat16`` node of ort_trainer's kernels (``ort_trainer/kernels``): the half
 output written directly, and the mean and inverse standard deviation (float32, one a row, the backward's) as
-ONNX's. The kernel computes the statistics in its own order (the CUDA kernel: float32 sums over a block, the CPU's
-float64), so the output may differ from ONNX Runtime's by a float32 rounding before the half one.
+ONNX's. Where other nodes read the float32 output too (a post-norm LayerNorm's, as BERT's: the residual stream reads
+it in float32, the sublayer's products its half cast), the LayerNorm and one ``Cast`` of its output to the half dtype
+are one ``LayerNormWithFloat16`` / ``LayerNormWithBFloat16`` node that writes both (the half one y's rounding, as the
+``Cast`` computes it): the ``Cast``'s float32 read is gone. The kernel computes the statistics in its own order (the
+CUDA kernel: float32 sums over a block, the CPU's float64), so the output may differ from ONNX Runtime's by a float32
+rounding before the half one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _so
 
 _FLOAT = onnx.TensorProto.FLOAT
 _OPS = {onnx.TensorProto.FLOAT16: "LayerNormToFloat16", onnx.TensorProto.BFLOAT16: "LayerNormToBFloat16"}
+_BOTH = {onnx.TensorProto.FLOAT16: "LayerNormWithFloat16", onnx.TensorProto.BFLOAT16: "LayerNormWithBFloat16"}
 
 
 def fused_layer_norm(model: onnx.ModelProto) -> int:
@@ -39,15 +44,20 @@ def fused_layer_norm(model: onnx.ModelProto) -> int:
                 or attributes.get("axis", -1) not in (-1, len(shape) - 1) or attributes.get("stash_type", 1) != 1
                 or len(g.shapes.get(node.input[1]) or []) != 1):
             continue
+        statistics = [name or f"{node.output[0]}/statistics{i}"
+                      for i, name in enumerate((list(node.output) + ["", ""])[1:3], 1)]
         reader = _sole_consumer(g, node.output[0])
         view = reader if reader is not None and _is(reader, "Reshape") else None
         cast = _sole_consumer(g, view.output[0]) if view is not None else reader
         if cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") not in _OPS:
-            continue
-        half = f"{node.output[0]}/half" if view is not None else cast.output[0]
-        outputs = [half] + [name or f"{node.output[0]}/statistics{i}" for i, name in
-                            enumerate((list(node.output) + ["", ""])[1:3], 1)]
-        before[id(node)] = [helper.make_node(_OPS[_attrs(cast)["to"]], list(node.input[:3]), outputs,
+            view, cast = None, _half_cast(g, node.output[0])  # read in float32 too: both outputs
+            if cast is None:
+                continue
+            op, outputs = _BOTH[_attrs(cast)["to"]], [node.output[0], *statistics, cast.output[0]]
+        else:
+            half = f"{node.output[0]}/half" if view is not None else cast.output[0]
+            op, outputs = _OPS[_attrs(cast)["to"]], [half, *statistics]
+        before[id(node)] = [helper.make_node(op, list(node.input[:3]), outputs,
                                              name=f"{node.name or node.output[0]}/half", domain=_KERNELS_DOMAIN,
                                              epsilon=float(attributes.get("epsilon", 1e-5)))]
         if view is not None:  # (where the view was: its shape may be made after the LayerNorm)
@@ -60,6 +70,14 @@ def fused_layer_norm(model: onnx.ModelProto) -> int:
         _keep(model, dead, before=before)
         _import_domain(model, _KERNELS_DOMAIN, _KERNELS_OPSET)
     return count
+
+
+def _half_cast(g: _Graph, name: str) -> onnx.NodeProto | None:
+    """The first ``Cast`` to a half dtype among ``name``'s readers (others read it too), or None."""
+    for reader in g.consumers.get(name, []):
+        if _is(reader, "Cast") and _attrs(reader).get("to") in _BOTH:
+            return reader
+    return None
 
 
 __all__ = ["fused_layer_norm"]

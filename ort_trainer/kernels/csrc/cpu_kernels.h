@@ -143,8 +143,8 @@ void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, con
 // LayerNorm's forward over rows of `cols` float32 values: each row's mean and rstd (float64 sums, rounded to
 // float32), y = (x - mean) * rstd * gamma + beta rounded once to the half dtype H
 template <typename H>
-void layer_norm_cast_cpu(const float* x, const float* gamma, const float* beta, void* y_, float* mean, float* rstd,
-                         int64_t rows, int64_t cols, float epsilon) {
+void layer_norm_cast_cpu(const float* x, const float* gamma, const float* beta, void* y_, float* y32, float* mean,
+                         float* rstd, int64_t rows, int64_t cols, float epsilon) {
   typename H::Storage* y = static_cast<typename H::Storage*>(y_);
   parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -154,8 +154,11 @@ void layer_norm_cast_cpu(const float* x, const float* gamma, const float* beta, 
       const double m = sum / cols;
       for (int64_t c = 0; c < cols; ++c) squares += (v[c] - m) * (v[c] - m);
       const double r = 1.0 / sqrt(squares / cols + epsilon);
-      for (int64_t c = 0; c < cols; ++c)
-        y[row * cols + c] = H::store(static_cast<float>((v[c] - m) * r * gamma[c] + beta[c]));
+      for (int64_t c = 0; c < cols; ++c) {
+        const float value = static_cast<float>((v[c] - m) * r * gamma[c] + beta[c]);
+        y[row * cols + c] = H::store(value);
+        if (y32 != nullptr) y32[row * cols + c] = value;
+      }
       mean[row] = static_cast<float>(m);
       rstd[row] = static_cast<float>(r);
     }

@@ -67,8 +67,8 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
 }
 
 template <typename H>
-__global__ void forward_kernel(const float* x, const float* gamma, const float* beta, H* y, float* mean, float* rstd,
-                               int64_t cols, float epsilon) {
+__global__ void forward_kernel(const float* x, const float* gamma, const float* beta, H* y, float* y32, float* mean,
+                               float* rstd, int64_t cols, float epsilon) {
   const int64_t row = blockIdx.x;
   const float* x_row = x + row * cols;
   float2 sums = make_float2(0.0f, 0.0f);
@@ -81,8 +81,11 @@ __global__ void forward_kernel(const float* x, const float* gamma, const float* 
     sums.x += d * d;
   }
   const float r = rsqrtf(block_sum(sums).x / static_cast<float>(cols) + epsilon);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-    y[row * cols + c] = from_float<H>((x_row[c] - m) * r * gamma[c] + beta[c]);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = (x_row[c] - m) * r * gamma[c] + beta[c];
+    y[row * cols + c] = from_float<H>(v);
+    if (y32 != nullptr) y32[row * cols + c] = v;
+  }
   if (threadIdx.x == 0) {
     mean[row] = m;
     rstd[row] = r;
@@ -178,17 +181,18 @@ bool known(ElementType type) {
 }  // namespace
 
 const char* layer_norm_cast_cuda(ElementType type, const float* x, const float* gamma, const float* beta, void* y,
-                                 float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon, void* stream) {
+                                 float* y32, float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon,
+                                 void* stream) {
   if (rows == 0 || cols == 0) return nullptr;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t rounded = (cols + 31) / 32 * 32;
   const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
   if (type == ElementType::kFloat16)
     forward_kernel<__half><<<static_cast<unsigned>(rows), threads, 0, s>>>(x, gamma, beta, static_cast<__half*>(y),
-                                                                            mean, rstd, cols, epsilon);
+                                                                            y32, mean, rstd, cols, epsilon);
   else if (type == ElementType::kBFloat16)
     forward_kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), threads, 0, s>>>(
-        x, gamma, beta, static_cast<__nv_bfloat16*>(y), mean, rstd, cols, epsilon);
+        x, gamma, beta, static_cast<__nv_bfloat16*>(y), y32, mean, rstd, cols, epsilon);
   else
     return "unsupported dtype";
   const cudaError_t error = cudaGetLastError();

@@ -24,6 +24,10 @@
 //                               x, gamma and beta, y written in the half dtype alone (what the products after it
 //                               read under mixed precision), mean and rstd float32 one a row, as ONNX's Mean and
 //                               InvStdDev; the attribute epsilon (default 1e-5)
+//   LayerNormWithFloat16(x, gamma, beta) -> (y, mean, rstd, y_half)
+//   LayerNormWithBFloat16(...)  the same with y written in float32 as well, first (a post-norm LayerNorm's output,
+//                               which the residual stream reads in float32 and the products in half); y_half is
+//                               y's rounding, as a Cast of it
 #include <stdint.h>
 
 #include <string>
@@ -85,7 +89,8 @@ OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKer
 OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* context) {
   const OrtApi* api = kernel->api;
   const Operator* op = kernel->op;
-  Tensor x, gamma, beta, y, mean, rstd;
+  const bool both = op->kind == Kind::kLayerNormWithCast;  // (y32 first, the half y last)
+  Tensor x, gamma, beta, y, y32, mean, rstd;
   ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
   ORTT_RETURN_IF_ERROR(input(api, context, 1, &gamma));
   ORTT_RETURN_IF_ERROR(input(api, context, 2, &beta));
@@ -95,18 +100,20 @@ OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* conte
   // the statistics as ONNX's: x's dims with 1 for each normalized one
   std::vector<int64_t> stats = x.dims;
   for (int64_t i = static_cast<int64_t>(stats.size()) - 1, n = 1; i >= 0 && n < cols; --i) n *= stats[i], stats[i] = 1;
-  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y));
+  ORTT_RETURN_IF_ERROR(output(api, context, both ? 3 : 0, x.dims, &y));
+  if (both) ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y32));
   ORTT_RETURN_IF_ERROR(output(api, context, 1, stats, &mean));
   ORTT_RETURN_IF_ERROR(output(api, context, 2, stats, &rstd));
+  float* ys = static_cast<float*>(y32.data);  // (null for LayerNormTo*)
   const float *xs = static_cast<const float*>(x.data), *g = static_cast<const float*>(gamma.data);
   const float* b = static_cast<const float*>(beta.data);
   float *m = static_cast<float*>(mean.data), *r = static_cast<float*>(rstd.data);
   if (op->cuda)
     return on_cuda_stream(api, context, op->name, [&](void* stream) {
-      return layer_norm_cast_cuda(op->type, xs, g, b, y.data, m, r, rows, cols, kernel->epsilon, stream);
+      return layer_norm_cast_cuda(op->type, xs, g, b, y.data, ys, m, r, rows, cols, kernel->epsilon, stream);
     });
   dispatch(op->type,
-           [&]<typename H>() { layer_norm_cast_cpu<H>(xs, g, b, y.data, m, r, rows, cols, kernel->epsilon); });
+           [&]<typename H>() { layer_norm_cast_cpu<H>(xs, g, b, y.data, ys, m, r, rows, cols, kernel->epsilon); });
   return nullptr;
 }
 

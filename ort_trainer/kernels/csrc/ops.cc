@@ -230,7 +230,8 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
     case Kind::kAddHalf: return compute_add_half(kernel, context);
-    case Kind::kLayerNormCast: return compute_layer_norm_cast(kernel, context);
+    case Kind::kLayerNormCast:
+    case Kind::kLayerNormWithCast: return compute_layer_norm_cast(kernel, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -251,7 +252,7 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   float epsilon = 1e-5f;  // ONNX's default
-  if (kind == Kind::kLayerNormCast) {
+  if (kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "epsilon", &epsilon);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
@@ -272,7 +273,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       kind == Kind::kLayerNormGrad       ? std::vector{t, t, t, t, g}
       : add                              ? std::vector{t, f32, f32, f32, f32, f32}
       : kind == Kind::kLayerNormGradCast ? std::vector{f32, f32, f32, f32, f32}
-      : kind == Kind::kLayerNormCast     ? std::vector{f32, f32, f32}
+      : kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast ? std::vector{f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
@@ -284,6 +285,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : casts                           ? std::vector{f32, f32, f32, f32, t}
       : add                             ? std::vector{f32, f32, f32, f32}
       : kind == Kind::kLayerNormCast    ? std::vector{t, f32, f32}
+      : kind == Kind::kLayerNormWithCast ? std::vector{f32, f32, f32, t}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
@@ -334,6 +336,8 @@ const std::vector<Operator>& operators() {
                                       Kind::kLayerNormGradCast, false, cuda, type));
           ops.push_back(make_operator(f16 ? "LayerNormToFloat16" : "LayerNormToBFloat16", Kind::kLayerNormCast, false,
                                       cuda, type));
+          ops.push_back(make_operator(f16 ? "LayerNormWithFloat16" : "LayerNormWithBFloat16", Kind::kLayerNormWithCast,
+                                      false, cuda, type));
         }
       }
     }

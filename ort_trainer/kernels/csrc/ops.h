@@ -21,6 +21,7 @@ enum class Kind {
   kLayerNormGradAddCast,
   kLayerNormGradCast,
   kLayerNormCast,
+  kLayerNormWithCast,
   kSoftmaxGrad,
   kSafeSoftmax,
   kBiasSafeSoftmax,
@@ -43,7 +44,7 @@ struct Kernel {
   int64_t ignore_index;  // CrossEntropy and CrossEntropyGrad's attributes
   int64_t classes;       // 0: a row's every value
   int64_t rows;          // AddHalf's attribute: 0, sum's
-  float epsilon;         // LayerNormTo*'s
+  float epsilon;         // LayerNormTo* and LayerNormWith*'s
 };
 
 // runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
