@@ -1,5 +1,5 @@
-"""Shared fixtures: an isolated graph cache per test session, deterministic seeds, Python's own SIGINT
-handler (``python_sigint_handler``); the ``cuda`` marker.
+"""Shared fixtures: an isolated graph cache per test session, one build of each kernel library per run,
+deterministic seeds, Python's own SIGINT handler (``python_sigint_handler``); the ``cuda`` marker.
 
 ``OMP_NUM_THREADS=N`` runs torch and every ONNX Runtime session the tests make with N intra-op
 threads (sums change order with the thread count: ``make test-tolerances`` runs both 1 and 2);
@@ -9,7 +9,6 @@ threads (sums change order with the thread count: ``make test-tolerances`` runs 
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +67,7 @@ def _kernels_built_once():
     from ort_trainer import kernels
     from ort_trainer.kernels import torch_allocator, torch_ops
 
-    shared = Path(tempfile.gettempdir()) / f"ort_trainer-kernels-{os.getuid()}"
+    shared = kernels._scratch_root()
     with pytest.MonkeyPatch.context() as patch:
         for module in (kernels, torch_allocator, torch_ops):
             patch.setattr(module, "_root", lambda: shared)

@@ -65,9 +65,14 @@ def _compilers() -> tuple[str | None, str | None]:
 
 
 def _root() -> Path:
-    """The cache's ``kernels/`` folder, or one in the temporary folder where caching is off."""
+    """The cache's ``kernels/`` folder, or ``_scratch_root()`` where caching is off."""
     root = cache_dir()
-    return root / "kernels" if root is not None else Path(tempfile.gettempdir()) / f"ort_trainer-kernels-{os.getuid()}"
+    return root / "kernels" if root is not None else _scratch_root()
+
+
+def _scratch_root() -> Path:
+    """The kernels' folder where caching is off: one of the user's in the temporary folder."""
+    return Path(tempfile.gettempdir()) / f"ort_trainer-kernels-{os.getuid()}"
 
 
 def _command(nvcc: str | None, cxx: str | None, output: Path) -> list[str]:
