@@ -268,7 +268,8 @@ def test_layer_norm_grad_cast_is_the_gradient_then_its_cast_bit_for_bit(cpu_libr
 
 
 # LayerNormTo*'s CPU kernel: float64 statistics rounded once to float32 (within u32 of float64's), y computed in
-# float64 and rounded once to the half dtype: within u of float64's |y|, plus half the subnormals' spacing;
+# float64, rounded to float32 and then to the half dtype: within u + u32 of float64's |y| (4 u32: margin), plus half
+# the subnormals' spacing;
 # LayerNormWith*'s float32 y: within u32 (4 u32: margin), its half y the rounding of that float32 y
 @needs_compiler
 @pytest.mark.parametrize("both", [False, True], ids=["To", "With"])

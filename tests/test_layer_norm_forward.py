@@ -20,7 +20,7 @@ from ort_trainer.graph.passes import layer_norm_forward
 from ort_trainer.kernels import DOMAIN
 
 from models import VOCAB, tiny_bert_mlm
-from test_half_loss import _float64, _gpt2_case, _relative
+from test_half_loss import _gpt2_case, _relative
 from test_layer_norm_sums import _check_float64, _mixed_step
 from tolerances import check
 
@@ -45,8 +45,12 @@ def test_the_layer_norms_write_their_half_output_within_rounding(precision, devi
     op = "LayerNormToFloat16" if precision == "float16" else "LayerNormToBFloat16"
     assert [n.op_type for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNormTo")] == [op] * 5
     assert not [n for n in graph.node if n.op_type == "LayerNormalization"]
-    bound = BOUNDS[precision]
-    _check_float64(model, batch, loss_on, grads_on, bound)
+    _check_against_off(loss_on, grads_on, loss_off, grads_off, BOUNDS[precision])
+    _check_float64(model, batch, loss_on, grads_on, BOUNDS[precision])
+
+
+def _check_against_off(loss_on: float, grads_on: dict, loss_off: float, grads_off: dict, bound: float) -> None:
+    """The loss and every gradient with the switch within ``bound`` of those without it."""
     check(abs(loss_on - loss_off) / abs(loss_off), bound, "loss against off")
     for name, grad in grads_off.items():
         check(_relative(grads_on[name], grad), bound, (name, "against off"))
@@ -74,26 +78,19 @@ def test_post_norm_layer_norms_write_both_outputs_within_rounding(precision, dev
     model, desc, batch = _bert_case()
     loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": False})
     loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": True})
-    name = "Float16" if precision == "float16" else "BFloat16"
+    dtype = "Float16" if precision == "float16" else "BFloat16"
     kinds = [n.op_type for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNorm")
              and not n.op_type.startswith("LayerNormGrad")]
-    assert sorted(kinds) == [f"LayerNormTo{name}"] * 2 + [f"LayerNormWith{name}"] * 4, kinds
+    assert sorted(kinds) == [f"LayerNormTo{dtype}"] * 2 + [f"LayerNormWith{dtype}"] * 4, kinds
     assert not [n for n in graph.node if n.op_type == "LayerNormalization"]
     for node in graph.node:
         if node.op_type.startswith("LayerNormWith"):  # its float32 output read on, by no Cast
             readers = [r for r in graph.node if node.output[0] in r.input]
             assert readers and not [r for r in readers if r.op_type == "Cast"], node.name
-    bound = BOUNDS[precision]
+    _check_against_off(loss_on, grads_on, loss_off, grads_off, BOUNDS[precision])
     # against float64: but attention's query and key weights, whose gradients through this tiny model's near-uniform
     # softmax are small against the half roundings before them (5e-2 in float16 on or off; the key bias's is zero)
-    loss64, grads64 = _float64(model, batch, None)
-    check(abs(loss_on - loss64) / abs(loss64), bound, "loss")
-    for name, grad in grads64.items():
-        if ".query." not in name and ".key." not in name:
-            check(_relative(grads_on[name], grad), bound, name)
-    check(abs(loss_on - loss_off) / abs(loss_off), bound, "loss against off")
-    for name, grad in grads_off.items():
-        check(_relative(grads_on[name], grad), bound, (name, "against off"))
+    _check_float64(model, batch, loss_on, grads_on, BOUNDS[precision], unchecked=(".query.", ".key."))
 
 
 def _model(nodes, outputs, x_shape=(4, 8), scale_shape=(8,)):

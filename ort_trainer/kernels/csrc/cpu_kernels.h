@@ -141,7 +141,8 @@ void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, con
 }
 
 // LayerNorm's forward over rows of `cols` float32 values: each row's mean and rstd (float64 sums, rounded to
-// float32), y = (x - mean) * rstd * gamma + beta rounded once to the half dtype H
+// float32), y = (x - mean) * rstd * gamma + beta computed in float64, rounded to float32 (written to y32 where it is
+// not null), then to the half dtype H
 template <typename H>
 void layer_norm_cast_cpu(const float* x, const float* gamma, const float* beta, void* y_, float* y32, float* mean,
                          float* rstd, int64_t rows, int64_t cols, float epsilon) {

@@ -252,7 +252,7 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   float epsilon = 1e-5f;  // ONNX's default
-  if (kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast) {
+  if (is_layer_norm_forward(kind)) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "epsilon", &epsilon);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
@@ -273,7 +273,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       kind == Kind::kLayerNormGrad       ? std::vector{t, t, t, t, g}
       : add                              ? std::vector{t, f32, f32, f32, f32, f32}
       : kind == Kind::kLayerNormGradCast ? std::vector{f32, f32, f32, f32, f32}
-      : kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast ? std::vector{f32, f32, f32}
+      : is_layer_norm_forward(kind)      ? std::vector{f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}

@@ -65,6 +65,11 @@ OrtStatus* on_cuda_stream(const OrtApi* api, OrtKernelContext* context, const ch
 #endif
 }
 
+// LayerNormTo* and LayerNormWith*: a float32 LayerNorm's forward (attribute epsilon)
+inline bool is_layer_norm_forward(Kind kind) {
+  return kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast;
+}
+
 // LayerNorm's operators' runs (layer_norm_ops.cc)
 OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context);
 OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* context);
