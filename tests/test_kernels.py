@@ -46,9 +46,9 @@ def _onnx_type(tensor: torch.Tensor) -> int:
 
 
 def _session(library: Path, op: str, inputs: dict, outputs: dict, registered: ort.SessionOptions | None = None,
-             **attributes):
-    """A CPU session of one ``op`` node of the kernels' domain, its inputs and outputs ``{name: ONNX type}``, the
-    library registered with new options (or with ``registered``, already done)."""
+             provider: str = "CPUExecutionProvider", **attributes):
+    """A session (on ``provider``) of one ``op`` node of the kernels' domain, its inputs and outputs ``{name: ONNX
+    type}``, the library registered with new options (or with ``registered``, already done)."""
     graph = helper.make_graph(
         [helper.make_node(op, list(inputs), list(outputs), domain=kernels.DOMAIN, **attributes)], "kernel",
         [helper.make_tensor_value_info(name, elem, None) for name, elem in inputs.items()],
@@ -58,16 +58,19 @@ def _session(library: Path, op: str, inputs: dict, outputs: dict, registered: or
     options = registered or ort.SessionOptions()
     if registered is None:
         options.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
 
 
 def _bound_run(session, feeds: dict, outputs: dict) -> dict:
-    """One run with the tensors bound in place (numpy has no bfloat16), writing into ``outputs``."""
+    """One run with the tensors bound in place (numpy has no bfloat16), where they lie (CPU or CUDA), writing into
+    ``outputs``."""
     binding = session.io_binding()
     for name, tensor in feeds.items():
-        binding.bind_input(name, "cpu", 0, _onnx_type(tensor), list(tensor.shape), tensor.data_ptr())
+        binding.bind_input(name, tensor.device.type, tensor.device.index or 0, _onnx_type(tensor), list(tensor.shape),
+                           tensor.data_ptr())
     for name, tensor in outputs.items():
-        binding.bind_output(name, "cpu", 0, _onnx_type(tensor), list(tensor.shape), tensor.data_ptr())
+        binding.bind_output(name, tensor.device.type, tensor.device.index or 0, _onnx_type(tensor),
+                            list(tensor.shape), tensor.data_ptr())
     session.run_with_iobinding(binding)
     return outputs
 
@@ -449,18 +452,30 @@ def test_cross_entropy_refuses_more_classes_than_a_row_holds(cpu_library):
 
 
 @needs_compiler
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("padded", [False, True], ids=["same-size", "padded-rows"])
-def test_add_half_is_cast_then_add_bit_for_bit(cpu_library, dtype, padded):
-    """AddHalf(sum, x) is torch's ``sum + x.float()`` bit for bit (x widened exactly, one float32 add), over sum's
-    elements; padded: x has 9 rows more than sum (a padded product), only its leading rows are read."""
+@pytest.mark.parametrize("addends", [1, 3, 10])
+def test_add_half_is_cast_then_add_bit_for_bit(cpu_library, device, dtype, padded, addends):
+    """AddHalf(sum, x1, ...) is torch's ``sum + x1.float() + ...`` bit for bit (each x widened exactly, one float32
+    add each, in order), over sum's elements; padded: the xs have 9 rows more than sum, and more (padded products),
+    only their leading rows are read. On CUDA (``make gpu-check``) ten tensors take two of the kernel's launches."""
     gen = torch.Generator().manual_seed(8)
     total = torch.randn(37, 33, generator=gen) * 1e3
-    x = (torch.randn(37 + (9 if padded else 0), 33, generator=gen) * 7).to(dtype)
-    session = _session(cpu_library, "AddHalf", {"sum": TensorProto.FLOAT, "x": _TYPES[dtype][0]},
-                       {"y": TensorProto.FLOAT})
-    out = _bound_run(session, {"sum": total, "x": x}, {"y": torch.empty_like(total)})["y"]
-    assert torch.equal(out, total + x[:37].float())
+    xs = {f"x{i}": (torch.randn(37 + (9 + i if padded else 0), 33, generator=gen) * 7).to(dtype)
+          for i in range(addends)}
+    expected = total
+    for x in xs.values():
+        expected = expected + x[:37].float()
+    library, provider = (cpu_library, "CPUExecutionProvider") if device == "cpu" else (kernels.library(),
+                                                                                      "CUDAExecutionProvider")
+    session = _session(library, "AddHalf", {"sum": TensorProto.FLOAT, **{n: _TYPES[dtype][0] for n in xs}},
+                       {"y": TensorProto.FLOAT}, provider=provider)
+    feeds = {name: t.to(device) for name, t in {"sum": total, **xs}.items()}
+    if device == "cuda":
+        torch.cuda.synchronize()  # (the copies done before ONNX Runtime's stream reads them)
+    out = _bound_run(session, feeds, {"y": torch.empty_like(total, device=device)})["y"]
+    assert torch.equal(out.cpu(), expected)
 
 
 @needs_compiler
@@ -479,10 +494,12 @@ def test_add_half_of_two_halves_is_two_casts_then_add_bit_for_bit(cpu_library, d
 
 @needs_compiler
 def test_add_half_refuses_an_x_smaller_than_the_sum(cpu_library):
-    session = _session(cpu_library, "AddHalf", {"sum": TensorProto.FLOAT, "x": TensorProto.FLOAT16},
-                       {"y": TensorProto.FLOAT})
-    with pytest.raises(Exception, match=r"AddHalf: y has 8 elements \(rows 2\), more than sum's 8 or x's 6"):
-        session.run(None, {"sum": np.zeros((2, 4), np.float32), "x": np.zeros((2, 3), np.float16)})
+    """Any x of fewer elements than y (here the second of two) fails the run, naming the smallest."""
+    session = _session(cpu_library, "AddHalf", {"sum": TensorProto.FLOAT, "x": TensorProto.FLOAT16,
+                                                "x2": TensorProto.FLOAT16}, {"y": TensorProto.FLOAT})
+    with pytest.raises(Exception, match=r"AddHalf: y has 8 elements \(rows 2\), more than sum's 8 or an x's 6"):
+        session.run(None, {"sum": np.zeros((2, 4), np.float32), "x": np.zeros((2, 4), np.float16),
+                           "x2": np.zeros((2, 3), np.float16)})
 
 
 @needs_compiler

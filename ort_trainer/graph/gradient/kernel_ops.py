@@ -351,7 +351,8 @@ _SCHEMAS = {
     "CrossEntropyGrad": ([("grad", "U"), ("x", "T"), ("target", "I"), ("lse", "U")], [("dx", "T")],
                          ("ignore_index", "classes")),
     # written by graph/passes/gradient_sums.py and layer_norm_sums.py (no torch operator stands for them)
-    # (the sum float32 or of x's half dtype; rows: y's first dim, where the inputs are padded products)
+    # (the sum float32 or of x's half dtype; x variadic, _VARIADIC; rows: y's first dim, where the inputs are padded
+    # products)
     "AddHalf": ([("sum", "G"), ("x", "T")], [("y", "U")], ("rows",)),
     **{name: ([("dy", "T"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U"), ("residual", "U")],
               [("sum", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), *extra], ())
@@ -364,20 +365,26 @@ _SCHEMAS = {
        for name in ("LayerNormToFloat16", "LayerNormToBFloat16")},
 }
 _FLOAT_ATTRIBUTES = {"epsilon"}
+_VARIADIC = {("AddHalf", "x")}  # (operator, input): one or more tensors of the input's type
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 
 
 @functools.lru_cache(maxsize=1)
 def _register_schemas() -> None:
     """ONNX schemas of the kernels' operators (what onnxscript reads to emit their nodes, and onnx's checker)."""
-    schema, parameter = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter
+    schema, formal = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter
+    option = schema.FormalParameterOption
     for name, (inputs, outputs, attributes) in _SCHEMAS.items():
         if onnx.defs.has(name, DOMAIN):
             continue
         used = sorted({kind for _, kind in [*inputs, *outputs]})
+
+        def parameter(p, op=name):
+            return formal(*p, param_option=option.Variadic if (op, p[0]) in _VARIADIC else option.Single)
+
         onnx.defs.register_schema(schema(
             name, DOMAIN, OPSET, doc=f"ort_trainer's kernel library: {name}",
-            inputs=[parameter(*p) for p in inputs], outputs=[parameter(*p) for p in outputs],
+            inputs=[parameter(p) for p in inputs], outputs=[parameter(p) for p in outputs],
             type_constraints=[(kind, _TYPES[kind], kind) for kind in used],
             attributes=[schema.Attribute(a, schema.AttrType.FLOAT if a in _FLOAT_ATTRIBUTES else schema.AttrType.INT, a,
                                          required=False) for a in attributes]))

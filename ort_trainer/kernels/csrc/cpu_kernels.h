@@ -269,14 +269,18 @@ void cross_entropy_grad_cpu(const float* grad, const void* x_, const int64_t* ta
   });
 }
 
-// sum + x, each widened to float32, over n values (the first n of each: a padded product's leading rows), one
-// float32 add an element as Casts then Add compute it; sum in U (float32, or x's half dtype)
+// sum + xs[0] + ... + xs[count - 1], each widened to float32, over n values (the first n of each: a padded
+// product's leading rows), one float32 add an element and x, in order, as Casts then a chain of Adds compute it; sum
+// in U (float32, or the xs' half dtype)
 template <typename U, typename T>
-void add_half_cpu(const void* sum_, const void* x_, float* out, int64_t n) {
+void add_half_cpu(const void* sum_, const void* const* xs, int count, float* out, int64_t n) {
   const typename U::Storage* sum = static_cast<const typename U::Storage*>(sum_);
-  const typename T::Storage* x = static_cast<const typename T::Storage*>(x_);
   parallel(n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = U::load(sum[i]) + T::load(x[i]);
+    for (int64_t i = begin; i < end; ++i) out[i] = U::load(sum[i]);
+    for (int k = 0; k < count; ++k) {
+      const typename T::Storage* x = static_cast<const typename T::Storage*>(xs[k]);
+      for (int64_t i = begin; i < end; ++i) out[i] += T::load(x[i]);
+    }
   });
 }
 

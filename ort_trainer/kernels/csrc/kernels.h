@@ -80,9 +80,9 @@ const char* cross_entropy_grad_cuda(ElementType type, const float* grad, const v
                                     const float* lse, void* dx, int64_t rows, int64_t cols, int64_t classes,
                                     int64_t ignore_index, void* stream);
 
-// sum + x, each widened to float32, over n values (sum and x hold at least n: their first n are read); sum float32
-// (sum_type) or of x's half dtype (type)
-const char* add_half_cuda(ElementType type, ElementType sum_type, const void* sum, const void* x, float* out,
-                          int64_t n, void* stream);
+// sum + xs[0] + ... + xs[count - 1], each widened to float32, in order, over n values (each holds at least n: its
+// first n are read); sum float32 (sum_type) or of the xs' half dtype (type)
+const char* add_half_cuda(ElementType type, ElementType sum_type, const void* sum, const void* const* xs, int count,
+                          float* out, int64_t n, void* stream);
 
 }  // namespace ort_trainer_kernels

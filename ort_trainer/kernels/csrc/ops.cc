@@ -23,12 +23,12 @@
 //   CrossEntropyGrad(grad, x, target, lse) -> dx
 //                               dx = grad[row] * (softmax(x) - onehot(target)), zeros for an ignored row, in x's
 //                               dtype, of x's shape; zeros past `classes`
-//   AddHalf(sum, x) -> y        y = sum + x widened to float32 (sum and y float32, x float16 or bfloat16 holding at
-//                               least sum's elements: its first ones are read, as a padded product's leading rows
-//                               are), one float32 add an element as Cast then Add compute it. sum may be of x's
-//                               half dtype too (widened as well); the attribute rows (default: sum's first dim):
-//                               y is [rows, sum's other dims], the first elements of sum and x read (both may be
-//                               padded products)
+//   AddHalf(sum, x, ...) -> y   y = sum + x + ... widened to float32 (sum and y float32, each x float16 or bfloat16,
+//                               one dtype, holding at least sum's elements: its first ones are read, as a padded
+//                               product's leading rows are), one float32 add an element and x, in order, as Casts
+//                               then a chain of Adds compute it. sum may be of x's half dtype too (widened as
+//                               well); the attribute rows (default: sum's first dim): y is [rows, sum's other dims],
+//                               the first elements of sum and each x read (all may be padded products)
 #include <stdint.h>
 
 #include <algorithm>
@@ -193,25 +193,36 @@ OrtStatus* compute_cross_entropy_grad(const Kernel* kernel, OrtKernelContext* co
 OrtStatus* compute_add_half(const Kernel* kernel, OrtKernelContext* context) {
   const OrtApi* api = kernel->api;
   const Operator* op = kernel->op;
-  Tensor sum, x, y;
+  size_t count = 0;
+  ORTT_RETURN_IF_ERROR(input_count(api, context, &count));
+  Tensor sum, y;
   ORTT_RETURN_IF_ERROR(input(api, context, 0, &sum));
-  ORTT_RETURN_IF_ERROR(input(api, context, 1, &x));
+  std::vector<Tensor> xs(count > 1 ? count - 1 : 0);
+  std::vector<const void*> data;
+  int64_t smallest = sum.size;  // the fewest elements an input holds
+  for (size_t i = 0; i < xs.size(); ++i) {
+    ORTT_RETURN_IF_ERROR(input(api, context, i + 1, &xs[i]));
+    data.push_back(xs[i].data);
+    smallest = std::min(smallest, xs[i].size);
+  }
   std::vector<int64_t> dims = sum.dims;
   if (kernel->rows != 0 && !dims.empty()) dims[0] = kernel->rows;
   int64_t n = 1;
   for (int64_t d : dims) n *= d;
-  if (kernel->rows < 0 || x.size < n || sum.size < n)
+  if (kernel->rows < 0 || xs.empty() || smallest < n || sum.size < n)
     return fail(api, "AddHalf: y has " + std::to_string(n) + " elements (rows " +
                          std::to_string(dims.empty() ? 1 : dims[0]) + "), more than sum's " + std::to_string(sum.size) +
-                         " or x's " + std::to_string(x.size));
+                         " or an x's " + std::to_string(xs.empty() ? 0 : smallest));
   ORTT_RETURN_IF_ERROR(output(api, context, 0, dims, &y));
   float* out = static_cast<float*>(y.data);
   if (op->cuda)
     return on_cuda_stream(api, context, "AddHalf", [&](void* stream) {
-      return add_half_cuda(op->type, op->gamma_type, sum.data, x.data, out, n, stream);
+      return add_half_cuda(op->type, op->gamma_type, sum.data, data.data(), static_cast<int>(data.size()), out, n,
+                           stream);
     });
   dispatch(op->type, [&]<typename T>() {
-    dispatch(op->gamma_type, [&]<typename U>() { add_half_cpu<U, T>(sum.data, x.data, out, n); });
+    dispatch(op->gamma_type,
+             [&]<typename U>() { add_half_cpu<U, T>(sum.data, data.data(), static_cast<int>(data.size()), out, n); });
   });
   return nullptr;
 }
@@ -290,6 +301,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
+  op.variadic = kind == Kind::kAddHalf;  // x, ...
   op.kind = kind;
   op.tanh_form = tanh_form;
   op.type = type;

@@ -18,7 +18,7 @@ struct OrtCustomOp;
 
 enum OrtErrorCode { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
 enum ONNXTensorElementDataType { ONNX_FLOAT = 1, ONNX_INT64 = 7, ONNX_FLOAT16 = 10, ONNX_BFLOAT16 = 16 };
-enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0 };
+enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_VARIADIC = 2 };
 enum OrtMemType { OrtMemTypeDefault = 0 };
 
 // the API table: a slot is one function pointer, named here by its index
@@ -42,6 +42,7 @@ using GetTensorShapeElementCount = OrtStatus* (*)(const OrtTensorTypeAndShapeInf
 using GetTensorTypeAndShape = OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**);        // 65
 using KernelInfoGetAttributeFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);     // 85
 using KernelInfoGetAttributeInt64 = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);   // 86
+using KernelContextGetInputCount = OrtStatus* (*)(const OrtKernelContext*, size_t*);              // 88
 using KernelContextGetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);   // 90
 using KernelContextGetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);  // 91
 using ReleaseStatus = void (*)(OrtStatus*);                                                        // 93
@@ -61,6 +62,7 @@ enum Slot : int {
   kGetTensorTypeAndShape = 65,
   kKernelInfoGetAttributeFloat = 85,
   kKernelInfoGetAttributeInt64 = 86,
+  kKernelContextGetInputCount = 88,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
   kReleaseStatus = 93,

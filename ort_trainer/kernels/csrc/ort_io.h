@@ -50,6 +50,12 @@ inline OrtStatus* input(const OrtApi* api, OrtKernelContext* context, size_t ind
   return slot<GetTensorMutableData>(api, kGetTensorMutableData)(const_cast<OrtValue*>(value), &tensor->data);
 }
 
+// how many tensors the node gives the run (a variadic last input's count of them included)
+inline OrtStatus* input_count(const OrtApi* api, OrtKernelContext* context, size_t* count) {
+  using namespace ort_abi;
+  return slot<KernelContextGetInputCount>(api, kKernelContextGetInputCount)(context, count);
+}
+
 inline OrtStatus* output(const OrtApi* api, OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
                          Tensor* tensor) {
   using namespace ort_abi;
@@ -68,6 +74,7 @@ struct OperatorEntry : OrtCustomOp {
   const char* name;
   bool cuda;  // the CUDA provider's, else the CPU's
   size_t inputs, outputs;
+  bool variadic;  // the last input variadic: one or more tensors of its dtype
   ONNXTensorElementDataType input_types[8], output_types[8];
 };
 
@@ -81,6 +88,9 @@ inline ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t index
 }
 inline size_t input_count(const OrtCustomOp* op) { return of(op)->inputs; }
 inline size_t output_count(const OrtCustomOp* op) { return of(op)->outputs; }
+inline OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustomOp* op, size_t index) {
+  return of(op)->variadic && index + 1 == of(op)->inputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+}
 inline OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
 inline OrtMemType device_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 inline int variadic_min_arity(const OrtCustomOp*) { return 1; }
@@ -104,7 +114,7 @@ inline void set_entry(OperatorEntry* op, uint32_t version, const char* name, boo
   op->GetOutputTypeCount = entry::output_count;
   op->KernelCompute = nullptr;
   op->KernelDestroy = destroy;
-  op->GetInputCharacteristic = entry::required;
+  op->GetInputCharacteristic = entry::input_characteristic;
   op->GetOutputCharacteristic = entry::required;
   op->GetInputMemoryType = entry::device_memory;
   op->GetVariadicInputMinArity = entry::variadic_min_arity;
@@ -117,6 +127,7 @@ inline void set_entry(OperatorEntry* op, uint32_t version, const char* name, boo
   op->cuda = cuda;
   op->inputs = ins.size();
   op->outputs = outs.size();
+  op->variadic = false;
   std::copy(ins.begin(), ins.end(), op->input_types);
   std::copy(outs.begin(), outs.end(), op->output_types);
 }
