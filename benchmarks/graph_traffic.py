@@ -49,6 +49,10 @@ KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "
                   "LayerNormGradToFloat16": (1, 4, 4, 4, 1), "LayerNormGradToBFloat16": (1, 4, 4, 4, 1),
                   # (y as x, its value info its dtype; the statistics counted as gamma: not the row count, ~0.1%)
                   "LayerNormToFloat16": (0, 1, 1), "LayerNormToBFloat16": (0, 1, 1),
+                  "LayerNormWithFloat16": (0, 1, 1, 0), "LayerNormWithBFloat16": (0, 1, 1, 0),
+                  # (residual, x, gamma, beta: the half y as x, the float32 y and the sum as the residual)
+                  "AddLayerNormToFloat16": (1, 2, 2, 0), "AddLayerNormToBFloat16": (1, 2, 2, 0),
+                  "AddLayerNormWithFloat16": (0, 2, 2, 1, 0), "AddLayerNormWithBFloat16": (0, 2, 2, 1, 0),
                   # torch's attention (fused_attention): out as q; the row log-sum-exp [batch, heads, seq] counted as
                   # out's size (an overcount by the head dim, ~1% of the node's bytes at head dim 64)
                   "Attention": (0, 0), "BiasAttention": (0, 0), "AttentionGrad": (1, 2, 3),

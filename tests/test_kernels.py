@@ -305,6 +305,56 @@ def test_layer_norm_to_half_computes_torchs_layer_norm(cpu_library, dtype, both)
 
 
 @needs_compiler
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("both", [False, True], ids=["To", "With"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_add_layer_norm_is_the_layer_norm_of_the_residual_sum(cpu_library, device, dtype, both):
+    """AddLayerNormTo* / AddLayerNormWith*(residual, x, gamma, beta): the sum output is ``residual + x.float()``
+    bit for bit (one float32 add, as Add and Cast), and every other output bit for bit what LayerNormTo* /
+    LayerNormWith* (the same kernel's arithmetic) writes for that sum; on CUDA (``make gpu-check``) its kernel."""
+    gen = torch.Generator().manual_seed(11)
+    residual = torch.randn(4, 16, 48, generator=gen) * 3 + 1
+    x = (torch.randn(4, 16, 48, generator=gen) * 2).to(dtype)
+    gamma, beta = torch.randn(48, generator=gen) + 1, torch.randn(48, generator=gen)
+    name, f32, half = "Float16" if dtype == torch.float16 else "BFloat16", TensorProto.FLOAT, _TYPES[dtype][0]
+    outputs = {"y32": f32, "mean": f32, "rstd": f32, "y": half} if both else {"y": half, "mean": f32, "rstd": f32}
+    shapes = {"y32": (4, 16, 48), "y": (4, 16, 48), "mean": (4, 16, 1), "rstd": (4, 16, 1)}
+
+    def buffers(names):
+        return {n: torch.empty(shapes.get(n, (4, 16, 48)), dtype=dtype if n == "y" else torch.float32, device=device)
+                for n in names}
+
+    library, provider = (cpu_library, "CPUExecutionProvider") if device == "cpu" else (kernels.library(),
+                                                                                      "CUDAExecutionProvider")
+    form = "With" if both else "To"
+    fused = _session(library, f"AddLayerNorm{form}{name}", {"residual": f32, "x": half, "gamma": f32, "beta": f32},
+                     {**outputs, "sum": f32}, provider=provider, epsilon=1e-3)
+    plain = _session(library, f"LayerNorm{form}{name}", {"x": f32, "gamma": f32, "beta": f32}, outputs,
+                     provider=provider, epsilon=1e-3)
+    feeds = {"residual": residual, "x": x, "gamma": gamma, "beta": beta}
+    feeds = {k: v.to(device) for k, v in feeds.items()}
+    if device == "cuda":
+        torch.cuda.synchronize()  # (the copies done before ONNX Runtime's stream reads them)
+    got = _bound_run(fused, feeds, buffers([*outputs, "sum"]))
+    total = residual + x.float()
+    assert torch.equal(got["sum"].cpu(), total)
+    want = _bound_run(plain, {"x": total.to(device), "gamma": feeds["gamma"], "beta": feeds["beta"]},
+                      buffers(outputs))
+    assert all(torch.equal(got[n], want[n]) for n in outputs), [n for n in outputs if not torch.equal(got[n], want[n])]
+
+
+@needs_compiler
+def test_add_layer_norm_refuses_a_residual_of_another_shape(cpu_library):
+    f32 = TensorProto.FLOAT
+    session = _session(cpu_library, "AddLayerNormToFloat16", {"residual": f32, "x": TensorProto.FLOAT16,
+                                                              "gamma": f32, "beta": f32},
+                       {"y": TensorProto.FLOAT16, "mean": f32, "rstd": f32, "sum": f32})
+    with pytest.raises(Exception, match="AddLayerNormToFloat16: residual and x must have one shape"):
+        session.run(None, {"residual": np.zeros((2, 4), np.float32), "x": np.zeros((1, 4), np.float16),
+                           "gamma": np.ones(4, np.float32), "beta": np.zeros(4, np.float32)})
+
+
+@needs_compiler
 def test_layer_norm_grad_add_refuses_a_residual_of_another_shape(cpu_library):
     f32 = TensorProto.FLOAT
     session = _session(cpu_library, "LayerNormGradAdd", {n: f32 for n in ("dy", "x", "mean", "rstd", "gamma",

@@ -32,18 +32,26 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
 BOUNDS = {"float16": 1e-2, "bfloat16": 8e-2}
 
 
-@pytest.mark.parametrize("precision, device", [
-    ("float16", "cpu"), pytest.param("float16", "cuda", marks=pytest.mark.cuda),
-    pytest.param("bfloat16", "cuda", marks=pytest.mark.cuda)])
-def test_the_layer_norms_write_their_half_output_within_rounding(precision, device):
+@pytest.mark.parametrize("precision, device, sums", [
+    ("float16", "cpu", False), ("float16", "cpu", True), pytest.param("float16", "cuda", True, marks=pytest.mark.cuda),
+    pytest.param("bfloat16", "cuda", False, marks=pytest.mark.cuda)])
+def test_the_layer_norms_write_their_half_output_within_rounding(precision, device, sums):
     """Five LayerNorm kernel nodes (every layer's two and the final one, whose output the head's half product
-    reads), no LayerNormalization left; the loss and every gradient within BOUNDS of float64 and of the graph
-    without the switch."""
+    reads), no LayerNormalization left: the first reads the embeddings' float32 sum, the four others compute the
+    residual stream's sum before them (an Add of a Cast, or with ``sums``, fused_gradient_sums' AddHalf), which no
+    other node writes any more; the loss and every gradient within BOUNDS of float64 and of the graph without the
+    switch."""
     model, desc, batch, _ = _gpt2_case()
-    loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": False})
-    loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": True})
+    switches = {"fused_gradient_sums": sums}
+    loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {**switches, "fused_layer_norm": False})
+    loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {**switches, "fused_layer_norm": True})
     op = "LayerNormToFloat16" if precision == "float16" else "LayerNormToBFloat16"
-    assert [n.op_type for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNormTo")] == [op] * 5
+    norms = [n for n in graph.node if n.domain == DOMAIN and n.op_type in (op, f"Add{op}")]
+    assert [n.op_type for n in norms] == [op] + [f"Add{op}"] * 4
+    producers = {o: n for n in graph.node for o in n.output}
+    for norm in norms[1:]:  # (the sum, its last output, read on: by the next sum's node and the backward)
+        assert producers[norm.output[-1]] is norm and [r for r in graph.node if norm.output[-1] in r.input]
+        assert producers[norm.input[0]].op_type != "Cast" and producers[norm.input[1]].op_type != "Cast"
     assert not [n for n in graph.node if n.op_type == "LayerNormalization"]
     _check_against_off(loss_on, grads_on, loss_off, grads_off, BOUNDS[precision])
     _check_float64(model, batch, loss_on, grads_on, BOUNDS[precision])
@@ -73,18 +81,20 @@ def _bert_case():
 def test_post_norm_layer_norms_write_both_outputs_within_rounding(precision, device):
     """BERT: the embeddings' LayerNorm and the three that a next layer's products read become LayerNormWith* nodes
     (float32 output for the residual, half for the products, no Cast left of their output); the last layer's and
-    the head's, which half products alone read, LayerNormTo*; the loss and every gradient within BOUNDS of float64
-    and of the graph without the switch."""
+    the head's, which half products alone read, LayerNormTo*; each layer's, after a sublayer, computes the residual
+    sum before it too (AddLayerNorm*); the loss and every gradient within BOUNDS of float64 and of the graph without
+    the switch."""
     model, desc, batch = _bert_case()
     loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": False})
     loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {"fused_layer_norm": True})
     dtype = "Float16" if precision == "float16" else "BFloat16"
-    kinds = [n.op_type for n in graph.node if n.domain == DOMAIN and n.op_type.startswith("LayerNorm")
-             and not n.op_type.startswith("LayerNormGrad")]
-    assert sorted(kinds) == [f"LayerNormTo{dtype}"] * 2 + [f"LayerNormWith{dtype}"] * 4, kinds
+    kinds = [n.op_type for n in graph.node if n.domain == DOMAIN and "LayerNorm" in n.op_type
+             and "LayerNormGrad" not in n.op_type]
+    assert sorted(kinds) == [f"AddLayerNormTo{dtype}"] + [f"AddLayerNormWith{dtype}"] * 3 + [
+        f"LayerNormTo{dtype}", f"LayerNormWith{dtype}"], kinds
     assert not [n for n in graph.node if n.op_type == "LayerNormalization"]
     for node in graph.node:
-        if node.op_type.startswith("LayerNormWith"):  # its float32 output read on, by no Cast
+        if "LayerNormWith" in node.op_type:  # its float32 output read on, by no Cast
             readers = [r for r in graph.node if node.output[0] in r.input]
             assert readers and not [r for r in readers if r.op_type == "Cast"], node.name
     _check_against_off(loss_on, grads_on, loss_off, grads_off, BOUNDS[precision])
@@ -126,3 +136,41 @@ def test_what_the_kernel_cannot_take_is_left_alone():
         ("LayerNormToFloat16", ["x", "g", "b"], ["y/half", "m", "r"]), ("Constant", [], ["s"]),
         ("Reshape", ["y/half", "s"], ["h"])]
     onnx.checker.check_model(plain)
+
+
+def test_a_residual_sum_before_the_layer_norm_is_computed_by_its_node():
+    """``LayerNorm(r + Cast(h))`` (r float32, h float16), whose sum another node reads too: one
+    ``AddLayerNormToFloat16(r, h, g, b)`` where the sum was, writing the sum under its name (the Add and the Cast
+    gone); the same from an ``AddHalf(r, h)``. Left to the plain kernel: a sum whose cast another node reads, and
+    one made before the LayerNorm's weight."""
+    f32, f16 = TensorProto.FLOAT, TensorProto.FLOAT16
+
+    def model(sum_nodes, weight_after=False, extra=()):
+        ln = helper.make_node("LayerNormalization", ["s", "w", "b"], ["y", "m", "r2"], axis=-1)
+        weight = [helper.make_node("Identity", ["g"], ["w"])]
+        nodes = (sum_nodes + weight if weight_after else weight + sum_nodes) + [
+            ln, helper.make_node("Cast", ["y"], ["half"], to=f16), helper.make_node("Neg", ["s"], ["n"]), *extra]
+        graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", f32, [4, 8]),
+                                                helper.make_tensor_value_info("h", f16, [4, 8]),
+                                                helper.make_tensor_value_info("g", f32, [8]),
+                                                helper.make_tensor_value_info("b", f32, [8])],
+                                  [helper.make_tensor_value_info(*o) for o in [
+                                      ("half", f16, [4, 8]), ("n", f32, [4, 8]), ("m", f32, [4, 1])]],
+                                  value_info=[helper.make_tensor_value_info("s", f32, [4, 8]),
+                                              helper.make_tensor_value_info("w", f32, [8]),
+                                              helper.make_tensor_value_info("c", f32, [4, 8])])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    cast_add = [helper.make_node("Cast", ["h"], ["c"], to=f32), helper.make_node("Add", ["x", "c"], ["s"])]
+    add_half = [helper.make_node("AddHalf", ["x", "h"], ["s"], domain=DOMAIN)]
+    fused = ("AddLayerNormToFloat16", ["x", "h", "w", "b"], ["half", "m", "r2", "s"])
+    for sums in (cast_add, add_half):
+        graph = model(sums)
+        assert layer_norm_forward.fused_layer_norm(graph) == 1
+        assert [(n.op_type, list(n.input), list(n.output)) for n in graph.graph.node] == [
+            ("Identity", ["g"], ["w"]), fused, ("Neg", ["s"], ["n"])]
+    shared_cast = model(cast_add, extra=[helper.make_node("Neg", ["c"], ["n2"])])
+    late_weight = model(add_half, weight_after=True)
+    for graph in (shared_cast, late_weight):
+        assert layer_norm_forward.fused_layer_norm(graph) == 1
+        assert [n.op_type for n in graph.graph.node if "LayerNorm" in n.op_type] == ["LayerNormToFloat16"]

@@ -13,6 +13,13 @@ are one ``LayerNormWithFloat16`` / ``LayerNormWithBFloat16`` node that writes bo
 ``Cast`` computes it): the ``Cast``'s float32 read is gone. The kernel computes the statistics in its own order (the
 CUDA kernel: float32 sums over a block, the CPU's float64), so the output may differ from ONNX Runtime's by a float32
 rounding before the half one.
+
+Where the LayerNorm's input is the residual stream's sum of a float32 tensor and a half one widened (an ``AddHalf``
+of ``fused_gradient_sums``, or an ``Add`` of a ``Cast`` that the ``Add`` alone reads: GPT-2's every LayerNorm but
+the first, BERT's after each sublayer), the node computes that sum too: ``AddLayerNormToFloat16(residual, x, gamma,
+beta)`` / ``AddLayerNormWith*`` write it as one more output (under the sum's name: the next residual sum and the
+backward read it), one rounded float32 add an element as before, so the sum's read back by the LayerNorm is gone
+(12.6 MB at GPT-2 small's 8 × 512). The node goes where the sum's was (its weights and bias being the graph's).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _so
 _FLOAT = onnx.TensorProto.FLOAT
 _OPS = {onnx.TensorProto.FLOAT16: "LayerNormToFloat16", onnx.TensorProto.BFLOAT16: "LayerNormToBFloat16"}
 _BOTH = {onnx.TensorProto.FLOAT16: "LayerNormWithFloat16", onnx.TensorProto.BFLOAT16: "LayerNormWithBFloat16"}
+_HALF = {name: half for half, name in [*_OPS.items(), *_BOTH.items()]}  # each operator's half dtype
 
 
 def fused_layer_norm(model: onnx.ModelProto) -> int:
@@ -35,6 +43,7 @@ def fused_layer_norm(model: onnx.ModelProto) -> int:
     types = _elem_types(model)
     dead: set[int] = set()
     before: dict[int, list[onnx.NodeProto]] = {}
+    position = {id(node): i for i, node in enumerate(model.graph.node)}
     count = 0
     for node in model.graph.node:
         if not _is(node, "LayerNormalization") or len(node.input) < 3 or not node.input[2]:
@@ -57,9 +66,14 @@ def fused_layer_norm(model: onnx.ModelProto) -> int:
         else:
             half = f"{node.output[0]}/half" if view is not None else cast.output[0]
             op, outputs = _OPS[_attrs(cast)["to"]], [half, *statistics]
-        before[id(node)] = [helper.make_node(op, list(node.input[:3]), outputs,
-                                             name=f"{node.name or node.output[0]}/half", domain=_KERNELS_DOMAIN,
-                                             epsilon=float(attributes.get("epsilon", 1e-5)))]
+        inputs, at = list(node.input[:3]), node
+        summed = _residual_sum(g, types, node, _HALF[op], position)
+        if summed is not None and id(summed[0]) not in dead:  # (where the sum was, in its place)
+            at, residual, half_x, gone = summed
+            op, inputs, outputs = f"Add{op}", [residual, half_x, *node.input[1:3]], [*outputs, node.input[0]]
+            dead |= {id(n) for n in gone}
+        before[id(at)] = [helper.make_node(op, inputs, outputs, name=f"{node.name or node.output[0]}/half",
+                                           domain=_KERNELS_DOMAIN, epsilon=float(attributes.get("epsilon", 1e-5)))]
         if view is not None:  # (where the view was: its shape may be made after the LayerNorm)
             before[id(view)] = [helper.make_node("Reshape", [half, view.input[1]], [cast.output[0]],
                                                  name=f"{view.name or view.output[0]}/half")]
@@ -70,6 +84,33 @@ def fused_layer_norm(model: onnx.ModelProto) -> int:
         _keep(model, dead, before=before)
         _import_domain(model, _KERNELS_DOMAIN, _KERNELS_OPSET)
     return count
+
+
+def _residual_sum(g: _Graph, types: dict, node: onnx.NodeProto, half: int,
+                  position: dict[int, int]) -> tuple[onnx.NodeProto, str, str, list[onnx.NodeProto]] | None:
+    """Where the LayerNorm ``node``'s input is a float32 tensor plus a ``half`` one widened, of one shape (an
+    ``AddHalf`` of two, or an ``Add`` of a ``Cast`` it alone reads), and the LayerNorm's weight and bias are made
+    before it: (the sum's node, the float32 tensor, the half one, the nodes the sum takes: the sum's, its cast);
+    else None."""
+    total = node.input[0]
+    add, shape = g.producer.get(total), g.shapes.get(total)
+    if add is None or any(p is not None and position[id(p)] > position[id(add)]
+                          for p in (g.producer.get(name) for name in node.input[1:3])):
+        return None
+    if add.domain == _KERNELS_DOMAIN and add.op_type == "AddHalf" and len(add.input) == 2 and not add.attribute:
+        pairs = [(add.input[0], add.input[1], [add])]
+    elif _is(add, "Add"):
+        casts = [(g.producer.get(add.input[i]), add.input[1 - i]) for i in (0, 1)]
+        pairs = [(other, cast.input[0], [add, cast]) for cast, other in casts
+                 if cast is not None and _is(cast, "Cast") and _attrs(cast).get("to") == _FLOAT
+                 and g.only_used_by(cast.output[0], add)]
+    else:
+        return None
+    for residual, x, gone in pairs:
+        if (types.get(residual) == _FLOAT and types.get(x) == half and shape
+                and g.shapes.get(residual) == shape and g.shapes.get(x) == shape):
+            return add, residual, x, gone
+    return None
 
 
 def _half_cast(g: _Graph, name: str) -> onnx.NodeProto | None:

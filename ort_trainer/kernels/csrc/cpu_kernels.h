@@ -142,14 +142,20 @@ void layer_norm_grad_cpu(const void* dy_, const void* x_, const void* mean_, con
 
 // LayerNorm's forward over rows of `cols` float32 values: each row's mean and rstd (float64 sums, rounded to
 // float32), y = (x - mean) * rstd * gamma + beta computed in float64, rounded to float32 (written to y32 where it is
-// not null), then to the half dtype H
+// not null), then to the half dtype H. Where branch (of H) is not null, the rows normalized are x + branch, one
+// float32 add an element (as an Add of x and a Cast of branch), written to sum
 template <typename H>
-void layer_norm_cast_cpu(const float* x, const float* gamma, const float* beta, void* y_, float* y32, float* mean,
-                         float* rstd, int64_t rows, int64_t cols, float epsilon) {
+void layer_norm_cast_cpu(const float* x, const void* branch_, float* sum, const float* gamma, const float* beta,
+                         void* y_, float* y32, float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon) {
   typename H::Storage* y = static_cast<typename H::Storage*>(y_);
+  const typename H::Storage* branch = static_cast<const typename H::Storage*>(branch_);
   parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* v = x + row * cols;
+      if (branch != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) sum[row * cols + c] = v[c] + H::load(branch[row * cols + c]);
+        v = sum + row * cols;
+      }
       double sum = 0.0, squares = 0.0;
       for (int64_t c = 0; c < cols; ++c) sum += v[c];
       const double m = sum / cols;

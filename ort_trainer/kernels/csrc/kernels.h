@@ -28,10 +28,12 @@ const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType c, El
 
 // LayerNorm's forward over `rows` rows of `cols` float32 values (x, gamma, beta float32): each row's mean and
 // rstd = 1 / sqrt(var + epsilon) (float32, one a row), and y = (x - mean) * rstd * gamma + beta rounded to
-// `type` (float16 or bfloat16); the float32 y too where y32 is not null (its half copy is y32's rounding)
-const char* layer_norm_cast_cuda(ElementType type, const float* x, const float* gamma, const float* beta, void* y,
-                                 float* y32, float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon,
-                                 void* stream);
+// `type` (float16 or bfloat16); the float32 y too where y32 is not null (its half copy is y32's rounding). Where
+// branch (of `type`) is not null, the rows normalized are x + branch, each element one rounded float32 add (as an
+// Add of x and a Cast of branch computes it), written to sum
+const char* layer_norm_cast_cuda(ElementType type, const float* x, const void* branch, float* sum, const float* gamma,
+                                 const float* beta, void* y, float* y32, float* mean, float* rstd, int64_t rows,
+                                 int64_t cols, float epsilon, void* stream);
 
 // a softmax's gradient over the last axis: dx = y * (dy - sum(dy * y)) for each of `rows` rows of `cols` values
 const char* softmax_grad_cuda(ElementType type, const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,

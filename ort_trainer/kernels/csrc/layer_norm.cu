@@ -67,12 +67,23 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
 }
 
 template <typename H>
-__global__ void forward_kernel(const float* x, const float* gamma, const float* beta, H* y, float* y32, float* mean,
-                               float* rstd, int64_t cols, float epsilon) {
+__global__ void forward_kernel(const float* x, const H* branch, float* sum, const float* gamma, const float* beta,
+                               H* y, float* y32, float* mean, float* rstd, int64_t cols, float epsilon) {
   const int64_t row = blockIdx.x;
   const float* x_row = x + row * cols;
   float2 sums = make_float2(0.0f, 0.0f);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sums.x += x_row[c];
+  if (branch != nullptr) {
+    // x + branch written to sum, which the passes below read (each thread the elements it wrote)
+    float* sum_row = sum + row * cols;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = __fadd_rn(x_row[c], to_float(branch[row * cols + c]));
+      sum_row[c] = v;
+      sums.x += v;
+    }
+    x_row = sum_row;
+  } else {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sums.x += x_row[c];
+  }
   const float m = block_sum(sums).x / static_cast<float>(cols);
   __syncthreads();  // (every thread has read the first sum before block_sum's buffer takes the second)
   sums = make_float2(0.0f, 0.0f);
@@ -180,19 +191,21 @@ bool known(ElementType type) {
 
 }  // namespace
 
-const char* layer_norm_cast_cuda(ElementType type, const float* x, const float* gamma, const float* beta, void* y,
-                                 float* y32, float* mean, float* rstd, int64_t rows, int64_t cols, float epsilon,
-                                 void* stream) {
+const char* layer_norm_cast_cuda(ElementType type, const float* x, const void* branch, float* sum, const float* gamma,
+                                 const float* beta, void* y, float* y32, float* mean, float* rstd, int64_t rows,
+                                 int64_t cols, float epsilon, void* stream) {
   if (rows == 0 || cols == 0) return nullptr;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t rounded = (cols + 31) / 32 * 32;
   const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
   if (type == ElementType::kFloat16)
-    forward_kernel<__half><<<static_cast<unsigned>(rows), threads, 0, s>>>(x, gamma, beta, static_cast<__half*>(y),
-                                                                            y32, mean, rstd, cols, epsilon);
+    forward_kernel<__half><<<static_cast<unsigned>(rows), threads, 0, s>>>(
+        x, static_cast<const __half*>(branch), sum, gamma, beta, static_cast<__half*>(y), y32, mean, rstd, cols,
+        epsilon);
   else if (type == ElementType::kBFloat16)
     forward_kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), threads, 0, s>>>(
-        x, gamma, beta, static_cast<__nv_bfloat16*>(y), y32, mean, rstd, cols, epsilon);
+        x, static_cast<const __nv_bfloat16*>(branch), sum, gamma, beta, static_cast<__nv_bfloat16*>(y), y32, mean,
+        rstd, cols, epsilon);
   else
     return "unsupported dtype";
   const cudaError_t error = cudaGetLastError();

@@ -28,6 +28,13 @@
 //   LayerNormWithBFloat16(...)  the same with y written in float32 as well, first (a post-norm LayerNorm's output,
 //                               which the residual stream reads in float32 and the products in half); y_half is
 //                               y's rounding, as a Cast of it
+//   AddLayerNormToFloat16(residual, x, gamma, beta) -> (y, mean, rstd, sum)
+//   AddLayerNormWithFloat16(residual, x, gamma, beta) -> (y, mean, rstd, y_half, sum)
+//   AddLayerNormToBFloat16(...), AddLayerNormWithBFloat16(...)
+//                               the LayerNorm of sum = residual + x (residual float32, x of the half dtype, one
+//                               rounded float32 add an element as an Add of residual and x's Cast computes it:
+//                               the residual stream's sum, which other nodes read too), sum written as well
+//                               (graph/passes/layer_norm_forward.py)
 #include <stdint.h>
 
 #include <string>
@@ -89,14 +96,17 @@ OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKer
 OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* context) {
   const OrtApi* api = kernel->api;
   const Operator* op = kernel->op;
-  const bool both = op->kind == Kind::kLayerNormWithCast;  // (y32 first, the half y last)
-  Tensor x, gamma, beta, y, y32, mean, rstd;
+  const bool both = writes_both(op->kind);        // (y32 first, the half y after the statistics)
+  const size_t add = adds_residual(op->kind) ? 1 : 0;  // (the residual first, then x: the inputs one further on)
+  Tensor x, branch, gamma, beta, y, y32, mean, rstd, sum;
   ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
-  ORTT_RETURN_IF_ERROR(input(api, context, 1, &gamma));
-  ORTT_RETURN_IF_ERROR(input(api, context, 2, &beta));
+  if (add) ORTT_RETURN_IF_ERROR(input(api, context, 1, &branch));
+  ORTT_RETURN_IF_ERROR(input(api, context, 1 + add, &gamma));
+  ORTT_RETURN_IF_ERROR(input(api, context, 2 + add, &beta));
   const int64_t cols = gamma.size, rows = cols > 0 ? x.size / cols : 0;
   if (cols == 0 || rows * cols != x.size || beta.size != cols)
     return fail(api, std::string(op->name) + ": x must be rows of gamma's size, and beta of gamma's size");
+  if (add && branch.dims != x.dims) return fail(api, std::string(op->name) + ": residual and x must have one shape");
   // the statistics as ONNX's: x's dims with 1 for each normalized one
   std::vector<int64_t> stats = x.dims;
   for (int64_t i = static_cast<int64_t>(stats.size()) - 1, n = 1; i >= 0 && n < cols; --i) n *= stats[i], stats[i] = 1;
@@ -104,16 +114,19 @@ OrtStatus* compute_layer_norm_cast(const Kernel* kernel, OrtKernelContext* conte
   if (both) ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y32));
   ORTT_RETURN_IF_ERROR(output(api, context, 1, stats, &mean));
   ORTT_RETURN_IF_ERROR(output(api, context, 2, stats, &rstd));
+  if (add) ORTT_RETURN_IF_ERROR(output(api, context, both ? 4 : 3, x.dims, &sum));
   float* ys = static_cast<float*>(y32.data);  // (null for LayerNormTo*)
   const float *xs = static_cast<const float*>(x.data), *g = static_cast<const float*>(gamma.data);
   const float* b = static_cast<const float*>(beta.data);
-  float *m = static_cast<float*>(mean.data), *r = static_cast<float*>(rstd.data);
+  float *m = static_cast<float*>(mean.data), *r = static_cast<float*>(rstd.data), *s = static_cast<float*>(sum.data);
+  const void* x2 = branch.data;  // (null but for the Add* forms)
   if (op->cuda)
     return on_cuda_stream(api, context, op->name, [&](void* stream) {
-      return layer_norm_cast_cuda(op->type, xs, g, b, y.data, ys, m, r, rows, cols, kernel->epsilon, stream);
+      return layer_norm_cast_cuda(op->type, xs, x2, s, g, b, y.data, ys, m, r, rows, cols, kernel->epsilon, stream);
     });
-  dispatch(op->type,
-           [&]<typename H>() { layer_norm_cast_cpu<H>(xs, g, b, y.data, ys, m, r, rows, cols, kernel->epsilon); });
+  dispatch(op->type, [&]<typename H>() {
+    layer_norm_cast_cpu<H>(xs, x2, s, g, b, y.data, ys, m, r, rows, cols, kernel->epsilon);
+  });
   return nullptr;
 }
 

@@ -242,7 +242,9 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
     case Kind::kAddHalf: return compute_add_half(kernel, context);
     case Kind::kLayerNormCast:
-    case Kind::kLayerNormWithCast: return compute_layer_norm_cast(kernel, context);
+    case Kind::kLayerNormWithCast:
+    case Kind::kAddLayerNormCast:
+    case Kind::kAddLayerNormWithCast: return compute_layer_norm_cast(kernel, context);
   }
   return fail(kernel->api, "unknown operator");
 }
@@ -284,6 +286,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       kind == Kind::kLayerNormGrad       ? std::vector{t, t, t, t, g}
       : add                              ? std::vector{t, f32, f32, f32, f32, f32}
       : kind == Kind::kLayerNormGradCast ? std::vector{f32, f32, f32, f32, f32}
+      : adds_residual(kind)              ? std::vector{f32, t, f32, f32}
       : is_layer_norm_forward(kind)      ? std::vector{f32, f32, f32}
       : kind == Kind::kSafeSoftmax      ? std::vector{t}
       : kind == Kind::kBiasSafeSoftmax  ? std::vector{t, t}
@@ -297,6 +300,8 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : add                             ? std::vector{f32, f32, f32, f32}
       : kind == Kind::kLayerNormCast    ? std::vector{t, f32, f32}
       : kind == Kind::kLayerNormWithCast ? std::vector{f32, f32, f32, t}
+      : kind == Kind::kAddLayerNormCast ? std::vector{t, f32, f32, f32}
+      : kind == Kind::kAddLayerNormWithCast ? std::vector{f32, f32, f32, t, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
@@ -350,6 +355,10 @@ const std::vector<Operator>& operators() {
                                       cuda, type));
           ops.push_back(make_operator(f16 ? "LayerNormWithFloat16" : "LayerNormWithBFloat16", Kind::kLayerNormWithCast,
                                       false, cuda, type));
+          ops.push_back(make_operator(f16 ? "AddLayerNormToFloat16" : "AddLayerNormToBFloat16", Kind::kAddLayerNormCast,
+                                      false, cuda, type));
+          ops.push_back(make_operator(f16 ? "AddLayerNormWithFloat16" : "AddLayerNormWithBFloat16",
+                                      Kind::kAddLayerNormWithCast, false, cuda, type));
         }
       }
     }

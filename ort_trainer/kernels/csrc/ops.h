@@ -22,6 +22,8 @@ enum class Kind {
   kLayerNormGradCast,
   kLayerNormCast,
   kLayerNormWithCast,
+  kAddLayerNormCast,
+  kAddLayerNormWithCast,
   kSoftmaxGrad,
   kSafeSoftmax,
   kBiasSafeSoftmax,
@@ -65,10 +67,16 @@ OrtStatus* on_cuda_stream(const OrtApi* api, OrtKernelContext* context, const ch
 #endif
 }
 
-// LayerNormTo* and LayerNormWith*: a float32 LayerNorm's forward (attribute epsilon)
+// AddLayerNormTo* and AddLayerNormWith*: the forward of a LayerNorm of a residual sum, which it computes
+inline bool adds_residual(Kind kind) { return kind == Kind::kAddLayerNormCast || kind == Kind::kAddLayerNormWithCast; }
+
+// LayerNormTo*, LayerNormWith* and their Add* forms: a float32 LayerNorm's forward (attribute epsilon)
 inline bool is_layer_norm_forward(Kind kind) {
-  return kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast;
+  return kind == Kind::kLayerNormCast || kind == Kind::kLayerNormWithCast || adds_residual(kind);
 }
+
+// LayerNormWith* and AddLayerNormWith*: y written in float32 and the half dtype both
+inline bool writes_both(Kind kind) { return kind == Kind::kLayerNormWithCast || kind == Kind::kAddLayerNormWithCast; }
 
 // LayerNorm's operators' runs (layer_norm_ops.cc)
 OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context);
