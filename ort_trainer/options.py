@@ -204,6 +204,9 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.fused_cross_entropy": _Field(_BOOL, False, "a cross-entropy as two kernels, no float32 copy"),
     "graph_optimizations.fused_attention": _Field(
         _BOOL, False, "each scaled_dot_product_attention as torch's fused attention kernels, forward and backward"),
+    "graph_optimizations.packed_attention": _Field(
+        _BOOL, False, "with fused_attention: q, k and v that one projection packed (GPT-2's) read and their "
+        "gradients written where they lie, no Split and Concat copies"),
     "graph_optimizations.host_dropout_masks": _Field(
         _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "

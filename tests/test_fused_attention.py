@@ -93,6 +93,42 @@ def test_gpt2_trains_within_rounding_of_float64(half, record_property):
     record_property("errors", {**{on: max(e.values()) for on, e in errors.items()}, "on/off": max(on_off.values())})
 
 
+@pytest.mark.parametrize("precision, device", [
+    ("float32", "cpu"), ("float16", "cpu"), pytest.param("float16", "cuda", marks=pytest.mark.cuda),
+    pytest.param("bfloat16", "cuda", marks=pytest.mark.cuda)])
+def test_packed_attention_reads_gpt2s_packed_projection_bit_for_bit(precision, device):
+    """``packed_attention``: each layer's attention reads q, k and v where GPT-2's c_attn packed them and writes
+    their gradients so (PackedBiasAttention, PackedBiasAttentionGrad; the layer's Split and Concat gone): the loss
+    and every gradient bit for bit those of ``fused_attention`` alone (the same kernels on the same numbers, read
+    through strides), on CUDA (``make gpu-check``) too."""
+    model, desc, batch, _ = _gpt2_case()
+    results = {}
+    for packed in (False, True):
+        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
+        mixed = ({"enabled": False} if precision == "float32" else
+                 {"enabled": True, "dtype": precision, **({"loss_scaler": scaler} if precision == "float16" else {})})
+        torch.manual_seed(0)
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={**OPTIONS, "device": {"id": device}, "mixed_precision": mixed,
+                                      "graph_optimizations": {"fused_attention": True, "packed_attention": packed}})
+        loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
+        nodes = trainer._graphs.gradient.graph.node
+        results[packed] = (loss, {w: g.float().cpu().numpy() for w, g in trainer._engine.grads.items()},
+                           sum(n.op_type in ("Split", "Concat") for n in nodes))
+        prefix = "Packed" if packed else ""
+        assert _kernel_nodes(trainer) == [f"{prefix}BiasAttention"] * 2 + [f"{prefix}BiasAttentionGrad"] * 2
+    (loss_off, grads_off, copies_off), (loss_on, grads_on, copies_on) = results[False], results[True]
+    assert loss_on == loss_off and copies_on == copies_off - 4, (loss_on, loss_off, copies_on, copies_off)
+    for name, grad in grads_off.items():
+        assert np.array_equal(grads_on[name], grad), name
+    # and within the bounds above of float64 PyTorch (bfloat16: the same 40 roundings of its precision)
+    bound = {"float32": FLOAT32_BOUND, "float16": HALF_BOUND, "bfloat16": 40 * 2.0 ** -8}[precision]
+    loss64, grads64 = _float64(model, batch, None)
+    check(abs(loss_on - loss64) / abs(loss64), bound, "loss")
+    for name, grad in grads64.items():
+        check(_relative(grads_on[name].astype(np.float64), grad), bound, name)
+
+
 class _Attention(torch.nn.Module):
     """q, k, v projections of x (and of y, for keys of another length) and one scaled_dot_product_attention."""
 

@@ -13,6 +13,12 @@
 //                                             the backward, from the forward's out and lse (no probabilities kept)
 // Attribute layout (int): 0 (default) as above; 1: q, k, v, out, dout, dq, dk and dv are [batch, seq, heads, dim]
 // (as a projection's output lies once split into heads: no transposed copy), lse as above.
+//   PackedAttention(qkv) -> (out, lse), PackedBiasAttention(qkv, bias) -> (out, lse)
+//   PackedAttentionGrad(dout, qkv, out, lse) -> dqkv, PackedBiasAttentionGrad(dout, qkv, bias, out, lse) -> dqkv
+//                                             the same on q, k and v packed in one [batch, seq, 3, heads, dim]
+//                                             tensor (one projection's output: GPT-2's c_attn), read as strided
+//                                             views of it, their gradients written into one tensor of its shape;
+//                                             layout 1 for out and dout (graph/passes/packed_attention.py)
 // On the CPU: torch's flash attention for the CPU (_scaled_dot_product_flash_attention_for_cpu and its backward);
 // on CUDA: torch's memory-efficient attention (_scaled_dot_product_efficient_attention and its backward), which
 // takes an additive bias. Neither keeps a [seq_q, seq_k] tensor.
@@ -44,7 +50,7 @@ using namespace ort_abi;
 constexpr uint32_t kOpVersion = 16;
 
 struct Operator : OperatorEntry {
-  bool backward, bias;
+  bool backward, bias, packed;
   ONNXTensorElementDataType type;
 };
 
@@ -90,7 +96,11 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   // a [batch, heads, seq, dim] view of a q, k, v, out or gradient tensor in the node's layout
   auto heads = [&](const Tensor& t, at::ScalarType type) {
     at::Tensor view = wrap(t, type);
-    return kernel->heads_last ? view.transpose(1, 2) : view;
+    return kernel->heads_last || op->packed ? view.transpose(1, 2) : view;
+  };
+  // the i-th of q, k and v: of the node's inputs, or of a packed [batch, seq, 3, heads, dim] one
+  auto part = [&](const Tensor& t, int64_t i, at::ScalarType type) {
+    return op->packed ? wrap(t, type).select(2, i).transpose(1, 2) : heads(t, type);
   };
   try {
 #ifdef ORT_TRAINER_TORCH_CUDA
@@ -99,15 +109,22 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
       guard.emplace(c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), c10::cuda::current_device()));
 #endif
     const at::ScalarType t = scalar_type(op->type);
-    const size_t first = op->backward ? 1 : 0;  // q's index
-    for (size_t i = first; i < first + 3; ++i)
-      if (in[i].dims.size() != 4)
-        return fail(api, std::string(op->name) + ": q, k and v must be 4-D ([batch, heads, seq, dim]; with the "
-                                                 "attribute layout 1, [batch, seq, heads, dim])");
-    at::Tensor q = heads(in[first], t), k = heads(in[first + 1], t), v = heads(in[first + 2], t);
+    const size_t first = op->backward ? 1 : 0, qkv = op->packed ? 1 : 3;  // q's index, the inputs of q, k and v
+    for (size_t i = first; i < first + qkv; ++i)
+      if (in[i].dims.size() != (op->packed ? 5 : 4) || (op->packed && in[i].dims[2] != 3))
+        return fail(api, std::string(op->name) + (op->packed ? ": qkv must be [batch, seq, 3, heads, dim]"
+                                                             : ": q, k and v must be 4-D ([batch, heads, seq, dim]; "
+                                                               "with the attribute layout 1, [batch, seq, heads, "
+                                                               "dim])"));
+    const size_t k_at = op->packed ? first : first + 1, v_at = op->packed ? first : first + 2;
+    at::Tensor q = part(in[first], 0, t), k = part(in[k_at], 1, t), v = part(in[v_at], 2, t);
+    // out's dims in the node's layout: q's
+    const std::vector<int64_t> out_dims = op->packed ? std::vector<int64_t>{in[first].dims[0], in[first].dims[1],
+                                                                          in[first].dims[3], in[first].dims[4]}
+                                                     : in[first].dims;
     std::optional<at::Tensor> bias;
     if (op->bias) {
-      bias = wrap(in[first + 3], t);
+      bias = wrap(in[first + qkv], t);
       while (bias->dim() < 4) bias = bias->unsqueeze(0);
     }
     const double scale = kernel->scale;
@@ -125,13 +142,13 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
         lse = std::get<1>(result);
       }
       Tensor out_t, lse_t;
-      ORTT_RETURN_IF_ERROR(output(api, context, 0, in[0].dims, &out_t));
+      ORTT_RETURN_IF_ERROR(output(api, context, 0, out_dims, &out_t));
       ORTT_RETURN_IF_ERROR(output(api, context, 1, {q.size(0), q.size(1), q.size(2)}, &lse_t));
       heads(out_t, t).copy_(out);
       wrap(lse_t, at::kFloat).copy_(lse);
       return nullptr;
     }
-    const size_t rest = first + 3 + (op->bias ? 1 : 0);
+    const size_t rest = first + qkv + (op->bias ? 1 : 0);
     at::Tensor dout = heads(in[0], t), out = heads(in[rest], t), lse = wrap(in[rest + 1], at::kFloat);
     at::Tensor dq, dk, dv;
     if (op->cuda) {
@@ -153,6 +170,12 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
       dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
     }
     const at::Tensor* grads[] = {&dq, &dk, &dv};
+    if (op->packed) {  // one output: the three in their thirds of it
+      Tensor grad;
+      ORTT_RETURN_IF_ERROR(output(api, context, 0, in[first].dims, &grad));
+      for (int64_t i = 0; i < 3; ++i) part(grad, i, t).copy_(*grads[i]);
+      return nullptr;
+    }
     for (size_t i = 0; i < 3; ++i) {
       Tensor grad;
       ORTT_RETURN_IF_ERROR(output(api, context, i, in[first + i].dims, &grad));
@@ -179,13 +202,14 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
-Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda, ONNXTensorElementDataType t) {
-  std::vector<ONNXTensorElementDataType> ins(backward ? 4 : 3, t), outs;
+Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda, ONNXTensorElementDataType t,
+                       bool packed = false) {
+  std::vector<ONNXTensorElementDataType> ins((backward ? 1 : 0) + (packed ? 1 : 3), t), outs;
   if (bias) ins.push_back(t);
   if (backward) {
     ins.push_back(t);           // out
     ins.push_back(ONNX_FLOAT);  // lse
-    outs = {t, t, t};
+    outs = std::vector<ONNXTensorElementDataType>(packed ? 1 : 3, t);
   } else {
     outs = {t, ONNX_FLOAT};
   }
@@ -193,6 +217,7 @@ Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda,
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
   op.backward = backward;
   op.bias = bias;
+  op.packed = packed;
   op.type = t;
   return op;
 }
@@ -211,6 +236,10 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("BiasAttention", false, true, cuda, t));
         ops.push_back(make_operator("AttentionGrad", true, false, cuda, t));
         ops.push_back(make_operator("BiasAttentionGrad", true, true, cuda, t));
+        ops.push_back(make_operator("PackedAttention", false, false, cuda, t, true));
+        ops.push_back(make_operator("PackedBiasAttention", false, true, cuda, t, true));
+        ops.push_back(make_operator("PackedAttentionGrad", true, false, cuda, t, true));
+        ops.push_back(make_operator("PackedBiasAttentionGrad", true, true, cuda, t, true));
       }
     return ops;
   }();
