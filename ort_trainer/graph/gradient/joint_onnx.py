@@ -379,7 +379,8 @@ def scatter_nd_add_to_scatter_elements(model: onnx.ModelProto) -> int:
                                f"dimension of {indices!r} is unknown")
         k = index_shape[-1]
         p = f"{node.name or 'scatter_nd'}/{count}/"
-        new, consts = _scatter_elements_nodes(p, data, indices, updates, node.output[0], rank, k)
+        new, consts = _scatter_elements_nodes(p, data, indices, updates, node.output[0], rank, k,
+                                              ranks.get(f"{data}#shape"))
         initializers.extend(consts)
         at = nodes.index(node)
         nodes[at:at + 1] = new
@@ -390,7 +391,7 @@ def scatter_nd_add_to_scatter_elements(model: onnx.ModelProto) -> int:
 
 
 def _scatter_elements_nodes(p: str, data: str, indices: str, updates: str, output: str, rank: int,
-                            k: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+                            k: int, dims: list | None = None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     def const(name: str, values: list[int]) -> str:
         consts.append(numpy_helper.from_array(np.array(values, dtype=np.int64), p + name))
         return p + name
@@ -432,9 +433,15 @@ def _scatter_elements_nodes(p: str, data: str, indices: str, updates: str, outpu
         linear = p + "linear"
         index_shape = const("index_shape", [-1] + [1] * (flat_rank - 1))
         nodes.append(helper.make_node("Reshape", [p + "linear_index", index_shape], [linear]))
+    # a row's dims: data's after the k indexed ones, a constant where they are static (a Shape would keep data, a
+    # zero table as large as the embedding's, alive for its dims alone once tied_embedding_gradient takes the sum)
+    if dims and all(isinstance(size, int) for size in dims[k:]):
+        row_shape = const("row_shape", list(dims[k:]))
+    else:
+        row_shape = p + "row_shape"
+        nodes.append(helper.make_node("Shape", [flat_data], [row_shape], start=1))
     nodes += [
-        helper.make_node("Shape", [flat_data], [p + "row_shape"], start=1),
-        helper.make_node("Concat", [const("minus_one_u", [-1]), p + "row_shape"], [p + "update_shape"], axis=0),
+        helper.make_node("Concat", [const("minus_one_u", [-1]), row_shape], [p + "update_shape"], axis=0),
         helper.make_node("Reshape", [updates, p + "update_shape"], [p + "flat_updates"]),
         helper.make_node("Shape", [p + "flat_updates"], [p + "expanded_shape"]),
         helper.make_node("Expand", [linear, p + "expanded_shape"], [p + "expanded_index"]),
