@@ -228,3 +228,46 @@ def test_gpt2_on_cuda_within_rounding_of_float64(dtype, record_property):
         check(error, bound, name)
     assert _kernel_nodes(trainer) == ["BiasAttention"] * 2 + ["BiasAttentionGrad"] * 2
     record_property("errors", max(errors.values()))
+
+
+def test_packed_attention_leaves_q_k_v_that_another_node_reads():
+    """The rewrite on a hand-built graph (``Split`` of a [2, 4, 48] projection into three heads-last views, the
+    attention and its gradient, a ``Concat`` of the gradients' views): the packed nodes and two views in place of
+    the Split, the three views, the Concat and the gradients' views; where another node reads q too, nothing."""
+    from onnx import TensorProto, helper
+
+    from ort_trainer.graph.passes.packed_attention import packed_attention
+    from ort_trainer.kernels import TORCH_OPS_DOMAIN
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+
+    def graph(q_read_elsewhere: bool):
+        nodes = [helper.make_node("Split", ["x", "sizes"], ["s0", "s1", "s2"], axis=2)]
+        nodes += [helper.make_node("Reshape", [f"s{i}", "heads"], [name]) for i, name in enumerate("qkv")]
+        nodes += [helper.make_node("BiasAttention", ["q", "k", "v", "bias"], ["out", "lse"], domain=TORCH_OPS_DOMAIN,
+                                   layout=1, scale=0.35),
+                  helper.make_node("BiasAttentionGrad", ["dout", "q", "k", "v", "bias", "out", "lse"],
+                                   ["dq", "dk", "dv"], domain=TORCH_OPS_DOMAIN, layout=1, scale=0.35)]
+        nodes += [helper.make_node("Reshape", [f"d{name}", "rows"], [f"r{name}"]) for name in "qkv"]
+        nodes += [helper.make_node("Concat", ["rq", "rk", "rv"], ["dx"], axis=2)]
+        outputs = [("out", [2, 4, 2, 8]), ("dx", [2, 4, 48])] + ([("q", [2, 4, 2, 8])] if q_read_elsewhere else [])
+        inits = [helper.make_tensor("sizes", i64, [3], [16] * 3), helper.make_tensor("heads", i64, [4], [0, 0, 2, 8]),
+                 helper.make_tensor("rows", i64, [3], [0, 0, 16])]
+        info = [helper.make_tensor_value_info(n, f32, s) for n, s in [
+            ("s0", [2, 4, 16]), ("s1", [2, 4, 16]), ("s2", [2, 4, 16]), ("q", [2, 4, 2, 8]), ("k", [2, 4, 2, 8]),
+            ("v", [2, 4, 2, 8]), ("lse", [2, 2, 4]), ("dq", [2, 4, 2, 8]), ("dk", [2, 4, 2, 8]),
+            ("dv", [2, 4, 2, 8]), ("rq", [2, 4, 16]), ("rk", [2, 4, 16]), ("rv", [2, 4, 16])]]
+        return helper.make_model(helper.make_graph(
+            nodes, "attention", [helper.make_tensor_value_info(n, f32, s) for n, s in [
+                ("x", [2, 4, 48]), ("bias", [2, 1, 4, 4]), ("dout", [2, 4, 2, 8])]],
+            [helper.make_tensor_value_info(n, f32, s) for n, s in outputs], inits, value_info=info))
+
+    packed, shared = graph(False), graph(True)
+    assert packed_attention(packed) == 1 and packed_attention(shared) == 0
+    assert [(n.op_type, list(n.input), list(n.output)) for n in packed.graph.node] == [
+        ("Reshape", ["x", "x/qkv_heads/shape"], ["x/qkv_heads"]),
+        ("PackedBiasAttention", ["x/qkv_heads", "bias"], ["out", "lse"]),
+        ("PackedBiasAttentionGrad", ["dout", "x/qkv_heads", "bias", "out", "lse"], ["dx/qkv_heads"]),
+        ("Reshape", ["dx/qkv_heads", "dx/qkv_heads/shape"], ["dx"])]
+    assert {a.name: a.i for a in packed.graph.node[1].attribute if a.name == "layout"} == {"layout": 1}
+    assert [n.op_type for n in shared.graph.node].count("Split") == 1

@@ -40,6 +40,7 @@ def packed_attention(model: onnx.ModelProto) -> int:
             backward.setdefault(tuple(node.input[1:4]), []).append(node)
     dead: set[int] = set()
     before: dict[int, list[onnx.NodeProto]] = {}
+    count = 0
     for node in list(model.graph.node):
         if node.domain != TORCH_OPS_DOMAIN or node.op_type not in _FORWARD or _attrs(node).get("layout") != 1:
             continue
@@ -70,9 +71,10 @@ def packed_attention(model: onnx.ModelProto) -> int:
         before[id(concat)] = [helper.make_node("Reshape", [qkv_grad, f"{qkv_grad}/shape"], [concat.output[0]],
                                                name=f"{qkv_grad}/view")]
         dead |= {id(n) for n in (split, *views, node, grad, concat, *grad_views)}
-    if before:
+        count += 1
+    if count:
         _keep(model, dead, before=before)
-    return len(before) // 4
+    return count
 
 
 def _packed(g: _Graph, names) -> tuple[onnx.NodeProto, list[onnx.NodeProto], int, int] | None:
