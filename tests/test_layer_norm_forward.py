@@ -42,9 +42,10 @@ def test_the_layer_norms_write_their_half_output_within_rounding(precision, devi
     other node writes any more; the loss and every gradient within BOUNDS of float64 and of the graph without the
     switch."""
     model, desc, batch, _ = _gpt2_case()
-    switches = {"fused_gradient_sums": sums}
-    loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device, {**switches, "fused_layer_norm": False})
-    loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device, {**switches, "fused_layer_norm": True})
+    loss_off, grads_off, _ = _mixed_step(model, desc, batch, precision, device,
+                                         {"fused_gradient_sums": sums, "fused_layer_norm": False})
+    loss_on, grads_on, graph = _mixed_step(model, desc, batch, precision, device,
+                                           {"fused_gradient_sums": sums, "fused_layer_norm": True})
     op = "LayerNormToFloat16" if precision == "float16" else "LayerNormToBFloat16"
     norms = [n for n in graph.node if n.domain == DOMAIN and n.op_type in (op, f"Add{op}")]
     assert [n.op_type for n in norms] == [op] + [f"Add{op}"] * 4
