@@ -61,9 +61,17 @@ def _session(library: Path, op: str, inputs: dict, outputs: dict, registered: or
     return ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
 
 
+def _library_on(device: str, cpu_library: Path) -> tuple[Path, str]:
+    """The library and provider of a session on ``device``: the CPU build, or on CUDA the library with CUDA
+    kernels (``make gpu-check``)."""
+    return (cpu_library, "CPUExecutionProvider") if device == "cpu" else (kernels.library(), "CUDAExecutionProvider")
+
+
 def _bound_run(session, feeds: dict, outputs: dict) -> dict:
     """One run with the tensors bound in place (numpy has no bfloat16), where they lie (CPU or CUDA), writing into
     ``outputs``."""
+    if any(tensor.is_cuda for tensor in feeds.values()):
+        torch.cuda.synchronize()  # (torch's copies to the GPU done before ONNX Runtime's stream reads them)
     binding = session.io_binding()
     for name, tensor in feeds.items():
         binding.bind_input(name, tensor.device.type, tensor.device.index or 0, _onnx_type(tensor), list(tensor.shape),
@@ -324,8 +332,7 @@ def test_add_layer_norm_is_the_layer_norm_of_the_residual_sum(cpu_library, devic
         return {n: torch.empty(shapes.get(n, (4, 16, 48)), dtype=dtype if n == "y" else torch.float32, device=device)
                 for n in names}
 
-    library, provider = (cpu_library, "CPUExecutionProvider") if device == "cpu" else (kernels.library(),
-                                                                                      "CUDAExecutionProvider")
+    library, provider = _library_on(device, cpu_library)
     form = "With" if both else "To"
     fused = _session(library, f"AddLayerNorm{form}{name}", {"residual": f32, "x": half, "gamma": f32, "beta": f32},
                      {**outputs, "sum": f32}, provider=provider, epsilon=1e-3)
@@ -333,8 +340,6 @@ def test_add_layer_norm_is_the_layer_norm_of_the_residual_sum(cpu_library, devic
                      provider=provider, epsilon=1e-3)
     feeds = {"residual": residual, "x": x, "gamma": gamma, "beta": beta}
     feeds = {k: v.to(device) for k, v in feeds.items()}
-    if device == "cuda":
-        torch.cuda.synchronize()  # (the copies done before ONNX Runtime's stream reads them)
     got = _bound_run(fused, feeds, buffers([*outputs, "sum"]))
     total = residual + x.float()
     assert torch.equal(got["sum"].cpu(), total)
@@ -517,13 +522,10 @@ def test_add_half_is_cast_then_add_bit_for_bit(cpu_library, device, dtype, padde
     expected = total
     for x in xs.values():
         expected = expected + x[:37].float()
-    library, provider = (cpu_library, "CPUExecutionProvider") if device == "cpu" else (kernels.library(),
-                                                                                      "CUDAExecutionProvider")
+    library, provider = _library_on(device, cpu_library)
     session = _session(library, "AddHalf", {"sum": TensorProto.FLOAT, **{n: _TYPES[dtype][0] for n in xs}},
                        {"y": TensorProto.FLOAT}, provider=provider)
     feeds = {name: t.to(device) for name, t in {"sum": total, **xs}.items()}
-    if device == "cuda":
-        torch.cuda.synchronize()  # (the copies done before ONNX Runtime's stream reads them)
     out = _bound_run(session, feeds, {"y": torch.empty_like(total, device=device)})["y"]
     assert torch.equal(out.cpu(), expected)
 

@@ -21,6 +21,7 @@ import onnx
 from onnx import helper
 
 from ...kernels import TORCH_OPS_DOMAIN
+from ..onnx_graph import drop_dead_nodes
 from ._graph import _Graph, _attrs, _is, _keep, _redirect, _value_info_like
 
 HEADS_SWAPPED = [0, 2, 1, 3]  # [batch, seq, heads, dim] <-> [batch, heads, seq, dim] (its own inverse)
@@ -62,6 +63,7 @@ def attention_layout(model: onnx.ModelProto) -> int:
     if count:
         _keep(model, set(), after=after)
         _cancel_inverse_transposes(model)
+        drop_dead_nodes(model)  # (the back transposes the cancelled ones read: the passes after read the outputs')
     return count
 
 

@@ -20,7 +20,6 @@ import onnx
 from onnx import helper
 
 from ...kernels import TORCH_OPS_DOMAIN
-from ..onnx_graph import drop_dead_nodes
 from ._graph import _Graph, _attrs, _elem_types, _is, _keep
 
 _FORWARD = {"Attention": "PackedAttention", "BiasAttention": "PackedBiasAttention"}
@@ -29,9 +28,6 @@ _BACKWARD = {"AttentionGrad": "PackedAttentionGrad", "BiasAttentionGrad": "Packe
 
 def packed_attention(model: onnx.ModelProto) -> int:
     """Rewrite each eligible attention (module docstring) in place; returns how many (forward and backward, one)."""
-    if not any(node.domain == TORCH_OPS_DOMAIN and node.op_type in _FORWARD for node in model.graph.node):
-        return 0
-    drop_dead_nodes(model)  # (what attention_layout left unread: its cancelled transposes read the gradients)
     g = _Graph(model)
     types = _elem_types(model)
     backward: dict[tuple[str, ...], list[onnx.NodeProto]] = {}  # (q, k, v) -> the gradient nodes that read them

@@ -156,9 +156,9 @@ void layer_norm_cast_cpu(const float* x, const void* branch_, float* sum, const 
         for (int64_t c = 0; c < cols; ++c) sum[row * cols + c] = v[c] + H::load(branch[row * cols + c]);
         v = sum + row * cols;
       }
-      double sum = 0.0, squares = 0.0;
-      for (int64_t c = 0; c < cols; ++c) sum += v[c];
-      const double m = sum / cols;
+      double total = 0.0, squares = 0.0;  // (the row's; sum is the residual sum's output)
+      for (int64_t c = 0; c < cols; ++c) total += v[c];
+      const double m = total / cols;
       for (int64_t c = 0; c < cols; ++c) squares += (v[c] - m) * (v[c] - m);
       const double r = 1.0 / sqrt(squares / cols + epsilon);
       for (int64_t c = 0; c < cols; ++c) {
