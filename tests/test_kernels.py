@@ -219,6 +219,22 @@ def test_layer_norm_grad_computes_torchs_backward(cpu_library, dtype, gamma_dtyp
 
 
 @needs_compiler
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_layer_norm_grad_of_an_empty_batch_is_zero_sums(cpu_library, device):
+    """No rows: dgamma and dbeta are the sums of nothing, zeros, on either device (ONNX Runtime copies the feeds to
+    the device and the outputs back: a tensor of no elements has no address to bind)."""
+    library, provider = _library_on(device, cpu_library)
+    f32 = TensorProto.FLOAT
+    session = _session(library, "LayerNormGrad", {"dy": f32, "x": f32, "mean": f32, "rstd": f32, "gamma": f32},
+                       {"dx": f32, "dgamma": f32, "dbeta": f32, "partials": f32}, provider=provider)
+    empty, column = np.zeros((0, 48), np.float32), np.zeros((0, 1), np.float32)
+    dx, dgamma, dbeta, _ = session.run(None, {"dy": empty, "x": empty, "mean": column, "rstd": column,
+                                              "gamma": np.ones(48, np.float32)})
+    assert dx.shape == (0, 48) and dgamma.shape == dbeta.shape == (48,)
+    assert not dgamma.any() and not dbeta.any()
+
+
+@needs_compiler
 @pytest.mark.parametrize("dy_dtype, cast", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False),
                                             (torch.float16, True), (torch.bfloat16, True)],
                          ids=["float32", "float16", "bfloat16", "float16-cast", "bfloat16-cast"])
@@ -496,6 +512,37 @@ def test_cross_entropy_and_its_gradient_compute_torchs(cpu_library, dtype, padde
              + FLOAT32 * grad.double().abs()[:, None] * (1 + lse.detach().abs()[:, None]) + _TYPES[dtype][2])
     excess = (outs["dx"].double() - want).abs() - bound
     assert excess.max() <= 0, float(excess.max())
+
+
+@needs_compiler
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_cross_entropy_of_rows_torch_cannot_score_is_nan_as_torchs(cpu_library, device):
+    """Rows of 600 scores in rows 640 wide (``classes=600``; more than one CUDA block's 512 threads, so a thread
+    merges several): a NaN first (the first value a thread merges) or last gives lse and loss NaN; a row of -inf
+    gives lse -inf (torch's ``logsumexp``) and loss NaN (torch's ``cross_entropy``); a target in the padding is out of
+    range: loss NaN, and the padding's gradient stays zeros. The last row is finite: loss as torch's."""
+    library, provider = _library_on(device, cpu_library)
+    x = torch.randn(5, 640)
+    x[0, 0] = x[1, 599] = float("nan")
+    x[2, :600] = float("-inf")
+    target = torch.tensor([3, 4, 5, 610, 7])
+    f32 = TensorProto.FLOAT
+    forward = _session(library, "CrossEntropy", {"x": f32, "target": _INT64}, {"losses": f32, "lse": f32},
+                       provider=provider, classes=600)
+    on = torch.device(device)
+    outs = _bound_run(forward, {"x": x.to(on), "target": target.to(on)},
+                      {"losses": torch.empty(5, device=on), "lse": torch.empty(5, device=on)})
+    backward = _session(library, "CrossEntropyGrad", {"grad": f32, "x": f32, "target": _INT64, "lse": f32},
+                        {"dx": f32}, provider=provider, classes=600)
+    dx = _bound_run(backward, {"grad": torch.ones(5, device=on), "x": x.to(on), "target": target.to(on),
+                               "lse": outs["lse"]}, {"dx": torch.full((5, 640), 7.0, device=on)})["dx"].cpu()
+    losses, lse = outs["losses"].cpu(), outs["lse"].cpu()
+    assert losses[:4].isnan().all() and lse[:2].isnan().all() and lse[2] == float("-inf")
+    assert torch.nn.functional.cross_entropy(x[2:3, :600], target[2:3]).isnan()
+    # the finite row: float32 arithmetic (CUDA) or float64 rounded once (CPU), within 600 roundings of its size
+    assert abs(float(losses[4]) - float(torch.nn.functional.cross_entropy(x[4:, :600].double(), target[4:]))) <= (
+        600 * FLOAT32 * float(x[4, :600].abs().max() + 10))
+    assert not dx[:, 600:].any() and not dx[4].isnan().any()
 
 
 @needs_compiler

@@ -79,7 +79,8 @@ def _command(nvcc: str | None, cxx: str | None, output: Path) -> list[str]:
     sources = [str(_CSRC / name) for name in _SOURCES]
     if nvcc:
         # the CUDA runtime linked in (cudart_static, nvcc's default) and C++'s too: the library runs beside any
-        # CUDA 12+ driver and any libstdc++, as on a GPU machine it was not built on
+        # libstdc++, as on a GPU machine it was not built on, and any driver of nvcc's CUDA version or newer (CUDA 13's
+        # runtime asks for a 580 driver or newer)
         return [nvcc, "-O3", "-std=c++20", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", *_CUDA_ARCHS,
                 "-Xlinker", "--exclude-libs,ALL", "-Xcompiler", "-static-libstdc++,-static-libgcc",
                 "-DORT_TRAINER_KERNELS_CUDA", *sources, *(str(_CSRC / name) for name in _CUDA_SOURCES),

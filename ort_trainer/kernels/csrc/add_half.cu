@@ -25,7 +25,10 @@ __global__ void add_half_elements(const S* sum, Addends<T> xs, float* out, int64
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     float total = to_float(sum[i]);
-    for (int k = 0; k < xs.count; ++k) total = __fadd_rn(total, to_float(xs.x[k][i]));
+    // (unrolled over the struct's fixed size: a loop to the run-time count would copy the parameters to local memory)
+#pragma unroll
+    for (int k = 0; k < kMaxAddends; ++k)
+      if (k < xs.count) total = __fadd_rn(total, to_float(xs.x[k][i]));
     out[i] = total;
   }
 }

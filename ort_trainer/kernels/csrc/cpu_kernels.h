@@ -244,7 +244,7 @@ void cross_entropy_cpu(const void* x_, const int64_t* target, float* losses, flo
         top = value > top ? value : top;
       }
       for (int64_t c = 0; c < classes; ++c) sum += exp(T::load(v[c]) - top);
-      const double row_lse = nan ? NAN : top + log(sum);
+      const double row_lse = nan ? NAN : top == -INFINITY ? -INFINITY : top + log(sum);  // (torch's logsumexp)
       lse[row] = static_cast<float>(row_lse);
       const int64_t t = target[row];
       losses[row] = t == ignore_index ? 0.0f

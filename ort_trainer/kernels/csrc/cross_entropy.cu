@@ -17,6 +17,7 @@ constexpr int kThreads = 512;
 
 // (max, sum of exp(x - max)) of two partial rows merged
 __device__ __forceinline__ float2 merge(float2 a, float2 b) {
+  if (isnan(a.x) || isnan(b.x)) return make_float2(NAN, NAN);  // (fmaxf would drop a NaN against a -inf)
   const float top = fmaxf(a.x, b.x);
   if (top == -INFINITY) return make_float2(top, 0.0f);
   return make_float2(top, a.y * expf(a.x - top) + b.y * expf(b.x - top));
@@ -40,7 +41,8 @@ __global__ void forward_rows(const T* x, const int64_t* target, float* losses, f
   if (threadIdx.x == 0) {
     float2 total = warps[0];
     for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) total = merge(total, warps[w]);
-    const float row_lse = total.x + logf(total.y);  // a NaN score makes the row's lse and loss NaN
+    // a NaN score makes the row's lse and loss NaN; a row of -inf has lse -inf (torch's logsumexp) and loss NaN
+    const float row_lse = total.x == -INFINITY ? -INFINITY : total.x + logf(total.y);
     lse[row] = row_lse;
     const int64_t t = target[row];
     losses[row] = t == ignore_index ? 0.0f : (t >= 0 && t < classes ? row_lse - to_float(x_row[t]) : NAN);
@@ -57,7 +59,7 @@ __global__ void backward_rows(const float* grad, const T* x, const int64_t* targ
   const float g = t == ignore_index ? 0.0f : grad[row], row_lse = lse[row];
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     const float p = g == 0.0f || c >= classes ? 0.0f : expf(to_float(x_row[c]) - row_lse) * g;
-    dx_row[c] = from_float<T>(c == t ? p - g : p);
+    dx_row[c] = from_float<T>(c == t && c < classes ? p - g : p);
   }
 }
 

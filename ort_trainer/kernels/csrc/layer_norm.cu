@@ -216,11 +216,21 @@ const char* layer_norm_grad_cuda(ElementType t, ElementType d, ElementType c, El
                                  const void* x, const void* mean, const void* rstd, const void* gamma,
                                  const void* residual, void* dx, void* dx_cast, void* dgamma, void* dbeta,
                                  float* partials, int64_t rows, int64_t cols, int64_t chunks, void* stream) {
-  if (rows == 0 || cols == 0) return nullptr;  // (ops.cc writes an empty batch's zero sums itself)
+  if (cols == 0) return nullptr;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arguments arguments{dy, x, mean, rstd, gamma, residual, dx, dx_cast, dgamma, dbeta, partials, rows, cols,
                             chunks};
   if (!known(t) || !known(d) || !known(c) || !known(g)) return "unsupported dtype";
+  if (rows == 0) {  // an empty batch: no dx to write, dgamma and dbeta zeros (the sums of nothing), as on the CPU
+    const cudaError_t cleared = cudaMemsetAsync(partials, 0, sizeof(float) * 2 * chunks * cols, s);
+    if (cleared != cudaSuccess) return cudaGetErrorString(cleared);
+    with_type(g, [&]<typename G>() {
+      finish_kernel<G><<<static_cast<unsigned>((cols + 255) / 256), 256, 0, s>>>(
+          partials, static_cast<G*>(dgamma), static_cast<G*>(dbeta), cols, chunks);
+    });
+    const cudaError_t error = cudaGetLastError();
+    return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+  }
   if (c != d) {  // (LayerNormGradTo*: a float32 LayerNorm's gradient cast to half)
     if (t != ElementType::kFloat || g != ElementType::kFloat || d != ElementType::kFloat) return "unsupported dtype";
     with_type(c, [&]<typename C>() { launch<float, float, float, C>(arguments, s); });
