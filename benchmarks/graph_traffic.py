@@ -7,7 +7,8 @@ bandwidth (an H200 moves ~4.8 TB/s, ~3.5-4 TB/s in practice), so this table pred
 ``benchmarks/gpu.py``'s kernel profile from the graph alone, and a graph pass's effect on them is measured here
 on the CPU before a GPU run (the graph is the same on every device: ``autocast_context``). ONNX Runtime's own
 fusions (``Gemm`` from ``MatMul`` + ``Add``, ``FusedMatMul``, ``BiasGelu``...) run after this point and are not
-counted; views (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Identity``...) move no bytes.
+counted; views (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Identity``...) move no bytes, and a ``Gemm``'s bias is
+its ``C`` alone unless ``--bias-copies`` counts ONNX Runtime's copy of it into the output.
 
 Run: ``python benchmarks/graph_traffic.py --model gpt2 --precision fp16`` (``benchmarks/gpu_worker.py``'s models and
 sizes; ``--batch`` and ``--seq`` replace them; ``--optimizations '{"half_precision_loss": true}'`` turns
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # operators that ONNX Runtime runs without moving the tensor (an alias of its input) or on shapes only
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
-PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
+PRODUCTS = {"MatMul", "Gemm", "FusedMatMul", "BiasGemm"}  # (BiasGemm: torch_products')
 # the suffix of a value recomputed in the backward (activation_recompute's, layer_recompute's region N)
 RECOMPUTED = re.compile(r"/(?:layer_)?recompute\d*$")
 # element-wise: an output's shape is its inputs' broadcast (torchlib's erf function too)
@@ -78,6 +79,7 @@ def kind(op_type: str) -> str:
 def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
     """``{name: (dims, bytes per element)}`` of every value whose shape is static after ONNX shape inference."""
     from ort_trainer.graph.onnx_graph import largest_tensors
+    from ort_trainer.kernels import TORCH_OPS_DOMAIN
 
     graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
@@ -97,11 +99,33 @@ def _tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[list[int], int]]:
         if node.op_type in KERNEL_OUTPUTS and all(node.input[i] in shapes for i in KERNEL_OUTPUTS[node.op_type]):
             for name, source in zip(node.output, KERNEL_OUTPUTS[node.op_type]):
                 shapes.setdefault(name, shapes[node.input[source]])
+        if node.domain == TORCH_OPS_DOMAIN and node.op_type in PRODUCTS and node.output[0] not in shapes:
+            _product_shape(node, shapes)
         known = [shapes.get(name) for name in node.input if name]
         if node.op_type in BROADCASTING and node.output[0] not in shapes and known and None not in known:
             largest = max(known, key=lambda shape: int(np.prod(shape[0])))
             shapes[node.output[0]] = (list(np.broadcast_shapes(*(tuple(shape) for shape, _ in known))), largest[1])
     return shapes
+
+
+def _is_biased_gemm(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and len(node.input) > 2 and bool(node.input[2])
+
+
+def _product_shape(node: onnx.NodeProto, shapes: dict) -> None:
+    """The output shape of a ``torch_products`` node (ONNX shape inference does not know their domain), from its
+    operands' (numpy's matmul after ``transA`` / ``transB``), where both are known."""
+    if not all(name in shapes for name in node.input[:2]):
+        return
+    flags = {attr.name: attr.i for attr in node.attribute if attr.name in ("transA", "transB")}
+    (a, size), (b, _) = (shapes[name] for name in node.input[:2])
+    a, b = list(a), list(b)
+    if flags.get("transA") and len(a) >= 2:
+        a[-2:] = a[:-3:-1]
+    if flags.get("transB") and len(b) >= 2:
+        b[-2:] = b[:-3:-1]
+    batch = list(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    shapes[node.output[0]] = (batch + a[-2:-1] + b[-1:] if len(b) >= 2 else batch + a[-2:-1], size)
 
 
 def _flops(node: onnx.NodeProto, shapes: dict) -> int:
@@ -112,9 +136,11 @@ def _flops(node: onnx.NodeProto, shapes: dict) -> int:
     return 2 * int(np.prod(out)) * contracted
 
 
-def traffic(model: onnx.ModelProto) -> dict:
+def traffic(model: onnx.ModelProto, bias_copies: bool = False) -> dict:
     """``{"kinds": {kind: [bytes, nodes]}, "ops": {op type: [bytes, nodes]}, "flops": the products' FLOPs,
-    "unknown": nodes with a value of unknown shape, "nodes": [(bytes, op type, name)] largest first}``."""
+    "unknown": nodes with a value of unknown shape, "nodes": [(bytes, op type, name)] largest first}``.
+    ``bias_copies``: count an ONNX ``Gemm``'s output twice more where it has a ``C`` (ONNX Runtime's kernels write
+    ``C`` broadcast into the output, then add the product to it)."""
     shapes = _tensor_shapes(model)
     kinds = collections.defaultdict(lambda: [0, 0])
     ops = collections.defaultdict(lambda: [0, 0])
@@ -127,6 +153,10 @@ def traffic(model: onnx.ModelProto) -> dict:
             unknown += 1
             continue
         moved = sum(int(np.prod(shapes[name][0])) * shapes[name][1] for name in names)
+        if bias_copies and _is_biased_gemm(node):
+            # ONNX Runtime's Gemm (CUDA's and MLAS's) writes C broadcast into Y, then adds the product to it (beta
+            # 1): Y written and read once more (torch_products' BiasGemm adds a bias vector as it stores the product)
+            moved += 2 * int(np.prod(shapes[node.output[0]][0])) * shapes[node.output[0]][1]
         for table, key in ((kinds, kind(node.op_type)), (ops, node.op_type)):
             table[key][0] += moved
             table[key][1] += 1
@@ -198,13 +228,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", help="a second graph_optimizations setting (JSON, over --optimizations) to "
                                           "set against the first")
     parser.add_argument("--top", type=int, default=20, help="rows of the operator and node tables")
+    parser.add_argument("--bias-copies", action="store_true",
+                        help="count the copy of a Gemm's C into its output that ONNX Runtime's kernels make, and its "
+                             "read back (twice the output's bytes a biased Gemm; torch_products' BiasGemm has none)")
     args = parser.parse_args(argv)
     base = json.loads(args.optimizations)
-    result = traffic(build_graph(args.model, args.precision, args.batch, args.seq, base))
+    result = traffic(build_graph(args.model, args.precision, args.batch, args.seq, base), args.bias_copies)
     other = None
     if args.compare is not None:
         other = traffic(build_graph(args.model, args.precision, args.batch, args.seq,
-                                    {**base, **json.loads(args.compare)}))
+                                    {**base, **json.loads(args.compare)}), args.bias_copies)
     total = sum(v[0] for v in result["kinds"].values())
     unit, unit_name = (1e9, "GB") if total >= 1e9 else (1e6, "MB")
     print(f"{args.model} {args.precision}, graph_optimizations {json.dumps(base)}: {_summary(result, unit, unit_name)}")

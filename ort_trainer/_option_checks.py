@@ -35,20 +35,21 @@ def cross_field_problems(values: dict[str, Any], problems: list[str]) -> list[st
 
 def _device_problems(values: dict[str, Any], own: set[str]) -> list[str]:
     """The device block: a CUDA graph and torch's allocator need a GPU; a capture of a step in which torch
-    allocates (torch's allocator, torch's attention kernels) needs a torch that keeps those allocations in a pool of
-    their own (their replays write where the capture run's memory was); the allocator excludes the arena's limit
-    (there is no arena to cap)."""
+    allocates (torch's allocator, torch's attention kernels and products) needs a torch that keeps those allocations
+    in a pool of their own (their replays write where the capture run's memory was); the allocator excludes the
+    arena's limit (there is no arena to cap)."""
     found = []
     cuda = "device.id" in own or devices.parse_device_id(values["device.id"])[0] == "cuda"
     if values["device.cuda_graph"] is True and not cuda:
         found.append(f"device.cuda_graph: CUDA graphs need a GPU; device.id is {values['device.id']!r} (use 'cuda')")
     # what torch allocates during a capture is kept in a private pool (devices.CUDADevice.capture_memory)
     pool_problem = devices.capture_memory_problem() if values["device.cuda_graph"] is True else None
-    if pool_problem and values["graph_optimizations.fused_attention"] is True:
-        found.append(f"graph_optimizations.fused_attention: torch's attention kernels allocate from torch's caching "
-                     f"allocator while they run, which a CUDA graph captured by ONNX Runtime (device.cuda_graph) "
-                     f"replays only from a pool of its own, and {pool_problem}: upgrade torch or turn one of the "
-                     "two off")
+    for switch, kernels in (("fused_attention", "torch's attention kernels allocate"),
+                            ("torch_products", "torch's products allocate cuBLAS's workspace")):
+        if pool_problem and values[f"graph_optimizations.{switch}"] is True:
+            found.append(f"graph_optimizations.{switch}: {kernels} from torch's caching allocator while they run, "
+                         f"which a CUDA graph captured by ONNX Runtime (device.cuda_graph) replays only from a pool of "
+                         f"its own, and {pool_problem}: upgrade torch or turn one of the two off")
     if "provider_options" not in own and "enable_cuda_graph" in values["provider_options"]:
         found.append("provider_options: enable_cuda_graph needs fixed buffers for every input and output of the "
                      "step: ask for it with device.cuda_graph=True")

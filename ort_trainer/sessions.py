@@ -53,7 +53,7 @@ class Sessions:
         self.placement.check_graph(model)
         if kernels.uses_kernels(model):  # nodes of ort_trainer's own kernel library
             kernels.register(self.options, cuda=self.placement.kind == "cuda")
-        if torch_ops.uses_torch_ops(model):  # torch's attention kernels (graph_optimizations.fused_attention)
+        if torch_ops.uses_torch_ops(model):  # torch's kernels (graph_optimizations.fused_attention, torch_products)
             torch_ops.register(self.options, cuda=self.placement.kind == "cuda")
         data = model.SerializeToString()
         providers = self.placement.capture_providers(self._providers) if capture else self._providers

@@ -231,11 +231,11 @@ def test_only_the_capturing_run_allocates_from_the_captures_own_pool(monkeypatch
 
 
 def test_torch_memory_under_a_capture_is_refused_only_without_a_private_pool(monkeypatch):
-    """``fused_attention`` and ``torch_allocator`` go with ``device.cuda_graph`` where torch can keep a capture's
-    allocations in a pool of their own (``devices.capture_memory_problem``); elsewhere both are refused together,
-    naming the torch."""
+    """``fused_attention``, ``torch_products`` and ``torch_allocator`` go with ``device.cuda_graph`` where torch can
+    keep a capture's allocations in a pool of their own (``devices.capture_memory_problem``); elsewhere all are refused
+    together, naming the torch."""
     both = {"device": {"id": "cpu", "cuda_graph": True, "torch_allocator": True},
-            "graph_optimizations": {"fused_attention": True}}
+            "graph_optimizations": {"fused_attention": True, "torch_products": True}}
     monkeypatch.setattr(devices, "capture_memory_problem", lambda: None)
     with pytest.raises(ValueError) as raised:
         ORTTrainerOptions(both)
@@ -245,8 +245,9 @@ def test_torch_memory_under_a_capture_is_refused_only_without_a_private_pool(mon
         ORTTrainerOptions(both)
     message = str(raised.value)
     assert "graph_optimizations.fused_attention: torch's attention kernels allocate" in message
+    assert "graph_optimizations.torch_products: torch's products allocate cuBLAS's workspace" in message
     assert "device.torch_allocator: a captured CUDA graph (device.cuda_graph) replays into the memory" in message
-    assert message.count("torch 2.7 cannot give one thread's allocations") == 2 and "upgrade torch" in message
+    assert message.count("torch 2.7 cannot give one thread's allocations") == 3 and "upgrade torch" in message
 
 
 # A replay runs the captured kernels on the values the uncaptured run computes, in the same order (float32: only

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -37,6 +36,33 @@ def test_bytes_and_flops_of_a_hand_built_graph():
     assert result["flops"] == 2 * 2 * 4 * 3 + 2 * 3 * 5 * 2
     assert result["unknown"] == 0 and result["nodes_total"] == 4
     assert [op for _, op, _ in result["nodes"]] == ["Gemm", "MatMul", "Cast"]
+
+
+def test_bias_copies_and_torchs_products():
+    """A biased ONNX Gemm [2, 3] · [3, 5] + c[5], float32: its inputs and output (24 + 60 + 20 + 40 bytes), and
+    with ``bias_copies`` the output twice more (ONNX Runtime's copy of c into it, read back); torch_products'
+    BiasGemm and MatMul (transB: the [2, 5, 3] operand read as [2, 3, 5]), whose shapes ONNX shape inference does
+    not give, take theirs from their operands and have no such copy."""
+    from ort_trainer.kernels import TORCH_OPS_DOMAIN
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["y"]),
+             helper.make_node("BiasGemm", ["x", "w", "c"], ["t"], domain=TORCH_OPS_DOMAIN),
+             helper.make_node("MatMul", ["x", "u"], ["m"], domain=TORCH_OPS_DOMAIN, transB=1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", f, [2, 3])],
+        [helper.make_tensor_value_info(name, f, None) for name in ("y", "t", "m")],
+        [numpy_helper.from_array(np.zeros((3, 5), np.float32), "w"),
+         numpy_helper.from_array(np.zeros(5, np.float32), "c"),
+         numpy_helper.from_array(np.zeros((2, 5, 3), np.float32), "u")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(TORCH_OPS_DOMAIN, 1)])
+    plain, copies = graph_traffic.traffic(model), graph_traffic.traffic(model, bias_copies=True)
+    assert plain["unknown"] == 0
+    assert plain["ops"]["Gemm"] == [144, 1] and copies["ops"]["Gemm"] == [144 + 80, 1]
+    assert plain["ops"]["BiasGemm"] == copies["ops"]["BiasGemm"] == [144, 1]
+    assert plain["ops"]["MatMul"] == [24 + 120 + 80, 1]  # m: [2, 2, 5]
+    assert plain["flops"] == 2 * (2 * 10 * 3) + 2 * 20 * 3
 
 
 @pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")

@@ -42,7 +42,7 @@ from .._cache_root import cache_dir
 from .._logging import logger
 
 DOMAIN = "ort_trainer"  # the custom operators' ONNX domain
-TORCH_OPS_DOMAIN = "ort_trainer.torch"  # torch_ops.py's operators' (torch's own kernels: fused_attention)
+TORCH_OPS_DOMAIN = "ort_trainer.torch"  # torch_ops.py's operators' (torch's kernels: fused_attention, torch_products)
 OPSET = 1
 LIBRARY_ENV = "ORT_TRAINER_KERNELS_LIBRARY"
 _CSRC = Path(__file__).resolve().parent / "csrc"

@@ -1,4 +1,5 @@
-"""ort_trainer's operators that run torch's own kernels inside ONNX Runtime (``graph_optimizations.fused_attention``).
+"""ort_trainer's operators that run torch's own kernels inside ONNX Runtime (``graph_optimizations.fused_attention``,
+``graph_optimizations.torch_products``).
 
 ONNX Runtime's standard builds have no fused attention with a backward (its ``MultiHeadAttention`` contrib
 operator is a forward for inference), and a training graph spells attention out: the scores' product, the mask
@@ -8,7 +9,8 @@ attention kernels with backwards; ``csrc/torch_ops.cc`` runs them as ONNX Runtim
 ``DOMAIN`` (``Attention``, ``BiasAttention`` and their ``...Grad``; the tensors ONNX Runtime gives a run are wrapped
 without a copy, and on a GPU the kernels run on the session's CUDA stream): torch's memory-efficient attention on
 CUDA, its flash attention for the CPU on the CPU. Neither keeps a ``[seq_q, seq_k]`` tensor: the backward
-recomputes the probabilities from the forward's per-row log-sum-exp.
+recomputes the probabilities from the forward's per-row log-sum-exp. ``Gemm``, ``BiasGemm`` and ``MatMul`` run a graph's
+products by torch's BLAS (``torch_products``: on a GPU cuBLAS, which adds a bias vector in the product's epilogue).
 
 The library is built on first use against the torch that runs (its headers and libraries; with a CUDA build of
 torch, CUDA kernels too) into ``$ORT_TRAINER_CACHE_DIR/kernels/torch_ops/<hash>/`` (about a minute with the C++
@@ -28,7 +30,8 @@ from .torch_allocator import cuda_include_dir
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cc"
 _HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("ort_abi.h", "ort_io.h")]
 _NAME = "libort_trainer_torch_ops.so"
-_FIX = "or turn graph_optimizations.fused_attention off"
+_SWITCHES = "graph_optimizations.fused_attention and torch_products"
+_FIX = f"or turn {_SWITCHES} off"
 
 
 def _command(cxx: str, output: Path, torch_root: Path, cxx11_abi: bool, cuda_include: Path | None,
@@ -60,13 +63,13 @@ def build() -> Path:
 
     _, cxx = _compilers()
     if cxx is None:
-        raise KernelsUnavailable("graph_optimizations.fused_attention builds a library against torch and found no "
-                                 f"C++ compiler (c++, g++ or $CXX): install one, {_FIX}")
+        raise KernelsUnavailable(f"{_SWITCHES} build a library against torch and found no C++ compiler (c++, g++ or "
+                                 f"$CXX): install one, {_FIX}")
     cuda_include = None
     if torch.version.cuda is not None:
         cuda_include = cuda_include_dir()
         if cuda_include is None:
-            raise KernelsUnavailable("graph_optimizations.fused_attention builds against torch's CUDA headers, which "
+            raise KernelsUnavailable(f"{_SWITCHES} build against torch's CUDA headers, which "
                                      "include the CUDA runtime's: none found in $CUDA_HOME, nvcc's toolkit, "
                                      f"/usr/local/cuda or the nvidia wheels; set CUDA_HOME to a CUDA toolkit, {_FIX}")
     torch_root = Path(torch.__file__).resolve().parent
@@ -76,7 +79,7 @@ def build() -> Path:
                             + " ".join([*command, torch.__version__]).encode())
     path = _root() / "torch_ops" / digest.hexdigest()[:16] / _NAME
     return _built(path, lambda output: _command(cxx, output, torch_root, abi, cuda_include),
-                  "ort_trainer's torch operators (fused attention)", _FIX)
+                  "ort_trainer's torch operators (fused attention, torch's products)", _FIX)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,8 +112,8 @@ def register(options, cuda: bool = False) -> None:
         return
     path = library()
     if cuda and not has_cuda_kernels(path):
-        raise KernelsUnavailable("graph_optimizations.fused_attention on a GPU runs torch's CUDA attention kernels, "
-                                 f"and this torch has none (a CPU build): install a CUDA build of torch, {_FIX}")
+        raise KernelsUnavailable(f"{_SWITCHES} on a GPU run torch's CUDA kernels, and this torch has none (a CPU "
+                                 f"build): install a CUDA build of torch, {_FIX}")
     options.register_custom_ops_library(str(path))
     _REGISTERED.append(options)
 

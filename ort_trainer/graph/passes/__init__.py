@@ -16,10 +16,12 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
   the others' graph), ``layer_recompute.py`` (each sublayer recomputed from its LayerNorm's input, before
   ``activation_recompute``), ``attention_layout.py`` (``fused_attention``'s nodes on the heads as the projections
-  lay them), ``packed_attention.py`` (those nodes on q, k and v packed in one projection's output), ``aligned.py`` (products on operands padded to aligned widths), ``gradient_sums.py`` (a float32 sum
-  of a half gradient in one kernel node), ``layer_norm_sums.py`` (a LayerNorm's gradient added into the residual's
-  in its kernel, ``fused_layer_norm_gradient``'s joint part), ``layer_norm_forward.py`` (a LayerNorm that writes
-  its half output itself), ``order.py`` (the loss pieces' backward early; last);
+  lay them), ``packed_attention.py`` (those nodes on q, k and v packed in one projection's output), ``aligned.py``
+  (products on operands padded to aligned widths), ``gradient_sums.py`` (a float32 sum of a half gradient in one
+  kernel node), ``layer_norm_sums.py`` (a LayerNorm's gradient added into the residual's in its kernel,
+  ``fused_layer_norm_gradient``'s joint part), ``layer_norm_forward.py`` (a LayerNorm that writes its half output
+  itself), ``order.py`` (the loss pieces' backward early), ``torch_products.py`` (every product by torch's BLAS;
+  last: the passes before it read ONNX's ``Gemm`` and ``MatMul``);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
@@ -39,7 +41,7 @@ import onnx
 from ..onnx_graph import dangling_names, drop_dead_nodes
 from . import (aligned, attention_layout, copies, dropout, embedding, forward, gelu_kernel, gradient_sums,
                layer_norm_forward, layer_norm_sums, layer_recompute, loss, order, packed_attention, recompute, softmax,
-               tied_embedding)
+               tied_embedding, torch_products)
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -66,7 +68,7 @@ _JOINT = (
     ("aligned_products", aligned.aligned_products), ("fused_gradient_sums", gradient_sums.fused_gradient_sums),
     ("fused_layer_norm_gradient", layer_norm_sums.layer_norm_residual_sums),
     ("fused_layer_norm", layer_norm_forward.fused_layer_norm),
-    ("loss_pieces", order.piece_gradients_early))
+    ("loss_pieces", order.piece_gradients_early), ("torch_products", torch_products.torch_products))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),

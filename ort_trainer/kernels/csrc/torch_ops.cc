@@ -22,7 +22,17 @@
 // On the CPU: torch's flash attention for the CPU (_scaled_dot_product_flash_attention_for_cpu and its backward);
 // on CUDA: torch's memory-efficient attention (_scaled_dot_product_efficient_attention and its backward), which
 // takes an additive bias. Neither keeps a [seq_q, seq_k] tensor.
+//
+// Matrix products (graph/passes/torch_products.py), torch's BLAS (cuBLAS on CUDA: a bias vector in the product's
+// epilogue; MKL on the CPU):
+//   Gemm(a, b) -> y, BiasGemm(a, b, c) -> y   ONNX's Gemm: y = alpha · op(a) · op(b) [+ beta · c], a and b 2-D,
+//                                             op() a transpose where the attribute transA / transB is 1, c
+//                                             broadcast to y (at::mm / at::addmm)
+//   MatMul(a, b) -> y                         ONNX's MatMul (numpy's: batch axes broadcast, a vector operand a row or
+//                                             a column), the last two axes of a and b swapped where transA / transB
+//                                             is 1 (at::matmul: a transpose is read in place)
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 
 #ifdef ORT_TRAINER_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -51,6 +61,7 @@ constexpr uint32_t kOpVersion = 16;
 
 struct Operator : OperatorEntry {
   bool backward, bias, packed;
+  bool product;  // Gemm, BiasGemm or MatMul (else an attention)
   ONNXTensorElementDataType type;
 };
 
@@ -60,6 +71,8 @@ struct Kernel {
   float scale;
   bool causal;
   bool heads_last;  // the attribute layout: 1
+  bool trans_a, trans_b;  // the products'
+  float alpha, beta;
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
@@ -75,21 +88,98 @@ at::Tensor prepared_bias(const at::Tensor& bias, const at::Tensor& q, const at::
   return b.expand({q.size(0), q.size(1), q.size(2), keys});
 }
 
-OrtStatus* compute(void* opaque, OrtKernelContext* context) {
-  const Kernel* kernel = static_cast<const Kernel*>(opaque);
-  const OrtApi* api = kernel->api;
-  const Operator* op = kernel->op;
-  std::vector<Tensor> in(op->inputs);
-  for (size_t i = 0; i < op->inputs; ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &in[i]));
-  at::TensorOptions options = at::TensorOptions().dtype(scalar_type(op->type));
+// A run's inputs, its tensors' options (dtype, device) and ONNX Runtime's stream (CUDA), read from the context
+struct Run {
+  std::vector<Tensor> in;
+  at::TensorOptions options;
   void* stream = nullptr;
+};
+
+OrtStatus* start(const OrtApi* api, const Operator* op, OrtKernelContext* context, Run* run) {
+  run->in.resize(op->inputs);
+  for (size_t i = 0; i < op->inputs; ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &run->in[i]));
+  run->options = at::TensorOptions().dtype(scalar_type(op->type));
 #ifdef ORT_TRAINER_TORCH_CUDA
   if (op->cuda) {
     ORTT_RETURN_IF_ERROR(
-        slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, &stream));
-    options = options.device(at::kCUDA, c10::cuda::current_device());
+        slot<KernelContextGetGPUComputeStream>(api, kKernelContextGetGPUComputeStream)(context, &run->stream));
+    run->options = run->options.device(at::kCUDA, c10::cuda::current_device());
   }
 #endif
+  return nullptr;
+}
+
+// torch's current CUDA stream is ONNX Runtime's run's while one lives (nothing on the CPU)
+class OnStream {
+ public:
+  OnStream(const Operator* op, void* stream) {
+#ifdef ORT_TRAINER_TORCH_CUDA
+    if (op->cuda)
+      guard_.emplace(c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), c10::cuda::current_device()));
+#endif
+  }
+
+ private:
+#ifdef ORT_TRAINER_TORCH_CUDA
+  std::optional<c10::cuda::CUDAStreamGuard> guard_;
+#endif
+};
+
+// Gemm, BiasGemm, MatMul (the file's head): torch's product written into ONNX Runtime's output in place
+OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
+  Run run;
+  ORTT_RETURN_IF_ERROR(start(api, op, context, &run));
+  const bool matmul = std::string(op->name) == "MatMul";
+  const Tensor &a_in = run.in[0], &b_in = run.in[1];
+  if (matmul ? a_in.dims.empty() || b_in.dims.empty() || (kernel->trans_a && a_in.dims.size() < 2) ||
+                   (kernel->trans_b && b_in.dims.size() < 2)
+             : a_in.dims.size() != 2 || b_in.dims.size() != 2)
+    return fail(api, std::string(op->name) + (matmul ? ": a and b must be of rank 1 or more (2 or more transposed)"
+                                                     : ": a and b must be 2-D"));
+  try {
+    OnStream on_stream(op, run.stream);
+    auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, run.options); };
+    at::Tensor a = wrap(a_in), b = wrap(b_in);
+    if (kernel->trans_a) a = a.transpose(-2, -1);
+    if (kernel->trans_b) b = b.transpose(-2, -1);
+    const int64_t rows_of_b = b.dim() == 1 ? b.size(0) : b.size(-2);
+    if (a.size(-1) != rows_of_b)
+      return fail(api, std::string(op->name) + ": a's columns (" + std::to_string(a.size(-1)) + ") and b's rows (" +
+                           std::to_string(rows_of_b) + ") differ, after transA / transB");
+    // numpy's: the batch axes broadcast, then a's rows (none for a vector a) and b's columns (none for a vector b)
+    std::vector<int64_t> dims;
+    if (a.dim() > 2 || b.dim() > 2)
+      dims = at::infer_size(a.sizes().slice(0, std::max<int64_t>(a.dim() - 2, 0)),
+                            b.sizes().slice(0, std::max<int64_t>(b.dim() - 2, 0)));
+    if (a.dim() > 1) dims.push_back(a.size(-2));
+    if (b.dim() > 1) dims.push_back(b.size(-1));
+    Tensor y;
+    ORTT_RETURN_IF_ERROR(output(api, context, 0, dims, &y));
+    at::Tensor out = wrap(y);
+    if (matmul)
+      at::matmul_out(out, a, b);
+    else if (op->bias)
+      at::addmm_out(out, wrap(run.in[2]), a, b, kernel->beta, kernel->alpha);
+    else if (kernel->alpha == 1.0f)
+      at::mm_out(out, a, b);
+    else
+      at::addmm_out(out, out, a, b, 0.0, kernel->alpha);  // (beta 0: out's values are not read)
+    return nullptr;
+  } catch (const std::exception& error) {
+    return fail(api, std::string(op->name) + ": " + error.what());
+  }
+}
+
+// the attentions (the file's head)
+OrtStatus* compute_attention(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
+  Run run;
+  ORTT_RETURN_IF_ERROR(start(api, op, context, &run));
+  const std::vector<Tensor>& in = run.in;
+  const at::TensorOptions options = run.options;
   auto wrap = [&](const Tensor& t, at::ScalarType type) {
     return at::from_blob(t.data, t.dims, options.dtype(type));
   };
@@ -103,11 +193,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     return op->packed ? wrap(t, type).select(2, i).transpose(1, 2) : heads(t, type);
   };
   try {
-#ifdef ORT_TRAINER_TORCH_CUDA
-    std::optional<c10::cuda::CUDAStreamGuard> guard;
-    if (op->cuda)
-      guard.emplace(c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), c10::cuda::current_device()));
-#endif
+    OnStream on_stream(op, run.stream);
     const at::ScalarType t = scalar_type(op->type);
     const size_t first = op->backward ? 1 : 0, qkv = op->packed ? 1 : 3;  // q's index, the inputs of q, k and v
     for (size_t i = first; i < first + qkv; ++i)
@@ -187,18 +273,27 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   }
 }
 
+OrtStatus* compute(void* opaque, OrtKernelContext* context) {
+  const Kernel* kernel = static_cast<const Kernel*>(opaque);
+  return kernel->op->product ? compute_product(kernel, context) : compute_attention(kernel, context);
+}
+
 const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Operator*>(op); }
 
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
-  float scale = 1.0f;
-  int64_t causal = 0, layout = 0;
-  OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "scale", &scale);
-  if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
-  for (auto [name, value] : {std::pair{"causal", &causal}, std::pair{"layout", &layout}}) {
-    status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
+  // (an attribute the node lacks keeps its default)
+  float scale = 1.0f, alpha = 1.0f, beta = 1.0f;
+  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0;
+  for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta}}) {
+    OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1};
+  for (auto [name, value] : {std::pair{"causal", &causal}, std::pair{"layout", &layout},
+                             std::pair{"transA", &trans_a}, std::pair{"transB", &trans_b}}) {
+    OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  }
+  return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, trans_a != 0, trans_b != 0, alpha, beta};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -218,6 +313,19 @@ Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda,
   op.backward = backward;
   op.bias = bias;
   op.packed = packed;
+  op.product = false;
+  op.type = t;
+  return op;
+}
+
+// Gemm / MatMul (a, b) -> y, BiasGemm (a, b, c) -> y, all of dtype t
+Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorElementDataType t) {
+  Operator op{};
+  set_entry(&op, kOpVersion, op_name, cuda, std::vector<ONNXTensorElementDataType>(bias ? 3 : 2, t), {t},
+            create_kernel, destroy_kernel, compute);
+  op.backward = op.packed = false;
+  op.bias = bias;
+  op.product = true;
   op.type = t;
   return op;
 }
@@ -240,6 +348,9 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("PackedBiasAttention", false, true, cuda, t, true));
         ops.push_back(make_operator("PackedAttentionGrad", true, false, cuda, t, true));
         ops.push_back(make_operator("PackedBiasAttentionGrad", true, true, cuda, t, true));
+        ops.push_back(make_product("Gemm", false, cuda, t));
+        ops.push_back(make_product("BiasGemm", true, cuda, t));
+        ops.push_back(make_product("MatMul", false, cuda, t));
       }
     return ops;
   }();

@@ -1,0 +1,222 @@
+"""``graph_optimizations.torch_products`` (``graph/passes/torch_products.py``, ``kernels/csrc/torch_ops.cc``): each
+``Gemm`` and ``MatMul`` as an ``ort_trainer.torch`` node that runs torch's BLAS inside ONNX Runtime.
+
+The operators against float64 torch (every attribute of ``Gemm``, each way ``C`` broadcasts, ``MatMul``'s batch
+broadcasting and folded transposes, float32 / float16 / bfloat16) and their errors; the pass on a tiny GPT-2 (every
+product taken, the step within rounding of float64 PyTorch and of the switch off, float32 and float16) and on a
+hand-built graph (a Transpose of the last two axes folded, other ones and vector operands left alone). On CUDA
+(``make gpu-check``): the tiny GPT-2's float16 step.
+"""
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.graph.passes.torch_products import torch_products
+from ort_trainer.kernels import _compilers, torch_ops
+from ort_trainer.optim import SGDConfig
+
+from test_half_loss import _float64, _gpt2_case, _relative
+from tolerances import BFLOAT16, FLOAT16, FLOAT32, check
+
+pytestmark = pytest.mark.skipif(_compilers()[1] is None, reason="builds a library against torch: needs a C++ compiler")
+
+_ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16}
+# a product of K = 24 terms, each rounded, summed in the dtype's accumulator (float32 for every dtype in torch's CPU
+# kernels), then rounded once to the dtype: within (K·u32 + u)·Σ|a·b| of float64, doubled for margin
+_UNIT = {torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16}
+
+
+def _session(op: str, inputs: dict, dtype: torch.dtype, **attributes) -> ort.InferenceSession:
+    """One node of the torch operators' domain, its inputs ``{name: dims}``, output ``y``."""
+    elem = _ELEM[dtype]
+    graph = helper.make_graph(
+        [helper.make_node(op, list(inputs), ["y"], domain=torch_ops.DOMAIN, **attributes)], "product",
+        [helper.make_tensor_value_info(name, elem, dims) for name, dims in inputs.items()],
+        [helper.make_tensor_value_info("y", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(torch_ops.DOMAIN, 1)], ir_version=8)
+    options = ort.SessionOptions()
+    torch_ops.register(options)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _run(session, feeds: dict[str, torch.Tensor], out_dims: list[int], dtype: torch.dtype) -> torch.Tensor:
+    binding = session.io_binding()
+    for name, tensor in feeds.items():
+        tensor = tensor.contiguous()
+        feeds[name] = tensor  # (kept alive through the run)
+        binding.bind_input(name, "cpu", 0, _ELEM[dtype], list(tensor.shape), tensor.data_ptr())
+    out = torch.full(out_dims, float("nan"), dtype=dtype)
+    binding.bind_output("y", "cpu", 0, _ELEM[dtype], out_dims, out.data_ptr())
+    session.run_with_iobinding(binding)
+    return out
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, terms: int) -> None:
+    bound = 2 * (terms * FLOAT32 + _UNIT[dtype]) * magnitude + 1e-30
+    excess = (got.double() - want).abs() - bound
+    assert float(excess.max()) <= 0, float(excess.max())
+
+
+@pytest.mark.parametrize("dtype", list(_ELEM), ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("trans_a, trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("c_dims", [None, [7], [5, 7], [5, 1], [1]], ids=["no-c", "row", "full", "column", "one"])
+def test_gemm_is_onnx_gemm(dtype, trans_a, trans_b, c_dims):
+    """y = alpha · op(a) · op(b) + beta · c (c broadcast), against float64 over the same rounded operands."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(*([24, 5] if trans_a else [5, 24]), generator=gen).to(dtype)
+    b = torch.randn(*([7, 24] if trans_b else [24, 7]), generator=gen).to(dtype)
+    feeds, dims = {"a": a, "b": b}, {"a": list(a.shape), "b": list(b.shape)}
+    op, attributes = "Gemm", {"transA": trans_a, "transB": trans_b, "alpha": 0.5}
+    if c_dims is not None:
+        feeds["c"] = torch.randn(*c_dims, generator=gen).to(dtype)
+        dims["c"] = c_dims
+        op, attributes["beta"] = "BiasGemm", -2.0
+    y = _run(_session(op, dims, dtype, **attributes), feeds, [5, 7], dtype)
+    a64, b64 = a.double().t() if trans_a else a.double(), b.double().t() if trans_b else b.double()
+    want = 0.5 * a64 @ b64
+    magnitude = 0.5 * a64.abs() @ b64.abs()
+    if c_dims is not None:
+        want = want - 2.0 * feeds["c"].double()
+        magnitude = magnitude + 2.0 * feeds["c"].double().abs()
+    _within(y, want, magnitude, dtype, 25)
+
+
+@pytest.mark.parametrize("dtype", list(_ELEM), ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("a_dims, b_dims", [([5, 24], [24, 7]), ([3, 5, 24], [24, 7]), ([2, 1, 5, 24], [3, 24, 7]),
+                                            ([5, 24], [2, 24, 7]), ([24], [3, 24, 7]), ([3, 5, 24], [24]),
+                                            ([24], [24])],
+                         ids=["2d", "3d-2d", "broadcast", "2d-3d", "vector-3d", "3d-vector", "vectors"])
+@pytest.mark.parametrize("trans_a, trans_b", [(0, 0), (1, 1)])
+def test_matmul_is_onnx_matmul(dtype, a_dims, b_dims, trans_a, trans_b):
+    """numpy's matmul (batch axes broadcast, a vector a row or a column), an operand's last two axes swapped where
+    transA / transB says (given so, read in place; a vector has none to swap), against float64."""
+    trans_a, trans_b = trans_a and len(a_dims) > 1, trans_b and len(b_dims) > 1
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(*a_dims, generator=gen).to(dtype)
+    b = torch.randn(*b_dims, generator=gen).to(dtype)
+    stored_a = a.transpose(-1, -2).contiguous() if trans_a else a
+    stored_b = b.transpose(-1, -2).contiguous() if trans_b else b
+    want = torch.matmul(a.double(), b.double())
+    session = _session("MatMul", {"a": list(stored_a.shape), "b": list(stored_b.shape)}, dtype,
+                       transA=trans_a, transB=trans_b)
+    y = _run(session, {"a": stored_a, "b": stored_b}, list(want.shape), dtype)
+    assert list(y.shape) == list(want.shape)
+    _within(y, want, torch.matmul(a.double().abs(), b.double().abs()), dtype, 24)
+
+
+def test_products_that_do_not_fit_are_refused_naming_the_shapes():
+    session = _session("MatMul", {"a": [5, 24], "b": [23, 7]}, torch.float32)
+    with pytest.raises(Exception, match=r"MatMul: a's columns \(24\) and b's rows \(23\) differ"):
+        session.run(None, {"a": np.ones((5, 24), np.float32), "b": np.ones((23, 7), np.float32)})
+    session = _session("Gemm", {"a": [2, 5, 24], "b": [24, 7]}, torch.float32)
+    with pytest.raises(Exception, match=r"Gemm: a and b must be 2-D"):
+        session.run(None, {"a": np.ones((2, 5, 24), np.float32), "b": np.ones((24, 7), np.float32)})
+
+
+def test_the_pass_folds_last_axes_transposes_and_leaves_integers():
+    """A MatMul reading a Transpose of its operand's last two axes reads the operand with transB=1 (the Transpose,
+    unread, left for the dead-node sweep); a Transpose of other axes stays read; a vector operand's MatMul is taken
+    too; an integer Gemm stays ONNX Runtime's."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"]),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),
+             helper.make_node("MatMul", ["xt", "w2"], ["z"]),
+             helper.make_node("MatMul", ["v", "w2"], ["u"]),
+             helper.make_node("Gemm", ["n", "m"], ["k"])]
+    graph = helper.make_graph(nodes, "g", [
+        helper.make_tensor_value_info("x", f, [2, 3, 4]), helper.make_tensor_value_info("w", f, [2, 5, 4]),
+        helper.make_tensor_value_info("w2", f, [4, 6]), helper.make_tensor_value_info("v", f, [4]),
+        helper.make_tensor_value_info("n", i64, [2, 2]), helper.make_tensor_value_info("m", i64, [2, 2])],
+        [helper.make_tensor_value_info(name, f, None) for name in ("y", "z", "u")]
+        + [helper.make_tensor_value_info("k", i64, None)])
+    model = helper.make_model(graph)
+    model.graph.value_info.extend([helper.make_tensor_value_info("wt", f, [2, 4, 5]),
+                                   helper.make_tensor_value_info("xt", f, [3, 2, 4])])
+    assert torch_products(model) == 3
+    by_output = {n.output[0]: n for n in model.graph.node}
+    y, z = by_output["y"], by_output["z"]
+    assert (y.domain, list(y.input), [a.i for a in y.attribute]) == (torch_ops.DOMAIN, ["x", "w"], [0, 1])
+    assert (z.domain, list(z.input), [a.i for a in z.attribute]) == (torch_ops.DOMAIN, ["xt", "w2"], [0, 0])
+    assert by_output["u"].domain == torch_ops.DOMAIN and by_output["k"].domain == ""
+
+
+# float32: test_fused_attention.py's bound for the tiny GPT-2 against float64 (~800 roundings of its longest chain,
+# 5x margin); MKL sums each product's terms in another order than MLAS, the same float32 arithmetic. float16: its
+# HALF_BOUND (40 roundings of the tiny model's longest float16 chain)
+FLOAT32_BOUND = 4000 * FLOAT32
+HALF_BOUND = 40 * FLOAT16
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_property):
+    """One step of the tiny GPT-2, the switch on and off: every Gemm and MatMul of the gradient graph is torch's
+    (none of ONNX Runtime's left), the loss and every gradient within the bound of float64 PyTorch's, and of the
+    switch off."""
+    model, desc, batch, _ = _gpt2_case()
+    loss64, grads64 = _float64(model, batch, None)
+    bound = HALF_BOUND if half else FLOAT32_BOUND
+    results, errors = {}, {}
+    for on in (True, False):
+        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)  # unscaled gradients, no skipped step
+        mixed = {"enabled": True, "dtype": "float16", "loss_scaler": scaler} if half else {"enabled": False}
+        torch.manual_seed(0)
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
+                                      "mixed_precision": mixed, "graph_optimizations": {"torch_products": on}})
+        loss = float(trainer.train_step(*batch)[0])
+        graph = trainer._graphs.gradient.graph
+        ours = [n for n in graph.node if n.domain == torch_ops.DOMAIN]
+        theirs = [n.name for n in graph.node if n.domain == "" and n.op_type in ("Gemm", "MatMul")]
+        if on:
+            assert len(ours) >= 20 and not theirs, theirs
+        else:
+            assert not ours and theirs
+        results[on] = {w: g.float().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
+        errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
+                      **{w: _relative(g, grads64[w]) for w, g in results[on].items()}}
+    for on in (True, False):
+        for name, error in errors[on].items():
+            check(error, bound, (on, name))
+    for name, grad in results[True].items():
+        check(_relative(grad, results[False][name]), 2 * bound, ("on-off", name))
+    record_property("largest_error", max(errors[True].values()))
+
+
+@pytest.mark.cuda
+def test_gpt2_float16_step_on_cuda_within_rounding_of_float64():
+    """The tiny GPT-2's float16 step on CUDA (cuBLAS through torch, the biases in its epilogue) within the bound of
+    float64 PyTorch's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    model, desc, batch, _ = _gpt2_case()
+    loss64, grads64 = _float64(model, batch, None)
+    scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
+    torch.manual_seed(0)
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                         options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
+                                  "device": {"id": "cuda"},
+                                  "mixed_precision": {"enabled": True, "dtype": "float16", "loss_scaler": scaler},
+                                  "graph_optimizations": {"torch_products": True}})
+    loss = float(trainer.train_step(*(t.cuda() for t in batch))[0])
+    assert any(n.domain == torch_ops.DOMAIN for n in trainer._graphs.gradient.graph.node)
+    check(abs(loss - loss64) / abs(loss64), HALF_BOUND, "loss")
+    for name, grad in trainer._engine.grads.items():
+        check(_relative(grad.float().cpu().numpy().astype(np.float64), grads64[name]), HALF_BOUND, name)
+
+
+def test_an_onnx_model_of_these_operators_is_recognised():
+    """``uses_torch_ops`` (the sessions' registration) sees the products' domain."""
+    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"],
+                                                                  domain=torch_ops.DOMAIN)], "g", [], []))
+    assert torch_ops.uses_torch_ops(model) and isinstance(model, onnx.ModelProto)
