@@ -10,7 +10,8 @@
 #       aligned_products,half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products,
 #       fused_gradient_sums,fused_layer_norm,torch_products, each alone: the candidates for the defaults)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
-#    (and two aligned products of the step) in torch and ONNX Runtime: kernel names, ms, TFLOP/s.
+#    (and two aligned products of the step; each forward with a bias vector too) in torch and ONNX Runtime:
+#    kernel names, ms, TFLOP/s.
 # 2. ort_trainer's GPT-2 small and BERT-base steps in fp16 and bf16, without the levers and with each one
 #    (LEVERS: comma-separated graph_optimizations names, device.X for a device option; a+b turns two on
 #    together), every setting once per round in alternating order, 2 rounds, round 1 profiled by kind of

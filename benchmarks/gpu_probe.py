@@ -17,6 +17,11 @@ V = 50257 and 50304 (the next multiple of 64), with two aligned products of the 
   (``Concat`` with zeros), the result sliced back to N (``Slice``): what a padded vocabulary costs and gains in all,
   copies included. Equal to the unpadded product (the padding multiplies zeros).
 
+A fourth product, ``bias``, is the forward with a bias vector ``c`` (``x · Wᵀ + c``, every layer's projection):
+``torch.addmm`` (cuBLASLt adds the bias in its epilogue: ``graph_optimizations.torch_products``), ``Gemm`` with ``C``
+(ONNX Runtime writes ``c`` broadcast into the output, then adds the product with ``beta = 1``) and ``MatMul`` then
+``Add``.
+
 Each case: the median of ``--repeat`` timed runs (CUDA events around each; ONNX Runtime's runs bound
 to torch's buffers with ``IOBinding``, so no copy is timed), TFLOP/s, and the names of the kernels
 that ran (``torch.profiler`` over CUPTI, which records ONNX Runtime's kernels as it does torch's).
@@ -46,13 +51,14 @@ BACKENDS = ("torch", "ort-matmul", "ort-gemm", "ort-fusedmatmul", "ort-padded")
 PAD_TO = 64  # ort-padded: N padded up to a multiple of this (nanoGPT's 50304)
 # name: (rows of A as stored, the product) — "fwd": Y[M,N] = X[M,K]·W[N,K]ᵀ; "dx": dX[M,K] = dY[M,N]·W[N,K];
 # "dw": dW[N,K] = dY[M,N]ᵀ·X[M,K]
-PRODUCTS = ("fwd", "dx", "dw")
+PRODUCTS = ("fwd", "dx", "dw", "bias")  # bias: fwd + a bias vector c[N]
+BIAS_BACKENDS = ("torch", "ort-matmul", "ort-gemm")  # the backends that write the bias product
 
 
 def _shapes(product: str, m: int, k: int, n: int) -> tuple[tuple[int, int], tuple[int, int], bool, bool]:
     """``(A's stored shape, B's stored shape, transA, transB)`` of one product."""
-    return {"fwd": ((m, k), (n, k), False, True), "dx": ((m, n), (n, k), False, False),
-            "dw": ((m, n), (m, k), True, False)}[product]
+    return {"fwd": ((m, k), (n, k), False, True), "bias": ((m, k), (n, k), False, True),
+            "dx": ((m, n), (n, k), False, False), "dw": ((m, n), (m, k), True, False)}[product]
 
 
 def onnx_product(backend: str, product: str, m: int, k: int, n: int, dtype: str) -> onnx.ModelProto:
@@ -62,8 +68,9 @@ def onnx_product(backend: str, product: str, m: int, k: int, n: int, dtype: str)
     nodes, opset = [], [helper.make_opsetid("", 17)]
     if backend == "ort-padded" and n % PAD_TO:
         return _padded_product(product, m, k, n, elem, a_shape, b_shape, trans_a, trans_b)
+    bias = ["C"] if product == "bias" else []
     if backend in ("ort-gemm", "ort-padded"):
-        nodes.append(helper.make_node("Gemm", ["A", "B"], ["Y"], transA=int(trans_a), transB=int(trans_b)))
+        nodes.append(helper.make_node("Gemm", ["A", "B", *bias], ["Y"], transA=int(trans_a), transB=int(trans_b)))
     elif backend == "ort-fusedmatmul":
         nodes.append(helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain="com.microsoft", alpha=1.0,
                                       transA=int(trans_a), transB=int(trans_b)))
@@ -76,11 +83,14 @@ def onnx_product(backend: str, product: str, m: int, k: int, n: int, dtype: str)
         if trans_b:
             nodes.append(helper.make_node("Transpose", ["B"], ["Bt"], perm=[1, 0]))
             b = "Bt"
-        nodes.append(helper.make_node("MatMul", [a, b], ["Y"]))
+        nodes.append(helper.make_node("MatMul", [a, b], ["P" if bias else "Y"]))
+        if bias:
+            nodes.append(helper.make_node("Add", ["P", "C"], ["Y"]))
     out_rows = a_shape[1] if trans_a else a_shape[0]
     out_cols = b_shape[0] if trans_b else b_shape[1]
-    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("A", elem, a_shape),
-                                               helper.make_tensor_value_info("B", elem, b_shape)],
+    inputs = [helper.make_tensor_value_info("A", elem, a_shape), helper.make_tensor_value_info("B", elem, b_shape)]
+    inputs += [helper.make_tensor_value_info("C", elem, (out_cols,))] if bias else []
+    graph = helper.make_graph(nodes, "probe", inputs,
                               [helper.make_tensor_value_info("Y", elem, (out_rows, out_cols))])
     # IR 8: what every onnxruntime this project supports reads (onnx's newest may be past it)
     return helper.make_model(graph, opset_imports=opset, ir_version=8)
@@ -161,9 +171,11 @@ def kernels(torch, run, device: str) -> list[str]:
     return sorted({event["name"][:120] for event in events if event.get("cat") in wanted})
 
 
-def _runner(torch, backend: str, product: str, a, b, case: tuple[int, int, int, str], device: str):
-    """A callable computing one product with ``backend`` on the buffers ``a`` and ``b``."""
+def _runner(torch, backend: str, product: str, a, b, case: tuple[int, int, int, str], device: str, c=None):
+    """A callable computing one product with ``backend`` on the buffers ``a`` and ``b`` (and the bias ``c``)."""
     if backend == "torch":
+        if product == "bias":
+            return lambda: torch.addmm(c, a, b.t())
         if product == "fwd":
             return lambda: torch.mm(a, b.t())
         if product == "dx":
@@ -178,12 +190,13 @@ def _runner(torch, backend: str, product: str, a, b, case: tuple[int, int, int, 
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     providers = ["CUDAExecutionProvider"] if device.startswith("cuda") else ["CPUExecutionProvider"]
     session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-    out = torch.empty({"fwd": (m, n), "dx": (m, k), "dw": (n, k)}[product], dtype=a.dtype, device=a.device)
+    out = torch.empty({"fwd": (m, n), "bias": (m, n), "dx": (m, k), "dw": (n, k)}[product], dtype=a.dtype,
+                      device=a.device)
     kind, index = ("cuda", a.device.index or 0) if device.startswith("cuda") else ("cpu", 0)
     binding = session.io_binding()
     # a pointer's element type: a NumPy type, or the ONNX type for bfloat16 (NumPy has none)
     elem = DTYPES[dtype] if dtype == "bf16" else {"fp16": np.float16, "fp32": np.float32}[dtype]
-    for name, tensor in (("A", a), ("B", b)):
+    for name, tensor in (("A", a), ("B", b), *((("C", c),) if product == "bias" else ())):
         binding.bind_input(name, kind, index, elem, tuple(tensor.shape), tensor.data_ptr())
     binding.bind_output("Y", kind, index, elem, tuple(out.shape), out.data_ptr())
     options_run = ort.RunOptions()
@@ -221,12 +234,15 @@ def measure(args) -> list[dict]:
                 a_shape, b_shape, _, _ = _shapes(product, m, k, n)
                 a = torch.randn(a_shape, generator=generator).to(device=device, dtype=torch_dtypes[dtype])
                 b = torch.randn(b_shape, generator=generator).to(device=device, dtype=torch_dtypes[dtype])
+                c = torch.randn(n, generator=generator).to(device=device, dtype=torch_dtypes[dtype])
                 reference = None
                 for backend in args.backends.split(","):
+                    if product == "bias" and backend not in BIAS_BACKENDS:
+                        continue
                     row = {"backend": backend, "product": product, "m": m, "k": k, "n": n, "precision": dtype,
                            "device": device}
                     try:
-                        run = _runner(torch, backend, product, a, b, (m, k, n, dtype), device)
+                        run = _runner(torch, backend, product, a, b, (m, k, n, dtype), device, c)
                         result = run() if backend == "torch" else (run(), run.out)[1]
                         result = result.float().cpu()
                         reference = result if reference is None else reference
