@@ -208,6 +208,16 @@ def _drop_unread_transposes(model: onnx.ModelProto, outputs: set[str]) -> None:
         _keep(model, {id(n) for n in unread})
 
 
+def _widened(g: _Graph, name: str, reader: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The ``Cast`` to float32 that writes ``name``, where ``reader`` alone reads it (a tensor widened for one
+    float32 sum: ``fused_gradient_sums``, ``fused_layer_norm``'s residual sum), else None."""
+    cast = g.producer.get(name)
+    if (cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") != onnx.TensorProto.FLOAT
+            or not g.only_used_by(name, reader)):
+        return None
+    return cast
+
+
 def _sole_consumer(g: _Graph, name: str) -> onnx.NodeProto | None:
     readers = g.consumers.get(name, [])
     if len(readers) != 1 or name in g.outputs or list(readers[0].input).count(name) != 1:

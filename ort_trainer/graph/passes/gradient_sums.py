@@ -25,7 +25,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ...kernels import OPSET as _KERNELS_OPSET
-from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _replace_nodes
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _replace_nodes, _widened
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the half tensors a chain's node adds to its sum at most: each keeps a gradient alive until the node runs, where
@@ -49,10 +49,9 @@ def fused_gradient_sums(model: onnx.ModelProto) -> int:
             continue
         for index in (0, 1):
             name, other = node.input[index], node.input[1 - index]
-            cast = g.producer.get(name)
-            if (cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") != onnx.TensorProto.FLOAT
-                    or types.get(cast.input[0]) not in _HALF or not g.only_used_by(name, node)
-                    or g.shapes.get(name) != shape or g.shapes.get(other) != shape):
+            cast = _widened(g, name, node)
+            if (cast is None or types.get(cast.input[0]) not in _HALF or g.shapes.get(name) != shape
+                    or g.shapes.get(other) != shape):
                 continue
             x = _rows_source(cast.input[0], g)
             chained = sums.get(other)
@@ -80,9 +79,8 @@ def _half_sum(name: str, add: onnx.NodeProto, half: int, shape: list[int], g: _G
     """The sum ``AddHalf`` reads for ``name``, and its attributes: where ``name`` is itself a ``Cast`` to float32 of
     the half dtype ``half`` that ``add`` alone reads (the first term of a chain), the half tensor it widens (through
     ``_rows_source``: a padded product itself), with ``rows`` the sum's first dim; else ``name``, none."""
-    cast = g.producer.get(name)
-    if (cast is None or not _is(cast, "Cast") or _attrs(cast).get("to") != onnx.TensorProto.FLOAT
-            or types.get(cast.input[0]) != half or not g.only_used_by(name, add)):
+    cast = _widened(g, name, add)
+    if cast is None or types.get(cast.input[0]) != half:
         return name, {}
     # (the source is the cast's input, of ``shape``, or a tensor of ``shape``'s other dims and more rows)
     return _rows_source(cast.input[0], g), {"rows": shape[0]}

@@ -29,7 +29,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ...kernels import OPSET as _KERNELS_OPSET
-from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer, _widened
 
 _FLOAT = onnx.TensorProto.FLOAT
 _OPS = {onnx.TensorProto.FLOAT16: "LayerNormToFloat16", onnx.TensorProto.BFLOAT16: "LayerNormToBFloat16"}
@@ -100,10 +100,8 @@ def _residual_sum(g: _Graph, types: dict, node: onnx.NodeProto, half: int,
     if add.domain == _KERNELS_DOMAIN and add.op_type == "AddHalf" and len(add.input) == 2 and not add.attribute:
         pairs = [(add.input[0], add.input[1], [add])]
     elif _is(add, "Add"):
-        casts = [(g.producer.get(add.input[i]), add.input[1 - i]) for i in (0, 1)]
-        pairs = [(other, cast.input[0], [add, cast]) for cast, other in casts
-                 if cast is not None and _is(cast, "Cast") and _attrs(cast).get("to") == _FLOAT
-                 and g.only_used_by(cast.output[0], add)]
+        casts = [(_widened(g, add.input[i], add), add.input[1 - i]) for i in (0, 1)]
+        pairs = [(other, cast.input[0], [add, cast]) for cast, other in casts if cast is not None]
     else:
         return None
     for residual, x, gone in pairs:
