@@ -61,7 +61,7 @@ constexpr uint32_t kOpVersion = 16;
 
 struct Operator : OperatorEntry {
   bool backward, bias, packed;
-  bool product;  // Gemm, BiasGemm or MatMul (else an attention)
+  bool product, matmul;  // Gemm, BiasGemm or MatMul (else an attention); MatMul
   ONNXTensorElementDataType type;
 };
 
@@ -131,7 +131,7 @@ OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
   const Operator* op = kernel->op;
   Run run;
   ORTT_RETURN_IF_ERROR(start(api, op, context, &run));
-  const bool matmul = std::string(op->name) == "MatMul";
+  const bool matmul = op->matmul;
   const Tensor &a_in = run.in[0], &b_in = run.in[1];
   if (matmul ? a_in.dims.empty() || b_in.dims.empty() || (kernel->trans_a && a_in.dims.size() < 2) ||
                    (kernel->trans_b && b_in.dims.size() < 2)
@@ -313,7 +313,7 @@ Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda,
   op.backward = backward;
   op.bias = bias;
   op.packed = packed;
-  op.product = false;
+  op.product = op.matmul = false;
   op.type = t;
   return op;
 }
@@ -326,6 +326,7 @@ Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorEleme
   op.backward = op.packed = false;
   op.bias = bias;
   op.product = true;
+  op.matmul = std::string(op_name) == "MatMul";
   op.type = t;
   return op;
 }
