@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # operators that ONNX Runtime runs without moving the tensor (an alias of its input) or on shapes only
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
-PRODUCTS = {"MatMul", "Gemm", "FusedMatMul", "BiasGemm"}  # (BiasGemm: torch_products')
+PRODUCTS = {"MatMul", "Gemm", "FusedMatMul", "BiasGemm", "GemmToFloat", "MatMulToFloat"}  # (torch_products' too)
 # the suffix of a value recomputed in the backward (activation_recompute's, layer_recompute's region N)
 RECOMPUTED = re.compile(r"/(?:layer_)?recompute\d*$")
 # element-wise: an output's shape is its inputs' broadcast (torchlib's erf function too)

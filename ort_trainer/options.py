@@ -210,7 +210,8 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.torch_products": _Field(
         _BOOL, False, "each Gemm and MatMul run by torch's BLAS (on a GPU cuBLAS, a bias vector added in the "
         "product's epilogue instead of written into the output first; on the CPU MKL, slower than ONNX Runtime's own "
-        "products inside a run); off until a GPU measurement shows it wins"),
+        "products inside a run); a half product that only a Cast to float32 reads (a weight's gradient) writes "
+        "float32 itself, no half copy and Cast; off until a GPU measurement shows it wins"),
     "graph_optimizations.host_dropout_masks": _Field(
         _BOOL, True, "on the CPU, each static-shape training Dropout as x · m with the mask m drawn on the host "
         "(NumPy's PCG64, 16-bit draws, from the step's seed) instead of by ONNX Runtime's Dropout kernel, which "

@@ -11,6 +11,13 @@ transpose in place: ONNX Runtime folds such a ``Transpose`` into its own ``Fused
 no longer get). The nodes keep their outputs' names, so the graph
 around them is unchanged (``kernels/csrc/torch_ops.cc``; the same products, summed in torch's BLAS's order).
 
+Under mixed precision a half weight gradient is widened for the float32 gradient buffer: a ``Cast`` to float32 reads
+the product (a weight's, or a bias's column sum, through a ``Reshape``), a half tensor written and read back to be
+written again in float32. A half ``Gemm`` (no ``C``) or ``MatMul`` that such a ``Cast`` alone reads becomes a
+``GemmToFloat`` / ``MatMulToFloat`` node that writes float32 itself (cuBLAS's float32 output of half operands): the
+half tensor and the ``Cast`` go (GPT-2 small: 100 nodes a step), and the gradient is the float32 sum, not rounded to
+the half dtype on the way.
+
 On the CPU torch's BLAS is MKL, whose products alone run faster than ONNX Runtime's MLAS on some processors and at
 about half its speed on others (docs/performance.md), and whose threads contend with ONNX Runtime's inside a run:
 GPT-2 small's CPU step is slower with the switch (docs/gpu.md). It is a lever for the GPU.
@@ -22,9 +29,10 @@ import onnx
 from onnx import helper
 
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer, _value_info_like
 
 _TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+_HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 def torch_products(model: onnx.ModelProto) -> int:
@@ -44,7 +52,46 @@ def torch_products(model: onnx.ModelProto) -> int:
             count += 1
     if count:
         _import_domain(model, TORCH_OPS_DOMAIN, 1)
+        _widen(model, types)
     return count
+
+
+def _widen(model: onnx.ModelProto, types: dict[str, int]) -> int:
+    """Each half product of this domain (no ``C``) that a ``Cast`` to float32 alone reads, directly or through a
+    ``Reshape`` only the ``Cast`` reads, as its ``...ToFloat`` form writing float32 (the module docstring); returns
+    how many."""
+    g = _Graph(model)
+    dead: set[int] = set()
+    gone: set[str] = set()  # the half values that are no more
+    for node in model.graph.node:
+        if (node.domain != TORCH_OPS_DOMAIN or node.op_type not in ("Gemm", "MatMul")
+                or types.get(node.output[0]) not in _HALF):
+            continue
+        reader, reshape = _sole_consumer(g, node.output[0]), None
+        if reader is not None and _is(reader, "Reshape") and reader.input[0] == node.output[0]:
+            reshape, reader = reader, _sole_consumer(g, reader.output[0])
+        if reader is None or not _is(reader, "Cast") or _attrs(reader).get("to") != onnx.TensorProto.FLOAT:
+            continue
+        gone.add(node.output[0])
+        if reshape is None:
+            node.output[0] = reader.output[0]
+        else:  # the product's float32 output, then the Reshape (a view) writes what the Cast wrote
+            wide = f"{node.output[0]}/float32"
+            _value_info_like(model, node.output[0], wide)
+            for info in model.graph.value_info:
+                if info.name == wide:
+                    info.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+            gone.add(reshape.output[0])
+            reshape.input[0], reshape.output[0] = wide, reader.output[0]
+            node.output[0] = wide
+        node.op_type += "ToFloat"
+        dead.add(id(reader))
+    if dead:
+        _keep(model, dead)
+        kept = [info for info in model.graph.value_info if info.name not in gone]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(kept)
+    return len(dead)
 
 
 def _gemm(node: onnx.NodeProto) -> onnx.NodeProto:

@@ -31,8 +31,13 @@
 //   MatMul(a, b) -> y                         ONNX's MatMul (numpy's: batch axes broadcast, a vector operand a row or
 //                                             a column), the last two axes of a and b swapped where transA / transB
 //                                             is 1 (at::matmul: a transpose is read in place)
+//   GemmToFloat(a, b) -> y, MatMulToFloat(a, b) -> y
+//                                             the same of float16 or bfloat16 operands (no C), y float32: summed in
+//                                             float32 and not rounded to the half dtype (a half weight gradient that
+//                                             a Cast widened; on CUDA cuBLAS writes float32 itself, mm's out_dtype)
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
+#include <torch/version.h>
 
 #ifdef ORT_TRAINER_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -61,7 +66,7 @@ constexpr uint32_t kOpVersion = 16;
 
 struct Operator : OperatorEntry {
   bool backward, bias, packed;
-  bool product, matmul;  // Gemm, BiasGemm or MatMul (else an attention); MatMul
+  bool product, matmul, to_float;  // Gemm, BiasGemm or MatMul (else an attention); MatMul; a float32 output
   ONNXTensorElementDataType type;
 };
 
@@ -125,6 +130,18 @@ class OnStream {
 #endif
 };
 
+// a · b of half operands into the float32 `out`, summed in float32 and not rounded to half: on CUDA cuBLAS writes
+// float32 (mm's out_dtype, torch 2.8 and later) for 2-D operands; else the operands widened (exactly) first
+void widened_product(const Operator* op, const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (op->cuda && a.dim() == 2 && b.dim() == 2) {
+    at::mm_out(out, a, b, at::kFloat);
+    return;
+  }
+#endif
+  at::matmul_out(out, a.to(at::kFloat), b.to(at::kFloat));
+}
+
 // Gemm, BiasGemm, MatMul (the file's head): torch's product written into ONNX Runtime's output in place
 OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
   const OrtApi* api = kernel->api;
@@ -157,6 +174,12 @@ OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
     if (b.dim() > 1) dims.push_back(b.size(-1));
     Tensor y;
     ORTT_RETURN_IF_ERROR(output(api, context, 0, dims, &y));
+    if (op->to_float) {
+      at::Tensor out = at::from_blob(y.data, y.dims, run.options.dtype(at::kFloat));
+      widened_product(op, a, b, out);
+      if (kernel->alpha != 1.0f) out.mul_(kernel->alpha);
+      return nullptr;
+    }
     at::Tensor out = wrap(y);
     if (matmul)
       at::matmul_out(out, a, b);
@@ -313,20 +336,22 @@ Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda,
   op.backward = backward;
   op.bias = bias;
   op.packed = packed;
-  op.product = op.matmul = false;
+  op.product = op.matmul = op.to_float = false;
   op.type = t;
   return op;
 }
 
-// Gemm / MatMul (a, b) -> y, BiasGemm (a, b, c) -> y, all of dtype t
+// Gemm / MatMul (a, b) -> y, BiasGemm (a, b, c) -> y, all of dtype t; ...ToFloat (a, b) -> y float32
 Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorElementDataType t) {
   Operator op{};
-  set_entry(&op, kOpVersion, op_name, cuda, std::vector<ONNXTensorElementDataType>(bias ? 3 : 2, t), {t},
-            create_kernel, destroy_kernel, compute);
+  const std::string name = op_name;
+  op.to_float = name.size() > 7 && name.compare(name.size() - 7, 7, "ToFloat") == 0;
+  set_entry(&op, kOpVersion, op_name, cuda, std::vector<ONNXTensorElementDataType>(bias ? 3 : 2, t),
+            {op.to_float ? ONNX_FLOAT : t}, create_kernel, destroy_kernel, compute);
   op.backward = op.packed = false;
   op.bias = bias;
   op.product = true;
-  op.matmul = std::string(op_name) == "MatMul";
+  op.matmul = name.rfind("MatMul", 0) == 0;
   op.type = t;
   return op;
 }
@@ -352,6 +377,10 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_product("Gemm", false, cuda, t));
         ops.push_back(make_product("BiasGemm", true, cuda, t));
         ops.push_back(make_product("MatMul", false, cuda, t));
+        if (t != ONNX_FLOAT) {
+          ops.push_back(make_product("GemmToFloat", false, cuda, t));
+          ops.push_back(make_product("MatMulToFloat", false, cuda, t));
+        }
       }
     return ops;
   }();
