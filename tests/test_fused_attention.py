@@ -24,6 +24,7 @@ from ort_trainer.kernels import _compilers, torch_ops
 from ort_trainer.kernels.torch_allocator import cuda_include_dir
 from ort_trainer.optim import SGDConfig
 
+from test_fused_kernels import _step
 from test_half_loss import _float64, _gpt2_case, _relative
 from test_torch_allocator import _stub_for_a_cpu_torch
 from tolerances import FLOAT16, FLOAT32, check
@@ -68,14 +69,7 @@ def test_gpt2_trains_within_rounding_of_float64(half, record_property):
     bound = HALF_BOUND if half else FLOAT32_BOUND
     results, errors = {}, {}
     for on in (True, False):
-        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)  # unscaled gradients, no skipped step
-        mixed = {"enabled": True, "dtype": "float16", "loss_scaler": scaler} if half else {"enabled": False}
-        torch.manual_seed(0)
-        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={**OPTIONS, "mixed_precision": mixed,
-                                      "graph_optimizations": {"fused_attention": on}})
-        loss = float(trainer.train_step(*batch)[0])
-        grads = {w: g.float().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
+        trainer, loss, grads = _step(model, desc, batch, None, "fused_attention", on, "float16" if half else None)
         results[on] = grads
         errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
                       **{name: _relative(grads[name], grad) for name, grad in grads64.items()}}

@@ -23,6 +23,10 @@ from ort_trainer.graph.passes.torch_products import torch_products
 from ort_trainer.kernels import _compilers, torch_ops
 from ort_trainer.optim import SGDConfig
 
+# one step of the tiny GPT-2 with a switch on or off (SGD lr 0, unscaled float16), and its bounds against float64:
+# ~800 float32 roundings of its longest chain (5x margin; MKL sums each product's terms in another order than MLAS,
+# the same float32 arithmetic), 40 of float16's
+from test_fused_kernels import FLOAT32_BOUND, HALF_BOUND, _step
 from test_half_loss import _float64, _gpt2_case, _relative
 from tolerances import BFLOAT16, FLOAT16, FLOAT32, check
 
@@ -158,7 +162,8 @@ def test_half_products_only_a_cast_to_float_reads_write_float32():
              helper.make_node("Neg", ["r"], ["rn"])]
     graph = helper.make_graph(nodes, "g", [
         helper.make_tensor_value_info("a", h, [4, 4]), helper.make_tensor_value_info("b", h, [4, 3]),
-        helper.make_tensor_value_info("ones", h, [1, 4]), helper.make_tensor_value_info("flat", TensorProto.INT64, [1])],
+        helper.make_tensor_value_info("ones", h, [1, 4]),
+        helper.make_tensor_value_info("flat", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info(name, f, None) for name in ("p32", "q32", "r32")]
         + [helper.make_tensor_value_info("rn", h, None)])
     model = helper.make_model(graph)
@@ -203,13 +208,6 @@ def test_the_pass_folds_last_axes_transposes_and_leaves_integers():
     assert by_output["u"].domain == torch_ops.DOMAIN and by_output["k"].domain == ""
 
 
-# float32: test_fused_attention.py's bound for the tiny GPT-2 against float64 (~800 roundings of its longest chain,
-# 5x margin); MKL sums each product's terms in another order than MLAS, the same float32 arithmetic. float16: its
-# HALF_BOUND (40 roundings of the tiny model's longest float16 chain)
-FLOAT32_BOUND = 4000 * FLOAT32
-HALF_BOUND = 40 * FLOAT16
-
-
 @pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
 def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_property):
@@ -221,13 +219,7 @@ def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_
     bound = HALF_BOUND if half else FLOAT32_BOUND
     results, errors = {}, {}
     for on in (True, False):
-        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)  # unscaled gradients, no skipped step
-        mixed = {"enabled": True, "dtype": "float16", "loss_scaler": scaler} if half else {"enabled": False}
-        torch.manual_seed(0)
-        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False},
-                                      "mixed_precision": mixed, "graph_optimizations": {"torch_products": on}})
-        loss = float(trainer.train_step(*batch)[0])
+        trainer, loss, results[on] = _step(model, desc, batch, None, "torch_products", on, "float16" if half else None)
         graph = trainer._graphs.gradient.graph
         ours = [n for n in graph.node if n.domain == torch_ops.DOMAIN]
         theirs = [n.name for n in graph.node if n.domain == "" and n.op_type in ("Gemm", "MatMul")]
@@ -240,7 +232,6 @@ def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_
             assert not [n.name for n in widened if n.output[0] in cast_inputs]
         else:
             assert not ours and theirs
-        results[on] = {w: g.float().numpy().astype(np.float64) for w, g in trainer._engine.grads.items()}
         errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
                       **{w: _relative(g, grads64[w]) for w, g in results[on].items()}}
     for on in (True, False):

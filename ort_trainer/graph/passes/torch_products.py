@@ -44,11 +44,8 @@ def torch_products(model: onnx.ModelProto) -> int:
         types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
     count = 0
     for node in products:
-        if types.get(node.output[0]) not in _TYPES:
-            continue
-        new = _gemm(node) if node.op_type == "Gemm" else _matmul(g, node)
-        if new is not None:
-            node.CopyFrom(new)
+        if types.get(node.output[0]) in _TYPES:
+            node.CopyFrom(_gemm(node) if node.op_type == "Gemm" else _matmul(g, node))
             count += 1
     if count:
         _import_domain(model, TORCH_OPS_DOMAIN, 1)
