@@ -133,7 +133,8 @@ kernels:
 	$(PY) -c "from ort_trainer.kernels import build; print(build())"
 
 # What a GPU machine without network needs (Python 3.12, x86-64), in .gpu-wheels/ as parts of at most
-# 60 MiB with an install.sh (docs/gpu.md: carrying them to such a machine).
+# 60 MiB with an install.sh, and the MPI wheels in .gpu-wheels-mpi/ (docs/gpu.md: carrying them to such a
+# machine). GPU_ARCHS (90: H100 and H200) names the GPUs whose code onnxruntime-gpu keeps.
 gpu-wheels:
 	PYTHON=$(PYTHON) KERNELS_PYTHON=$(PY) benchmarks/gpu_wheels.sh .gpu-wheels
 

@@ -3,6 +3,7 @@ the report ``benchmarks/gpu.py`` writes from its measurements."""
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,109 @@ def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": "false"})
     assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr
     assert not (tmp_path / "prefix").exists()
+
+
+def test_the_install_joins_the_parts_and_takes_the_mpi_wheels_where_they_are(tmp_path):
+    """``install.sh`` (``make gpu-wheels``) joins and unpacks the parts, installs onnx2fx and the kernel library
+    beside them, and mpich with mpi4py only where their wheels are (``DIR-mpi``, what ``make gpu-wheels``
+    writes): without them it says that the tests of several ranks will skip. A stand-in Python records what it is
+    asked to install."""
+    wheels = tmp_path / "wheels"
+    (wheels / "package").mkdir(parents=True)
+    (wheels / "package" / "module.py").write_text("VALUE = 1\n")
+    subprocess.run("tar cf - -C wheels package | xz > packed && split -b 100 -d packed wheels/onnxruntime-gpu.tar.xz"
+                   ".part- && rm -r packed wheels/package && cd wheels && md5sum onnxruntime-gpu.tar.xz.part-* > "
+                   "parts.md5 && touch onnx2fx-0.0.1-py3-none-any.whl && echo library | xz > "
+                   "libort_trainer_kernels.so.xz",
+                   shell=True, cwd=tmp_path, check=True)
+    log = tmp_path / "python.log"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {log}\ncase "$1" in -c) echo python3.12;; esac\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python)}
+    install = [str(ROOT / "benchmarks" / "gpu_install.sh"), str(wheels)]
+
+    done = subprocess.run(["bash", *install, str(tmp_path / "one")], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "one" / "site" / "package" / "module.py").read_text() == "VALUE = 1\n"
+    assert "the cuda tests of several ranks will skip" in done.stdout
+    assert "mpich" not in (tmp_path / "one" / "env.sh").read_text() and "mpich" not in log.read_text()
+    assert f"--target {tmp_path / 'one' / 'site'} {wheels}/onnx2fx-0.0.1-py3-none-any.whl" in log.read_text()
+    assert (tmp_path / "one" / "libort_trainer_kernels.so").read_text() == "library\n"
+    assert f"ORT_TRAINER_KERNELS_LIBRARY={tmp_path / 'one'}/libort_trainer_kernels.so" in \
+        (tmp_path / "one" / "env.sh").read_text()
+
+    (tmp_path / "wheels-mpi").mkdir()
+    for name in ("mpich-5.0.2-py3-none-any.whl", "mpi4py-4.1.2-cp312-cp312-any.whl"):
+        (tmp_path / "wheels-mpi" / name).touch()
+    done = subprocess.run(["bash", *install, str(tmp_path / "two")], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert "will skip" not in done.stdout
+    assert f"--prefix {tmp_path / 'two' / 'mpich'} {tmp_path}/wheels-mpi/mpich-" in log.read_text()
+    assert f"MPI4PY_LIBMPI={tmp_path / 'two' / 'mpich'}/lib/libmpi.so.12" in (tmp_path / "two" / "env.sh").read_text()
+
+
+def _elf_with_fatbins(fatbins: list[list[tuple[int, int, bytes]]], padding: bytes = bytes(8)) -> tuple[bytes, dict]:
+    """A minimal 64-bit ELF file whose ``.nv_fatbin`` section holds ``fatbins`` (each a list of ``(kind, arch,
+    payload)`` entries) with ``padding`` between them, and where each payload starts in the file."""
+    import fatbin_prune  # benchmarks/fatbin_prune.py
+
+    names = b"\0.shstrtab\0.nv_fatbin\0"
+    section, where = b"", {}
+    for index, fatbin in enumerate(fatbins):
+        body = b""
+        for kind, arch, payload in fatbin:
+            header = bytearray(64)
+            struct.pack_into("<HHIQ", header, 0, kind, 1, 64, len(payload))
+            struct.pack_into("<I", header, 28, arch)
+            where[kind, arch, index] = 64 + len(names) + len(section) + 16 + len(body) + 64
+            body += bytes(header) + payload
+        section += struct.pack("<IHHQ", fatbin_prune.FATBIN_MAGIC, 1, 16, len(body)) + body
+        if index + 1 < len(fatbins):
+            section += padding
+    shoff = 64 + len(names) + len(section)
+    ident = b"\x7fELF\x02\x01\x01" + bytes(9)
+    header = ident + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0, 64, 3, 1)
+    sections = bytes(64)  # the null section
+    sections += struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, 64, len(names), 0, 0, 1, 0)
+    sections += struct.pack("<IIQQQQIIQQ", 11, 1, 2, 0, 64 + len(names), len(section), 0, 0, 8, 0)
+    return header + names + section + sections, where
+
+
+def test_fatbin_prune_zeroes_the_code_no_kept_gpu_runs_and_nothing_else(tmp_path):
+    """``benchmarks/fatbin_prune.py`` (``make gpu-wheels``): an entry stays when a kept GPU runs it (a cubin of the
+    same major architecture at or below the GPU's, PTX at or below it); every other entry's payload becomes zeros
+    in place, headers and every other byte unchanged. A section it cannot walk leaves the file as it was."""
+    import fatbin_prune
+
+    def payload(arch: int, kind: int) -> bytes:
+        return bytes([arch % 251 + 1, kind]) * 24
+
+    layout = [[(2, 75, payload(75, 2)), (2, 80, payload(80, 2)), (2, 86, payload(86, 2)), (2, 90, payload(90, 2)),
+               (1, 80, payload(80, 1)), (1, 120, payload(120, 1))],
+              [(2, 120, payload(120, 2))]]
+    original, where = _elf_with_fatbins(layout)
+    library = tmp_path / "libkernels.so"
+    for keep, kept in (([90], {(2, 90), (1, 80)}), ([86], {(2, 80), (2, 86), (1, 80)}),
+                       ([80, 90], {(2, 80), (2, 90), (1, 80)})):
+        library.write_bytes(original)
+        assert fatbin_prune.main([str(library), *[f"--keep={arch}" for arch in keep]]) == 0
+        pruned = library.read_bytes()
+        assert len(pruned) == len(original)
+        expected = bytearray(original)
+        for (kind, arch, index), start in where.items():
+            assert pruned[start:start + 48] == (payload(arch, kind) if (kind, arch) in kept else bytes(48)), \
+                (keep, kind, arch)
+            expected[start:start + 48] = pruned[start:start + 48]
+        assert pruned == bytes(expected)  # nothing but payloads changed
+    damaged, _ = _elf_with_fatbins(layout, padding=b"\1" + bytes(7))
+    library.write_bytes(damaged)
+    assert fatbin_prune.main([str(library), "--keep", "90"]) == 1
+    assert library.read_bytes() == damaged
+    library.write_bytes(b"not an ELF file")
+    assert fatbin_prune.main([str(library), "--keep", "90"]) == 1
 
 
 def test_the_gemm_probe_runs_every_backend_and_they_agree(tmp_path):
