@@ -286,18 +286,27 @@ def test_the_gemm_probe_runs_every_backend_and_they_agree(tmp_path):
     assert "process" in rows[-1]
 
 
-def test_the_lever_run_measures_the_probe_and_each_setting(tmp_path):
-    """``benchmarks/gpu_levers.sh`` on the CPU at toy size: the probe's lines, then ort_trainer without the
-    levers and with each one, in one run: every row carries its whole setting, and the page has a row per
-    lever with its ratio to ort_trainer without it."""
+def test_the_session_runs_the_tests_then_the_levers_probe_and_settings(tmp_path):
+    """``benchmarks/gpu_session.sh`` (a GPU machine's visit in one command) on the CPU at toy size, with the
+    environment as it is (no wheels to install): the machine, the preflight, the cuda tests (skipped here, their
+    report kept), then ``benchmarks/gpu_levers.sh``: the probe's lines, then ort_trainer without the levers and
+    with each one, in one run: every row carries its whole setting, and the page has a row per lever with its
+    ratio to ort_trainer without it. All it printed is in ``session.log``."""
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache"), "GPU_PYTHON": sys.executable,
            "DEVICE": "cpu", "MODELS": "gpt2-tiny", "PRECISIONS": "fp32", "ROUNDS": "1",
-           "PROBE_ARGS": "--tokens 32 --hidden 16 --widths 257 --precisions fp32 --repeat 2"}
-    out = tmp_path / "levers"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_levers.sh"), str(out),
-                           "aligned_products,half_precision_loss"],
+           "PROBE_ARGS": "--tokens 32 --hidden 16 --widths 257 --precisions fp32 --repeat 2",
+           "WHEELS": "", "TESTS": "tests/test_cuda_graph.py", "LEVERS": "aligned_products,half_precision_loss"}
+    session = tmp_path / "session"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), str(session), "600"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    log = (session / "session.log").read_text()
+    assert log == done.stdout
+    assert [line.split(": ", 1)[1] for line in log.splitlines() if line.startswith("== ")] == [
+        "the machine", "preflight", "cuda tests, 180 s at most", f"levers, {log.split('s: levers, ')[1].split()[0]} s",
+        "done"]
+    assert 'skipped="2"' in (session / "cuda-tests.xml").read_text()
+    out = session / "levers"
     probe = [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
     assert {row["backend"] for row in probe if "backend" in row} == {"torch", "ort-matmul", "ort-gemm",
                                                                       "ort-fusedmatmul", "ort-padded"}
