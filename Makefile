@@ -37,7 +37,7 @@ define install_into
 	touch $(1)/.installed-$(2)
 endef
 
-.PHONY: run test test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels kernels docs install install-legacy clean
+.PHONY: run test test-gpu-torch test-large test-tolerances test-legacy bench bench-real bench-threads gpu-check gpu-wheels kernels docs install install-legacy clean
 
 install: $(STAMP)
 
@@ -66,6 +66,16 @@ XDIST := -n $(TEST_WORKERS) --dist worksteal
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
+
+# the suite on the CPU under the torch the GPU machines hold (GPU_TORCH: 2.11.0, PyPI's CUDA 13 build, about 5 GB
+# in .venv-torch-2.11.0): a GPU run builds its graphs with that torch's exporter
+GPU_TORCH ?= 2.11.0
+GPU_TORCH_VENV := .venv-torch-$(GPU_TORCH)
+test-gpu-torch:
+	test -x $(GPU_TORCH_VENV)/bin/python || $(PYTHON) -m venv $(GPU_TORCH_VENV)
+	$(GPU_TORCH_VENV)/bin/python -m pip install --quiet torch==$(GPU_TORCH)
+	$(GPU_TORCH_VENV)/bin/python -m pip install --quiet -e ".[cpu,dev,mpi]"
+	$(GPU_TORCH_VENV)/bin/python -m pytest -q $(XDIST) -m "not slow" tests
 
 # the documentation site with the API reference generated from the docstrings (mkdocs.yml), into
 # site/; any warning is an error: a docstring that cannot be rendered, a public name without one, a

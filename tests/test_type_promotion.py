@@ -79,3 +79,48 @@ def test_an_implicit_promotion_still_runs_the_pass():
     assert promotion.insert_type_promotions(gm) >= 1
     casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
     assert casts and len(list(gm.graph.nodes)) > len(before)
+
+
+def test_the_pass_finds_an_overload_by_its_schema_where_torch_traced_the_operator():
+    """torch before 2.13 found the overload that takes a promoted node's operands by tracing the operator, and
+    a fake tensor's ``prim.device`` could come first ("Expected same OpOverload packet", torch 2.11: a loss
+    piece's float32 ``add`` of its logits and the head's bias). Inside ``_overloads_by_schema`` the pass's search
+    matches schemas, on fake tensors too, and the traced search is back on leaving; a torch that matches schemas
+    already (2.13: no ``_OpTraceDispatchMode``) is left as it is."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def traced(packet, args, kwargs):
+        raise AssertionError("the traced search ran")
+
+    older = SimpleNamespace(_OpTraceDispatchMode=object, find_compatible_op_overload=traced)
+    with FakeTensorMode():
+        logits, bias = torch.empty(16, 40), torch.empty(40)
+    with promotion._overloads_by_schema(older):
+        search = older.find_compatible_op_overload
+        assert search(torch.ops.aten.add, (logits, bias), {}) is torch.ops.aten.add.Tensor
+        assert search(torch.ops.aten.add, (logits, bias), {"alpha": 2}) is torch.ops.aten.add.Tensor
+        with pytest.raises(RuntimeError, match="no overload of aten.add takes these operands"):
+            search(torch.ops.aten.add, ("text", bias), {})
+    assert older.find_compatible_op_overload is traced
+    current = SimpleNamespace(find_compatible_op_overload=traced)
+    with promotion._overloads_by_schema(current):
+        assert current.find_compatible_op_overload is traced
+
+
+def test_traces_record_no_stack_trace_where_torch_can_say_so(monkeypatch):
+    """``without_stack_traces`` turns ``torch.fx.config.do_not_emit_stack_traces`` on inside and back after; a
+    torch without the switch (2.11) traces as it is."""
+    from types import SimpleNamespace
+
+    from ort_trainer.graph.gradient import torch_export
+
+    config = SimpleNamespace(do_not_emit_stack_traces=False)
+    monkeypatch.setattr(torch.fx, "config", config)
+    with torch_export.without_stack_traces():
+        assert config.do_not_emit_stack_traces is True
+    assert config.do_not_emit_stack_traces is False
+    monkeypatch.setattr(torch.fx, "config", SimpleNamespace())
+    with torch_export.without_stack_traces():
+        pass

@@ -15,12 +15,21 @@ operands' metadata), and runs the pass's own interpreter on those nodes only, ea
 operands' metadata (what re-running every node before it gives them): the same casts, inserted
 and re-run as the pass inserts and re-runs them, and no re-run of the nodes that need none. A
 module without such a node is left as it is, as the pass would leave it.
+
+After inserting a cast the pass finds the operator overload that takes the new operands. torch before
+2.13 found it by running the operator under a mode that records what dispatches first
+(``find_compatible_op_overload``), and a fake tensor asked for its device there (``prim.device``) came
+first: "Expected same OpOverload packet, got prim.device != aten.add" (torch 2.11, under mixed precision:
+the float32 ``add`` of a loss piece's logits and the head's bias vector). ``_overloads_by_schema`` finds it
+as torch 2.13 does, by matching each overload's schema against the operands, and stands in for the older
+search while the pass runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -54,16 +63,45 @@ def insert_type_promotions(graph_module: torch.fx.GraphModule) -> int:
         transform = passes.InsertTypePromotion(module, table)
         interpreter = transform.interpreter
         interpreter.env = {node: node.meta["val"] for node in module.graph.nodes if "val" in node.meta}
-        if transform.fake_mode is None or any(arg not in interpreter.env for node in nodes
-                                              for arg in node.all_input_nodes):
-            transform.run()  # the pass as it is: every node re-run
-        else:
-            with transform.fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
-                for node in nodes:
-                    interpreter.run_node(node)
+        with _overloads_by_schema(type_promotion):
+            if transform.fake_mode is None or any(arg not in interpreter.env for node in nodes
+                                                  for arg in node.all_input_nodes):
+                transform.run()  # the pass as it is: every node re-run
+            else:
+                with transform.fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
+                    for node in nodes:
+                        interpreter.run_node(node)
         promoted += len(nodes)
     logger.debug("type promotion: %d node(s) promoted", promoted)
     return promoted
+
+
+@contextlib.contextmanager
+def _overloads_by_schema(type_promotion: Any) -> Iterator[None]:
+    """While inside, the pass (module ``type_promotion``) picks an operator's overload by the first schema
+    its operands match (module docstring); a torch that already does so is left as it is."""
+    if not hasattr(type_promotion, "_OpTraceDispatchMode"):  # torch >= 2.13: by schema already
+        yield
+        return
+
+    def by_schema(packet: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverload:
+        problems = []
+        for name in packet.overloads():
+            overload = getattr(packet, name)
+            try:
+                torch._C._check_schema_allow_fake_script_object(overload._schema, *args, **kwargs)
+            except RuntimeError as exc:
+                problems.append(f"{name}: {exc}")
+            else:
+                return overload
+        raise RuntimeError(f"no overload of {packet} takes these operands: " + "; ".join(problems))
+
+    before = type_promotion.find_compatible_op_overload
+    type_promotion.find_compatible_op_overload = by_schema
+    try:
+        yield
+    finally:
+        type_promotion.find_compatible_op_overload = before
 
 
 def _needing_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: Any,

@@ -33,7 +33,11 @@ def autocast_context(dtype: str | None) -> contextlib.AbstractContextManager:
 def without_stack_traces() -> Iterator[None]:
     """Traces inside record no Python stack trace per FX node (``torch.fx.config``): nothing here
     reads ``node.meta["stack_trace"]`` (errors name the module from ``nn_module_stack``), and
-    collecting them took ~0.5 s of GPT-2 small's symbolic eval-mode export (of ~3)."""
+    collecting them took ~0.5 s of GPT-2 small's symbolic eval-mode export (of ~3). A torch without the
+    switch (2.11 has none) records them."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
     before = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
