@@ -24,12 +24,12 @@ RUNTIME_DIST_cuda := onnxruntime-gpu
 RUNTIME_DIST_training := onnxruntime-training-cpu
 RUNTIME_DISTS := onnxruntime onnxruntime-gpu onnxruntime-training onnxruntime-training-cpu
 
-# $(call install_into,VENV,EXTRA): torch first (a local CPU build), then this package with the
-# runtime of EXTRA. A runtime of another extra is uninstalled first, together with the wanted one
-# (their files overlap, so the wanted one must be installed again after the other's removal).
+# $(call install_into,VENV,EXTRA[,TORCH]): torch first (TORCH, 2.13.0 by default: a local CPU build), then
+# this package with the runtime of EXTRA. A runtime of another extra is uninstalled first, together with the
+# wanted one (their files overlap, so the wanted one must be installed again after the other's removal).
 define install_into
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet torch==2.13.0
+	$(1)/bin/python -m pip install --quiet torch==$(or $(3),2.13.0)
 	if $(1)/bin/python -m pip show --quiet $(filter-out $(RUNTIME_DIST_$(2)),$(RUNTIME_DISTS)) >/dev/null 2>&1; then \
 		$(1)/bin/python -m pip uninstall --quiet -y $(RUNTIME_DISTS); fi
 	$(1)/bin/python -m pip install --quiet -e ".[$(2),dev,mpi]"
@@ -68,13 +68,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # the suite on the CPU under the torch the GPU machines hold (GPU_TORCH: 2.11.0, PyPI's CUDA 13 build, about 5 GB
-# in .venv-torch-2.11.0): a GPU run builds its graphs with that torch's exporter
+# in .venv-torch-2.11.0, set up as .venv is): a GPU run builds its graphs with that torch's exporter
 GPU_TORCH ?= 2.11.0
 GPU_TORCH_VENV := .venv-torch-$(GPU_TORCH)
-test-gpu-torch:
-	test -x $(GPU_TORCH_VENV)/bin/python || $(PYTHON) -m venv $(GPU_TORCH_VENV)
-	$(GPU_TORCH_VENV)/bin/python -m pip install --quiet torch==$(GPU_TORCH)
-	$(GPU_TORCH_VENV)/bin/python -m pip install --quiet -e ".[cpu,dev,mpi]"
+GPU_TORCH_STAMP := $(GPU_TORCH_VENV)/.installed-cpu
+
+$(GPU_TORCH_VENV)/bin/python:
+	$(PYTHON) -m venv $(GPU_TORCH_VENV)
+
+$(GPU_TORCH_STAMP): setup.py | $(GPU_TORCH_VENV)/bin/python
+	$(call install_into,$(GPU_TORCH_VENV),cpu,$(GPU_TORCH))
+
+test-gpu-torch: $(GPU_TORCH_STAMP)
 	$(GPU_TORCH_VENV)/bin/python -m pytest -q $(XDIST) -m "not slow" tests
 
 # the documentation site with the API reference generated from the docstrings (mkdocs.yml), into

@@ -16,6 +16,8 @@ out=${1:?usage: gpu_session.sh OUT [BUDGET]}
 budget=${2:-570}
 wheels=${WHEELS-.gpu-wheels}
 python=${GPU_PYTHON:-python3}
+tests_s=${TESTS_S:-180}
+margin=${MARGIN:-60}
 tests=${TESTS:-tests/test_kernels.py tests/test_fused_kernels.py tests/test_fused_attention.py \
 tests/test_torch_products.py tests/test_aligned_products.py tests/test_gradient_sums.py tests/test_layer_norm_sums.py \
 tests/test_layer_norm_forward.py tests/test_cuda_graph.py tests/test_torch_allocator.py tests/test_cuda.py}
@@ -36,15 +38,16 @@ session() {
     fi
     step "preflight"
     "$python" benchmarks/gpu.py --preflight
-    step "cuda tests, ${TESTS_S:-180} s at most"
+    step "cuda tests, $tests_s s at most"
     # an interrupt, as Ctrl-C would: pytest reports the tests run so far, in the XML too
     # shellcheck disable=SC2086  # tests: several paths
-    timeout -s INT -k 20 "${TESTS_S:-180}" "$python" -m pytest -q -m cuda -rs -p no:cacheprovider $tests \
+    timeout -s INT -k 20 "$tests_s" "$python" -m pytest -q -m cuda -rs -p no:cacheprovider $tests \
         --junitxml="$out/cuda-tests.xml"
     status=$?
-    [ "$status" -eq 124 ] && echo "gpu_session: the tests ran out of their ${TESTS_S:-180} s"
-    step "levers, $(($(left) - ${MARGIN:-60})) s"
-    DEADLINE=$(($(left) - ${MARGIN:-60})) bash benchmarks/gpu_levers.sh "$out/levers" ${LEVERS:+"$LEVERS"}
+    [ "$status" -eq 124 ] && echo "gpu_session: the tests ran out of their $tests_s s"
+    local deadline=$(($(left) - margin))
+    step "levers, $deadline s"
+    DEADLINE=$deadline bash benchmarks/gpu_levers.sh "$out/levers" ${LEVERS:+"$LEVERS"}
     step "done"
     return "$status"
 }

@@ -163,17 +163,20 @@ def test_make_gpu_wheels_runs_the_script_and_the_install_checks_the_parts_first(
 
 
 def test_make_test_gpu_torch_runs_the_suite_under_the_gpu_machines_torch():
-    """``make test-gpu-torch`` installs torch 2.11.0 (the GPU machines') and this package into a venv of its own
-    and runs the suite there; ``GPU_TORCH`` names another version."""
+    """``make test-gpu-torch`` installs torch 2.11.0 (the GPU machines') and this package into a venv of its own,
+    as ``make install`` sets up .venv, and runs the suite there; ``GPU_TORCH`` names another version."""
     for version, venv in (("", ".venv-torch-2.11.0"), ("GPU_TORCH=2.12.0", ".venv-torch-2.12.0")):
         dry = subprocess.run(["make", "-n", "--no-print-directory", "test-gpu-torch", "PYTHON=py", "TEST_WORKERS=2",
                               *([version] if version else [])], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0, dry.stderr
-        assert dry.stdout.splitlines() == [
-            f"test -x {venv}/bin/python || py -m venv {venv}",
-            f"{venv}/bin/python -m pip install --quiet torch=={venv.rsplit('-', 1)[1]}",
-            f'{venv}/bin/python -m pip install --quiet -e ".[cpu,dev,mpi]"',
-            f'{venv}/bin/python -m pytest -q -n 2 --dist worksteal -m "not slow" tests']
+        lines = dry.stdout.splitlines()
+        expected = [f"py -m venv {venv}",
+                    f"{venv}/bin/python -m pip install --quiet torch=={venv.rsplit('-', 1)[1]}",
+                    f'{venv}/bin/python -m pip install --quiet -e ".[cpu,dev,mpi]"',
+                    f"touch {venv}/.installed-cpu",
+                    f'{venv}/bin/python -m pytest -q -n 2 --dist worksteal -m "not slow" tests']
+        assert all(line in lines for line in expected), lines
+        assert [lines.index(line) for line in expected] == sorted(lines.index(line) for line in expected), lines
 
 
 def test_the_install_joins_the_parts_and_takes_the_mpi_wheels_where_they_are(tmp_path):
