@@ -157,9 +157,10 @@ def test_gelu_grad_is_torchs_within_its_rounding(emulated, dtype, tanh, layout):
 @pytest.mark.parametrize("cols", [5, 33, 200])
 def test_softmax_grad_is_torchs_within_its_float32_sum(emulated, dtype, cols):
     """dx = y · (dy - Σ dy·y) over 84 rows (a warp a row, 8 a block: the last block's last 4 warps have no row) of
-    ``cols`` (fewer than a warp's lanes, or several a lane), a zero row among them: against float64
-    ``_softmax_backward_data``. The row's sum is a tree of depth k = ⌈cols/32⌉ + 5 over |dy·y| (and each product's
-    rounding), which dx reads times |y|; then y·(dy - sum) rounds twice and the output once."""
+    ``cols`` (fewer than a warp's lanes, or several a lane; 200: 4 a lane and step), a zero row among them: against
+    float64 ``_softmax_backward_data``. The row's sum is a tree of depth k = ⌈cols/32⌉ + 3 + 5 (a lane's share, up to
+    3 more where it takes 4 at a time, then the shuffles) over |dy·y| (and each product's rounding), which dx reads
+    times |y|; then y·(dy - sum) rounds twice and the output once."""
     gen = torch.Generator().manual_seed(1)
     y = torch.softmax(torch.randn(84, cols, generator=gen) * 2, -1)
     y[3] = 0.0
@@ -170,7 +171,7 @@ def test_softmax_grad_is_torchs_within_its_float32_sum(emulated, dtype, cols):
     memory.check()
     y64, dy64 = y.double(), dy.double()
     want = torch.ops.aten._softmax_backward_data(dy64, y64, -1, torch.float64)
-    depth = math.ceil(cols / 32) + 5 + 1
+    depth = math.ceil(cols / 32) + 3 + 5 + 1
     total = (dy64 * y64).sum(-1, keepdim=True)
     bound = (_TYPES[dtype][1] * want.abs() + _TYPES[dtype][2]
              + 2 * FLOAT32 * y64.abs() * (dy64.abs() + total.abs())
@@ -199,9 +200,10 @@ def _row_broadcast(x_shape, bias_shape):
 def test_safe_softmax_is_torchs_and_its_bias_an_add_bit_for_bit(emulated, dtype, cols, bias_shape):
     """Safe softmax over [3, 4, 7, cols] scores with -inf entries, a row of only -inf (zeros) and a NaN (its row
     NaN): against float64 ``_safe_softmax``, y = exp(x - max) / Σ within (u + (k + 10 + |x - max|)·u32)·y: x - max
-    rounds once (u32·|x - max| through exp), exp 4·u32, the sum's tree of depth k = ⌈cols/32⌉ + 5, 1/sum and the
-    product once each. With a bias (-1: cols), bit for bit the kernel's safe softmax of x + bias rounded to the dtype
-    (torch's add), the bias broadcast as ops.cc gives it (masks, a row, a head's)."""
+    rounds once (u32·|x - max| through exp), exp 4·u32, the sum's tree of depth k = ⌈cols/32⌉ + 3 + 5 (as the
+    gradient's), 1/sum and the product once each; 300 columns: 4 a lane and step. With a bias (-1: cols), bit for bit
+    the kernel's safe softmax of x + bias rounded to the dtype (torch's add), the bias broadcast as ops.cc gives it
+    (masks, a row, a head's)."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 4, 7, cols, generator=gen) * 4
     x[x > 5] = float("-inf")
@@ -216,7 +218,8 @@ def test_safe_softmax_is_torchs_and_its_bias_an_add_bit_for_bit(emulated, dtype,
         want = torch.ops.aten._safe_softmax(x.double(), -1)
         top = x.double().amax(-1, keepdim=True)
         spread = (x.double() - top).abs().nan_to_num(posinf=0.0)
-        bound = (_TYPES[dtype][1] + (math.ceil(cols / 32) + 5 + 10 + spread) * FLOAT32) * want.abs() + _TYPES[dtype][2]
+        depth = math.ceil(cols / 32) + 3 + 5
+        bound = (_TYPES[dtype][1] + (depth + 10 + spread) * FLOAT32) * want.abs() + _TYPES[dtype][2]
         assert _excess(y, want, bound) <= 0
         assert torch.equal(y[0, 0, 0], torch.zeros(cols, dtype=dtype)) and y[0, 0, 1].isnan().all()
         return
@@ -283,19 +286,20 @@ def test_cross_entropy_and_its_gradient_are_torchs(emulated, dtype, rows, classe
 
 
 @needs_compiler
-def test_cross_entropy_of_rows_torch_cannot_score_is_nan(emulated):
-    """A NaN first or last in a row of 600 (beyond one block's 512 threads) makes its lse and loss NaN; a row of -inf
-    has lse -inf and loss NaN; a target in the padding is out of range (loss NaN) and the padding's gradient stays
-    zero."""
-    x = torch.randn(5, 640)
+@pytest.mark.parametrize("cols", [640, 601], ids=["vectors", "scalars"])
+def test_cross_entropy_of_rows_torch_cannot_score_is_nan(emulated, cols):
+    """A NaN first or last in a row of 600 scores (beyond one block's 512 threads) makes its lse and loss NaN; a row
+    of -inf has lse -inf and loss NaN; a target in the padding is out of range (loss NaN) and the padding's gradient
+    stays zero: in rows of 640 (4 scores a thread and step) and 601 (one)."""
+    x = torch.randn(5, cols)
     x[0, 0] = x[1, 599] = float("nan")
     x[2, :600] = float("-inf")
     target = torch.tensor([3, 4, 5, 610, 7])
     memory = Memory()
-    losses, lse, dx = memory.output((5,)), memory.output((5,)), memory.output((5, 640))
-    emulated["cross_entropy"](1, memory.input(x), memory.input(target), losses, lse, 5, 640, 600, -100)
+    losses, lse, dx = memory.output((5,)), memory.output((5,)), memory.output((5, cols))
+    emulated["cross_entropy"](1, memory.input(x), memory.input(target), losses, lse, 5, cols, 600, -100)
     emulated["cross_entropy_grad"](1, memory.input(torch.ones(5)), memory.input(x), memory.input(target),
-                                   memory.input(lse.clone()), dx, 5, 640, 600, -100)
+                                   memory.input(lse.clone()), dx, 5, cols, 600, -100)
     memory.check()
     assert losses[:4].isnan().all() and lse[:2].isnan().all() and lse[2] == float("-inf")
     assert not dx[:, 600:].any() and not dx[4].isnan().any()
@@ -332,15 +336,17 @@ def _layer_norm_grad(emulated, memory, x, dy, gamma, mean, rstd, residual=None, 
                                                 (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.bfloat16)],
                          ids=["float32", "float16-weights32", "bfloat16-weights32", "float16", "bfloat16"])
-@pytest.mark.parametrize("rows, cols", [(300, 48), (20, 300)], ids=["300x48", "20x300"])
+@pytest.mark.parametrize("rows, cols", [(300, 48), (8, 1100), (20, 301)], ids=["300x48", "8x1100", "20x301"])
 def test_layer_norm_grad_is_torchs_within_its_float32_sums(emulated, dtype, gamma_dtype, rows, cols):
     """dx, dgamma and dbeta against float64 ``native_layer_norm_backward`` from the same mean and rstd: rows of 48
-    (a block of 64 threads, 16 with no column) over 3 chunks of 128 rows, and of 300 (256 threads, some with two
-    columns). dx = r·(g - mean(g) - xhat·mean(g·xhat)): the row's two sums, trees of depth k = ⌈cols/threads⌉ + 10 over
-    |g| and |g·xhat| (g = dy·gamma, xhat = (x - mean)·r, each term ~3 roundings of its own), move dx by r·k·u32 times
-    their means; the rest ~6 roundings of |r|·(|g| + |mean(g)| + |xhat·mean(g·xhat)|). dgamma, dbeta: float32 sums
-    down the columns, in order within a chunk's 8 lanes, then the lanes, then the chunks: depth rows + 16 over the
-    terms' magnitudes, then the dtype's rounding. The partial sums over the chunks add up to dgamma and dbeta."""
+    (4 columns a thread: 12 of a block of 32) over 3 chunks of 128 rows, of 1100 (4 columns a thread and step, 256
+    threads, some with two steps) and of 301 (a column a thread and step: 256 threads, some with two). dx = r·(g -
+    mean(g) - xhat·mean(g·xhat)): the row's two sums, trees of depth k = ⌈cols/32⌉ + 10 (a thread's share at most a
+    warp's) over |g| and |g·xhat| (g = dy·gamma, xhat = (x - mean)·r, each term ~3 roundings of its own), move dx by
+    r·k·u32 times their means; the rest ~6 roundings of |r|·(|g| + |mean(g)| + |xhat·mean(g·xhat)|). dgamma, dbeta:
+    float32 sums down the columns, in order within a chunk's 8 lanes, then the lanes, then the chunks: depth rows + 16
+    over the terms' magnitudes, then the dtype's rounding. The partial sums over the chunks add up to dgamma and
+    dbeta."""
     x, dy, gamma, mean, rstd = _layer_norm_inputs(rows, cols, dtype, gamma_dtype, seed=4)
     memory = Memory()
     dx, dgamma, dbeta, partials, _ = _layer_norm_grad(emulated, memory, x, dy, gamma, mean, rstd)
@@ -349,8 +355,7 @@ def test_layer_norm_grad_is_torchs_within_its_float32_sums(emulated, dtype, gamm
     x64, dy64, g64, m64, r64 = x.double(), dy.double(), gamma.double(), mean.double(), rstd.double()
     want = torch.ops.aten.native_layer_norm_backward(dy64, x64, [cols], m64, r64, g64,
                                                      torch.zeros(cols, dtype=torch.float64), [True, True, True])
-    threads = min(256, math.ceil(cols / 32) * 32)
-    depth = math.ceil(cols / threads) + 10 + 6  # (each sum's terms: up to 4 roundings; the division)
+    depth = math.ceil(cols / 32) + 10 + 6  # (each sum's terms: up to 4 roundings; the division)
     g, xhat = dy64 * g64, (x64 - m64) * r64
     mean_gx = (g * xhat).mean(-1, keepdim=True)
     sums = g.abs().mean(-1, keepdim=True) + xhat.abs() * (g * xhat).abs().mean(-1, keepdim=True)
@@ -407,10 +412,11 @@ def test_layer_norm_grad_of_no_rows_is_zero_sums(emulated):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("both", [False, True], ids=["To", "With"])
-@pytest.mark.parametrize("rows, cols", [(64, 48), (8, 769)], ids=["64x48", "8x769"])
+@pytest.mark.parametrize("rows, cols", [(64, 48), (4, 1100), (8, 769)], ids=["64x48", "4x1100", "8x769"])
 def test_layer_norm_forward_is_torchs_and_its_residual_sum_an_add_bit_for_bit(emulated, dtype, both, rows, cols):
-    """LayerNormTo* / LayerNormWith* of float32 rows (48: 64 threads; 769: 256, three columns some): mean and rstd
-    against float64 ``native_layer_norm`` (the mean a tree of depth k = ⌈cols/threads⌉ + 10: within k·u32 of mean|x|;
+    """LayerNormTo* / LayerNormWith* of float32 rows (48 and 1100: 4 columns a thread and step, a warp and 256 threads;
+    769: a column, 256 threads, three steps some): mean and rstd against float64 ``native_layer_norm`` (the mean a
+    tree of depth k = ⌈cols/32⌉ + 10 (a thread's share at most a warp's): within k·u32 of mean|x|;
     the variance's the same over (x - mean)², and the mean's error in it; rsqrtf 4·u32), y = (x - mean)·r·gamma +
     beta within 8·u32 more of |xhat·gamma| + |beta| and rstd's error times |xhat·gamma|, rounded to the dtype; the
     float32 y (With) rounded to the dtype is the half y. AddLayerNorm*: with a half branch, the sum is x + branch
@@ -433,8 +439,7 @@ def test_layer_norm_forward_is_torchs_and_its_residual_sum_an_add_bit_for_bit(em
     y, y32, mean, rstd, _ = launch(x)
     memory.check()
     want_y, want_mean, want_rstd = torch.native_layer_norm(x.double(), [cols], gamma.double(), beta.double(), 1e-3)
-    threads = min(256, math.ceil(cols / 32) * 32)
-    depth = math.ceil(cols / threads) + 10 + 1  # (and the division)
+    depth = math.ceil(cols / 32) + 10 + 1  # (and the division)
     x64 = x.double()
     assert _excess(mean, want_mean[:, 0], depth * FLOAT32 * x64.abs().mean(-1)) <= 0
     # the variance: its tree over (x - mean)², each term's roundings and the mean's error 2·|x - mean|·δmean
@@ -460,13 +465,13 @@ def test_layer_norm_forward_is_torchs_and_its_residual_sum_an_add_bit_for_bit(em
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("sum_dtype", [torch.float32, "half"])
 @pytest.mark.parametrize("addends", [1, 3, 10])
-def test_add_half_is_casts_then_adds_bit_for_bit(emulated, dtype, sum_dtype, addends):
+@pytest.mark.parametrize("n", [1224, 1221], ids=["vectors", "scalars"])
+def test_add_half_is_casts_then_adds_bit_for_bit(emulated, dtype, sum_dtype, addends, n):
     """sum + x1.float() + ... in order, one float32 add each, bit for bit torch's; ten addends take two launches
     (eight at most a launch), the second adding to the first's output; the xs longer than the sum (padded products)
-    read over the sum's length."""
+    read over the sum's length; 4 elements a thread and step (a multiple of 4 elements) or one."""
     sum_dtype = dtype if sum_dtype == "half" else sum_dtype
     gen = torch.Generator().manual_seed(7)
-    n = 37 * 33
     total = (torch.randn(n, generator=gen) * 1e3).to(sum_dtype)
     xs = [(torch.randn(n + 9 * i, generator=gen) * 7).to(dtype) for i in range(addends)]
     expected = total.float()

@@ -3,7 +3,8 @@
 // whatever the tensors' dtypes (T: x, mean, rstd, the residual and dx; D: dy; C: dx's cast; G: gamma, dgamma and
 // dbeta):
 //   rows:    one block a row: the row's two sums (of g and of g * xhat) reduced in the block, then dx (plus the
-//            residual, and its cast to D)
+//            residual, and its cast to D); 4 consecutive columns a thread and step where every row starts on a
+//            boundary of 4 elements of each tensor (a multiple of 4 columns, aligned tensors), one otherwise
 //   columns: dgamma and dbeta's sums over each chunk of rows, a (32 columns x 8 rows) block a chunk and 32
 //            columns, into partials [chunks, 2, cols]
 //   finish:  partials summed over the chunks, in order: the same bits on every run
@@ -13,6 +14,7 @@
 #include "cuda_types.cuh"
 #include "kernels.h"
 #include "layer_norm.h"
+#include "vector_io.cuh"
 
 namespace ort_trainer_kernels {
 namespace {
@@ -39,7 +41,8 @@ __device__ float2 block_sum(float2 v) {
   return warp_sums[0];
 }
 
-template <typename T, typename G, typename D, typename C>
+// V columns a thread and step (1, or 4 where every row's start is aligned for them)
+template <typename T, typename G, typename D, typename C, int V>
 __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rstd, const G* gamma, const T* residual,
                             T* dx, C* dx_cast, int64_t cols) {
   const int64_t row = blockIdx.x;
@@ -48,54 +51,95 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
   T* dx_row = dx + row * cols;
   const float m = to_float(mean[row]), r = to_float(rstd[row]);
   float2 sums = make_float2(0.0f, 0.0f);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float g = to_float(dy_row[c]) * to_float(gamma[c]);
-    sums.x += g;
-    sums.y += g * ((to_float(x_row[c]) - m) * r);
+  for (int64_t c = threadIdx.x * static_cast<int64_t>(V); c < cols; c += static_cast<int64_t>(blockDim.x) * V) {
+    float d[V], gm[V], xs[V];
+    load<V>(dy_row + c, d);
+    load<V>(gamma + c, gm);
+    load<V>(x_row + c, xs);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = d[k] * gm[k];
+      sums.x += g;
+      sums.y += g * ((xs[k] - m) * r);
+    }
   }
   sums = block_sum(sums);
   const float mean_g = sums.x / static_cast<float>(cols), mean_gx = sums.y / static_cast<float>(cols);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float g = to_float(dy_row[c]) * to_float(gamma[c]);
-    const float xhat = (to_float(x_row[c]) - m) * r;
-    T out = from_float<T>(r * (g - mean_g - xhat * mean_gx));
-    // the Add node's one rounded add (__fadd_rn: never contracted into the product above)
-    if (residual != nullptr) out = from_float<T>(__fadd_rn(to_float(residual[row * cols + c]), to_float(out)));
-    dx_row[c] = out;
-    if (dx_cast != nullptr) dx_cast[row * cols + c] = from_float<C>(to_float(out));
+  for (int64_t c = threadIdx.x * static_cast<int64_t>(V); c < cols; c += static_cast<int64_t>(blockDim.x) * V) {
+    float d[V], gm[V], xs[V], out[V];
+    load<V>(dy_row + c, d);
+    load<V>(gamma + c, gm);
+    load<V>(x_row + c, xs);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = d[k] * gm[k];
+      const float xhat = (xs[k] - m) * r;
+      out[k] = to_float(from_float<T>(r * (g - mean_g - xhat * mean_gx)));
+    }
+    if (residual != nullptr) {  // the Add node's one rounded add (__fadd_rn: never contracted into the product above)
+      float res[V];
+      load<V>(residual + row * cols + c, res);
+#pragma unroll
+      for (int k = 0; k < V; ++k) out[k] = to_float(from_float<T>(__fadd_rn(res[k], out[k])));
+    }
+    store<V>(dx_row + c, out);  // (each out[k] a value of T: stored exactly)
+    if (dx_cast != nullptr) store<V>(dx_cast + row * cols + c, out);
   }
 }
 
-template <typename H>
+// V columns a thread and step (1, or 4 where every row's start is aligned for them)
+template <typename H, int V>
 __global__ void forward_kernel(const float* x, const H* branch, float* sum, const float* gamma, const float* beta,
                                H* y, float* y32, float* mean, float* rstd, int64_t cols, float epsilon) {
   const int64_t row = blockIdx.x;
   const float* x_row = x + row * cols;
+  const int64_t first = threadIdx.x * static_cast<int64_t>(V), step = static_cast<int64_t>(blockDim.x) * V;
   float2 sums = make_float2(0.0f, 0.0f);
   if (branch != nullptr) {
     // x + branch written to sum, which the passes below read (each thread the elements it wrote)
     float* sum_row = sum + row * cols;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const float v = __fadd_rn(x_row[c], to_float(branch[row * cols + c]));
-      sum_row[c] = v;
-      sums.x += v;
+    for (int64_t c = first; c < cols; c += step) {
+      float xs[V], bs[V];
+      load<V>(x_row + c, xs);
+      load<V>(branch + row * cols + c, bs);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        xs[k] = __fadd_rn(xs[k], bs[k]);
+        sums.x += xs[k];
+      }
+      store<V>(sum_row + c, xs);
     }
     x_row = sum_row;
   } else {
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sums.x += x_row[c];
+    for (int64_t c = first; c < cols; c += step) {
+      float xs[V];
+      load<V>(x_row + c, xs);
+#pragma unroll
+      for (int k = 0; k < V; ++k) sums.x += xs[k];
+    }
   }
   const float m = block_sum(sums).x / static_cast<float>(cols);
   __syncthreads();  // (every thread has read the first sum before block_sum's buffer takes the second)
   sums = make_float2(0.0f, 0.0f);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float d = x_row[c] - m;
-    sums.x += d * d;
+  for (int64_t c = first; c < cols; c += step) {
+    float xs[V];
+    load<V>(x_row + c, xs);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float d = xs[k] - m;
+      sums.x += d * d;
+    }
   }
   const float r = rsqrtf(block_sum(sums).x / static_cast<float>(cols) + epsilon);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = (x_row[c] - m) * r * gamma[c] + beta[c];
-    y[row * cols + c] = from_float<H>(v);
-    if (y32 != nullptr) y32[row * cols + c] = v;
+  for (int64_t c = first; c < cols; c += step) {
+    float xs[V], gs[V], bs[V];
+    load<V>(x_row + c, xs);
+    load<V>(gamma + c, gs);
+    load<V>(beta + c, bs);
+#pragma unroll
+    for (int k = 0; k < V; ++k) xs[k] = (xs[k] - m) * r * gs[k] + bs[k];
+    store<V>(y + row * cols + c, xs);
+    if (y32 != nullptr) store<V>(y32 + row * cols + c, xs);
   }
   if (threadIdx.x == 0) {
     mean[row] = m;
@@ -158,14 +202,31 @@ struct Arguments {
   int64_t rows, cols, chunks;
 };
 
-template <typename T, typename G, typename D, typename C>
-void launch(const Arguments& a, cudaStream_t s) {
-  const int64_t rounded = (a.cols + 31) / 32 * 32;
-  const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
-  rows_kernel<T, G, D, C><<<static_cast<unsigned>(a.rows), threads, 0, s>>>(
+// a row's block: a thread for each step of V columns, in whole warps, at most 256
+int row_threads(int64_t cols, int vector) {
+  const int64_t rounded = ((cols + vector - 1) / vector + 31) / 32 * 32;
+  return static_cast<int>(rounded < 256 ? rounded : 256);
+}
+
+template <typename T, typename G, typename D, typename C, int V>
+void launch_rows(const Arguments& a, cudaStream_t s) {
+  rows_kernel<T, G, D, C, V><<<static_cast<unsigned>(a.rows), row_threads(a.cols, V), 0, s>>>(
       static_cast<const D*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.mean),
       static_cast<const T*>(a.rstd), static_cast<const G*>(a.gamma), static_cast<const T*>(a.residual),
       static_cast<T*>(a.dx), static_cast<C*>(a.dx_cast), a.cols);
+}
+
+template <typename T, typename G, typename D, typename C>
+void launch(const Arguments& a, cudaStream_t s) {
+  constexpr int V = 4;
+  const bool vectors = a.cols % V == 0 && aligned_for<V>(static_cast<const D*>(a.dy)) &&
+                       aligned_for<V>(static_cast<const T*>(a.x)) && aligned_for<V>(static_cast<const G*>(a.gamma)) &&
+                       aligned_for<V>(static_cast<const T*>(a.residual)) && aligned_for<V>(static_cast<T*>(a.dx)) &&
+                       aligned_for<V>(static_cast<C*>(a.dx_cast));
+  if (vectors)
+    launch_rows<T, G, D, C, V>(a, s);
+  else
+    launch_rows<T, G, D, C, 1>(a, s);
   const int64_t rows_per_chunk = (a.rows + a.chunks - 1) / a.chunks;
   const dim3 grid(static_cast<unsigned>((a.cols + kColumnWidth - 1) / kColumnWidth), static_cast<unsigned>(a.chunks));
   columns_kernel<T, D><<<grid, dim3(kColumnWidth, kColumnDepth), 0, s>>>(
@@ -196,18 +257,19 @@ const char* layer_norm_cast_cuda(ElementType type, const float* x, const void* b
                                  int64_t cols, float epsilon, void* stream) {
   if (rows == 0 || cols == 0) return nullptr;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int64_t rounded = (cols + 31) / 32 * 32;
-  const int threads = static_cast<int>(rounded < 256 ? rounded : 256);
-  if (type == ElementType::kFloat16)
-    forward_kernel<__half><<<static_cast<unsigned>(rows), threads, 0, s>>>(
-        x, static_cast<const __half*>(branch), sum, gamma, beta, static_cast<__half*>(y), y32, mean, rstd, cols,
-        epsilon);
-  else if (type == ElementType::kBFloat16)
-    forward_kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), threads, 0, s>>>(
-        x, static_cast<const __nv_bfloat16*>(branch), sum, gamma, beta, static_cast<__nv_bfloat16*>(y), y32, mean,
-        rstd, cols, epsilon);
-  else
-    return "unsupported dtype";
+  if (type != ElementType::kFloat16 && type != ElementType::kBFloat16) return "unsupported dtype";
+  with_type(type, [&]<typename H>() {
+    constexpr int V = 4;
+    const H *b = static_cast<const H*>(branch);
+    H* out = static_cast<H*>(y);
+    if (cols % V == 0 && aligned_for<V>(x) && aligned_for<V>(b) && aligned_for<V>(sum) && aligned_for<V>(gamma) &&
+        aligned_for<V>(beta) && aligned_for<V>(out) && aligned_for<V>(y32))
+      forward_kernel<H, V><<<static_cast<unsigned>(rows), row_threads(cols, V), 0, s>>>(
+          x, b, sum, gamma, beta, out, y32, mean, rstd, cols, epsilon);
+    else
+      forward_kernel<H, 1><<<static_cast<unsigned>(rows), row_threads(cols, 1), 0, s>>>(
+          x, b, sum, gamma, beta, out, y32, mean, rstd, cols, epsilon);
+  });
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }
