@@ -27,7 +27,7 @@ from ort_trainer.optim import SGDConfig
 # ~800 float32 roundings of its longest chain (5x margin; MKL sums each product's terms in another order than MLAS,
 # the same float32 arithmetic), 40 of float16's
 from test_fused_kernels import FLOAT32_BOUND, HALF_BOUND, _step
-from test_half_loss import _float64, _gpt2_case, _relative
+from test_half_loss import _encoder_case, _float64, _gpt2_case, _relative
 from tolerances import BFLOAT16, FLOAT16, FLOAT32, check
 
 pytestmark = pytest.mark.skipif(_compilers()[1] is None, reason="builds a library against torch: needs a C++ compiler")
@@ -150,7 +150,8 @@ def test_products_that_do_not_fit_are_refused_naming_the_shapes():
 def test_half_products_only_a_cast_to_float_reads_write_float32():
     """A float16 Gemm read by a Cast to float32 alone becomes GemmToFloat writing the Cast's output; a MatMul read
     through a Reshape that the Cast alone reads becomes MatMulToFloat writing a float32 value the Reshape reads (its
-    type recorded); a product another node reads too keeps its half output and its Cast."""
+    type recorded); a Gemm read through two Transposes that undo each other becomes GemmToFloat writing the Cast's
+    output, the Transposes gone; a product another node reads too keeps its half output and its Cast."""
     h, f = TensorProto.FLOAT16, TensorProto.FLOAT
     nodes = [helper.make_node("Gemm", ["a", "b"], ["p"], transA=1),
              helper.make_node("Cast", ["p"], ["p32"], to=f),
@@ -159,20 +160,25 @@ def test_half_products_only_a_cast_to_float_reads_write_float32():
              helper.make_node("Cast", ["q1"], ["q32"], to=f),
              helper.make_node("MatMul", ["a", "b"], ["r"], name="shared"),
              helper.make_node("Cast", ["r"], ["r32"], to=f),
-             helper.make_node("Neg", ["r"], ["rn"])]
+             helper.make_node("Neg", ["r"], ["rn"]),
+             helper.make_node("Gemm", ["b", "a"], ["s"], transA=1, transB=1),
+             helper.make_node("Transpose", ["s"], ["st"], perm=[1, 0]),
+             helper.make_node("Transpose", ["st"], ["stt"], perm=[1, 0]),
+             helper.make_node("Cast", ["stt"], ["s32"], to=f)]
     graph = helper.make_graph(nodes, "g", [
         helper.make_tensor_value_info("a", h, [4, 4]), helper.make_tensor_value_info("b", h, [4, 3]),
         helper.make_tensor_value_info("ones", h, [1, 4]),
         helper.make_tensor_value_info("flat", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info(name, f, None) for name in ("p32", "q32", "r32")]
+        [helper.make_tensor_value_info(name, f, None) for name in ("p32", "q32", "r32", "s32")]
         + [helper.make_tensor_value_info("rn", h, None)])
     model = helper.make_model(graph)
     model.graph.value_info.extend([helper.make_tensor_value_info("p", h, [4, 3]),
                                    helper.make_tensor_value_info("q", h, [1, 3]),
                                    helper.make_tensor_value_info("q1", h, [3])])
-    assert torch_products(model) == 3
+    assert torch_products(model) == 4
     ops = {n.name or n.output[0]: (n.op_type, list(n.input), list(n.output)) for n in model.graph.node}
     assert ("GemmToFloat", ["a", "b"], ["p32"]) in ops.values()
+    assert ("GemmToFloat", ["b", "a"], ["s32"]) in ops.values() and "Transpose" not in {op for op, _, _ in ops.values()}
     assert ("MatMulToFloat", ["ones", "b"], ["q/float32"]) in ops.values()
     assert ("Reshape", ["q/float32", "flat"], ["q32"]) in ops.values()
     assert ops["shared"][0] == "MatMul" and sum(op == "Cast" for op, _, _ in ops.values()) == 1
@@ -239,6 +245,44 @@ def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_
             check(error, bound, (on, name))
     for name, grad in results[True].items():
         check(_relative(grad, results[False][name]), 2 * bound, ("on-off", name))
+    record_property("largest_error", max(errors[True].values()))
+
+
+def _undone_transpose_pairs(graph) -> int:
+    """How many ``Transpose`` nodes read a ``Transpose`` whose ``perm`` theirs undoes."""
+    producer = {o: n for n in graph.node for o in n.output}
+    count = 0
+    for node in graph.node:
+        first = producer.get(node.input[0]) if node.op_type == "Transpose" else None
+        if first is not None and first.op_type == "Transpose":
+            p, q = [list(n.attribute[0].ints) for n in (first, node)]
+            count += all(p[axis] == i for i, axis in enumerate(q))
+    return count
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_weight_gradients_through_undone_transposes_are_written_in_float32(record_property):
+    """The tiny encoder's ``nn.Linear`` weight gradients reach their float32 ``Cast`` through ``t()`` of ``t()`` of
+    the product (torch's decomposition of the linear's backward; BERT's too): in float16 with the switch each such
+    product writes the Cast's float32 output itself and the pair of Transposes goes with the Cast; the loss and every
+    gradient within the bound of float64 PyTorch's, and of the switch off (which keeps the pairs)."""
+    model, desc, batch, loss_fn = _encoder_case()
+    loss64, grads64 = _float64(model, batch, loss_fn)
+    graphs, results, errors = {}, {}, {}
+    for on in (True, False):
+        trainer, loss, results[on] = _step(model, desc, batch, loss_fn, "torch_products", on, "float16")
+        graphs[on] = trainer._graphs.gradient.graph
+        errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
+                      **{w: _relative(g, grads64[w]) for w, g in results[on].items()}}
+    assert _undone_transpose_pairs(graphs[False]) >= 4 and _undone_transpose_pairs(graphs[True]) == 0
+    widened = [n for n in graphs[True].node if n.op_type.endswith("ToFloat")]
+    linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    assert len(widened) >= linears, (len(widened), linears)  # every weight's, and biases' column sums
+    for on in (True, False):
+        for name, error in errors[on].items():
+            check(error, HALF_BOUND, (on, name))
+    for name, grad in results[True].items():
+        check(_relative(grad, results[False][name]), 2 * HALF_BOUND, ("on-off", name))
     record_property("largest_error", max(errors[True].values()))
 
 

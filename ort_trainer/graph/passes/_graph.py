@@ -225,4 +225,21 @@ def _sole_consumer(g: _Graph, name: str) -> onnx.NodeProto | None:
     return readers[0]
 
 
+def _undo(first: list[int] | None, second: list[int] | None) -> bool:
+    """Transposing by ``first`` and then by ``second`` is the identity."""
+    return first is not None and second is not None and len(first) == len(second) and all(
+        first[axis] == i for i, axis in enumerate(second))
+
+
+def _undone_pair(g: _Graph, name: str) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
+    """The two ``Transpose`` nodes of a chain ``name`` -> first -> second where each alone reads what the one before
+    it writes and second undoes first (its output holds ``name``'s values in ``name``'s layout), else None."""
+    first = _sole_consumer(g, name)
+    second = _sole_consumer(g, first.output[0]) if first is not None and _is(first, "Transpose") else None
+    if second is None or not _is(second, "Transpose") or not _undo(_attrs(first).get("perm"),
+                                                                    _attrs(second).get("perm")):
+        return None
+    return first, second
+
+
 __all__ = []

@@ -25,7 +25,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as _KERNELS_DOMAIN
 from ...kernels import OPSET as _KERNELS_OPSET
-from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _replace_nodes, _widened
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _replace_nodes, _undo, _widened
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the half tensors a chain's node adds to its sum at most: each keeps a gradient alive until the node runs, where
@@ -105,12 +105,6 @@ def _rows_source(name: str, g: _Graph) -> str:
             and list(axes) == [0] and list(steps) == [1]):
         return piece.input[0]
     return name
-
-
-def _undo(first: list[int] | None, second: list[int] | None) -> bool:
-    """Transposing by ``first`` and then by ``second`` is the identity."""
-    return first is not None and second is not None and len(first) == len(second) and all(
-        first[axis] == i for i, axis in enumerate(second))
 
 
 __all__ = ["fused_gradient_sums"]

@@ -16,7 +16,9 @@ the product (a weight's, or a bias's column sum, through a ``Reshape``), a half 
 written again in float32. A half ``Gemm`` (no ``C``) or ``MatMul`` that such a ``Cast`` alone reads becomes a
 ``GemmToFloat`` / ``MatMulToFloat`` node that writes float32 itself (cuBLAS's float32 output of half operands): the
 half tensor and the ``Cast`` go (GPT-2 small: 100 nodes a step), and the gradient is the float32 sum, not rounded to
-the half dtype on the way.
+the half dtype on the way. Where the ``Cast`` reads the product through two ``Transpose`` nodes that undo each other
+(BERT's every weight gradient: torch's ``t()`` of ``t()`` of the product), they go with it: 146 nodes and two copies
+of each half weight gradient a step.
 
 On the CPU torch's BLAS is MKL, whose products alone run faster than ONNX Runtime's MLAS on some processors and at
 about half its speed on others (docs/performance.md), and whose threads contend with ONNX Runtime's inside a run:
@@ -29,7 +31,8 @@ import onnx
 from onnx import helper
 
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer, _value_info_like
+from ._graph import (_Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer, _undone_pair,
+                     _value_info_like)
 
 _TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -55,11 +58,12 @@ def torch_products(model: onnx.ModelProto) -> int:
 
 def _widen(model: onnx.ModelProto, types: dict[str, int]) -> int:
     """Each half product of this domain (no ``C``) that a ``Cast`` to float32 alone reads, directly or through a
-    ``Reshape`` only the ``Cast`` reads, as its ``...ToFloat`` form writing float32 (the module docstring); returns
-    how many."""
+    ``Reshape`` only the ``Cast`` reads, or through two ``Transpose`` nodes that undo each other, as its ``...ToFloat``
+    form writing float32 (the module docstring); returns how many."""
     g = _Graph(model)
     dead: set[int] = set()
     gone: set[str] = set()  # the half values that are no more
+    widened = 0
     for node in model.graph.node:
         if (node.domain != TORCH_OPS_DOMAIN or node.op_type not in ("Gemm", "MatMul")
                 or types.get(node.output[0]) not in _HALF):
@@ -67,9 +71,15 @@ def _widen(model: onnx.ModelProto, types: dict[str, int]) -> int:
         reader, reshape = _sole_consumer(g, node.output[0]), None
         if reader is not None and _is(reader, "Reshape") and reader.input[0] == node.output[0]:
             reshape, reader = reader, _sole_consumer(g, reader.output[0])
+        pair = _undone_pair(g, node.output[0]) if reshape is None else None
+        if pair is not None:  # (the product's values, in its layout)
+            reader = _sole_consumer(g, pair[1].output[0])
         if reader is None or not _is(reader, "Cast") or _attrs(reader).get("to") != onnx.TensorProto.FLOAT:
             continue
         gone.add(node.output[0])
+        if pair is not None:
+            dead.update(id(transpose) for transpose in pair)
+            gone.update(transpose.output[0] for transpose in pair)
         if reshape is None:
             node.output[0] = reader.output[0]
         else:  # the product's float32 output, then the Reshape (a view) writes what the Cast wrote
@@ -83,12 +93,13 @@ def _widen(model: onnx.ModelProto, types: dict[str, int]) -> int:
             node.output[0] = wide
         node.op_type += "ToFloat"
         dead.add(id(reader))
+        widened += 1
     if dead:
         _keep(model, dead)
         kept = [info for info in model.graph.value_info if info.name not in gone]
         del model.graph.value_info[:]
         model.graph.value_info.extend(kept)
-    return len(dead)
+    return widened
 
 
 def _gemm(node: onnx.NodeProto) -> onnx.NodeProto:
