@@ -41,6 +41,15 @@ __device__ float2 block_sum(float2 v) {
   return warp_sums[0];
 }
 
+// dy, gamma and x at columns c .. c + V - 1 of a row, widened
+template <int V, typename T, typename G, typename D>
+__device__ __forceinline__ void load_columns(const D* dy_row, const G* gamma, const T* x_row, int64_t c, float (&d)[V],
+                                             float (&gm)[V], float (&xs)[V]) {
+  load<V>(dy_row + c, d);
+  load<V>(gamma + c, gm);
+  load<V>(x_row + c, xs);
+}
+
 // V columns a thread and step (1, or 4 where every row's start is aligned for them)
 template <typename T, typename G, typename D, typename C, int V>
 __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rstd, const G* gamma, const T* residual,
@@ -53,9 +62,7 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
   float2 sums = make_float2(0.0f, 0.0f);
   for (int64_t c = threadIdx.x * static_cast<int64_t>(V); c < cols; c += static_cast<int64_t>(blockDim.x) * V) {
     float d[V], gm[V], xs[V];
-    load<V>(dy_row + c, d);
-    load<V>(gamma + c, gm);
-    load<V>(x_row + c, xs);
+    load_columns(dy_row, gamma, x_row, c, d, gm, xs);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float g = d[k] * gm[k];
@@ -67,9 +74,7 @@ __global__ void rows_kernel(const D* dy, const T* x, const T* mean, const T* rst
   const float mean_g = sums.x / static_cast<float>(cols), mean_gx = sums.y / static_cast<float>(cols);
   for (int64_t c = threadIdx.x * static_cast<int64_t>(V); c < cols; c += static_cast<int64_t>(blockDim.x) * V) {
     float d[V], gm[V], xs[V], out[V];
-    load<V>(dy_row + c, d);
-    load<V>(gamma + c, gm);
-    load<V>(x_row + c, xs);
+    load_columns(dy_row, gamma, x_row, c, d, gm, xs);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float g = d[k] * gm[k];
