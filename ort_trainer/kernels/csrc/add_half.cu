@@ -42,7 +42,7 @@ __global__ void add_half_elements(const S* sum, Addends<T> xs, float* out, int64
   }
 }
 
-template <typename S, typename T, int V>
+template <int V, typename S, typename T>
 void launch_elements(const S* sum, const Addends<T>& addends, float* out, int64_t n, cudaStream_t s) {
   int64_t blocks = (n / V + kThreads - 1) / kThreads;
   blocks = blocks > kMaxBlocks ? kMaxBlocks : blocks;
@@ -59,14 +59,12 @@ void launch(const void* sum, const void* const* xs, int count, float* out, int64
     Addends<T> addends{};
     addends.count = count - first < kMaxAddends ? count - first : kMaxAddends;
     for (int k = 0; k < addends.count; ++k) addends.x[k] = static_cast<const T*>(xs[first + k]);
-    if (first == 0 && vectors)
-      launch_elements<S, T, V>(static_cast<const S*>(sum), addends, out, n, s);
-    else if (first == 0)
-      launch_elements<S, T, 1>(static_cast<const S*>(sum), addends, out, n, s);
-    else if (vectors)
-      launch_elements<float, T, V>(out, addends, out, n, s);
-    else
-      launch_elements<float, T, 1>(out, addends, out, n, s);
+    at_width<V>(vectors, [&]<int W>() {
+      if (first == 0)
+        launch_elements<W>(static_cast<const S*>(sum), addends, out, n, s);
+      else
+        launch_elements<W>(static_cast<const float*>(out), addends, out, n, s);
+    });
   }
 }
 

@@ -106,28 +106,22 @@ bool vectors_fit(const void* x, const void* dx, int64_t cols) {
 template <typename T>
 void launch_forward(const void* x, const int64_t* target, float* losses, float* lse, int64_t rows, int64_t cols,
                     int64_t classes, int64_t ignore_index, cudaStream_t s) {
-  constexpr int V = 16 / sizeof(T);
   const T* scores = static_cast<const T*>(x);
-  if (vectors_fit<T>(x, nullptr, cols))
+  at_width<16 / sizeof(T)>(vectors_fit<T>(x, nullptr, cols), [&]<int V>() {
     forward_rows<T, V><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(scores, target, losses, lse, cols, classes,
                                                                          ignore_index);
-  else
-    forward_rows<T, 1><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(scores, target, losses, lse, cols, classes,
-                                                                         ignore_index);
+  });
 }
 
 template <typename T>
 void launch_backward(const float* grad, const void* x, const int64_t* target, const float* lse, void* dx,
                      int64_t rows, int64_t cols, int64_t classes, int64_t ignore_index, cudaStream_t s) {
-  constexpr int V = 16 / sizeof(T);
   const T* scores = static_cast<const T*>(x);
   T* out = static_cast<T*>(dx);
-  if (vectors_fit<T>(x, dx, cols))
+  at_width<16 / sizeof(T)>(vectors_fit<T>(x, dx, cols), [&]<int V>() {
     backward_rows<T, V><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(grad, scores, target, lse, out, cols,
                                                                           classes, ignore_index);
-  else
-    backward_rows<T, 1><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(grad, scores, target, lse, out, cols,
-                                                                          classes, ignore_index);
+  });
 }
 
 }  // namespace

@@ -213,25 +213,20 @@ int row_threads(int64_t cols, int vector) {
   return static_cast<int>(rounded < 256 ? rounded : 256);
 }
 
-template <typename T, typename G, typename D, typename C, int V>
-void launch_rows(const Arguments& a, cudaStream_t s) {
-  rows_kernel<T, G, D, C, V><<<static_cast<unsigned>(a.rows), row_threads(a.cols, V), 0, s>>>(
-      static_cast<const D*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.mean),
-      static_cast<const T*>(a.rstd), static_cast<const G*>(a.gamma), static_cast<const T*>(a.residual),
-      static_cast<T*>(a.dx), static_cast<C*>(a.dx_cast), a.cols);
-}
-
 template <typename T, typename G, typename D, typename C>
 void launch(const Arguments& a, cudaStream_t s) {
-  constexpr int V = 4;
-  const bool vectors = a.cols % V == 0 && aligned_for<V>(static_cast<const D*>(a.dy)) &&
-                       aligned_for<V>(static_cast<const T*>(a.x)) && aligned_for<V>(static_cast<const G*>(a.gamma)) &&
-                       aligned_for<V>(static_cast<const T*>(a.residual)) && aligned_for<V>(static_cast<T*>(a.dx)) &&
-                       aligned_for<V>(static_cast<C*>(a.dx_cast));
-  if (vectors)
-    launch_rows<T, G, D, C, V>(a, s);
-  else
-    launch_rows<T, G, D, C, 1>(a, s);
+  constexpr int kVector = 4;
+  const bool vectors = a.cols % kVector == 0 && aligned_for<kVector>(static_cast<const D*>(a.dy)) &&
+                       aligned_for<kVector>(static_cast<const T*>(a.x)) &&
+                       aligned_for<kVector>(static_cast<const G*>(a.gamma)) &&
+                       aligned_for<kVector>(static_cast<const T*>(a.residual)) &&
+                       aligned_for<kVector>(static_cast<T*>(a.dx)) && aligned_for<kVector>(static_cast<C*>(a.dx_cast));
+  at_width<kVector>(vectors, [&]<int V>() {
+    rows_kernel<T, G, D, C, V><<<static_cast<unsigned>(a.rows), row_threads(a.cols, V), 0, s>>>(
+        static_cast<const D*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.mean),
+        static_cast<const T*>(a.rstd), static_cast<const G*>(a.gamma), static_cast<const T*>(a.residual),
+        static_cast<T*>(a.dx), static_cast<C*>(a.dx_cast), a.cols);
+  });
   const int64_t rows_per_chunk = (a.rows + a.chunks - 1) / a.chunks;
   const dim3 grid(static_cast<unsigned>((a.cols + kColumnWidth - 1) / kColumnWidth), static_cast<unsigned>(a.chunks));
   columns_kernel<T, D><<<grid, dim3(kColumnWidth, kColumnDepth), 0, s>>>(
@@ -264,16 +259,16 @@ const char* layer_norm_cast_cuda(ElementType type, const float* x, const void* b
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (type != ElementType::kFloat16 && type != ElementType::kBFloat16) return "unsupported dtype";
   with_type(type, [&]<typename H>() {
-    constexpr int V = 4;
-    const H *b = static_cast<const H*>(branch);
+    constexpr int kVector = 4;
+    const H* b = static_cast<const H*>(branch);
     H* out = static_cast<H*>(y);
-    if (cols % V == 0 && aligned_for<V>(x) && aligned_for<V>(b) && aligned_for<V>(sum) && aligned_for<V>(gamma) &&
-        aligned_for<V>(beta) && aligned_for<V>(out) && aligned_for<V>(y32))
+    const bool vectors = cols % kVector == 0 && aligned_for<kVector>(x) && aligned_for<kVector>(b) &&
+                         aligned_for<kVector>(sum) && aligned_for<kVector>(gamma) && aligned_for<kVector>(beta) &&
+                         aligned_for<kVector>(out) && aligned_for<kVector>(y32);
+    at_width<kVector>(vectors, [&]<int V>() {
       forward_kernel<H, V><<<static_cast<unsigned>(rows), row_threads(cols, V), 0, s>>>(
           x, b, sum, gamma, beta, out, y32, mean, rstd, cols, epsilon);
-    else
-      forward_kernel<H, 1><<<static_cast<unsigned>(rows), row_threads(cols, 1), 0, s>>>(
-          x, b, sum, gamma, beta, out, y32, mean, rstd, cols, epsilon);
+    });
   });
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);

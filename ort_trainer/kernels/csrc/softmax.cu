@@ -127,10 +127,9 @@ void launch_forward(const void* x, const void* bias, const RowBroadcast& broadca
   const unsigned blocks = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const T *in = static_cast<const T*>(x), *b = static_cast<const T*>(bias);
   T* out = static_cast<T*>(y);
-  if (vectors_fit<T>(cols, x, bias, y))
-    safe_softmax_rows<T, kVector><<<blocks, kWarpsPerBlock * 32, 0, s>>>(in, b, broadcast, out, rows, cols);
-  else
-    safe_softmax_rows<T, 1><<<blocks, kWarpsPerBlock * 32, 0, s>>>(in, b, broadcast, out, rows, cols);
+  at_width<kVector>(vectors_fit<T>(cols, x, bias, y), [&]<int V>() {
+    safe_softmax_rows<T, V><<<blocks, kWarpsPerBlock * 32, 0, s>>>(in, b, broadcast, out, rows, cols);
+  });
 }
 
 template <typename T>
@@ -138,10 +137,9 @@ void launch(const void* dy, const void* y, void* dx, int64_t rows, int64_t cols,
   const unsigned blocks = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const T *g = static_cast<const T*>(dy), *v = static_cast<const T*>(y);
   T* out = static_cast<T*>(dx);
-  if (vectors_fit<T>(cols, dy, y, dx))
-    softmax_grad_rows<T, kVector><<<blocks, kWarpsPerBlock * 32, 0, s>>>(g, v, out, rows, cols);
-  else
-    softmax_grad_rows<T, 1><<<blocks, kWarpsPerBlock * 32, 0, s>>>(g, v, out, rows, cols);
+  at_width<kVector>(vectors_fit<T>(cols, dy, y, dx), [&]<int V>() {
+    softmax_grad_rows<T, V><<<blocks, kWarpsPerBlock * 32, 0, s>>>(g, v, out, rows, cols);
+  });
 }
 
 }  // namespace

@@ -37,4 +37,14 @@ inline bool aligned_for(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V) == 0;
 }
 
+// launch.template operator()<V>() where `vectors`, else launch.template operator()<1>(): a kernel launched at its
+// vector width, or an element at a time
+template <int V, typename Launch>
+void at_width(bool vectors, Launch&& launch) {
+  if (vectors)
+    launch.template operator()<V>();
+  else
+    launch.template operator()<1>();
+}
+
 }  // namespace ort_trainer_kernels
