@@ -222,10 +222,10 @@ def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_
     switch off."""
     model, desc, batch, _ = _gpt2_case()
     loss64, grads64 = _float64(model, batch, None)
-    bound = HALF_BOUND if half else FLOAT32_BOUND
-    results, errors = {}, {}
+    losses, results = {}, {}
     for on in (True, False):
-        trainer, loss, results[on] = _step(model, desc, batch, None, "torch_products", on, "float16" if half else None)
+        trainer, losses[on], results[on] = _step(model, desc, batch, None, "torch_products", on,
+                                                 "float16" if half else None)
         graph = trainer._graphs.gradient.graph
         ours = [n for n in graph.node if n.domain == torch_ops.DOMAIN]
         theirs = [n.name for n in graph.node if n.domain == "" and n.op_type in ("Gemm", "MatMul")]
@@ -238,8 +238,16 @@ def test_gpt2_step_with_torchs_products_within_rounding_of_float64(half, record_
             assert not [n.name for n in widened if n.output[0] in cast_inputs]
         else:
             assert not ours and theirs
-        errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
-                      **{w: _relative(g, grads64[w]) for w, g in results[on].items()}}
+    _check_on_and_off(losses, results, loss64, grads64, HALF_BOUND if half else FLOAT32_BOUND, record_property)
+
+
+def _check_on_and_off(losses: dict, results: dict, loss64: float, grads64: dict, bound: float,
+                      record_property) -> None:
+    """The loss and every gradient of a step with the switch on and off (``{on: ...}``) within ``bound`` of float64
+    PyTorch's, and the two steps' gradients within twice it of each other; the largest error with the switch on
+    recorded."""
+    errors = {on: {"loss": abs(losses[on] - loss64) / abs(loss64),
+                   **{w: _relative(g, grads64[w]) for w, g in results[on].items()}} for on in (True, False)}
     for on in (True, False):
         for name, error in errors[on].items():
             check(error, bound, (on, name))
@@ -268,22 +276,15 @@ def test_weight_gradients_through_undone_transposes_are_written_in_float32(recor
     gradient within the bound of float64 PyTorch's, and of the switch off (which keeps the pairs)."""
     model, desc, batch, loss_fn = _encoder_case()
     loss64, grads64 = _float64(model, batch, loss_fn)
-    graphs, results, errors = {}, {}, {}
+    graphs, losses, results = {}, {}, {}
     for on in (True, False):
-        trainer, loss, results[on] = _step(model, desc, batch, loss_fn, "torch_products", on, "float16")
+        trainer, losses[on], results[on] = _step(model, desc, batch, loss_fn, "torch_products", on, "float16")
         graphs[on] = trainer._graphs.gradient.graph
-        errors[on] = {"loss": abs(loss - loss64) / abs(loss64),
-                      **{w: _relative(g, grads64[w]) for w, g in results[on].items()}}
     assert _undone_transpose_pairs(graphs[False]) >= 4 and _undone_transpose_pairs(graphs[True]) == 0
     widened = [n for n in graphs[True].node if n.op_type.endswith("ToFloat")]
     linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
     assert len(widened) >= linears, (len(widened), linears)  # every weight's, and biases' column sums
-    for on in (True, False):
-        for name, error in errors[on].items():
-            check(error, HALF_BOUND, (on, name))
-    for name, grad in results[True].items():
-        check(_relative(grad, results[False][name]), 2 * HALF_BOUND, ("on-off", name))
-    record_property("largest_error", max(errors[True].values()))
+    _check_on_and_off(losses, results, loss64, grads64, HALF_BOUND, record_property)
 
 
 @pytest.mark.cuda
