@@ -7,9 +7,9 @@
 // as on the GPU. The scheduler runs the first thread that can go on, in the order of threadIdx (even blocks) or its
 // reverse (odd blocks), until it waits or ends: a thread, and its warp, run as far ahead of the others as the barriers
 // let them, which shows a read of another thread's write, or a write over what another has yet to read, that lacks a
-// barrier between them (as a GPU's warps may run that far apart). What the GPU
-// leaves undefined is the launch's error (cudaGetLastError): a configuration CUDA refuses, a shuffle that reads a
-// lane that ended or runs in a partial warp under the full mask, and a wait that the other threads never join.
+// barrier between them (as a GPU's warps may run that far apart). What the GPU leaves undefined is the launch's error
+// (cudaGetLastError): a configuration CUDA refuses, a shuffle that reads a lane that ended or runs in a partial warp
+// under the full mask, and a wait that the other threads never join.
 // A static __shared__ array is one array of the kernel for every block: it starts as the last block left it.
 #pragma once
 
@@ -67,8 +67,6 @@ inline Fiber* current = nullptr;
 inline ucontext_t scheduler;
 inline long progress = 0;  // barriers passed and threads ended: a round of the block without any is a hang
 
-inline void yield();
-
 // the threads of a block or a warp: a wait ends when every one of them that has not ended has arrived
 struct Barrier {
   explicit Barrier(int n) : count(n) {}
@@ -107,6 +105,9 @@ struct Fiber {
   bool runnable() const { return !done && (waiting_on == nullptr || waiting_on->generation != waiting_for); }
 };
 
+// back to the scheduler, which resumes this thread where it left
+inline void yield() { swapcontext(&current->context, &scheduler); }
+
 inline void Barrier::arrive_and_wait() {
   const long generation_before = generation;
   if (++arrived >= count) return advance();
@@ -134,8 +135,6 @@ inline Barrier* block_barrier = nullptr;
 inline const char* kernel_name = "";
 inline void (*invoke)(const void*) = nullptr;
 inline const void* closure = nullptr;
-
-inline void yield() { swapcontext(&current->context, &scheduler); }
 
 inline void entry() {
   Fiber* self = current;
