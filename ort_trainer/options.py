@@ -207,6 +207,9 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.packed_attention": _Field(
         _BOOL, False, "with fused_attention: q, k and v that one projection packed (GPT-2's) read and their "
         "gradients written where they lie, no Split and Concat copies"),
+    "graph_optimizations.causal_attention": _Field(
+        _BOOL, False, "with fused_attention: a mask that holds the causal triangle (GPT-2's, with its padding) "
+        "computed in the kernel, which skips the scores above the diagonal, and only the rest added as a bias"),
     "graph_optimizations.torch_products": _Field(
         _BOOL, False, "each Gemm and MatMul run by torch's BLAS (on a GPU cuBLAS, a bias vector added in the "
         "product's epilogue instead of written into the output first; on the CPU MKL, slower than ONNX Runtime's own "

@@ -16,7 +16,8 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
   the others' graph), ``layer_recompute.py`` (each sublayer recomputed from its LayerNorm's input, before
   ``activation_recompute``), ``attention_layout.py`` (``fused_attention``'s nodes on the heads as the projections
-  lay them), ``packed_attention.py`` (those nodes on q, k and v packed in one projection's output), ``aligned.py``
+  lay them), ``packed_attention.py`` (those nodes on q, k and v packed in one projection's output), ``causal_attention.py``
+  (their causal mask computed in the kernel), ``aligned.py``
   (products on operands padded to aligned widths), ``gradient_sums.py`` (a float32 sum of a half gradient in one
   kernel node), ``layer_norm_sums.py`` (a LayerNorm's gradient added into the residual's in its kernel,
   ``fused_layer_norm_gradient``'s joint part), ``layer_norm_forward.py`` (a LayerNorm that writes its half output
@@ -39,9 +40,9 @@ from __future__ import annotations
 import onnx
 
 from ..onnx_graph import dangling_names, drop_dead_nodes
-from . import (aligned, attention_layout, copies, dropout, embedding, forward, gelu_kernel, gradient_sums,
-               layer_norm_forward, layer_norm_sums, layer_recompute, loss, order, packed_attention, recompute, softmax,
-               tied_embedding, torch_products)
+from . import (aligned, attention_layout, causal_attention, copies, dropout, embedding, forward, gelu_kernel,
+               gradient_sums, layer_norm_forward, layer_norm_sums, layer_recompute, loss, order, packed_attention,
+               recompute, softmax, tied_embedding, torch_products)
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -64,7 +65,7 @@ _JOINT = (
     ("half_precision_transposed_products", recompute.half_transposed_products),
     ("layer_recompute", layer_recompute.layer_recompute), ("activation_recompute", recompute.activation_recompute),
     ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("fused_attention", attention_layout.attention_layout),
-    ("packed_attention", packed_attention.packed_attention),
+    ("packed_attention", packed_attention.packed_attention), ("causal_attention", causal_attention.causal_attention),
     ("aligned_products", aligned.aligned_products), ("fused_gradient_sums", gradient_sums.fused_gradient_sums),
     ("fused_layer_norm_gradient", layer_norm_sums.layer_norm_residual_sums),
     ("fused_layer_norm", layer_norm_forward.fused_layer_norm),
