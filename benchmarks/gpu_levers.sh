@@ -3,7 +3,8 @@
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
 #   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (the sixteen graph levers below together with
 #       fused_attention, packed_attention, causal_attention and loss_pieces, the same with device.cuda_graph, the
-#       sixteen with loss_pieces and device.cuda_graph, then device.cuda_graph,fused_attention,
+#       sixteen with loss_pieces and device.cuda_graph, the first with torch_attention_choice, then
+#       device.cuda_graph,fused_attention,
 #       fused_attention+packed_attention,fused_attention+packed_attention+causal_attention,
 #       device.torch_allocator,loss_pieces,layer_recompute,
 #       activation_recompute,activation_recompute+gelu_forward_kernel,fused_gelu_gradient,fused_layer_norm_gradient,
@@ -29,11 +30,12 @@ all_graph=activation_recompute+gelu_forward_kernel+fused_gelu_gradient+fused_lay
 # both are off, measures it; recompute trades a step's time for memory, which a GPU may not need.
 # gelu_forward_kernel acts on the values recompute copies: its row has both, against recompute's row)
 graph_levers=${all_graph//+/,}
-# (the three settings with every lever first, then the CUDA graph and fused_attention: a run cut short by DEADLINE,
+# (the three settings with every lever first, then every lever with torch's choice of attention kernel (cuDNN's on
+# Hopper; apart: a kernel not run here before), the CUDA graph and fused_attention: a run cut short by DEADLINE,
 # which a GPT-2 round of every setting outlasts, measures those first)
 every=$all_graph+fused_attention+packed_attention+causal_attention+loss_pieces
 attention=fused_attention+packed_attention
-levers=${2:-$every,$every+device.cuda_graph,$all_graph+loss_pieces+device.cuda_graph,device.cuda_graph,fused_attention,$attention,$attention+causal_attention,device.torch_allocator,loss_pieces,layer_recompute,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel}}
+levers=${2:-$every,$every+device.cuda_graph,$all_graph+loss_pieces+device.cuda_graph,$every+torch_attention_choice,device.cuda_graph,fused_attention,$attention,$attention+causal_attention,device.torch_allocator,loss_pieces,layer_recompute,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel}}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}

@@ -210,6 +210,9 @@ _SCHEMA: dict[str, _Field] = {
     "graph_optimizations.causal_attention": _Field(
         _BOOL, False, "with fused_attention: a mask that holds the causal triangle (GPT-2's, with its padding) "
         "computed in the kernel, which skips the scores above the diagonal, and only the rest added as a bias"),
+    "graph_optimizations.torch_attention_choice": _Field(
+        _BOOL, False, "with fused_attention, on CUDA: each attention runs the kernel torch's own attention picks for "
+        "its tensors (cuDNN's, or flash attention without a bias), not always the memory-efficient one"),
     "graph_optimizations.torch_products": _Field(
         _BOOL, False, "each Gemm and MatMul run by torch's BLAS (on a GPU cuBLAS, a bias vector added in the "
         "product's epilogue instead of written into the output first; on the CPU MKL, slower than ONNX Runtime's own "

@@ -8,6 +8,10 @@ and every gradient bit for bit those with the switch off (every score masked bef
 and no other: the kernels add no bias where it was 0 and skip whole blocks only where every score was -inf), and
 within rounding of float64 PyTorch; a mask that is the triangle alone needs no bias at all; and the rewrite leaves
 a mask alone where it is not the triangle, masks to a finite value, or has keys of another length than queries.
+
+``graph_optimizations.torch_attention_choice`` (``graph/passes/attention_backend.py``) too: on CUDA the kernel torch
+picks (``make gpu-check``), within rounding of float64; on the CPU, where the nodes run torch's CPU flash attention
+either way, bit for bit the switch off's.
 """
 
 import copy
@@ -154,3 +158,48 @@ def test_the_rewrite_takes_only_the_causal_triangle():
     for triangle, masked, keys in [(np.triu(np.ones((1, 1, 4, 4), dtype=bool)), -np.inf, 4),
                                    (tril, -1e4, 4), (np.tril(np.ones((1, 1, 4, 6), dtype=bool)), -np.inf, 6)]:
         assert causal_attention(_graph(triangle, masked, keys)) == 0, (masked, keys)
+
+
+def _backends(trainer) -> set[int]:
+    return {next((a.i for a in n.attribute if a.name == "backend"), 0)
+            for n in trainer._graphs.gradient.graph.node if n.domain == TORCH_OPS_DOMAIN and "Attention" in n.op_type}
+
+
+@pytest.mark.parametrize("precision, device", [
+    ("float32", "cpu"), pytest.param("float16", "cuda", marks=pytest.mark.cuda),
+    pytest.param("bfloat16", "cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("causal", [False, True], ids=["bias", "causal"])
+def test_torch_attention_choice_within_rounding_of_float64(precision, device, causal, record_property):
+    """``torch_attention_choice``: every attention node asks for torch's kernel (attribute backend 1); the padded
+    tiny GPT-2's loss and every gradient within the bound of float64 PyTorch, on CUDA with the kernel torch picks for
+    the mask the nodes add (cuDNN's or the memory-efficient one; with ``causal_attention`` the padding's bias only).
+    On the CPU the nodes run torch's CPU flash attention either way: bit for bit the switch off's."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    model, desc, batch = _padded_gpt2_case()
+    results = {}
+    for choice in (False, True):
+        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
+        mixed = ({"enabled": False} if precision == "float32" else
+                 {"enabled": True, "dtype": precision, **({"loss_scaler": scaler} if precision == "float16" else {})})
+        torch.manual_seed(0)
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={**OPTIONS, "device": {"id": device}, "mixed_precision": mixed,
+                                      "graph_optimizations": {"fused_attention": True, "packed_attention": True,
+                                                              "causal_attention": causal,
+                                                              "torch_attention_choice": choice}})
+        loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
+        results[choice] = (loss, {w: g.float().cpu().numpy() for w, g in trainer._engine.grads.items()})
+        assert _backends(trainer) == {int(choice)} and len(_attention_nodes(trainer)) == 4
+    if device == "cpu":
+        assert results[True][0] == results[False][0]
+        for name, grad in results[False][1].items():
+            assert np.array_equal(results[True][1][name], grad), name
+    bound = {"float32": FLOAT32_BOUND, "float16": HALF_BOUND, "bfloat16": 40 * 2.0 ** -8}[precision]
+    loss64, grads64 = _float64(model, batch, None)
+    loss, grads = results[True]
+    errors = {"loss": abs(loss - loss64) / abs(loss64),
+              **{name: _relative(grads[name].astype(np.float64), grad) for name, grad in grads64.items()}}
+    for name, error in errors.items():
+        check(error, bound, name)
+    record_property("errors", max(errors.values()))

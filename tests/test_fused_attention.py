@@ -183,7 +183,8 @@ def test_masks_and_shapes_within_rounding_of_float64(mask):
 
 def test_the_library_builds_against_this_torch_and_its_cuda_path_compiles(tmp_path):
     """The operators build and load against the installed torch (CUDA kernels where it is a CUDA build), and their
-    CUDA path (torch's memory-efficient attention on the session's stream) compiles against torch's CUDA headers."""
+    CUDA path (torch's memory-efficient, flash or cuDNN attention on the session's stream) compiles against torch's
+    CUDA headers."""
     path = torch_ops.build()
     assert path.is_file() and torch_ops.has_cuda_kernels(path) == (torch.version.cuda is not None)
     cxx, cuda_include = _compilers()[1], cuda_include_dir()
@@ -195,7 +196,9 @@ def test_the_library_builds_against_this_torch_and_its_cuda_path_compiles(tmp_pa
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     symbols = subprocess.run(["nm", "-C", str(tmp_path / "torch_ops.o")], capture_output=True, text=True).stdout
-    assert "_scaled_dot_product_efficient_attention_backward" in symbols and "getStreamFromExternal" in symbols
+    assert "getStreamFromExternal" in symbols and "_fused_sdp_choice" in symbols  # (torch_attention_choice's kernels)
+    for kernel in ("efficient", "flash", "cudnn"):
+        assert f"_scaled_dot_product_{kernel}_attention_backward" in symbols, kernel
 
 
 @pytest.mark.cuda

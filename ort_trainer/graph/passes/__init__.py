@@ -16,13 +16,13 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   (2-D transposes folded into Gemm, then activations' values recomputed in the backward; they read
   the others' graph), ``layer_recompute.py`` (each sublayer recomputed from its LayerNorm's input, before
   ``activation_recompute``), ``attention_layout.py`` (``fused_attention``'s nodes on the heads as the projections
-  lay them), ``packed_attention.py`` (those nodes on q, k and v packed in one projection's output), ``causal_attention.py``
-  (their causal mask computed in the kernel), ``aligned.py``
-  (products on operands padded to aligned widths), ``gradient_sums.py`` (a float32 sum of a half gradient in one
-  kernel node), ``layer_norm_sums.py`` (a LayerNorm's gradient added into the residual's in its kernel,
-  ``fused_layer_norm_gradient``'s joint part), ``layer_norm_forward.py`` (a LayerNorm that writes its half output
-  itself), ``order.py`` (the loss pieces' backward early), ``torch_products.py`` (every product by torch's BLAS;
-  last: the passes before it read ONNX's ``Gemm`` and ``MatMul``);
+  lay them), ``packed_attention.py`` (those nodes on q, k and v packed in one projection's output),
+  ``causal_attention.py`` (their causal mask computed in the kernel), ``attention_backend.py`` (on CUDA, the kernel
+  torch would pick), ``aligned.py`` (products on operands padded to aligned widths), ``gradient_sums.py`` (a
+  float32 sum of a half gradient in one kernel node), ``layer_norm_sums.py`` (a LayerNorm's gradient added into the
+  residual's in its kernel, ``fused_layer_norm_gradient``'s joint part), ``layer_norm_forward.py`` (a LayerNorm
+  that writes its half output itself), ``order.py`` (the loss pieces' backward early), ``torch_products.py``
+  (every product by torch's BLAS; last: the passes before it read ONNX's ``Gemm`` and ``MatMul``);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
@@ -40,9 +40,9 @@ from __future__ import annotations
 import onnx
 
 from ..onnx_graph import dangling_names, drop_dead_nodes
-from . import (aligned, attention_layout, causal_attention, copies, dropout, embedding, forward, gelu_kernel,
-               gradient_sums, layer_norm_forward, layer_norm_sums, layer_recompute, loss, order, packed_attention,
-               recompute, softmax, tied_embedding, torch_products)
+from . import (aligned, attention_backend, attention_layout, causal_attention, copies, dropout, embedding, forward,
+               gelu_kernel, gradient_sums, layer_norm_forward, layer_norm_sums, layer_recompute, loss, order,
+               packed_attention, recompute, softmax, tied_embedding, torch_products)
 from .joint import cross_entropy_backward, identity_transposes, integer_powers
 
 
@@ -66,6 +66,7 @@ _JOINT = (
     ("layer_recompute", layer_recompute.layer_recompute), ("activation_recompute", recompute.activation_recompute),
     ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("fused_attention", attention_layout.attention_layout),
     ("packed_attention", packed_attention.packed_attention), ("causal_attention", causal_attention.causal_attention),
+    ("torch_attention_choice", attention_backend.torch_attention_choice),
     ("aligned_products", aligned.aligned_products), ("fused_gradient_sums", gradient_sums.fused_gradient_sums),
     ("fused_layer_norm_gradient", layer_norm_sums.layer_norm_residual_sums),
     ("fused_layer_norm", layer_norm_forward.fused_layer_norm),

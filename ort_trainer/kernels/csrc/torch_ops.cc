@@ -3,7 +3,8 @@
 // ONNX Runtime gives the run (wrapped without a copy) and, on a GPU, on the session's CUDA stream. Not part of the
 // kernel library (ops.cc), which needs no torch.
 //
-// Operators (T: float32, float16 or bfloat16; attributes scale (float) and causal (int 0/1)):
+// Operators (T: float32, float16 or bfloat16; attributes scale (float), causal (int 0/1) and backend (int: 0, the
+// default, or 1; below)):
 //   Attention(q, k, v) -> (out, lse)          softmax(q·kᵀ·scale [+ causal mask]) · v over q, k, v [batch, heads,
 //   BiasAttention(q, k, v, bias) -> (out, lse)  seq, head dim]; with an additive bias broadcast to [batch, heads,
 //                                             seq_q, seq_k] (attention's mask); lse: each row's log-sum-exp of the
@@ -21,7 +22,10 @@
 //                                             layout 1 for out and dout (graph/passes/packed_attention.py)
 // On the CPU: torch's flash attention for the CPU (_scaled_dot_product_flash_attention_for_cpu and its backward);
 // on CUDA: torch's memory-efficient attention (_scaled_dot_product_efficient_attention and its backward), which
-// takes an additive bias. Neither keeps a [seq_q, seq_k] tensor.
+// takes an additive bias, or with the attribute backend 1 the kernel torch's own scaled_dot_product_attention picks
+// for the tensors (at::_fused_sdp_choice, torch.backends.cuda.enable_*_sdp applying): flash attention (no bias) or
+// cuDNN's, else the memory-efficient one; the backward picks again from the same tensors. None keeps a
+// [seq_q, seq_k] tensor; each one's lse is each row's natural log-sum-exp of the scaled, biased scores.
 //
 // Matrix products (graph/passes/torch_products.py), torch's BLAS (cuBLAS on CUDA: a bias vector in the product's
 // epilogue; MKL on the CPU):
@@ -37,6 +41,7 @@
 //                                             a Cast widened; on CUDA cuBLAS writes float32 itself, mm's out_dtype)
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
+#include <ATen/SDPBackend.h>
 #include <torch/version.h>
 
 #ifdef ORT_TRAINER_TORCH_CUDA
@@ -76,6 +81,7 @@ struct Kernel {
   float scale;
   bool causal;
   bool heads_last;  // the attribute layout: 1
+  bool torch_choice;  // the attribute backend: 1 (on CUDA, the kernel torch's attention would pick)
   bool trans_a, trans_b;  // the products'
   float alpha, beta;
 };
@@ -91,6 +97,17 @@ at::Tensor prepared_bias(const at::Tensor& bias, const at::Tensor& q, const at::
   const int64_t keys = k.size(2), padded = (keys + 15) / 16 * 16;
   if (padded != keys) b = at::constant_pad_nd(b, {0, padded - keys}, 0).narrow(3, 0, keys);
   return b.expand({q.size(0), q.size(1), q.size(2), keys});
+}
+
+// On CUDA, the kernel that runs an attention (the file's head): torch's choice for these tensors where the node asks
+// for it and it is flash attention without a bias or cuDNN's, else the memory-efficient kernel
+at::SDPBackend cuda_backend(const Kernel* kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& bias) {
+  using at::SDPBackend;
+  if (!kernel->torch_choice) return SDPBackend::efficient_attention;
+  const auto choice = static_cast<SDPBackend>(at::_fused_sdp_choice(q, k, v, bias, 0.0, kernel->causal, kernel->scale));
+  if (choice == SDPBackend::cudnn_attention || (choice == SDPBackend::flash_attention && !bias)) return choice;
+  return SDPBackend::efficient_attention;
 }
 
 // A run's inputs, its tensors' options (dtype, device) and ONNX Runtime's stream (CUDA), read from the context
@@ -242,9 +259,20 @@ OrtStatus* compute_attention(const Kernel* kernel, OrtKernelContext* context) {
       if (op->cuda) {
         std::optional<at::Tensor> b;
         if (bias) b = prepared_bias(*bias, q, k);
-        auto result = at::_scaled_dot_product_efficient_attention(q, k, v, b, true, 0.0, kernel->causal, scale);
-        out = std::get<0>(result);
-        lse = std::get<1>(result).narrow(2, 0, q.size(2));  // (padded to a multiple of 32 rows)
+        const at::SDPBackend backend = cuda_backend(kernel, q, k, v, b);
+        if (backend == at::SDPBackend::flash_attention) {
+          auto result = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, kernel->causal, false, scale);
+          out = std::get<0>(result);
+          lse = std::get<1>(result);
+        } else if (backend == at::SDPBackend::cudnn_attention) {
+          auto result = at::_scaled_dot_product_cudnn_attention(q, k, v, b, true, 0.0, kernel->causal, false, scale);
+          out = std::get<0>(result);
+          lse = std::get<1>(result).reshape({q.size(0), q.size(1), q.size(2)});  // ([batch, heads, seq_q, 1])
+        } else {
+          auto result = at::_scaled_dot_product_efficient_attention(q, k, v, b, true, 0.0, kernel->causal, scale);
+          out = std::get<0>(result);
+          lse = std::get<1>(result).narrow(2, 0, q.size(2));  // (padded to a multiple of 32 rows)
+        }
       } else {
         auto result = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, kernel->causal, bias, scale);
         out = std::get<0>(result);
@@ -260,7 +288,26 @@ OrtStatus* compute_attention(const Kernel* kernel, OrtKernelContext* context) {
     const size_t rest = first + qkv + (op->bias ? 1 : 0);
     at::Tensor dout = heads(in[0], t), out = heads(in[rest], t), lse = wrap(in[rest + 1], at::kFloat);
     at::Tensor dq, dk, dv;
-    if (op->cuda) {
+    const at::SDPBackend backend =
+        op->cuda ? cuda_backend(kernel, q, k, v, bias ? std::optional(prepared_bias(*bias, q, k)) : std::nullopt)
+                 : at::SDPBackend::math;
+    if (backend == at::SDPBackend::flash_attention) {
+      // (no dropout: the random state is not read; the backward makes out and dout contiguous as it needs them)
+      const at::Tensor seed = at::empty({2}, options.dtype(at::kUInt64)), offset = at::empty({}, seed.options());
+      auto grads = at::_scaled_dot_product_flash_attention_backward(
+          dout, q, k, v, out, lse, at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, kernel->causal, seed, offset,
+          scale);
+      dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
+    } else if (backend == at::SDPBackend::cudnn_attention) {
+      const at::Tensor seed = at::empty({}, options.dtype(at::kLong)), offset = at::empty({}, seed.options());
+      // cuDNN's graph takes dout laid out as out, which is as its forward laid it (q's order of strides)
+      const at::Tensor dout_as_out = dout.strides() == out.strides() ? dout : at::empty_like(out).copy_(dout);
+      auto grads = at::_scaled_dot_product_cudnn_attention_backward(
+          dout_as_out, q, k, v, out, lse.reshape({q.size(0), q.size(1), q.size(2), 1}), seed, offset,
+          bias ? prepared_bias(*bias, q, k) : at::Tensor(), at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0,
+          kernel->causal, scale);
+      dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
+    } else if (op->cuda) {
       const int64_t rows = q.size(2), padded = (rows + 31) / 32 * 32;
       at::Tensor lse_padded = at::zeros({q.size(0), q.size(1), padded}, lse.options());
       lse_padded.narrow(2, 0, rows).copy_(lse);
@@ -306,17 +353,19 @@ const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Op
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   // (an attribute the node lacks keeps its default)
   float scale = 1.0f, alpha = 1.0f, beta = 1.0f;
-  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0;
+  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0;
   for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   for (auto [name, value] : {std::pair{"causal", &causal}, std::pair{"layout", &layout},
-                             std::pair{"transA", &trans_a}, std::pair{"transB", &trans_b}}) {
+                             std::pair{"transA", &trans_a}, std::pair{"transB", &trans_b},
+                             std::pair{"backend", &backend}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, trans_a != 0, trans_b != 0, alpha, beta};
+  return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0, trans_b != 0,
+                    alpha, beta};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
