@@ -119,6 +119,8 @@ class Run:
         with open(self.args.results, "a", encoding="utf-8") as out:
             out.write(json.dumps(result) + "\n")
         status = result.get("error") or f"median {1000 * statistics.median(result['step_s'][1:] or result['step_s']):.1f} ms"
+        if result.get("placed_elsewhere"):  # ort_trainer's nodes that ONNX Runtime ran off the GPU
+            status += f" (nodes off the device: {result['placed_elsewhere']})"
         print(f"[{time.monotonic() - self.started:6.0f} s] {phase} {result.get('model')} {result.get('precision')} "
               f"{result.get('impl')} {extra or ''}: {status[:300]}", flush=True)
         return result

@@ -115,6 +115,7 @@ def _ort_step(model, desc, device: str, precision: str, optimizations: dict | No
     def step(inputs) -> float:
         return float(trainer.train_step(*inputs))
 
+    step.trainer = trainer  # (run() reads where ONNX Runtime placed the graph's nodes)
     return step
 
 
@@ -200,6 +201,15 @@ def _is_out_of_memory(error: BaseException) -> bool:
                                          "bfcarena"))
 
 
+def _placement(step) -> dict:
+    """``{"placed_elsewhere": {op type: nodes}}``: ort_trainer's floating-point nodes that ONNX Runtime placed off
+    the device's provider (``Sessions.placed_elsewhere``), where there are any."""
+    trainer = getattr(step, "trainer", None)
+    engine = getattr(trainer, "_engine", None)
+    placed = getattr(getattr(engine, "sessions", None), "placed_elsewhere", None)
+    return {"placed_elsewhere": dict(placed)} if placed else {}
+
+
 def run(args) -> dict:
     """Build one implementation and take ``args.steps`` steps; the JSON-able result."""
     import torch
@@ -217,6 +227,7 @@ def run(args) -> dict:
               "batch": len(batches[0][0]), "tokens": tokens, "params": n_params}
     if args.impl == "ort" and json.loads(args.ort_optimizations):
         result["ort_optimizations"] = json.loads(args.ort_optimizations)  # an A/B's setting, kept with its row
+    step = None
     try:
         if args.impl == "ort":
             step = _ort_step(model, desc, args.device, args.precision, json.loads(args.ort_optimizations))
@@ -242,8 +253,9 @@ def run(args) -> dict:
                 result["after_first_step_mb"] = now
     except Exception as error:  # noqa: BLE001  (reported: an out-of-memory ends a probe, anything else is a failure)
         result.update(memory.close(), error=f"{type(error).__name__}: {str(error)[:600]}",
-                      out_of_memory=_is_out_of_memory(error))
+                      out_of_memory=_is_out_of_memory(error), **_placement(step))
         return result
+    result.update(_placement(step))
     result.update(memory.close(), step_s=seconds, losses=losses, build_s=time.perf_counter() - started - sum(seconds[1:]),
                   device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     if args.profile_steps:  # after the timed steps and the memory peak: a profiler that fails costs only itself

@@ -162,6 +162,8 @@ class Device:
     """
 
     kind = ""
+    #: ONNX Runtime's execution provider of this device: every node that computes values should run on it
+    provider = ""
     #: whether training graphs for this device take their dropout masks as inputs the host draws
     #: (``graph_optimizations.host_dropout_masks``)
     host_dropout_masks = False
@@ -233,6 +235,9 @@ class Device:
         step times unchanged (248 and 252 ms median, alternating in one process).
         """
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        # which provider runs each node (InferenceSession.get_provider_graph_assignment_info; sessions.py reports
+        # the nodes that land off the device)
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
         options.enable_mem_pattern = False
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 
@@ -280,6 +285,7 @@ class CPUDevice(Device):
     """Buffers in host memory, the CPU execution provider, zero-copy DLPack bindings."""
 
     kind = "cpu"
+    provider = "CPUExecutionProvider"
     #: ONNX Runtime's CPU Dropout draws 4.6 ns per element on one thread, NumPy ~1.5 (dropout_masks.py)
     host_dropout_masks = True
     #: the CPU provider's optimized graphs load back with optimizations off and run bit-equal
@@ -333,6 +339,7 @@ class CUDADevice(Device):
     """
 
     kind = "cuda"
+    provider = _CUDA_PROVIDER
 
     def __init__(self, index: int = 0):
         super().__init__(index)

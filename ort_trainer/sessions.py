@@ -45,6 +45,9 @@ class Sessions:
         # by id(session): its graph, weights apart (GPT-2 small's training graph: 1.6 MB; the pipeline keeps most of
         # them anyway), read for its nodes' modules only when a run fails (``explain``: 24 ms for that graph)
         self._models: dict[int, onnx.ModelProto] = {}
+        #: op type -> how many nodes computing floating-point values ONNX Runtime placed on another provider than
+        #: the device's, over every session made (``check_placement``)
+        self.placed_elsewhere: dict[str, int] = {}
 
     def make_session(self, model: onnx.ModelProto, capture: bool = False) -> ort.InferenceSession:
         """A session of ``model`` with these session options and execution providers, once the
@@ -63,7 +66,38 @@ class Sessions:
             session = ort.InferenceSession(data, self.options, providers=providers,
                                            disabled_optimizers=self._disabled_optimizers)
         self._models[id(session)] = model
+        self.check_placement(session, model)
         return session
+
+    def check_placement(self, session: ort.InferenceSession, model: onnx.ModelProto) -> None:
+        """Warn about the nodes of ``model`` that compute floating-point values where ONNX Runtime placed them on
+        another provider than the device's (``Device.provider``: it has no kernel there for their types or
+        attributes), and count them by op type in ``placed_elsewhere``: each such node's inputs and outputs cross
+        between the device and the host every run, and a session with them cannot be captured
+        (``device.cuda_graph``). ONNX Runtime keeps some shape computations on the host on purpose; those (integer
+        outputs) are logged at DEBUG only. Nothing where the runtime does not record the placement."""
+        assignment = getattr(session, "get_provider_graph_assignment_info", None)
+        try:
+            placed = [(sub.ep_name, node) for sub in assignment() for node in sub.get_nodes()] if assignment else []
+        except (RuntimeError,) + ONNXRUNTIME_ERRORS:  # (a session whose options do not record it)
+            return
+        elsewhere = [(provider, node.op_type, node.name) for provider, node in placed
+                     if provider != self.placement.provider]
+        if not elsewhere:
+            return
+        floats = _float_valued_nodes(model, {name for _, _, name in elsewhere})
+        moved = [(provider, op, name) for provider, op, name in elsewhere if name in floats]
+        logger.debug("nodes placed off %s: %s", self.placement.provider,
+                     ", ".join(f"{op} {name!r} ({provider})" for provider, op, name in elsewhere))
+        for _, op, _ in moved:
+            self.placed_elsewhere[op] = self.placed_elsewhere.get(op, 0) + 1
+        if moved:
+            logger.warning(
+                "%d node(s) of this graph compute on another provider than %s, their inputs and outputs copied "
+                "between %s and the host every run (ONNX Runtime has no %s kernel for their types): %s",
+                len(moved), self.placement.provider, self.placement.torch_device, self.placement.provider,
+                ", ".join(f"{op} {name!r} ({provider})" for provider, op, name in moved[:10])
+                + (f" and {len(moved) - 10} more" if len(moved) > 10 else ""))
 
     def run(self, session: ort.InferenceSession, binding: ort.IOBinding, what: str, feeds: dict,
             training: bool, run_options: ort.RunOptions | None = None) -> None:
@@ -122,3 +156,21 @@ class Sessions:
 
 
 __all__ = ["Sessions"]
+
+
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _float_valued_nodes(model: onnx.ModelProto, names: set[str]) -> set[str]:
+    """Those of the nodes ``names`` of ``model`` with a floating-point output (by its value infos, else by ONNX's
+    type inference; a name that is not a node of ``model``, one ONNX Runtime's optimizers made, counts as
+    floating-point)."""
+    graph = model.graph
+    nodes = [node for node in graph.node if node.name in names]
+    types = {info.name: info.type.tensor_type.elem_type for info in [*graph.value_info, *graph.output]}
+    if any(name not in types for node in nodes for name in node.output if name):
+        inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
+        types.update({info.name: info.type.tensor_type.elem_type for info in inferred if info.name not in types})
+    known = {node.name for node in graph.node}
+    return ({node.name for node in nodes if any(types.get(name) in _FLOATS for name in node.output)}
+            | {name for name in names if name not in known})
