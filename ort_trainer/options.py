@@ -184,6 +184,11 @@ _SCHEMA: dict[str, _Field] = {
         _BOOL, True, "x**2 and x**3 as multiplications instead of Pow (a tanh-GELU written out in Python, when the "
         "gelu pass is off; gradient source 'torch' only)"
     ),
+    "graph_optimizations.integer_pads": _Field(
+        _BOOL, True, "a constant-mode Pad of an integer tensor (the labels Hugging Face's causal-LM loss pads) as a "
+        "Concat with constant fills: ONNX Runtime's CUDA provider has no integer Pad, which ran on the host with "
+        "copies inside each run (gradient source 'torch' only)"
+    ),
     "graph_optimizations.gelu": _Field(
         _BOOL, True, "GELU (F.gelu, or the tanh/erf formula written out as GPT-2's and BERT's Python code "
         "does) with forward and backward computed together, the forward keeping what the backward reads: "

@@ -70,12 +70,13 @@ class Sessions:
         return session
 
     def check_placement(self, session: ort.InferenceSession, model: onnx.ModelProto) -> None:
-        """Warn about the nodes of ``model`` that compute floating-point values where ONNX Runtime placed them on
-        another provider than the device's (``Device.provider``: it has no kernel there for their types or
-        attributes), and count them by op type in ``placed_elsewhere``: each such node's inputs and outputs cross
-        between the device and the host every run, and a session with them cannot be captured
-        (``device.cuda_graph``). ONNX Runtime keeps some shape computations on the host on purpose; those (integer
-        outputs) are logged at DEBUG only. Nothing where the runtime does not record the placement."""
+        """Warn about what ONNX Runtime placed off the device's provider (``Device.provider``) in ``session``, and
+        count it by op type in ``placed_elsewhere``: the nodes of ``model`` that compute floating-point values on
+        another provider (no kernel for their types there), and the copies between the device and the host it put
+        inside the graph (``MemcpyToHost`` / ``MemcpyFromHost``, around any node on the host that a device node
+        reads or that reads one). Each copy waits for the device within the run, and a session with them cannot be
+        captured (``device.cuda_graph``). The shape computations ONNX Runtime keeps on the host on purpose, with no
+        copy, are logged at DEBUG only. Nothing where the runtime does not record the placement."""
         assignment = getattr(session, "get_provider_graph_assignment_info", None)
         try:
             placed = [(sub.ep_name, node) for sub in assignment() for node in sub.get_nodes()] if assignment else []
@@ -83,21 +84,27 @@ class Sessions:
             return
         elsewhere = [(provider, node.op_type, node.name) for provider, node in placed
                      if provider != self.placement.provider]
-        if not elsewhere:
+        copies = [(provider, node.op_type, node.name) for provider, node in placed
+                  if node.op_type in ("MemcpyToHost", "MemcpyFromHost")]
+        if not elsewhere and not copies:
             return
+        logger.debug("nodes placed off %s: %s", self.placement.provider, _listed(elsewhere, len(elsewhere)))
         floats = _float_valued_nodes(model, {name for _, _, name in elsewhere})
         moved = [(provider, op, name) for provider, op, name in elsewhere if name in floats]
-        logger.debug("nodes placed off %s: %s", self.placement.provider,
-                     ", ".join(f"{op} {name!r} ({provider})" for provider, op, name in elsewhere))
-        for _, op, _ in moved:
+        for _, op, _ in moved + copies:
             self.placed_elsewhere[op] = self.placed_elsewhere.get(op, 0) + 1
         if moved:
             logger.warning(
                 "%d node(s) of this graph compute on another provider than %s, their inputs and outputs copied "
                 "between %s and the host every run (ONNX Runtime has no %s kernel for their types): %s",
                 len(moved), self.placement.provider, self.placement.torch_device, self.placement.provider,
-                ", ".join(f"{op} {name!r} ({provider})" for provider, op, name in moved[:10])
-                + (f" and {len(moved) - 10} more" if len(moved) > 10 else ""))
+                _listed(moved))
+        if copies:
+            logger.warning(
+                "ONNX Runtime copies %d tensor(s) between %s and the host inside each run of this graph (%s), around "
+                "the nodes it runs on the host: %s. Each copy waits for the device, and device.cuda_graph cannot "
+                "capture such a graph", len(copies), self.placement.torch_device, _listed(copies),
+                _listed(elsewhere) or "none")
 
     def run(self, session: ort.InferenceSession, binding: ort.IOBinding, what: str, feeds: dict,
             training: bool, run_options: ort.RunOptions | None = None) -> None:
@@ -156,6 +163,12 @@ class Sessions:
 
 
 __all__ = ["Sessions"]
+
+
+def _listed(nodes: list[tuple[str, str, str]], most: int = 10) -> str:
+    """``op 'name' (provider)`` of the first ``most`` of ``nodes``, and how many more."""
+    shown = ", ".join(f"{op} {name!r} ({provider})" for provider, op, name in nodes[:most])
+    return shown + (f" and {len(nodes) - most} more" if len(nodes) > most else "")
 
 
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}

@@ -634,3 +634,60 @@ def test_nodes_nothing_reads_are_pruned_but_a_dropout_keeper_stays():
     assert [n.name for n in model.graph.node] == ["drop", "mask/keep_dropout", "relu"]
     assert sorted(i.name for i in model.graph.initializer) == ["flat", "ratio", "training"]
     assert drop_dead_nodes(model) == 0
+
+
+def _pad_model(pads, value, axes=None, dtype=TensorProto.INT64, shape=(3, 5), mode="constant"):
+    inputs = ["x", "pads", "value"] + (["axes"] if axes is not None else [])
+    inits = [numpy_helper.from_array(np.array(pads, np.int64), "pads"),
+             numpy_helper.from_array(np.array(value, helper.tensor_dtype_to_np_dtype(dtype)), "value")]
+    if axes is not None:
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    graph = helper.make_graph([helper.make_node("Pad", inputs, ["y"], mode=mode)], "pad",
+                              [helper.make_tensor_value_info("x", dtype, list(shape))],
+                              [helper.make_tensor_value_info("y", dtype, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def test_integer_pads_unit():
+    """A constant-mode integer Pad as Concats with constant fills, every pads / axes case equal to ONNX Runtime's
+    Pad (integers: bit for bit); a float Pad, another mode and an unknown shape are left."""
+    from ort_trainer.graph.passes.joint import integer_pads
+
+    x = np.random.default_rng(0).integers(-50, 50, (3, 5)).astype(np.int64)
+    cases = [([0, 0, 0, 1], -100, None, 1), ([1, 2, 3, 0], 7, None, 2), ([2, 1], -1, [1], 1),
+             ([1, 0, 0, 2], 0, [-1, 0], 2), ([0, 0, 0, 0], 5, None, 0)]  # (pads, value, axes, Concat nodes)
+    for pads, value, axes, concats in cases:
+        model = _pad_model(pads, value, axes)
+        expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        assert integer_pads(model) == 1
+        assert [n.op_type for n in model.graph.node] == (["Concat"] * concats or ["Identity"])
+        got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        assert got.dtype == expected.dtype and np.array_equal(got, expected), (pads, axes)
+    for model in (_pad_model([0, 0, 0, 1], 0.5, dtype=TensorProto.FLOAT), _pad_model([0, 0, 0, 1], 0, mode="edge"),
+                  _pad_model([0, 0, 0, 1], 0, shape=("batch", 5))):
+        assert integer_pads(model) == 0
+
+
+def test_integer_pads_take_gpt2s_label_pad_out_of_the_graph():
+    """Hugging Face GPT-2's loss pads its labels (int64) before shifting them: with the pass (on by default) no Pad is
+    left in the training or the eval graph, and the loss and every gradient are bit for bit those without it."""
+    model, desc = tiny_gpt2()
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for on in (False, True):
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                             options={"graph_optimizations": {"integer_pads": on},
+                                      "graph": {"gradient_source": "torch"}})
+        loss, _ = trainer.train_step(ids, torch.ones_like(ids), ids)
+        eval_loss = trainer.eval_step(ids, torch.ones_like(ids), ids)[0]
+        pads = [sum(n.op_type == "Pad" for n in graph.graph.node)
+                for graph in (trainer._graphs.gradient, trainer._graphs.eval) if graph is not None]
+        grads = {w: g.numpy().copy() for w, g in trainer._engine.grads.items()}
+        results[on] = (loss.item(), eval_loss.item(), pads, grads)
+    assert all(results[False][2]) and not any(results[True][2]), (results[False][2], results[True][2])
+    assert len(results[False][2]) == 2  # (the training and the eval graph)
+    assert results[True][:2] == results[False][:2]
+    for name, grad in results[False][3].items():
+        assert np.array_equal(results[True][3][name], grad), name

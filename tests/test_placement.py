@@ -54,6 +54,41 @@ def test_a_float_node_off_the_device_is_warned_about_and_counted(caplog):
     assert sessions.placed_elsewhere == {"Add": 2}  # (two sessions)
 
 
+class _Node:
+    def __init__(self, op_type: str, name: str):
+        self.op_type, self.name, self.domain = op_type, name, ""
+
+
+class _Subgraph:
+    def __init__(self, ep_name: str, nodes: list[_Node]):
+        self.ep_name, self._nodes = ep_name, nodes
+
+    def get_nodes(self) -> list[_Node]:
+        return self._nodes
+
+
+class _Session:
+    """What a CUDA session of ``_model()`` with its Shape's integer chain on the host and a copy back reports."""
+
+    def get_provider_graph_assignment_info(self) -> list[_Subgraph]:
+        return [_Subgraph("CUDAExecutionProvider", [_Node("Add", "twice"), _Node("MemcpyFromHost", "copy0")]),
+                _Subgraph("CPUExecutionProvider", [_Node("Shape", "dims")])]
+
+
+def test_copies_inside_the_graph_are_warned_about_with_the_host_nodes_around_them(caplog):
+    """An integer node on the host is no warning by itself; a copy between the device and the host inside the graph
+    is (a sync point, and no CUDA graph capture), naming the host nodes."""
+    sessions = _sessions(devices.CUDADevice(0))
+    with caplog.at_level("WARNING", logger="ort_trainer"):
+        sessions.check_placement(_Session(), _model())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "copies 1 tensor(s) between cuda:0 and the host" in warnings[0]
+    assert "MemcpyFromHost 'copy0'" in warnings[0] and "Shape 'dims' (CPUExecutionProvider)" in warnings[0]
+    assert "device.cuda_graph cannot capture" in warnings[0]
+    assert sessions.placed_elsewhere == {"MemcpyFromHost": 1}
+
+
 def test_nothing_is_reported_where_every_node_runs_on_the_device_or_nothing_is_recorded(caplog):
     """Every node on the device's provider; or session options of the user's own, which do not record where the
     nodes run (ONNX Runtime then refuses to say): nothing reported, the session made."""

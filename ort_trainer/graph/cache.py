@@ -60,8 +60,9 @@ from .onnx_graph import dangling_names
 # variadic AddHalf (graphs of 13: one node a term, which 14's library still runs); 15: fused_layer_norm computes the
 # residual sum before a LayerNorm in its kernel (AddLayerNorm*); 16: a scatter-add's row shape a constant where static
 # (graphs of 15 keep a zero table alive for a Shape); 17: torch_products widens a half weight gradient that reaches its
-# Cast through two Transposes that undo each other (graphs of 16 compute it rounded to half, then widened)
-_VERSION = "17"
+# Cast through two Transposes that undo each other (graphs of 16 compute it rounded to half, then widened); 18:
+# integer_pads (on by default) writes an integer Pad as a Concat (graphs of 17 pad GPT-2's labels on the host)
+_VERSION = "18"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]

@@ -9,7 +9,7 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   the gradient builder reads), ``buffers.py`` (BatchNorm's running statistics as outputs);
 - the joint forward + backward graph of the ``"torch"`` source (``JOINT_PASSES``, run by
   ``apply_joint_passes``): ``joint.py`` (cross-entropy backward, identity transposes, integer
-  powers), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
+  powers and pads), ``embedding.py`` (small tables' gradients), ``tied_embedding.py`` (a tied table's
   gradient written in place), ``dropout.py``, ``copies.py`` (tensor sequences, output reshapes,
   column sums, half-precision bias gradients), ``softmax.py`` (masked softmax, a float16 softmax's
   gradient), ``loss.py`` (a mixed-precision cross-entropy in the half dtype), ``recompute.py``
@@ -43,7 +43,7 @@ from ..onnx_graph import dangling_names, drop_dead_nodes
 from . import (aligned, attention_backend, attention_layout, causal_attention, copies, dropout, embedding, forward,
                gelu_kernel, gradient_sums, layer_norm_forward, layer_norm_sums, layer_recompute, loss, order,
                packed_attention, recompute, softmax, tied_embedding, torch_products)
-from .joint import cross_entropy_backward, identity_transposes, integer_powers
+from .joint import cross_entropy_backward, identity_transposes, integer_pads, integer_powers
 
 
 def _embedding_gradient(graph: onnx.ModelProto) -> int:
@@ -54,7 +54,8 @@ def _embedding_gradient(graph: onnx.ModelProto) -> int:
 _JOINT = (
     ("cross_entropy", cross_entropy_backward), ("embedding_gradient", _embedding_gradient),
     ("tied_embedding_gradient", tied_embedding.tied_embedding_gradients),
-    ("integer_powers", integer_powers), ("host_dropout_masks", dropout.host_dropout_masks),
+    ("integer_powers", integer_powers), ("integer_pads", integer_pads),
+    ("host_dropout_masks", dropout.host_dropout_masks),
     ("dropout_gradient", dropout.dropout_gradient),
     ("sequences", copies.sequence_reads), ("output_reshape", copies.output_reshapes),
     ("safe_softmax", softmax.safe_softmax), ("half_precision_softmax_gradient", softmax.half_precision_gradient),
@@ -74,6 +75,7 @@ _JOINT = (
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),
+         ("integer_pads", integer_pads),
          ("sequences", copies.sequence_reads),
          ("output_reshape", copies.output_reshapes), ("safe_softmax", softmax.safe_softmax),
          ("gelu", copies.erf_gelu_order))

@@ -58,7 +58,7 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
 # its causal mask in the kernel (passes/causal_attention.py), torch's choice of its kernel
 # (passes/attention_backend.py),
 # the products by torch's BLAS (passes/torch_products.py)
-JOINT_COPY_PASSES = ("tied_embedding_gradient", "host_dropout_masks", "dropout_gradient", "sequences",
+JOINT_COPY_PASSES = ("tied_embedding_gradient", "integer_pads", "host_dropout_masks", "dropout_gradient", "sequences",
                      "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "bfloat16_softmax_gradient",
                      "half_precision_loss",
                      "half_precision_bias_gradient", "column_sums", "transposed_products",

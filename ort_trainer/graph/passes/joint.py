@@ -1,4 +1,4 @@
-"""Joint-graph passes on the cross-entropy backward, embedding lookups and integer powers.
+"""Joint-graph passes on the cross-entropy backward, embedding lookups, integer powers and integer pads.
 
 - ``cross_entropy``: the decomposed ``nll_loss`` + ``log_softmax`` backward builds a one-hot
   ``[N, C]`` tensor (zeros, ``ScatterElements`` of -1, times the per-row weight), sums it per row
@@ -16,6 +16,10 @@
 - ``integer_powers``: ``Pow(x, 2)`` and ``Pow(x, 3)`` (tanh-GELU's cube and its derivative's
   square) as multiplications, a little cheaper than the CPU ``Pow`` kernel. With the ``gelu``
   pass on (``gradient/gelu.py``) a written-out GELU has no ``Pow`` left; other powers still get it.
+- ``integer_pads``: a constant-mode ``Pad`` of an integer tensor of known shape (Hugging Face's causal-LM loss pads
+  the labels with -100 before it shifts them) as a ``Concat`` with constant tensors of the fill value: ONNX
+  Runtime's CUDA provider has no integer ``Pad`` kernel, so that node ran on the host, the labels copied to it and
+  the padded labels back inside every run (a sync point, and no ``device.cuda_graph`` capture). The same values.
 
 ``fast_gelu_gradient`` has nothing to do here: autograd spells the GELU derivative in
 elementwise operators already. ``dropout_gradient``, ``sequences``, ``output_reshape`` and
@@ -36,10 +40,11 @@ Each has a name under ``graph_optimizations`` and is checked against float64 PyT
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
-from ._graph import _Graph, _attrs, _other
+from ._graph import _Graph, _attrs, _elem_types, _is, _other, _replace_nodes
 
 
 def cross_entropy_backward(model: onnx.ModelProto) -> int:
@@ -171,6 +176,56 @@ def integer_powers(model: onnx.ModelProto) -> int:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return len(replaced)
+
+
+_INTEGERS = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
+             onnx.TensorProto.UINT8, onnx.TensorProto.BOOL}
+
+
+def integer_pads(model: onnx.ModelProto) -> int:
+    """Each constant-mode ``Pad`` of an integer tensor whose shape is static, with constant non-negative pads, fill
+    value and axes, as ``Concat`` nodes with constant tensors of the fill value (module docstring); returns the
+    count."""
+    g = _Graph(model)
+    types = _elem_types(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        if not _is(node, "Pad") or _attrs(node).get("mode", b"constant") not in (b"constant", "constant"):
+            continue
+        x, shape, elem = node.input[0], g.shapes.get(node.input[0]), types.get(node.input[0])
+        pads = g.const(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if elem not in _INTEGERS or pads is None or shape is None or not all(isinstance(d, int) and d > 0
+                                                                             for d in shape):
+            continue
+        value = g.const(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int64)
+        axes = (g.const(node.input[3]) if len(node.input) > 3 and node.input[3]
+                else np.arange(len(shape)))
+        if value is None or value.size != 1 or axes is None or pads.size != 2 * axes.size or np.any(pads < 0):
+            continue
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+        nodes, current, dims = [], x, list(shape)
+        for i, axis in enumerate(int(a) % len(shape) for a in axes.flat):
+            before, after = int(pads.flat[i]), int(pads.flat[axes.size + i])
+            if not before and not after:
+                continue
+            parts = []
+            for side, count in (("before", before), ("after", after)):
+                if count:
+                    fill_dims = dims[:axis] + [count] + dims[axis + 1:]
+                    fill = f"{node.output[0]}/pad_{side}_{axis}"
+                    model.graph.initializer.append(numpy_helper.from_array(
+                        np.full(fill_dims, value.flat[0], dtype=dtype), fill))
+                    parts.append(fill)
+            parts.insert(1 if before else 0, current)
+            dims[axis] += before + after
+            current = f"{node.output[0]}/padded_{axis}"
+            nodes.append(helper.make_node("Concat", parts, [current], axis=axis, name=current))
+        if not nodes:
+            nodes = [helper.make_node("Identity", [x], [node.output[0]], name=f"{node.output[0]}/unpadded")]
+        else:
+            nodes[-1].output[0] = node.output[0]
+        replaced[id(node)] = nodes
+    return _replace_nodes(model, replaced, {})
 
 
 def identity_transposes(model: onnx.ModelProto) -> int:
