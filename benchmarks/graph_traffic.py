@@ -120,6 +120,12 @@ def _product_shape(node: onnx.NodeProto, shapes: dict) -> None:
     flags = {attr.name: attr.i for attr in node.attribute if attr.name in ("transA", "transB")}
     (a, size), (b, _) = (shapes[name] for name in node.input[:2])
     a, b = list(a), list(b)
+    if "Gemm" in node.op_type:  # an operand of rank > 2 is the matrix of its rows (product_views.py)
+        leading = a[:-1] if len(a) > 2 and not flags.get("transA") else None
+        a, b = _rows(a), _rows(b)
+        if leading is not None:
+            shapes[node.output[0]] = (leading + (b[-2:-1] if flags.get("transB") else b[-1:]), size)
+            return
     if flags.get("transA") and len(a) >= 2:
         a[-2:] = a[:-3:-1]
     if flags.get("transB") and len(b) >= 2:
@@ -128,9 +134,16 @@ def _product_shape(node: onnx.NodeProto, shapes: dict) -> None:
     shapes[node.output[0]] = (batch + a[-2:-1] + b[-1:] if len(b) >= 2 else batch + a[-2:-1], size)
 
 
+def _rows(shape: list) -> list:
+    """A ``Gemm`` operand's 2-D shape: its leading axes flattened into rows."""
+    return [int(np.prod(shape[:-1])), shape[-1]] if len(shape) > 2 else shape
+
+
 def _flops(node: onnx.NodeProto, shapes: dict) -> int:
     """2 x the output's elements x the contracted length of a product."""
     a, out = shapes[node.input[0]][0], shapes[node.output[0]][0]
+    if "Gemm" in node.op_type:
+        a = _rows(list(a))
     trans_a = any(attr.name == "transA" and attr.i for attr in node.attribute)
     contracted = (a[-2] if trans_a else a[-1]) if len(a) >= 2 else a[0]
     return 2 * int(np.prod(out)) * contracted

@@ -142,9 +142,36 @@ def test_products_that_do_not_fit_are_refused_naming_the_shapes():
     session = _session("MatMul", {"a": [5, 24], "b": [23, 7]}, torch.float32)
     with pytest.raises(Exception, match=r"MatMul: a's columns \(24\) and b's rows \(23\) differ"):
         session.run(None, {"a": np.ones((5, 24), np.float32), "b": np.ones((23, 7), np.float32)})
-    session = _session("Gemm", {"a": [2, 5, 24], "b": [24, 7]}, torch.float32)
-    with pytest.raises(Exception, match=r"Gemm: a and b must be 2-D"):
-        session.run(None, {"a": np.ones((2, 5, 24), np.float32), "b": np.ones((24, 7), np.float32)})
+    session = _session("Gemm", {"a": [24], "b": [24, 7]}, torch.float32)
+    with pytest.raises(Exception, match=r"Gemm: a and b must be of rank 2 or more"):
+        session.run(None, {"a": np.ones(24, np.float32), "b": np.ones((24, 7), np.float32)})
+
+
+@pytest.mark.parametrize("dtype", list(_ELEM), ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("op, trans_a, trans_b", [("BiasGemm", 0, 0), ("BiasGemm", 0, 1), ("Gemm", 1, 0),
+                                                  ("GemmToFloat", 1, 0), ("GemmToFloat", 0, 1)])
+def test_gemm_reads_operands_of_rank_3_as_their_rows(dtype, op, trans_a, trans_b):
+    """A Gemm operand of rank 3 is the matrix of its rows ([2, 5, k] as [10, k], product_views.py): a not
+    transposed gives y [2, 5, n] (a linear layer's forward, its input gradient), a transposed a 2-D y (a weight
+    gradient, b [2, 5, n] its rows too); against float64 over the same rounded operands."""
+    if op == "GemmToFloat" and dtype == torch.float32:
+        pytest.skip("GemmToFloat takes half operands")
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 5, 24, generator=gen).to(dtype)  # rows: 10
+    b = (torch.randn(2, 5, 7, generator=gen) if trans_a else
+         torch.randn(*([7, 24] if trans_b else [24, 7]), generator=gen)).to(dtype)
+    a64, b64 = a.double().reshape(10, 24), b.double().reshape(-1, b.shape[-1])
+    a64, b64 = a64.t() if trans_a else a64, b64.t() if trans_b else b64
+    feeds, dims = {"a": a, "b": b}, {"a": list(a.shape), "b": list(b.shape)}
+    want, magnitude = a64 @ b64, a64.abs() @ b64.abs()
+    if op == "BiasGemm":
+        feeds["c"], dims["c"] = torch.randn(7, generator=gen).to(dtype), [7]
+        want, magnitude = want + feeds["c"].double(), magnitude + feeds["c"].double().abs()
+    out_dims = [24, 7] if trans_a else [2, 5, 7]
+    out_dtype = torch.float32 if op == "GemmToFloat" else dtype
+    y = _run(_session(op, dims, dtype, out_dtype, transA=trans_a, transB=trans_b), feeds, out_dims, out_dtype)
+    terms = 10 if trans_a else 24
+    _within(y.reshape(want.shape), want, magnitude, out_dtype if op == "GemmToFloat" else dtype, terms + 1)
 
 
 def test_half_products_only_a_cast_to_float_reads_write_float32():
@@ -314,3 +341,56 @@ def test_an_onnx_model_of_these_operators_is_recognised():
     model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"],
                                                                   domain=torch_ops.DOMAIN)], "g", [], []))
     assert torch_ops.uses_torch_ops(model) and isinstance(model, onnx.ModelProto)
+
+
+def test_product_views_read_and_write_the_tensors_reshapes_flattened():
+    """``product_views`` (torch_products' last step) on a hand-built linear layer: the forward BiasGemm reads x
+    [2, 5, 24] and writes y [2, 5, 7] itself (both Reshapes gone), the weight gradient's GemmToFloat (transA) reads x
+    and dy [2, 5, 7] as their rows; where another node reads the flat product, its Reshape stays and the product
+    writes 2-D; the values are the same (ONNX Runtime on the CPU, bit for bit)."""
+    from ort_trainer.graph.onnx_graph import drop_dead_nodes
+    from ort_trainer.graph.passes.product_views import product_views
+
+    h, i64 = TensorProto.FLOAT16, TensorProto.INT64
+
+    def graph(flat_read_elsewhere: bool):
+        nodes = [helper.make_node("Reshape", ["x", "rows24"], ["x2"]),
+                 helper.make_node("BiasGemm", ["x2", "w", "c"], ["y2"], domain=torch_ops.DOMAIN),
+                 helper.make_node("Reshape", ["y2", "y_dims"], ["y"]),
+                 helper.make_node("Reshape", ["dy", "rows7"], ["dy2"]),
+                 helper.make_node("GemmToFloat", ["x2", "dy2"], ["dw"], domain=torch_ops.DOMAIN, transA=1)]
+        outputs = [("y", h, [2, 5, 7]), ("dw", TensorProto.FLOAT, [24, 7])]
+        if flat_read_elsewhere:
+            nodes.append(helper.make_node("Identity", ["y2"], ["y2_copy"]))
+            outputs.append(("y2_copy", h, [10, 7]))
+        inits = [helper.make_tensor("rows24", i64, [2], [10, 24]), helper.make_tensor("rows7", i64, [2], [10, 7]),
+                 helper.make_tensor("y_dims", i64, [3], [2, 5, 7])]
+        info = [helper.make_tensor_value_info(n, h, s) for n, s in [("x2", [10, 24]), ("y2", [10, 7]),
+                                                                      ("dy2", [10, 7])]]
+        return helper.make_model(helper.make_graph(
+            nodes, "linear", [helper.make_tensor_value_info(n, h, s) for n, s in [
+                ("x", [2, 5, 24]), ("w", [24, 7]), ("c", [7]), ("dy", [2, 5, 7])]],
+            [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs], inits, value_info=info),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(torch_ops.DOMAIN, 1)], ir_version=8)
+
+    gen = torch.Generator().manual_seed(6)
+    feeds = {name: torch.randn(*dims, generator=gen).to(torch.float16).numpy()
+             for name, dims in [("x", [2, 5, 24]), ("w", [24, 7]), ("c", [7]), ("dy", [2, 5, 7])]}
+    options = ort.SessionOptions()
+    torch_ops.register(options)
+    for elsewhere in (False, True):
+        model = graph(elsewhere)
+        before = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+        assert product_views(model) == (2 if elsewhere else 4)  # operands and outputs that skip a Reshape
+        drop_dead_nodes(model)
+        layout = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+        if elsewhere:  # the forward as it was (its flat output read elsewhere), the weight gradient on x and dy
+            assert ("GemmToFloat", ["x", "dy"], ["dw"]) in layout
+            assert ("BiasGemm", ["x2", "w", "c"], ["y2"]) in layout and ("Reshape", ["y2", "y_dims"], ["y"]) in layout
+        else:
+            assert layout == [("BiasGemm", ["x", "w", "c"], ["y"]), ("GemmToFloat", ["x", "dy"], ["dw"])]
+        after = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+        for got, want in zip(after, before):
+            assert got.shape == want.shape and np.array_equal(got, want)

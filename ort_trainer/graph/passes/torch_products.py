@@ -20,6 +20,9 @@ the half dtype on the way. Where the ``Cast`` reads the product through two ``Tr
 (BERT's every weight gradient: torch's ``t()`` of ``t()`` of the product), they go with it: 146 nodes and two copies
 of each half weight gradient a step.
 
+Last, the products read and write the ``[..., features]`` tensors that flattening ``Reshape`` nodes around them
+viewed as 2-D, and those nodes go (``product_views.py``).
+
 On the CPU torch's BLAS is MKL, whose products alone run faster than ONNX Runtime's MLAS on some processors and at
 about half its speed on others (docs/performance.md), and whose threads contend with ONNX Runtime's inside a run:
 GPT-2 small's CPU step is slower with the switch (docs/gpu.md). It is a lever for the GPU.
@@ -33,6 +36,7 @@ from onnx import helper
 from ...kernels import TORCH_OPS_DOMAIN
 from ._graph import (_Graph, _attrs, _elem_types, _import_domain, _is, _keep, _sole_consumer, _undone_pair,
                      _value_info_like)
+from .product_views import product_views
 
 _TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -53,6 +57,7 @@ def torch_products(model: onnx.ModelProto) -> int:
     if count:
         _import_domain(model, TORCH_OPS_DOMAIN, 1)
         _widen(model, types)
+        product_views(model)
     return count
 
 

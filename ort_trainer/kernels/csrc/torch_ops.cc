@@ -31,7 +31,10 @@
 // epilogue; MKL on the CPU):
 //   Gemm(a, b) -> y, BiasGemm(a, b, c) -> y   ONNX's Gemm: y = alpha · op(a) · op(b) [+ beta · c], a and b 2-D,
 //                                             op() a transpose where the attribute transA / transB is 1, c
-//                                             broadcast to y (at::mm / at::addmm)
+//                                             broadcast to y (at::mm / at::addmm); an operand of rank > 2 is read
+//                                             as the 2-D matrix of its rows (its leading axes flattened, a view),
+//                                             and y is then [..., n] with a's leading axes where a is not
+//                                             transposed (graph/passes/product_views.py)
 //   MatMul(a, b) -> y                         ONNX's MatMul (numpy's: batch axes broadcast, a vector operand a row or
 //                                             a column), the last two axes of a and b swapped where transA / transB
 //                                             is 1 (at::matmul: a transpose is read in place)
@@ -169,13 +172,15 @@ OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
   const Tensor &a_in = run.in[0], &b_in = run.in[1];
   if (matmul ? a_in.dims.empty() || b_in.dims.empty() || (kernel->trans_a && a_in.dims.size() < 2) ||
                    (kernel->trans_b && b_in.dims.size() < 2)
-             : a_in.dims.size() != 2 || b_in.dims.size() != 2)
+             : a_in.dims.size() < 2 || b_in.dims.size() < 2)
     return fail(api, std::string(op->name) + (matmul ? ": a and b must be of rank 1 or more (2 or more transposed)"
-                                                     : ": a and b must be 2-D"));
+                                                     : ": a and b must be of rank 2 or more"));
   try {
     OnStream on_stream(op, run.stream);
     auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, run.options); };
-    at::Tensor a = wrap(a_in), b = wrap(b_in);
+    // a Gemm's operand of rank > 2: the matrix of its rows (a view of the contiguous tensor)
+    auto rows = [&](at::Tensor t) { return matmul || t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); };
+    at::Tensor a = rows(wrap(a_in)), b = rows(wrap(b_in));
     if (kernel->trans_a) a = a.transpose(-2, -1);
     if (kernel->trans_b) b = b.transpose(-2, -1);
     const int64_t rows_of_b = b.dim() == 1 ? b.size(0) : b.size(-2);
@@ -187,17 +192,20 @@ OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
     if (a.dim() > 2 || b.dim() > 2)
       dims = at::infer_size(a.sizes().slice(0, std::max<int64_t>(a.dim() - 2, 0)),
                             b.sizes().slice(0, std::max<int64_t>(b.dim() - 2, 0)));
-    if (a.dim() > 1) dims.push_back(a.size(-2));
+    if (!matmul && !kernel->trans_a && a_in.dims.size() > 2)  // [..., n]: a's leading axes
+      dims.assign(a_in.dims.begin(), a_in.dims.end() - 1);
+    else if (a.dim() > 1)
+      dims.push_back(a.size(-2));
     if (b.dim() > 1) dims.push_back(b.size(-1));
     Tensor y;
     ORTT_RETURN_IF_ERROR(output(api, context, 0, dims, &y));
     if (op->to_float) {
-      at::Tensor out = at::from_blob(y.data, y.dims, run.options.dtype(at::kFloat));
+      at::Tensor out = rows(at::from_blob(y.data, y.dims, run.options.dtype(at::kFloat)));
       widened_product(op, a, b, out);
       if (kernel->alpha != 1.0f) out.mul_(kernel->alpha);
       return nullptr;
     }
-    at::Tensor out = wrap(y);
+    at::Tensor out = rows(wrap(y));
     if (matmul)
       at::matmul_out(out, a, b);
     else if (op->bias)
