@@ -22,12 +22,11 @@ import torch
 from onnx import TensorProto, helper
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.amp import DynamicLossScaler
 from ort_trainer.graph.passes.causal_attention import causal_attention
 from ort_trainer.kernels import TORCH_OPS_DOMAIN, _compilers
 from ort_trainer.optim import SGDConfig
 
-from test_fused_attention import FLOAT32_BOUND, HALF_BOUND, OPTIONS, _Attention
+from test_fused_attention import BOUNDS, OPTIONS, _Attention, _device_step
 from test_half_loss import _float64, _gpt2_case, _relative
 from tolerances import check
 
@@ -64,16 +63,9 @@ def test_padded_gpt2_bit_for_bit_with_the_triangle_in_the_kernel(precision, devi
     model, desc, batch = _padded_gpt2_case()
     results = {}
     for causal in (False, True):
-        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
-        mixed = ({"enabled": False} if precision == "float32" else
-                 {"enabled": True, "dtype": precision, **({"loss_scaler": scaler} if precision == "float16" else {})})
-        torch.manual_seed(0)
-        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={**OPTIONS, "device": {"id": device}, "mixed_precision": mixed,
-                                      "graph_optimizations": {"fused_attention": True, "packed_attention": packed,
-                                                              "causal_attention": causal}})
-        loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
-        results[causal] = (loss, {w: g.float().cpu().numpy() for w, g in trainer._engine.grads.items()})
+        trainer, loss, grads = _device_step(model, desc, batch, precision, device, {
+            "fused_attention": True, "packed_attention": packed, "causal_attention": causal})
+        results[causal] = (loss, grads)
         prefix = "Packed" if packed else ""
         assert _attention_nodes(trainer) == ([(f"{prefix}BiasAttention", int(causal))] * 2 +
                                              [(f"{prefix}BiasAttentionGrad", int(causal))] * 2)
@@ -89,8 +81,7 @@ def test_padded_gpt2_bit_for_bit_with_the_triangle_in_the_kernel(precision, devi
     record_property("bit_for_bit", same)
     if device == "cpu":  # (on CUDA the memory-efficient kernel may sum the kept blocks alike too: recorded)
         assert same, (loss_on, loss_off)
-    # float32: test_fused_attention's bound; the half dtypes: its 40 roundings of each one's precision
-    bound = {"float32": FLOAT32_BOUND, "float16": HALF_BOUND, "bfloat16": 40 * 2.0 ** -8}[precision]
+    bound = BOUNDS[precision]  # (test_fused_attention's)
     loss64, grads64 = _float64(model, batch, None)
     check(abs(loss_on - loss64) / abs(loss64), bound, "loss")
     for name, grad in grads64.items():
@@ -180,23 +171,16 @@ def test_torch_attention_choice_within_rounding_of_float64(precision, device, ca
     model, desc, batch = _padded_gpt2_case()
     results = {}
     for choice in (False, True):
-        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
-        mixed = ({"enabled": False} if precision == "float32" else
-                 {"enabled": True, "dtype": precision, **({"loss_scaler": scaler} if precision == "float16" else {})})
-        torch.manual_seed(0)
-        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={**OPTIONS, "device": {"id": device}, "mixed_precision": mixed,
-                                      "graph_optimizations": {"fused_attention": True, "packed_attention": True,
-                                                              "causal_attention": causal,
-                                                              "torch_attention_choice": choice}})
-        loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
-        results[choice] = (loss, {w: g.float().cpu().numpy() for w, g in trainer._engine.grads.items()})
+        trainer, loss, grads = _device_step(model, desc, batch, precision, device, {
+            "fused_attention": True, "packed_attention": True, "causal_attention": causal,
+            "torch_attention_choice": choice})
+        results[choice] = (loss, grads)
         assert _backends(trainer) == {int(choice)} and len(_attention_nodes(trainer)) == 4
     if device == "cpu":
         assert results[True][0] == results[False][0]
         for name, grad in results[False][1].items():
             assert np.array_equal(results[True][1][name], grad), name
-    bound = {"float32": FLOAT32_BOUND, "float16": HALF_BOUND, "bfloat16": 40 * 2.0 ** -8}[precision]
+    bound = BOUNDS[precision]
     loss64, grads64 = _float64(model, batch, None)
     loss, grads = results[True]
     errors = {"loss": abs(loss - loss64) / abs(loss64),

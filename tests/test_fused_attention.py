@@ -41,7 +41,23 @@ FLOAT32_BOUND = 4000 * FLOAT32
 # float16: test_half_loss.py's HALF_BOUND (40 roundings of the tiny models' longest float16 chain); the kernel rounds
 # the attention's output once where the math attention rounds its scores, probabilities and product
 HALF_BOUND = 40 * FLOAT16
+# by precision; bfloat16: the same 40 roundings of its own precision
+BOUNDS = {"float32": FLOAT32_BOUND, "float16": HALF_BOUND, "bfloat16": 40 * 2.0 ** -8}
 OPTIONS = {"graph": {"gradient_source": "torch"}, "utils": {"grad_norm_clip": False}}
+
+
+def _device_step(model, desc, batch, precision: str, device: str, optimizations: dict):
+    """``(trainer, loss, {weight: float32 gradient})`` of one step (SGD lr 0, float16 unscaled) of a copy of
+    ``model`` on ``device`` in ``precision`` with ``graph_optimizations`` ``optimizations``."""
+    scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
+    mixed = ({"enabled": False} if precision == "float32" else
+             {"enabled": True, "dtype": precision, **({"loss_scaler": scaler} if precision == "float16" else {})})
+    torch.manual_seed(0)
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
+                         options={**OPTIONS, "device": {"id": device}, "mixed_precision": mixed,
+                                  "graph_optimizations": optimizations})
+    loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
+    return trainer, loss, {w: g.float().cpu().numpy() for w, g in trainer._engine.grads.items()}
 
 
 def _kernel_nodes(trainer) -> list[str]:
@@ -98,25 +114,18 @@ def test_packed_attention_reads_gpt2s_packed_projection_bit_for_bit(precision, d
     model, desc, batch, _ = _gpt2_case()
     results = {}
     for packed in (False, True):
-        scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
-        mixed = ({"enabled": False} if precision == "float32" else
-                 {"enabled": True, "dtype": precision, **({"loss_scaler": scaler} if precision == "float16" else {})})
-        torch.manual_seed(0)
-        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={**OPTIONS, "device": {"id": device}, "mixed_precision": mixed,
-                                      "graph_optimizations": {"fused_attention": True, "packed_attention": packed}})
-        loss = float(trainer.train_step(*[t.to(device) for t in batch])[0].cpu())
+        trainer, loss, grads = _device_step(model, desc, batch, precision, device,
+                                            {"fused_attention": True, "packed_attention": packed})
         nodes = trainer._graphs.gradient.graph.node
-        results[packed] = (loss, {w: g.float().cpu().numpy() for w, g in trainer._engine.grads.items()},
-                           sum(n.op_type in ("Split", "Concat") for n in nodes))
+        results[packed] = (loss, grads, sum(n.op_type in ("Split", "Concat") for n in nodes))
         prefix = "Packed" if packed else ""
         assert _kernel_nodes(trainer) == [f"{prefix}BiasAttention"] * 2 + [f"{prefix}BiasAttentionGrad"] * 2
     (loss_off, grads_off, copies_off), (loss_on, grads_on, copies_on) = results[False], results[True]
     assert loss_on == loss_off and copies_on == copies_off - 4, (loss_on, loss_off, copies_on, copies_off)
     for name, grad in grads_off.items():
         assert np.array_equal(grads_on[name], grad), name
-    # and within the bounds above of float64 PyTorch (bfloat16: the same 40 roundings of its precision)
-    bound = {"float32": FLOAT32_BOUND, "float16": HALF_BOUND, "bfloat16": 40 * 2.0 ** -8}[precision]
+    # and within the bounds above of float64 PyTorch
+    bound = BOUNDS[precision]
     loss64, grads64 = _float64(model, batch, None)
     check(abs(loss_on - loss64) / abs(loss64), bound, "loss")
     for name, grad in grads64.items():
@@ -210,19 +219,11 @@ def test_gpt2_on_cuda_within_rounding_of_float64(dtype, record_property):
         pytest.skip("no GPU")
     model, desc, batch, _ = _gpt2_case()
     loss64, grads64 = _float64(model, batch, None)
-    scaler = DynamicLossScaler(loss_scale=1.0, up_scale_window=10 ** 6)
-    mixed = {"enabled": True, "dtype": dtype, **({"loss_scaler": scaler} if dtype == "float16" else {})}
-    torch.manual_seed(0)
-    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                         options={**OPTIONS, "device": {"id": "cuda"}, "mixed_precision": mixed,
-                                  "graph_optimizations": {"fused_attention": True}})
-    loss = float(trainer.train_step(*[t.cuda() for t in batch])[0])
-    bound = 40 * (FLOAT16 if dtype == "float16" else 2.0 ** -8)
+    trainer, loss, grads = _device_step(model, desc, batch, dtype, "cuda", {"fused_attention": True})
     errors = {"loss": abs(loss - loss64) / abs(loss64),
-              **{name: _relative(trainer._engine.grads[name].float().cpu().numpy().astype(np.float64), grad)
-                 for name, grad in grads64.items()}}
+              **{name: _relative(grads[name].astype(np.float64), grad) for name, grad in grads64.items()}}
     for name, error in errors.items():
-        check(error, bound, name)
+        check(error, BOUNDS[dtype], name)
     assert _kernel_nodes(trainer) == ["BiasAttention"] * 2 + ["BiasAttentionGrad"] * 2
     record_property("errors", max(errors.values()))
 

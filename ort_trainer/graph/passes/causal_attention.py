@@ -35,7 +35,7 @@ _QKV = {"BiasAttention": slice(0, 3), "PackedBiasAttention": slice(0, 1), "BiasA
 
 def causal_attention(model: onnx.ModelProto) -> int:
     """Rewrite each eligible attention (module docstring) in place; returns how many nodes (forward and backward)."""
-    g = _Graph(model)
+    g, types = _Graph(model), _elem_types(model)
     backward: dict[tuple[str, ...], list[onnx.NodeProto]] = {}  # (q, k, v or qkv, bias) -> the gradient nodes
     for node in model.graph.node:
         if node.domain == TORCH_OPS_DOMAIN and node.op_type in _BACKWARD:
@@ -55,7 +55,7 @@ def causal_attention(model: onnx.ModelProto) -> int:
         if terms is None or not grads or any(_attrs(grad).get("causal") for grad in grads):
             continue
         if bias not in new_bias:
-            new_bias[bias] = _bias_of(model, g, bias, terms, before.setdefault(id(node), []))
+            new_bias[bias] = _bias_of(model, g, types, bias, terms, before.setdefault(id(node), []))
         for rewritten in (node, *grads):
             _make_causal(rewritten, new_bias[bias])
         count += 1 + len(grads)
@@ -123,7 +123,8 @@ def _lower_triangle(value: np.ndarray, seq: int) -> bool:
     return bool(np.array_equal(value.reshape(seq, seq), np.tril(np.ones((seq, seq), dtype=bool))))
 
 
-def _bias_of(model: onnx.ModelProto, g: _Graph, bias: str, terms: list[str], nodes: list[onnx.NodeProto]) -> str:
+def _bias_of(model: onnx.ModelProto, g: _Graph, types: dict[str, int], bias: str, terms: list[str],
+             nodes: list[onnx.NodeProto]) -> str:
     """The name of ``Where(And(terms), 0, -inf)`` (the old bias's constants), its nodes appended to ``nodes``;
     "" where there is no term."""
     if not terms:
@@ -141,7 +142,6 @@ def _bias_of(model: onnx.ModelProto, g: _Graph, bias: str, terms: list[str], nod
         rank = max(len(shape) for shape in shapes)
         padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
         dims = [next((size for size in sizes if size != 1), 1) for sizes in zip(*padded)]
-        types = _elem_types(model)
         elem = types.get(bias) or types.get(where.input[1])  # (the bias's dtype: its 0's)
         if elem:
             model.graph.value_info.append(helper.make_tensor_value_info(name, elem, dims))

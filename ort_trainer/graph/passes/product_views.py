@@ -20,7 +20,7 @@ import math
 import onnx
 
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _is, _keep, _redirect, _value_info_like
+from ._graph import _Graph, _attrs, _is, _keep, _redirect
 
 _GEMMS = {"Gemm", "BiasGemm", "GemmToFloat"}
 
@@ -50,9 +50,7 @@ def product_views(model: onnx.ModelProto) -> int:
         if readers is None:
             continue
         node.input[0] = source
-        if not any(info.name == readers[0].output[0] for info in model.graph.value_info):
-            _value_info_like(model, node.output[0], readers[0].output[0], g.shapes[readers[0].output[0]])
-        node.output[0] = readers[0].output[0]  # (the first reader's name, with its shape)
+        node.output[0] = readers[0].output[0]  # (the first reader's name, whose shape the graph records)
         for reader in readers:
             removed[id(reader)] = reader
             if reader is not readers[0]:

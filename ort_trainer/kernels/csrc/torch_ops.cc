@@ -296,9 +296,9 @@ OrtStatus* compute_attention(const Kernel* kernel, OrtKernelContext* context) {
     const size_t rest = first + qkv + (op->bias ? 1 : 0);
     at::Tensor dout = heads(in[0], t), out = heads(in[rest], t), lse = wrap(in[rest + 1], at::kFloat);
     at::Tensor dq, dk, dv;
+    const at::Tensor b = op->cuda && bias ? prepared_bias(*bias, q, k) : at::Tensor();  // (CUDA's kernels read it so)
     const at::SDPBackend backend =
-        op->cuda ? cuda_backend(kernel, q, k, v, bias ? std::optional(prepared_bias(*bias, q, k)) : std::nullopt)
-                 : at::SDPBackend::math;
+        op->cuda ? cuda_backend(kernel, q, k, v, b.defined() ? std::optional(b) : std::nullopt) : at::SDPBackend::math;
     if (backend == at::SDPBackend::flash_attention) {
       // (no dropout: the random state is not read; the backward makes out and dout contiguous as it needs them)
       const at::Tensor seed = at::empty({2}, options.dtype(at::kUInt64)), offset = at::empty({}, seed.options());
@@ -312,15 +312,13 @@ OrtStatus* compute_attention(const Kernel* kernel, OrtKernelContext* context) {
       const at::Tensor dout_as_out = dout.strides() == out.strides() ? dout : at::empty_like(out).copy_(dout);
       auto grads = at::_scaled_dot_product_cudnn_attention_backward(
           dout_as_out, q, k, v, out, lse.reshape({q.size(0), q.size(1), q.size(2), 1}), seed, offset,
-          bias ? prepared_bias(*bias, q, k) : at::Tensor(), at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0,
-          kernel->causal, scale);
+          b, at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, kernel->causal, scale);
       dq = std::get<0>(grads), dk = std::get<1>(grads), dv = std::get<2>(grads);
     } else if (op->cuda) {
       const int64_t rows = q.size(2), padded = (rows + 31) / 32 * 32;
       at::Tensor lse_padded = at::zeros({q.size(0), q.size(1), padded}, lse.options());
       lse_padded.narrow(2, 0, rows).copy_(lse);
       const at::Tensor none = at::empty({}, at::TensorOptions().dtype(at::kLong));
-      const at::Tensor b = bias ? prepared_bias(*bias, q, k) : at::Tensor();
       // the kernel reads out as rows of heads · dim values, [batch, seq, heads, dim] as its forward wrote it
       // (its o_strideM is heads · dim, whatever the tensor's stride): layout 1 is that; else a copy in it
       const at::Tensor out_rows =
