@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
-#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (the sixteen graph levers below together with
+#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (the seventeen graph levers below together with
 #       fused_attention, packed_attention, causal_attention and loss_pieces, the same with device.cuda_graph, the
-#       sixteen with loss_pieces and device.cuda_graph, the first with torch_attention_choice, then
+#       seventeen with loss_pieces and device.cuda_graph, the first with torch_attention_choice, then
 #       device.cuda_graph,fused_attention,
 #       fused_attention+packed_attention,fused_attention+packed_attention+causal_attention,
 #       device.torch_allocator,loss_pieces,layer_recompute,
 #       activation_recompute,activation_recompute+gelu_forward_kernel,fused_gelu_gradient,fused_layer_norm_gradient,
 #       fused_softmax_gradient,fused_safe_softmax,fused_cross_entropy,half_precision_gelu,bfloat16_softmax_gradient,
 #       aligned_products,half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products,
-#       fused_gradient_sums,fused_layer_norm,torch_products, each alone: the candidates for the defaults)]
+#       fused_gradient_sums,fused_layer_norm,torch_products,weight_casts, each alone: the candidates for the
+#       defaults)]
 # 1. benchmarks/gpu_probe.py: the language-model head's three products at 4096 × 768 × 50257 and × 50304
 #    (and two aligned products of the step; each forward with a bias vector too) in torch and ONNX Runtime:
 #    kernel names, ms, TFLOP/s.
@@ -25,7 +26,7 @@ set -uo pipefail
 out=${1:-docs/gpu_levers}
 # each lever alone, then the graph levers all together with loss_pieces (what turning every one on would give),
 # and with the step captured as a CUDA graph (the host's part of a step gone once the kernels are few and short)
-all_graph=activation_recompute+gelu_forward_kernel+fused_gelu_gradient+fused_layer_norm_gradient+fused_softmax_gradient+fused_safe_softmax+fused_cross_entropy+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products+fused_gradient_sums+fused_layer_norm+torch_products
+all_graph=activation_recompute+gelu_forward_kernel+fused_gelu_gradient+fused_layer_norm_gradient+fused_softmax_gradient+fused_safe_softmax+fused_cross_entropy+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products+fused_gradient_sums+fused_layer_norm+torch_products+weight_casts
 # (loss_pieces and activation_recompute are on by default: each one's row against the others' baseline, where
 # both are off, measures it; recompute trades a step's time for memory, which a GPU may not need.
 # gelu_forward_kernel acts on the values recompute copies: its row has both, against recompute's row)

@@ -63,7 +63,8 @@ KERNEL_OUTPUTS = {"GeluGrad": (1,), "TanhGeluGrad": (1,), "SoftmaxGrad": (1,), "
 KINDS = {"Cast": "casts", "Transpose": "copies", "Concat": "copies", "Split": "copies", "Slice": "copies",
          "Expand": "copies", "Gather": "copies", "GatherElements": "copies", "ScatterElements": "copies",
          "ScatterND": "copies", "Pad": "copies", "Tile": "copies", "Where": "element-wise",
-         "Softmax": "softmax", "LogSoftmax": "softmax", "LayerNormalization": "layer norm"}
+         "Softmax": "softmax", "LogSoftmax": "softmax", "LayerNormalization": "layer norm",
+         "CastsToFloat16": "casts", "CastsToBFloat16": "casts"}  # (weight_casts': every weight's in one node)
 
 
 def kind(op_type: str) -> str:

@@ -178,17 +178,14 @@ _SCHEMA: dict[str, _Field] = {
         "temporaries the size of the table (GPT-2 small: 154 MB each) (gradient source 'torch' only)"
     ),
     "graph_optimizations.fast_gelu_gradient": _Field(
-        _BOOL, True, "tanh-GELU gradient in elementwise operators instead of the FastGeluGrad kernel"
-    ),
+        _BOOL, True, "tanh-GELU gradient in elementwise operators instead of the FastGeluGrad kernel"),
     "graph_optimizations.integer_powers": _Field(
         _BOOL, True, "x**2 and x**3 as multiplications instead of Pow (a tanh-GELU written out in Python, when the "
-        "gelu pass is off; gradient source 'torch' only)"
-    ),
+        "gelu pass is off; gradient source 'torch' only)"),
     "graph_optimizations.integer_pads": _Field(
         _BOOL, True, "a constant-mode Pad of an integer tensor (the labels Hugging Face's causal-LM loss pads) as a "
         "Concat with constant fills: ONNX Runtime's CUDA provider has no integer Pad, which ran on the host with "
-        "copies inside each run (gradient source 'torch' only)"
-    ),
+        "copies inside each run (gradient source 'torch' only)"),
     "graph_optimizations.gelu": _Field(
         _BOOL, True, "GELU (F.gelu, or the tanh/erf formula written out as GPT-2's and BERT's Python code "
         "does) with forward and backward computed together, the forward keeping what the backward reads: "
@@ -323,8 +320,11 @@ _SCHEMA: dict[str, _Field] = {
         "weight read by several half products, as GPT-2's tied embedding with loss_pieces) as one AddHalf node of "
         "ort_trainer's kernels, the half tensor widened as it is read (no float32 copy; where it is a padded "
         "product's leading rows, the padded product read directly); the same values. Off by default until a GPU "
-        "measurement shows it wins (gradient source 'torch' only)"
-    ),
+        "measurement shows it wins (gradient source 'torch' only)"),
+    "graph_optimizations.weight_casts": _Field(
+        _BOOL, False, "mixed precision: the weights' half copies (a Cast each) by one node of ort_trainer's kernels "
+        "(on CUDA a launch per 64 weights; aligned_products' padded weights written padded); the same values. Off "
+        "until a GPU measurement shows it wins (gradient source 'torch' only)"),
     "graph_optimizations.gelu_forward_kernel": _Field(
         _BOOL, False, "each GELU's forward, once its backward recomputes its values (activation_recompute), as one "
         "com.microsoft FastGelu (tanh) or BiasGelu with a zero bias (erf) node instead of five or six element-wise "

@@ -45,6 +45,7 @@ _SIGNATURES = {
     "cross_entropy": [I, P, P, P, P, L, L, L, L],
     "cross_entropy_grad": [I, P, P, P, P, P, L, L, L, L],
     "add_half": [I, I, P, P, I, P, L],
+    "half_copies": [I, P, P, P, P, I],
 }
 
 needs_compiler = pytest.mark.skipif(kernels._compilers()[1] is None, reason="no C++ compiler here")
@@ -484,6 +485,40 @@ def test_add_half_is_casts_then_adds_bit_for_bit(emulated, dtype, sum_dtype, add
     emulated["add_half"](_TYPES[dtype][0], _TYPES[sum_dtype][0], memory.input(total), pointers, addends, out, n)
     memory.check()
     assert torch.equal(out, expected)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_copies_round_as_casts_do_bit_for_bit(emulated, dtype):
+    """70 float32 tensors rounded to ``dtype`` in two launches (64 tensors at most a launch), bit for bit torch's
+    cast: values that round to nearest even, overflow to inf, underflow to subnormals and zero, NaN, -0. Sizes: one of
+    several blocks' chunks (20000 values), odd ones, an empty one; a tensor one element off the 16-byte alignment (an
+    element a step), others 4 elements a step; some padded with zero rows past their values (0, 3 or 37 elements)."""
+    gen = torch.Generator().manual_seed(11)
+    specials = torch.tensor([65504.0, 65520.0, 1e6, -1e6, 2.0 ** -25, 2.0 ** -26, 1e-30, float("inf"), float("nan"),
+                             -0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 3.0e38, 1.0 + 2.0 ** -8])
+    sizes = [20000, 7, 1, 0, 768, 2304, 3] + [int(s) for s in torch.randint(1, 300, (63,), generator=gen)]
+    memory = Memory()
+    xs, ys, wants, pads = [], [], [], []
+    for k, n in enumerate(sizes):
+        x = torch.cat([specials, torch.randn(n, generator=gen) * 100.0])[:n] if k % 3 == 0 else \
+            torch.randn(n, generator=gen) * 4.0
+        pad = (0, 3, 37)[k % 3]
+        xs.append(memory.input(x, offset=1 if k == 4 else 0))
+        ys.append(memory.output((n + pad,), dtype))
+        wants.append(torch.cat([x.to(dtype), torch.zeros(pad, dtype=dtype)]))
+        pads.append(pad)
+    count = len(sizes)
+    emulated["half_copies"](_TYPES[dtype][0], (P * count)(*(x.data_ptr() for x in xs)),
+                            (P * count)(*(y.data_ptr() for y in ys)), (L * count)(*sizes),
+                            (L * count)(*(n + pad for n, pad in zip(sizes, pads))), count)
+    memory.check()
+    for k, (y, want) in enumerate(zip(ys, wants)):
+        # bit for bit (-0 stays -0, +0 in the padded rows), NaN where torch's is (its bits are not one pattern: torch
+        # writes bfloat16's NaN as 0x7fc0, a GPU's conversion as 0x7fff)
+        nan = want.isnan()
+        assert torch.equal(y.isnan(), nan), (k, sizes[k])
+        assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16)), (k, sizes[k])
 
 
 @needs_compiler

@@ -106,7 +106,7 @@ EVERY_LEVER = ("activation_recompute", "gelu_forward_kernel", "fused_gelu_gradie
                "fused_softmax_gradient", "fused_safe_softmax", "fused_cross_entropy", "half_precision_gelu",
                "bfloat16_softmax_gradient", "aligned_products", "half_precision_loss", "half_precision_bias_gradient",
                "half_precision_transposed_products", "fused_gradient_sums", "fused_layer_norm", "torch_products",
-               "fused_attention", "packed_attention", "causal_attention", "loss_pieces")
+               "fused_attention", "packed_attention", "causal_attention", "loss_pieces", "weight_casts")
 
 
 @pytest.mark.cuda

@@ -32,6 +32,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
+#define __grid_constant__  // (a kernel's parameters: the launch's copy, read by every thread)
 
 struct uint3 {
   unsigned x, y, z;

@@ -1,5 +1,7 @@
 // The CUDA launchers of ort_trainer's kernels (ort_trainer/kernels/csrc/kernels.h), under C names for ctypes, as the
 // emulated library (cuda_runtime.h) exports them to tests/test_cuda_emulated.py. Types are ONNX's numbers.
+#include <vector>
+
 #include "kernels.h"
 #include "layer_norm.h"
 
@@ -63,6 +65,14 @@ const char* emu_cross_entropy_grad(int type, const float* grad, const void* x, c
 const char* emu_add_half(int type, int sum_type, const void* sum, const void* const* xs, int count, float* out,
                          int64_t n) {
   return add_half_cuda(as_type(type), as_type(sum_type), sum, xs, count, out, n, nullptr);
+}
+
+// copy k: xs[k]'s ns[k] values into ys[k], padded[k] elements (ops.cc's HalfCopy table)
+const char* emu_half_copies(int type, const void* const* xs, void* const* ys, const int64_t* ns, const int64_t* padded,
+                            int count) {
+  std::vector<HalfCopy> copies(count);
+  for (int k = 0; k < count; ++k) copies[k] = HalfCopy{static_cast<const float*>(xs[k]), ys[k], ns[k], padded[k]};
+  return half_copies_cuda(as_type(type), copies.data(), count, nullptr);
 }
 
 }  // extern "C"

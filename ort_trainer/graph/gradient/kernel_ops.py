@@ -354,6 +354,9 @@ _SCHEMAS = {
     # (the sum float32 or of x's half dtype; x variadic, _VARIADIC; rows: y's first dim, where the inputs are padded
     # products)
     "AddHalf": ([("sum", "G"), ("x", "T")], [("y", "U")], ("rows",)),
+    # written by graph/passes/weight_casts.py: float32 weights rounded to one half dtype (x and y variadic;
+    # output_rows, ints: each y's first dim (0: x's), the rows past x's zeros)
+    **{name: ([("x", "U")], [("y", "T")], ("output_rows",)) for name in ("CastsToFloat16", "CastsToBFloat16")},
     **{name: ([("dy", "T"), ("x", "U"), ("mean", "U"), ("rstd", "U"), ("gamma", "U"), ("residual", "U")],
               [("sum", "U"), ("dgamma", "U"), ("dbeta", "U"), ("partials", "U"), *extra], ())
        for name, extra in (("LayerNormGradAdd", []), ("LayerNormGradAddCast", [("sum_cast", "T")]))},
@@ -365,7 +368,9 @@ _SCHEMAS = {
        for name in ("LayerNormToFloat16", "LayerNormToBFloat16")},
 }
 _FLOAT_ATTRIBUTES = {"epsilon"}
-_VARIADIC = {("AddHalf", "x")}  # (operator, input): one or more tensors of the input's type
+_INTS_ATTRIBUTES = {"output_rows"}
+# (operator, input or output): one or more tensors of its type
+_VARIADIC = {("AddHalf", "x"), *((name, p) for name in ("CastsToFloat16", "CastsToBFloat16") for p in "xy")}
 _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"]}
 
 
@@ -386,8 +391,13 @@ def _register_schemas() -> None:
             name, DOMAIN, OPSET, doc=f"ort_trainer's kernel library: {name}",
             inputs=[parameter(p) for p in inputs], outputs=[parameter(p) for p in outputs],
             type_constraints=[(kind, _TYPES[kind], kind) for kind in used],
-            attributes=[schema.Attribute(a, schema.AttrType.FLOAT if a in _FLOAT_ATTRIBUTES else schema.AttrType.INT, a,
-                                         required=False) for a in attributes]))
+            attributes=[schema.Attribute(a, _attribute_type(a), a, required=False) for a in attributes]))
+
+
+def _attribute_type(name: str):
+    """An attribute's ONNX type in the schemas (_FLOAT_ATTRIBUTES, _INTS_ATTRIBUTES, else INT)."""
+    kinds = onnx.defs.OpSchema.AttrType
+    return kinds.FLOAT if name in _FLOAT_ATTRIBUTES else kinds.INTS if name in _INTS_ATTRIBUTES else kinds.INT
 
 
 def register_translations(registry) -> None:

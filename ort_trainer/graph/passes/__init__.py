@@ -22,7 +22,9 @@ Each pass has a name under ``graph_optimizations`` and is checked against float6
   float32 sum of a half gradient in one kernel node), ``layer_norm_sums.py`` (a LayerNorm's gradient added into the
   residual's in its kernel, ``fused_layer_norm_gradient``'s joint part), ``layer_norm_forward.py`` (a LayerNorm
   that writes its half output itself), ``order.py`` (the loss pieces' backward early), ``torch_products.py``
-  (every product by torch's BLAS; last: the passes before it read ONNX's ``Gemm`` and ``MatMul``);
+  (every product by torch's BLAS; after the others but one: they read ONNX's ``Gemm`` and ``MatMul``),
+  ``weight_casts.py`` (the weights' half copies in one kernel node; last: the passes before it read their ``Cast``
+  nodes and ``aligned_products``' pads);
 - the eval graph of the ``"torch"`` source (``EVAL_PASSES``, ``apply_eval_passes``): those of the
   above that act on a forward graph, with ``forward.cross_entropy_forward`` for ``cross_entropy``
   (the translation writes ``F.cross_entropy`` as one ``SoftmaxCrossEntropyLoss``, which ONNX
@@ -42,7 +44,7 @@ import onnx
 from ..onnx_graph import dangling_names, drop_dead_nodes
 from . import (aligned, attention_backend, attention_layout, causal_attention, copies, dropout, embedding, forward,
                gelu_kernel, gradient_sums, layer_norm_forward, layer_norm_sums, layer_recompute, loss, order,
-               packed_attention, recompute, softmax, tied_embedding, torch_products)
+               packed_attention, recompute, softmax, tied_embedding, torch_products, weight_casts)
 from .joint import cross_entropy_backward, identity_transposes, integer_pads, integer_powers
 
 
@@ -71,7 +73,8 @@ _JOINT = (
     ("aligned_products", aligned.aligned_products), ("fused_gradient_sums", gradient_sums.fused_gradient_sums),
     ("fused_layer_norm_gradient", layer_norm_sums.layer_norm_residual_sums),
     ("fused_layer_norm", layer_norm_forward.fused_layer_norm),
-    ("loss_pieces", order.piece_gradients_early), ("torch_products", torch_products.torch_products))
+    ("loss_pieces", order.piece_gradients_early), ("torch_products", torch_products.torch_products),
+    ("weight_casts", weight_casts.weight_casts))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),

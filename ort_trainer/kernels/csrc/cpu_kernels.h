@@ -290,4 +290,22 @@ void add_half_cpu(const void* sum_, const void* const* xs, int count, float* out
   });
 }
 
+// CastsToFloat16 and CastsToBFloat16: each copy's x rounded to T, zeros past its values; the copies' elements, one
+// run after another, shared among the cores as one range
+template <typename T>
+void half_copies_cpu(const HalfCopy* copies, int count) {
+  std::vector<int64_t> starts(count + 1, 0);  // copy k's elements in the whole range: [starts[k], starts[k + 1])
+  for (int k = 0; k < count; ++k) starts[k + 1] = starts[k] + copies[k].padded;
+  parallel(starts[count], kGrain, [&](int64_t begin, int64_t end) {
+    int k = static_cast<int>(std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin()) - 1;
+    for (int64_t at = begin; at < end; ++k) {
+      const HalfCopy& copy = copies[k];
+      const int64_t first = at - starts[k], last = std::min(end, starts[k + 1]) - starts[k];
+      typename T::Storage* y = static_cast<typename T::Storage*>(copy.y);
+      for (int64_t i = first; i < last; ++i) y[i] = T::store(i < copy.n ? copy.x[i] : 0.0f);
+      at = starts[k] + last;
+    }
+  });
+}
+
 }  // namespace ort_trainer_kernels

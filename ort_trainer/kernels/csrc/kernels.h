@@ -87,4 +87,18 @@ const char* cross_entropy_grad_cuda(ElementType type, const float* grad, const v
 const char* add_half_cuda(ElementType type, ElementType sum_type, const void* sum, const void* const* xs, int count,
                           float* out, int64_t n, void* stream);
 
+// one tensor of CastsToFloat16 or CastsToBFloat16 (ops.cc): the n float32 values of x rounded to the half dtype into
+// y, then zeros up to `padded` elements of y (a padded product's weight: graph/passes/weight_casts.py)
+struct HalfCopy {
+  const float* x;
+  void* y;
+  int64_t n;
+  int64_t padded;  // >= n
+};
+
+// every copy of `copies` (count of them) into y of `type` (float16 or bfloat16), in a few launches (each of up to
+// kMaxHalfCopies tensors)
+constexpr int kMaxHalfCopies = 64;
+const char* half_copies_cuda(ElementType type, const HalfCopy* copies, int count, void* stream);
+
 }  // namespace ort_trainer_kernels

@@ -29,6 +29,11 @@
 //                               then a chain of Adds compute it. sum may be of x's half dtype too (widened as
 //                               well); the attribute rows (default: sum's first dim): y is [rows, sum's other dims],
 //                               the first elements of sum and each x read (all may be padded products)
+//   CastsToFloat16(x, ...) -> (y, ...), CastsToBFloat16(x, ...) -> (y, ...)
+//                               each float32 x rounded to float16 (bfloat16), as a Cast to it rounds; the
+//                               attribute output_rows (ints, one a y; 0 or none: x's own): y's first dim, at least x's,
+//                               the rows past x's zeros (a padded product's weight). One node for a step's weights:
+//                               one CUDA launch for up to 64 of them
 #include <stdint.h>
 
 #include <algorithm>
@@ -227,6 +232,37 @@ OrtStatus* compute_add_half(const Kernel* kernel, OrtKernelContext* context) {
   return nullptr;
 }
 
+OrtStatus* compute_half_copies(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const std::string name = kernel->op->name;
+  size_t count = 0;
+  ORTT_RETURN_IF_ERROR(input_count(api, context, &count));
+  if (!kernel->output_rows.empty() && kernel->output_rows.size() != count)
+    return fail(api, name + ": output_rows has " + std::to_string(kernel->output_rows.size()) + " values for " +
+                         std::to_string(count) + " tensors");
+  std::vector<HalfCopy> copies(count);
+  for (size_t i = 0; i < count; ++i) {
+    Tensor x, y;
+    ORTT_RETURN_IF_ERROR(input(api, context, i, &x));
+    std::vector<int64_t> dims = x.dims;
+    if (!kernel->output_rows.empty()) {
+      const int64_t rows = kernel->output_rows[i];  // (0: x's own)
+      if (rows != 0 && (dims.empty() || rows < dims[0]))
+        return fail(api, name + ": output_rows[" + std::to_string(i) + "] (" + std::to_string(rows) +
+                             ") must be at least x's first dim (" + std::to_string(dims.empty() ? 0 : dims[0]) + ")");
+      if (rows != 0) dims[0] = rows;
+    }
+    ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &y));
+    copies[i] = HalfCopy{static_cast<const float*>(x.data), y.data, x.size, y.size};
+  }
+  if (kernel->op->cuda)
+    return on_cuda_stream(api, context, kernel->op->name, [&](void* stream) {
+      return half_copies_cuda(kernel->op->type, copies.data(), static_cast<int>(count), stream);
+    });
+  dispatch(kernel->op->type, [&]<typename T>() { half_copies_cpu<T>(copies.data(), static_cast<int>(count)); });
+  return nullptr;
+}
+
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
@@ -241,6 +277,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kCrossEntropy: return compute_cross_entropy(kernel, context);
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
     case Kind::kAddHalf: return compute_add_half(kernel, context);
+    case Kind::kHalfCopies: return compute_half_copies(kernel, context);
     case Kind::kLayerNormCast:
     case Kind::kLayerNormWithCast:
     case Kind::kAddLayerNormCast:
@@ -269,7 +306,21 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "epsilon", &epsilon);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  return new Kernel{api, as_operator(op), ignore_index, classes, rows, epsilon};
+  std::vector<int64_t> output_rows;
+  if (kind == Kind::kHalfCopies) {
+    const auto get = slot<KernelInfoGetAttributeArrayInt64>(api, kKernelInfoGetAttributeArrayInt64);
+    size_t size = 0;
+    OrtStatus* status = get(info, "output_rows", nullptr, &size);  // (an error: the node has none)
+    if (status == nullptr) {
+      output_rows.resize(size);
+      status = get(info, "output_rows", output_rows.data(), &size);
+    }
+    if (status != nullptr) {
+      slot<ReleaseStatus>(api, kReleaseStatus)(status);
+      output_rows.clear();
+    }
+  }
+  return new Kernel{api, as_operator(op), ignore_index, classes, rows, epsilon, std::move(output_rows)};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -293,6 +344,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kCrossEntropy     ? std::vector{t, i64}
       : kind == Kind::kCrossEntropyGrad ? std::vector{f32, t, i64, f32}
       : kind == Kind::kAddHalf          ? std::vector{g, t}
+      : kind == Kind::kHalfCopies       ? std::vector{f32}
                                         : std::vector{t, t};
   const std::vector<ONNXTensorElementDataType> outs =
       kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
@@ -306,7 +358,8 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
-  op.variadic = kind == Kind::kAddHalf;  // x, ...
+  op.variadic = kind == Kind::kAddHalf || kind == Kind::kHalfCopies;  // x, ...
+  op.variadic_output = kind == Kind::kHalfCopies;                     // y, ...
   op.kind = kind;
   op.tanh_form = tanh_form;
   op.type = type;
@@ -336,6 +389,8 @@ const std::vector<Operator>& operators() {
         if (type != ElementType::kFloat) {  // (a float32 sum, or one of x's dtype: G is the sum's)
           ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, ElementType::kFloat));
           ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, type));
+          ops.push_back(make_operator(type == ElementType::kFloat16 ? "CastsToFloat16" : "CastsToBFloat16",
+                                      Kind::kHalfCopies, false, cuda, type));
         }
       }
       // LayerNorm's tensors in one dtype, or a half-precision input with float32 weights (torch's layer norm of a

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 #include "ort_abi.h"
@@ -29,7 +30,8 @@ enum class Kind {
   kBiasSafeSoftmax,
   kCrossEntropy,
   kCrossEntropyGrad,
-  kAddHalf
+  kAddHalf,
+  kHalfCopies
 };
 
 struct Operator : OperatorEntry {
@@ -47,6 +49,7 @@ struct Kernel {
   int64_t classes;       // 0: a row's every value
   int64_t rows;          // AddHalf's attribute: 0, sum's
   float epsilon;         // LayerNormTo* and LayerNormWith*'s
+  std::vector<int64_t> output_rows;  // CastsTo*'s attribute: each y's first dim (0 or none: x's own)
 };
 
 // runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the

@@ -28,7 +28,8 @@ struct OrtApi {
 
 // the slots ops.cc calls (index: signature). 193 (the CUDA path's only one): onnxruntime_c_api.cc's table asserts
 // that version 8 ends at 169; version 9 appends 22 entries (TensorRT options, custom-op switch, allocators,
-// sparse tensors), and version 10 begins HasValue (192), KernelContext_GetGPUComputeStream (193)
+// sparse tensors), and version 10 begins HasValue (192), KernelContext_GetGPUComputeStream (193). 163: version 8's
+// eight entries (162-169) begin KernelInfoGetAttributeArray_float, KernelInfoGetAttributeArray_int64
 namespace ort_abi {
 using CreateStatus = OrtStatus* (*)(OrtErrorCode, const char*);                                   // 0
 using CreateCustomOpDomain = OrtStatus* (*)(const char*, OrtCustomOpDomain**);                     // 26
@@ -47,6 +48,8 @@ using KernelContextGetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, co
 using KernelContextGetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);  // 91
 using ReleaseStatus = void (*)(OrtStatus*);                                                        // 93
 using ReleaseTensorTypeAndShapeInfo = void (*)(OrtTensorTypeAndShapeInfo*);                        // 99
+// (out nullptr: the count in *size; else up to *size values, the count in *size; an error where more)
+using KernelInfoGetAttributeArrayInt64 = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*, size_t*);  // 163
 using KernelContextGetGPUComputeStream = OrtStatus* (*)(const OrtKernelContext*, void**);          // 193
 
 enum Slot : int {
@@ -67,6 +70,7 @@ enum Slot : int {
   kKernelContextGetOutput = 91,
   kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelInfoGetAttributeArrayInt64 = 163,
   kKernelContextGetGPUComputeStream = 193,
 };
 

@@ -74,7 +74,8 @@ struct OperatorEntry : OrtCustomOp {
   const char* name;
   bool cuda;  // the CUDA provider's, else the CPU's
   size_t inputs, outputs;
-  bool variadic;  // the last input variadic: one or more tensors of its dtype
+  bool variadic;         // the last input variadic: one or more tensors of its dtype
+  bool variadic_output;  // the last output variadic likewise
   ONNXTensorElementDataType input_types[8], output_types[8];
 };
 
@@ -91,7 +92,9 @@ inline size_t output_count(const OrtCustomOp* op) { return of(op)->outputs; }
 inline OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustomOp* op, size_t index) {
   return of(op)->variadic && index + 1 == of(op)->inputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
 }
-inline OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+inline OrtCustomOpInputOutputCharacteristic output_characteristic(const OrtCustomOp* op, size_t index) {
+  return of(op)->variadic_output && index + 1 == of(op)->outputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+}
 inline OrtMemType device_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 inline int variadic_min_arity(const OrtCustomOp*) { return 1; }
 inline int variadic_homogeneous(const OrtCustomOp*) { return 1; }
@@ -115,7 +118,7 @@ inline void set_entry(OperatorEntry* op, uint32_t version, const char* name, boo
   op->KernelCompute = nullptr;
   op->KernelDestroy = destroy;
   op->GetInputCharacteristic = entry::input_characteristic;
-  op->GetOutputCharacteristic = entry::required;
+  op->GetOutputCharacteristic = entry::output_characteristic;
   op->GetInputMemoryType = entry::device_memory;
   op->GetVariadicInputMinArity = entry::variadic_min_arity;
   op->GetVariadicInputHomogeneity = entry::variadic_homogeneous;
@@ -128,6 +131,7 @@ inline void set_entry(OperatorEntry* op, uint32_t version, const char* name, boo
   op->inputs = ins.size();
   op->outputs = outs.size();
   op->variadic = false;
+  op->variadic_output = false;
   std::copy(ins.begin(), ins.end(), op->input_types);
   std::copy(outs.begin(), outs.end(), op->output_types);
 }
