@@ -352,8 +352,8 @@ def test_the_real_size_benchmark_runs_end_to_end_on_a_tiny_gpt2(tmp_path, monkey
     assert float(cells[8].rstrip("×")) > 0  # against torch.compile
     rate, rate_range = cells[9].rstrip(")").split(" (")  # the host's GEMM rate in the 5 training processes
     # (a process whose torch threads shared the cores with another job can read under 0.5 GFLOP/s, printed 0: its
-    # product waits for a descheduled thread on every call)
-    assert float(rate) > 0 and all(float(x) >= 0 for x in rate_range.split("–"))
+    # product waits for a descheduled thread on every call; the median of such processes too, when all share them)
+    assert float(rate) >= 0 and all(float(x) >= 0 for x in rate_range.split("–"))
     ort_rate, eager_rate, compile_rate, peak = (float(x) for x in cells[10].split(" / "))
     assert 0 < ort_rate and 0 < eager_rate and 0 < compile_rate and 0 < peak  # FLOP rates and the GEMM peak
     assert float(cells[11].rstrip("×")) > 0
