@@ -142,9 +142,28 @@ def test_products_that_do_not_fit_are_refused_naming_the_shapes():
     session = _session("MatMul", {"a": [5, 24], "b": [23, 7]}, torch.float32)
     with pytest.raises(Exception, match=r"MatMul: a's columns \(24\) and b's rows \(23\) differ"):
         session.run(None, {"a": np.ones((5, 24), np.float32), "b": np.ones((23, 7), np.float32)})
-    session = _session("Gemm", {"a": [24], "b": [24, 7]}, torch.float32)
-    with pytest.raises(Exception, match=r"Gemm: a and b must be of rank 2 or more"):
+    message = r"Gemm: a must be of rank 1 \(not transposed\) or more, b of rank 2 or more"
+    session = _session("Gemm", {"a": [24], "b": [24, 7]}, torch.float32, transA=1)
+    with pytest.raises(Exception, match=message):
         session.run(None, {"a": np.ones(24, np.float32), "b": np.ones((24, 7), np.float32)})
+    session = _session("Gemm", {"a": [5, 24], "b": [24]}, torch.float32)
+    with pytest.raises(Exception, match=message):
+        session.run(None, {"a": np.ones((5, 24), np.float32), "b": np.ones(24, np.float32)})
+
+
+@pytest.mark.parametrize("dtype", list(_ELEM), ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["Gemm", "GemmToFloat"])
+def test_a_gemm_of_a_row_of_ones_is_a_column_sum(dtype, op):
+    """A 1-D a is one row (product_views.py's column sums): ones[10] times b [2, 5, 7] read as its rows is b's column
+    sums, y [7]; against float64 over the same rounded operands."""
+    if op == "GemmToFloat" and dtype == torch.float32:
+        pytest.skip("GemmToFloat takes half operands")
+    b = (torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
+    want, magnitude = b.double().sum((0, 1)), b.double().abs().sum((0, 1))
+    out_dtype = torch.float32 if op == "GemmToFloat" else dtype
+    y = _run(_session(op, {"a": [10], "b": [2, 5, 7]}, dtype, out_dtype), {"a": torch.ones(10, dtype=dtype), "b": b},
+             [7], out_dtype)
+    _within(y, want, magnitude, out_dtype, 10 + 1)
 
 
 @pytest.mark.parametrize("dtype", list(_ELEM), ids=["float32", "float16", "bfloat16"])
@@ -390,6 +409,59 @@ def test_product_views_read_and_write_the_tensors_reshapes_flattened():
             assert ("BiasGemm", ["x2", "w", "c"], ["y2"]) in layout and ("Reshape", ["y2", "y_dims"], ["y"]) in layout
         else:
             assert layout == [("BiasGemm", ["x", "w", "c"], ["y"]), ("GemmToFloat", ["x", "dy"], ["dw"])]
+        after = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+        for got, want in zip(after, before):
+            assert got.shape == want.shape and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("op, dtype", [("MatMulToFloat", TensorProto.FLOAT16), ("MatMul", TensorProto.FLOAT)])
+def test_product_views_sum_columns_with_a_row_of_ones(op, dtype):
+    """``product_views`` on a bias's gradient as ``column_sums`` writes it (ones [1, 10] times dy [2, 5, 7] flattened
+    by two Reshapes, the product's [1, 7] reshaped to [7]): one Gemm of a 1-D row of ones that reads dy and writes
+    [7]; where another node reads the [1, 7] product, it stays as it was. The same values bit for bit (ONNX Runtime
+    on the CPU)."""
+    from ort_trainer.graph.onnx_graph import drop_dead_nodes
+    from ort_trainer.graph.passes.product_views import product_views
+
+    i64, out = TensorProto.INT64, TensorProto.FLOAT if op == "MatMulToFloat" else dtype
+    name = "FLOAT16" if dtype == TensorProto.FLOAT16 else "FLOAT"
+
+    def graph(sum_read_elsewhere: bool):
+        nodes = [helper.make_node("Reshape", ["dy", "rows7"], ["dy2"]),
+                 helper.make_node("Reshape", ["dy2", "rows7"], ["view"]),
+                 helper.make_node(op, ["ones", "view"], ["sum"], domain=torch_ops.DOMAIN),
+                 helper.make_node("Reshape", ["sum", "bias_dims"], ["db"])]
+        outputs = [("db", out, [7])]
+        if sum_read_elsewhere:
+            nodes.append(helper.make_node("Identity", ["sum"], ["sum_copy"]))
+            outputs.append(("sum_copy", out, [1, 7]))
+        inits = [helper.make_tensor("rows7", i64, [2], [10, 7]), helper.make_tensor("bias_dims", i64, [1], [7]),
+                 helper.make_tensor("ones", dtype, [1, 10], [1.0] * 10)]
+        return helper.make_model(helper.make_graph(
+            nodes, "bias", [helper.make_tensor_value_info("dy", dtype, [2, 5, 7])],
+            [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs], inits,
+            value_info=[helper.make_tensor_value_info("dy2", dtype, [10, 7])]),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(torch_ops.DOMAIN, 1)], ir_version=8)
+
+    np_dtype = np.float16 if dtype == TensorProto.FLOAT16 else np.float32
+    feeds = {"dy": (torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(7)) * 9).numpy().astype(np_dtype)}
+    options = ort.SessionOptions()
+    torch_ops.register(options)
+    for elsewhere in (False, True):
+        model = graph(elsewhere)
+        before = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+        assert product_views(model) == (0 if elsewhere else 2)
+        drop_dead_nodes(model)
+        layout = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+        if elsewhere:
+            assert (op, ["ones", "view"], ["sum"]) in layout
+        else:
+            row = f"ort_trainer/column_sums/row_10_{name.lower()}"
+            assert layout == [(op.replace("MatMul", "Gemm"), [row, "dy"], ["db"])]
+            assert [list(i.dims) for i in model.graph.initializer if i.name == row] == [[10]]
+            assert "ones" not in {i.name for i in model.graph.initializer}
         after = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
             None, feeds)
         for got, want in zip(after, before):

@@ -11,18 +11,27 @@ matrix of its rows, a view (``kernels/csrc/torch_ops.cc``): here an ``ort_traine
 output, as ``b``, as a transposed ``a`` (the output stays 2-D), or as ``a`` not transposed where every reader of
 the product is a ``Reshape`` to ``[a's leading axes..., n]``: the product then writes that shape itself and those
 ``Reshape`` nodes go. The same products of the same numbers in the same memory.
+
+A column sum (``column_sums`` and ``half_precision_bias_gradient``: ``MatMul(ones[1, K], Reshape(x, [K, n]))``, a
+bias's gradient, then a ``Reshape`` to ``[n]``) becomes a ``Gemm`` of a 1-D row of ones (one row: torch's product
+on its ``[1, K]`` view, ``y`` then ``[n]``) that reads ``x`` as its rows, through every ``Reshape`` that keeps its
+last axis, and writes the ``[n]`` sum itself: both ``Reshape`` nodes go (GPT-2 small: 96 a step; BERT-base: 146,
+and the flattening ``Reshape`` that only the column sum read).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx
+from onnx import helper
 
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _is, _keep, _redirect
+from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _redirect
 
 _GEMMS = {"Gemm", "BiasGemm", "GemmToFloat"}
+_SUMS = {"MatMul": "Gemm", "MatMulToFloat": "GemmToFloat"}  # a column sum's product -> the Gemm that takes a row
 
 
 def product_views(model: onnx.ModelProto) -> int:
@@ -60,7 +69,71 @@ def product_views(model: onnx.ModelProto) -> int:
         identities = _redirect(model, renamed, set(removed))
         _keep(model, set(removed), before={key: [identities[node.output[0]]] for key, node in removed.items()
                                            if node.output[0] in identities})
-    return count
+    return count + _column_sums(model)
+
+
+def _column_sums(model: onnx.ModelProto) -> int:
+    """Each column sum as one ``Gemm`` of a row of ones (the module docstring), in place, on the graph the products'
+    views left; returns twice their count (each skips two ``Reshape`` nodes)."""
+    g, types = _Graph(model), _elem_types(model)
+    rows: dict[str, onnx.TensorProto] = {}  # the 1-D rows of ones the column sums read, by name
+    removed = set()
+    for node in model.graph.node:
+        if node.domain == TORCH_OPS_DOMAIN and node.op_type in _SUMS:
+            reshape = _column_sum(g, node, types, rows)
+            if reshape is not None:
+                removed.add(id(reshape))
+    model.graph.initializer.extend(rows.values())
+    _keep(model, removed)
+    return 2 * len(removed)
+
+
+def _column_sum(g: _Graph, node: onnx.NodeProto, types: dict, rows: dict) -> onnx.NodeProto | None:
+    """Where ``node`` (a ``MatMul`` / ``MatMulToFloat``) sums the rows of a ``[K, n]`` view of a tensor
+    (``MatMul(ones[1, K], b)``, neither transposed) and a ``Reshape`` to ``[n]`` alone reads it, the ``Gemm`` /
+    ``GemmToFloat`` of a 1-D row of ones that reads the tensor itself and writes the ``Reshape``'s output (the module
+    docstring), in place; returns that ``Reshape`` (for the caller to drop), else None."""
+    ones, b = node.input[0], node.input[1]
+    value, shape = g.const(ones), _shape(g, b)
+    if (value is None or value.shape != (1, value.size) or np.any(value != 1) or _attrs(node).get("transA", 0)
+            or _attrs(node).get("transB", 0) or not _static(shape) or len(shape) != 2 or shape[0] != value.size):
+        return None
+    readers = g.consumers.get(node.output[0], [])
+    if (len(readers) != 1 or node.output[0] in g.outputs or not _is(readers[0], "Reshape")
+            or _shape(g, readers[0].output[0]) != shape[1:]):
+        return None
+    dtype = types.get(ones)
+    name = f"ort_trainer/column_sums/row_{value.size}_{onnx.TensorProto.DataType.Name(dtype).lower()}"
+    if name not in g.initializers and name not in rows:
+        rows[name] = helper.make_tensor(name, dtype, [value.size], [1.0] * value.size)
+    node.op_type = _SUMS[node.op_type]
+    node.input[:] = [name, _rows_of(g, b)]
+    node.output[0] = readers[0].output[0]
+    del node.attribute[:]
+    return readers[0]
+
+
+def _shape(g: _Graph, name: str) -> list | None:
+    """``name``'s shape: as the graph records it, or where a ``Reshape`` of a constant static shape wrote it (a pass's
+    node, which records none)."""
+    shape = g.shapes.get(name)
+    reshape = g.producer.get(name)
+    if shape is None and reshape is not None and _is(reshape, "Reshape"):
+        target = g.const(reshape.input[1])
+        shape = [int(size) for size in target] if target is not None and np.all(target > 0) else None
+    return shape
+
+
+def _rows_of(g: _Graph, name: str) -> str:
+    """The tensor that the chain of ``Reshape`` nodes ``name`` comes out of views as ``name``'s ``[K, n]`` rows (each
+    of static shapes, the last axis ``n`` kept), or ``name`` itself."""
+    shape = _shape(g, name)
+    while True:
+        reshape = g.producer.get(name)
+        before = _shape(g, reshape.input[0]) if reshape is not None and _is(reshape, "Reshape") else None
+        if not _static(before) or before[-1] != shape[-1] or math.prod(before) != math.prod(shape):
+            return name
+        name = reshape.input[0]
 
 
 def _static(shape) -> bool:

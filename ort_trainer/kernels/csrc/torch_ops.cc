@@ -34,7 +34,8 @@
 //                                             broadcast to y (at::mm / at::addmm); an operand of rank > 2 is read
 //                                             as the 2-D matrix of its rows (its leading axes flattened, a view),
 //                                             and y is then [..., n] with a's leading axes where a is not
-//                                             transposed (graph/passes/product_views.py)
+//                                             transposed (graph/passes/product_views.py); a 1-D a not transposed
+//                                             is one row, y then [n] (a column sum: a row of ones)
 //   MatMul(a, b) -> y                         ONNX's MatMul (numpy's: batch axes broadcast, a vector operand a row or
 //                                             a column), the last two axes of a and b swapped where transA / transB
 //                                             is 1 (at::matmul: a transpose is read in place)
@@ -170,15 +171,17 @@ OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
   ORTT_RETURN_IF_ERROR(start(api, op, context, &run));
   const bool matmul = op->matmul;
   const Tensor &a_in = run.in[0], &b_in = run.in[1];
+  const bool row = !matmul && a_in.dims.size() == 1;  // a Gemm's 1-D a: one row, y [n] (a column sum's ones)
   if (matmul ? a_in.dims.empty() || b_in.dims.empty() || (kernel->trans_a && a_in.dims.size() < 2) ||
                    (kernel->trans_b && b_in.dims.size() < 2)
-             : a_in.dims.size() < 2 || b_in.dims.size() < 2)
+             : (a_in.dims.size() < 2 && !(row && !kernel->trans_a)) || b_in.dims.size() < 2)
     return fail(api, std::string(op->name) + (matmul ? ": a and b must be of rank 1 or more (2 or more transposed)"
-                                                     : ": a and b must be of rank 2 or more"));
+                                                     : ": a must be of rank 1 (not transposed) or more, b of rank 2 "
+                                                       "or more"));
   try {
     OnStream on_stream(op, run.stream);
     auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, run.options); };
-    // a Gemm's operand of rank > 2: the matrix of its rows (a view of the contiguous tensor)
+    // a Gemm's operand of rank > 2: the matrix of its rows (a view of the contiguous tensor); of rank 1, one row
     auto rows = [&](at::Tensor t) { return matmul || t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); };
     at::Tensor a = rows(wrap(a_in)), b = rows(wrap(b_in));
     if (kernel->trans_a) a = a.transpose(-2, -1);
@@ -194,7 +197,7 @@ OrtStatus* compute_product(const Kernel* kernel, OrtKernelContext* context) {
                             b.sizes().slice(0, std::max<int64_t>(b.dim() - 2, 0)));
     if (!matmul && !kernel->trans_a && a_in.dims.size() > 2)  // [..., n]: a's leading axes
       dims.assign(a_in.dims.begin(), a_in.dims.end() - 1);
-    else if (a.dim() > 1)
+    else if (a.dim() > 1 && !row)
       dims.push_back(a.size(-2));
     if (b.dim() > 1) dims.push_back(b.size(-1));
     Tensor y;
