@@ -466,3 +466,46 @@ def test_product_views_sum_columns_with_a_row_of_ones(op, dtype):
             None, feeds)
         for got, want in zip(after, before):
             assert got.shape == want.shape and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("as_sum", [False, True], ids=["term", "sum"])
+def test_product_views_write_rows_that_a_kernel_reads_as_elements(as_sum):
+    """A Gemm on x [2, 5, 24] flattened by a Reshape, whose product an AddHalf reads as a half term (its elements in
+    order, whatever the shape): the Gemm reads x and writes [2, 5, 7], the Reshape gone. Read as the AddHalf's sum
+    (whose shape is its output's) it stays as it was. The same values bit for bit (ONNX Runtime on the CPU)."""
+    from ort_trainer import kernels
+    from ort_trainer.graph.onnx_graph import drop_dead_nodes
+    from ort_trainer.graph.passes.product_views import product_views
+
+    h, f, i64 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.INT64
+    inputs = ["p", "s"] if as_sum else ["s", "p"]
+    nodes = [helper.make_node("Reshape", ["x", "rows24"], ["x2"]),
+             helper.make_node("Gemm", ["x2", "w"], ["p"], domain=torch_ops.DOMAIN),
+             helper.make_node("AddHalf", inputs, ["y"], domain=kernels.DOMAIN)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "rows", [helper.make_tensor_value_info("x", h, [2, 5, 24]),
+                        helper.make_tensor_value_info("w", h, [24, 7]),
+                        helper.make_tensor_value_info("s", h if as_sum else f, [10, 7] if as_sum else [2, 5, 7])],
+        [helper.make_tensor_value_info("y", f, None)], [helper.make_tensor("rows24", i64, [2], [10, 24])],
+        value_info=[helper.make_tensor_value_info("x2", h, [10, 24]), helper.make_tensor_value_info("p", h, [10, 7])]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(torch_ops.DOMAIN, 1),
+                       helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=8)
+    gen = torch.Generator().manual_seed(8)
+    feeds = {"x": torch.randn(2, 5, 24, generator=gen).to(torch.float16).numpy(),
+             "w": torch.randn(24, 7, generator=gen).to(torch.float16).numpy(),
+             "s": torch.randn(*([10, 7] if as_sum else [2, 5, 7]), generator=gen).numpy().astype(
+                 np.float16 if as_sum else np.float32)}
+    options = ort.SessionOptions()
+    torch_ops.register(options)
+    kernels.register(options)
+    cpu = ["CPUExecutionProvider"]
+    before = ort.InferenceSession(model.SerializeToString(), options, providers=cpu).run(None, feeds)
+    assert product_views(model) == (0 if as_sum else 1)
+    drop_dead_nodes(model)
+    layout = [(n.op_type, list(n.input)) for n in model.graph.node]
+    assert layout == ([("Reshape", ["x", "rows24"]), ("Gemm", ["x2", "w"]), ("AddHalf", inputs)] if as_sum else
+                      [("Gemm", ["x", "w"]), ("AddHalf", inputs)])
+    assert as_sum or [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.value_info
+                      if v.name == "p"] == [[2, 5, 7]]
+    after = ort.InferenceSession(model.SerializeToString(), options, providers=cpu).run(None, feeds)
+    assert np.array_equal(after[0], before[0])

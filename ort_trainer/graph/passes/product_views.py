@@ -9,8 +9,9 @@ BERT-base's ~380, of ~930 and ~1490 nodes with every lever). torch's product rea
 matrix of its rows, a view (``kernels/csrc/torch_ops.cc``): here an ``ort_trainer.torch`` ``Gemm`` / ``BiasGemm`` /
 ``GemmToFloat`` reads the tensor a flattening ``Reshape`` (leading axes joined, the last kept) reads instead of its
 output, as ``b``, as a transposed ``a`` (the output stays 2-D), or as ``a`` not transposed where every reader of
-the product is a ``Reshape`` to ``[a's leading axes..., n]``: the product then writes that shape itself and those
-``Reshape`` nodes go. The same products of the same numbers in the same memory.
+the product is a ``Reshape`` to ``[a's leading axes..., n]`` or one of ort_trainer's kernels that reads it as its
+elements in order (``_ROW_READERS``: GPT-2's input gradients, which the LayerNorm gradient's kernel adds): the
+product then writes that shape itself and those ``Reshape`` nodes go. The same products of the same numbers in the same memory.
 
 A column sum (``column_sums`` and ``half_precision_bias_gradient``: ``MatMul(ones[1, K], Reshape(x, [K, n]))``, a
 bias's gradient, then a ``Reshape`` to ``[n]``) becomes a ``Gemm`` of a 1-D row of ones (one row: torch's product
@@ -27,10 +28,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ...kernels import DOMAIN as KERNELS_DOMAIN
 from ...kernels import TORCH_OPS_DOMAIN
 from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _redirect
 
 _GEMMS = {"Gemm", "BiasGemm", "GemmToFloat"}
+# ort_trainer's kernels that read an input as its elements in order, whatever its shape (they check its size only),
+# and the inputs they read so: a LayerNorm's gradient added into the residual's (dy), AddHalf's half terms
+_ROW_READERS = {"LayerNormGradAdd": range(0, 1), "LayerNormGradAddCast": range(0, 1), "AddHalf": range(1, 1 << 30)}
 _SUMS = {"MatMul": "Gemm", "MatMulToFloat": "GemmToFloat"}  # a column sum's product -> the Gemm that takes a row
 
 
@@ -55,11 +60,17 @@ def product_views(model: onnx.ModelProto) -> int:
             node.input[0] = source
             count += 1
             continue
-        readers = _unflattening_readers(g, node.output[0], g.shapes[source][:-1])
+        target = [*g.shapes[source][:-1], (g.shapes.get(node.output[0]) or [None])[-1]]
+        readers = _unflattening_readers(g, node.output[0], target)
         if readers is None:
             continue
         node.input[0] = source
-        node.output[0] = readers[0].output[0]  # (the first reader's name, whose shape the graph records)
+        if not readers:  # (only readers of its rows: the product keeps its name, of the shape it now has)
+            _reshaped_info(model, node.output[0], target)
+            count += 1
+            continue
+        old, node.output[0] = node.output[0], readers[0].output[0]  # (the first reader's, whose shape is recorded)
+        renamed[old] = node.output[0]  # (for the readers of its rows)
         for reader in readers:
             removed[id(reader)] = reader
             if reader is not readers[0]:
@@ -152,17 +163,26 @@ def _flattened(g: _Graph, name: str) -> str | None:
     return reshape.input[0] if after == [math.prod(before[:-1]), before[-1]] else None
 
 
-def _unflattening_readers(g: _Graph, name: str, leading: list[int]) -> list[onnx.NodeProto] | None:
-    """The readers of the 2-D product ``name`` where every one is a ``Reshape`` to ``leading + [columns]`` and
-    ``name`` is no graph output, else None."""
-    shape = g.shapes.get(name)
+def _unflattening_readers(g: _Graph, name: str, target: list[int]) -> list[onnx.NodeProto] | None:
+    """The ``Reshape`` readers of the 2-D product ``name`` where every reader is a ``Reshape`` to ``target`` (the
+    product's rows unflattened) or reads only its elements in order (``_ROW_READERS``) and ``name`` is no graph
+    output, else None."""
     readers = g.consumers.get(name, [])
-    if not _static(shape) or name in g.outputs or not readers:
+    if not _static(g.shapes.get(name)) or not _static(target) or name in g.outputs or not readers:
         return None
-    target = [*leading, shape[-1]]
-    if all(_is(reader, "Reshape") and g.shapes.get(reader.output[0]) == target for reader in readers):
-        return readers
-    return None
+    reshapes = [reader for reader in readers if _is(reader, "Reshape") and g.shapes.get(reader.output[0]) == target]
+    rows = [reader for reader in readers if reader.domain == KERNELS_DOMAIN and reader.op_type in _ROW_READERS
+            and all(index in _ROW_READERS[reader.op_type] for index, value in enumerate(reader.input) if value == name)]
+    return reshapes if len(reshapes) + len(rows) == len(readers) else None
+
+
+def _reshaped_info(model: onnx.ModelProto, name: str, dims: list[int]) -> None:
+    """``name``'s value info given ``dims``."""
+    for info in model.graph.value_info:
+        if info.name == name:
+            del info.type.tensor_type.shape.dim[:]
+            for size in dims:
+                info.type.tensor_type.shape.dim.add().dim_value = size
 
 
 __all__ = ["product_views"]
