@@ -11,7 +11,8 @@ matrix of its rows, a view (``kernels/csrc/torch_ops.cc``): here an ``ort_traine
 output, as ``b``, as a transposed ``a`` (the output stays 2-D), or as ``a`` not transposed where every reader of
 the product is a ``Reshape`` to ``[a's leading axes..., n]`` or one of ort_trainer's kernels that reads it as its
 elements in order (``_ROW_READERS``: GPT-2's input gradients, which the LayerNorm gradient's kernel adds): the
-product then writes that shape itself and those ``Reshape`` nodes go. The same products of the same numbers in the same memory.
+product then writes that shape itself and those ``Reshape`` nodes go. The same products of the same numbers in the
+same memory.
 
 A column sum (``column_sums`` and ``half_precision_bias_gradient``: ``MatMul(ones[1, K], Reshape(x, [K, n]))``, a
 bias's gradient, then a ``Reshape`` to ``[n]``) becomes a ``Gemm`` of a 1-D row of ones (one row: torch's product
