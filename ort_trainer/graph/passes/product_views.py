@@ -71,7 +71,8 @@ def product_views(model: onnx.ModelProto) -> int:
             count += 1
             continue
         old, node.output[0] = node.output[0], readers[0].output[0]  # (the first reader's, whose shape is recorded)
-        renamed[old] = node.output[0]  # (for the readers of its rows)
+        for reader in g.consumers[old]:  # (the readers of its rows read the new name)
+            reader.input[:] = [node.output[0] if value == old else value for value in reader.input]
         for reader in readers:
             removed[id(reader)] = reader
             if reader is not readers[0]:
