@@ -362,14 +362,36 @@ def test_an_onnx_model_of_these_operators_is_recognised():
     assert torch_ops.uses_torch_ops(model) and isinstance(model, onnx.ModelProto)
 
 
+def _viewed(model: onnx.ModelProto, feeds: dict, rewrites: int, kernels: bool = False) -> list[tuple]:
+    """``product_views`` on ``model`` in place, asserting that it counts ``rewrites`` and that ONNX Runtime on the CPU
+    computes every output bit for bit as before it (``kernels``: ort_trainer's kernel library registered too); the
+    ``(op type, inputs, outputs)`` of its nodes after, the unread ones dropped."""
+    from ort_trainer import kernels as kernel_library
+    from ort_trainer.graph.onnx_graph import drop_dead_nodes
+    from ort_trainer.graph.passes.product_views import product_views
+
+    options = ort.SessionOptions()
+    torch_ops.register(options)
+    if kernels:
+        kernel_library.register(options)
+
+    def run():
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+
+    before = run()
+    assert product_views(model) == rewrites
+    drop_dead_nodes(model)
+    for got, want in zip(run(), before):
+        assert got.shape == want.shape and np.array_equal(got, want)
+    return [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+
+
 def test_product_views_read_and_write_the_tensors_reshapes_flattened():
     """``product_views`` (torch_products' last step) on a hand-built linear layer: the forward BiasGemm reads x
     [2, 5, 24] and writes y [2, 5, 7] itself (both Reshapes gone), the weight gradient's GemmToFloat (transA) reads x
     and dy [2, 5, 7] as their rows; where another node reads the flat product, its Reshape stays and the product
     writes 2-D; the values are the same (ONNX Runtime on the CPU, bit for bit)."""
-    from ort_trainer.graph.onnx_graph import drop_dead_nodes
-    from ort_trainer.graph.passes.product_views import product_views
-
     h, i64 = TensorProto.FLOAT16, TensorProto.INT64
 
     def graph(flat_read_elsewhere: bool):
@@ -395,24 +417,14 @@ def test_product_views_read_and_write_the_tensors_reshapes_flattened():
     gen = torch.Generator().manual_seed(6)
     feeds = {name: torch.randn(*dims, generator=gen).to(torch.float16).numpy()
              for name, dims in [("x", [2, 5, 24]), ("w", [24, 7]), ("c", [7]), ("dy", [2, 5, 7])]}
-    options = ort.SessionOptions()
-    torch_ops.register(options)
     for elsewhere in (False, True):
-        model = graph(elsewhere)
-        before = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
-            None, feeds)
-        assert product_views(model) == (2 if elsewhere else 4)  # operands and outputs that skip a Reshape
-        drop_dead_nodes(model)
-        layout = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+        # (the count: operands and outputs that skip a Reshape)
+        layout = _viewed(graph(elsewhere), feeds, 2 if elsewhere else 4)
         if elsewhere:  # the forward as it was (its flat output read elsewhere), the weight gradient on x and dy
             assert ("GemmToFloat", ["x", "dy"], ["dw"]) in layout
             assert ("BiasGemm", ["x2", "w", "c"], ["y2"]) in layout and ("Reshape", ["y2", "y_dims"], ["y"]) in layout
         else:
             assert layout == [("BiasGemm", ["x", "w", "c"], ["y"]), ("GemmToFloat", ["x", "dy"], ["dw"])]
-        after = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
-            None, feeds)
-        for got, want in zip(after, before):
-            assert got.shape == want.shape and np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("op, dtype", [("MatMulToFloat", TensorProto.FLOAT16), ("MatMul", TensorProto.FLOAT)])
@@ -421,9 +433,6 @@ def test_product_views_sum_columns_with_a_row_of_ones(op, dtype):
     by two Reshapes, the product's [1, 7] reshaped to [7]): one Gemm of a 1-D row of ones that reads dy and writes
     [7]; where another node reads the [1, 7] product, it stays as it was. The same values bit for bit (ONNX Runtime
     on the CPU)."""
-    from ort_trainer.graph.onnx_graph import drop_dead_nodes
-    from ort_trainer.graph.passes.product_views import product_views
-
     i64, out = TensorProto.INT64, TensorProto.FLOAT if op == "MatMulToFloat" else dtype
     name = "FLOAT16" if dtype == TensorProto.FLOAT16 else "FLOAT"
 
@@ -446,15 +455,9 @@ def test_product_views_sum_columns_with_a_row_of_ones(op, dtype):
 
     np_dtype = np.float16 if dtype == TensorProto.FLOAT16 else np.float32
     feeds = {"dy": (torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(7)) * 9).numpy().astype(np_dtype)}
-    options = ort.SessionOptions()
-    torch_ops.register(options)
     for elsewhere in (False, True):
         model = graph(elsewhere)
-        before = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
-            None, feeds)
-        assert product_views(model) == (0 if elsewhere else 2)
-        drop_dead_nodes(model)
-        layout = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+        layout = _viewed(model, feeds, 0 if elsewhere else 2)
         if elsewhere:
             assert (op, ["ones", "view"], ["sum"]) in layout
         else:
@@ -462,10 +465,6 @@ def test_product_views_sum_columns_with_a_row_of_ones(op, dtype):
             assert layout == [(op.replace("MatMul", "Gemm"), [row, "dy"], ["db"])]
             assert [list(i.dims) for i in model.graph.initializer if i.name == row] == [[10]]
             assert "ones" not in {i.name for i in model.graph.initializer}
-        after = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
-            None, feeds)
-        for got, want in zip(after, before):
-            assert got.shape == want.shape and np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("as_sum", [False, True], ids=["term", "sum"])
@@ -474,8 +473,6 @@ def test_product_views_write_rows_that_a_kernel_reads_as_elements(as_sum):
     order, whatever the shape): the Gemm reads x and writes [2, 5, 7], the Reshape gone. Read as the AddHalf's sum
     (whose shape is its output's) it stays as it was. The same values bit for bit (ONNX Runtime on the CPU)."""
     from ort_trainer import kernels
-    from ort_trainer.graph.onnx_graph import drop_dead_nodes
-    from ort_trainer.graph.passes.product_views import product_views
 
     h, f, i64 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.INT64
     inputs = ["p", "s"] if as_sum else ["s", "p"]
@@ -495,17 +492,8 @@ def test_product_views_write_rows_that_a_kernel_reads_as_elements(as_sum):
              "w": torch.randn(24, 7, generator=gen).to(torch.float16).numpy(),
              "s": torch.randn(*([10, 7] if as_sum else [2, 5, 7]), generator=gen).numpy().astype(
                  np.float16 if as_sum else np.float32)}
-    options = ort.SessionOptions()
-    torch_ops.register(options)
-    kernels.register(options)
-    cpu = ["CPUExecutionProvider"]
-    before = ort.InferenceSession(model.SerializeToString(), options, providers=cpu).run(None, feeds)
-    assert product_views(model) == (0 if as_sum else 1)
-    drop_dead_nodes(model)
-    layout = [(n.op_type, list(n.input)) for n in model.graph.node]
-    assert layout == ([("Reshape", ["x", "rows24"]), ("Gemm", ["x2", "w"]), ("AddHalf", inputs)] if as_sum else
-                      [("Gemm", ["x", "w"]), ("AddHalf", inputs)])
+    layout = _viewed(model, feeds, 0 if as_sum else 1, kernels=True)
+    assert layout == ([("Reshape", ["x", "rows24"], ["x2"]), ("Gemm", ["x2", "w"], ["p"]), ("AddHalf", inputs, ["y"])]
+                      if as_sum else [("Gemm", ["x", "w"], ["p"]), ("AddHalf", inputs, ["y"])])
     assert as_sum or [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.value_info
                       if v.name == "p"] == [[2, 5, 7]]
-    after = ort.InferenceSession(model.SerializeToString(), options, providers=cpu).run(None, feeds)
-    assert np.array_equal(after[0], before[0])

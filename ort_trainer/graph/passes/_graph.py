@@ -136,17 +136,20 @@ def _value_info_like(model: onnx.ModelProto, name: str, new_name: str, dims: lis
     like.CopyFrom(info)
     like.name = new_name
     if dims is not None:
-        shape = like.type.tensor_type.shape
-        copies = []
-        for size in dims:
-            dim = onnx.TensorShapeProto.Dimension()
-            if isinstance(size, int):
-                dim.dim_value = size
-            elif size:
-                dim.dim_param = size
-            copies.append(dim)
-        del shape.dim[:]
-        shape.dim.extend(copies)
+        _set_dims(like, dims)
+
+
+def _set_dims(info: onnx.ValueInfoProto, dims: list) -> None:
+    """Give the value info ``info`` the shape ``dims``, as ``_Graph.shapes`` holds them: an int (a static size), a
+    str (a symbolic one) or None."""
+    shape = info.type.tensor_type.shape
+    del shape.dim[:]
+    for size in dims:
+        dim = shape.dim.add()
+        if isinstance(size, int):
+            dim.dim_value = size
+        elif size:
+            dim.dim_param = size
 
 
 def _shared_constants(g: _Graph, pending: dict[str, onnx.TensorProto], constants) -> None:

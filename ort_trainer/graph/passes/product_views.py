@@ -31,7 +31,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as KERNELS_DOMAIN
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _redirect
+from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _redirect, _set_dims
 
 _GEMMS = {"Gemm", "BiasGemm", "GemmToFloat"}
 # ort_trainer's kernels that read an input as its elements in order, whatever its shape (they check its size only),
@@ -67,7 +67,9 @@ def product_views(model: onnx.ModelProto) -> int:
             continue
         node.input[0] = source
         if not readers:  # (only readers of its rows: the product keeps its name, of the shape it now has)
-            _reshaped_info(model, node.output[0], target)
+            for info in model.graph.value_info:
+                if info.name == node.output[0]:
+                    _set_dims(info, target)
             count += 1
             continue
         old, node.output[0] = node.output[0], readers[0].output[0]  # (the first reader's, whose shape is recorded)
@@ -176,15 +178,6 @@ def _unflattening_readers(g: _Graph, name: str, target: list[int]) -> list[onnx.
     rows = [reader for reader in readers if reader.domain == KERNELS_DOMAIN and reader.op_type in _ROW_READERS
             and all(index in _ROW_READERS[reader.op_type] for index, value in enumerate(reader.input) if value == name)]
     return reshapes if len(reshapes) + len(rows) == len(readers) else None
-
-
-def _reshaped_info(model: onnx.ModelProto, name: str, dims: list[int]) -> None:
-    """``name``'s value info given ``dims``."""
-    for info in model.graph.value_info:
-        if info.name == name:
-            del info.type.tensor_type.shape.dim[:]
-            for size in dims:
-                info.type.tensor_type.shape.dim.add().dim_value = size
 
 
 __all__ = ["product_views"]

@@ -58,31 +58,31 @@ def weight_casts(model: onnx.ModelProto) -> int:
         attributes = {}
         if any(rows):  # (0: a copy of x's own rows)
             attributes["output_rows"] = rows
-        replaced[id(nodes[0])] = [helper.make_node(
-            _OPS[dtype], [cast.input[0] for cast in nodes], outputs, domain=_KERNELS_DOMAIN,
-            name=f"weight_casts/{_OPS[dtype]}", **attributes)]
+        xs = [cast.input[0] for cast in nodes]
+        replaced[id(nodes[0])] = [helper.make_node(_OPS[dtype], xs, outputs, domain=_KERNELS_DOMAIN,
+                                                   name=f"weight_casts/{_OPS[dtype]}", **attributes)]
+        _outputs_value_info(model, g, xs, outputs, rows, dtype)
     if not replaced:
         return 0
     _keep(model, set(replaced) | dropped, before=replaced)
-    _outputs_value_info(model, g, [node for nodes in replaced.values() for node in nodes], types)
     _import_domain(model, _KERNELS_DOMAIN, _KERNELS_OPSET)
     return len(replaced)
 
 
-def _outputs_value_info(model: onnx.ModelProto, g: _Graph, copies: list[onnx.NodeProto], types: dict) -> None:
-    """Each output of ``copies`` without a value info gets one: its input's shape (its rows ``output_rows``'), of its
-    half dtype (ONNX's shape inference does not know the kernels' operators: the readers' shapes follow from it)."""
+def _outputs_value_info(model: onnx.ModelProto, g: _Graph, inputs: list[str], outputs: list[str], rows: list[int],
+                        dtype: int) -> None:
+    """Each of ``outputs`` (the copies of ``inputs`` in ``dtype``, ``rows`` their first dims, 0: the input's) without
+    a value info gets one (ONNX's shape inference does not know the kernels' operators: the readers' shapes follow
+    from it)."""
     known = {info.name for info in model.graph.value_info}
-    for node in copies:
-        rows = next((list(a.ints) for a in node.attribute if a.name == "output_rows"), None)
-        dtype = next(dtype for dtype, op in _OPS.items() if op == node.op_type)
-        for k, (x, y) in enumerate(zip(node.input, node.output)):
-            shape = list(g.shapes.get(x) or [])
-            if y in known or y in g.outputs or types.get(x) is None or (not shape and rows and rows[k]):
-                continue
-            if rows and rows[k]:
-                shape[0] = rows[k]
-            model.graph.value_info.append(helper.make_tensor_value_info(y, dtype, shape))
+    for x, y, first in zip(inputs, outputs, rows):
+        shape = g.shapes.get(x)
+        if y in known or y in g.outputs or shape is None or (first and not shape):
+            continue
+        shape = list(shape)
+        if first:
+            shape[0] = first
+        model.graph.value_info.append(helper.make_tensor_value_info(y, dtype, shape))
 
 
 def _zero_row_pad(g: _Graph, cast: onnx.NodeProto, dtype: int) -> tuple[onnx.NodeProto | None, int]:
