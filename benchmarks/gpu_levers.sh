@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GPU run that measures the step-time levers, A/B in one process order (docs/gpu.md, "Measuring a
 # lever"). In an environment where `make gpu-check` runs (docs/gpu.md), from the checkout:
-#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (the seventeen graph levers below together with
+#   bash benchmarks/gpu_levers.sh [OUT (docs/gpu_levers)] [LEVERS (the eighteen graph levers below together with
 #       fused_attention, packed_attention, causal_attention and loss_pieces, the same with device.cuda_graph, the
-#       seventeen with loss_pieces and device.cuda_graph, the first with torch_attention_choice, then
+#       eighteen with loss_pieces and device.cuda_graph, the first with torch_attention_choice, then
 #       device.cuda_graph,fused_attention,
 #       fused_attention+packed_attention,fused_attention+packed_attention+causal_attention,
-#       device.torch_allocator,loss_pieces,layer_recompute,
-#       activation_recompute,activation_recompute+gelu_forward_kernel,fused_gelu_gradient,fused_layer_norm_gradient,
+#       device.torch_allocator,loss_pieces,layer_recompute+device_barriers,
+#       activation_recompute,activation_recompute+device_barriers,activation_recompute+device_barriers+
+#       gelu_forward_kernel,fused_gelu_gradient,fused_layer_norm_gradient,
 #       fused_softmax_gradient,fused_safe_softmax,fused_cross_entropy,half_precision_gelu,bfloat16_softmax_gradient,
 #       aligned_products,half_precision_loss,half_precision_bias_gradient,half_precision_transposed_products,
 #       fused_gradient_sums,fused_layer_norm,torch_products,weight_casts, each alone: the candidates for the
@@ -26,17 +27,19 @@ set -uo pipefail
 out=${1:-docs/gpu_levers}
 # each lever alone, then the graph levers all together with loss_pieces (what turning every one on would give),
 # and with the step captured as a CUDA graph (the host's part of a step gone once the kernels are few and short)
-all_graph=activation_recompute+gelu_forward_kernel+fused_gelu_gradient+fused_layer_norm_gradient+fused_softmax_gradient+fused_safe_softmax+fused_cross_entropy+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products+fused_gradient_sums+fused_layer_norm+torch_products+weight_casts
+all_graph=activation_recompute+device_barriers+gelu_forward_kernel+fused_gelu_gradient+fused_layer_norm_gradient+fused_softmax_gradient+fused_safe_softmax+fused_cross_entropy+half_precision_gelu+bfloat16_softmax_gradient+aligned_products+half_precision_loss+half_precision_bias_gradient+half_precision_transposed_products+fused_gradient_sums+fused_layer_norm+torch_products+weight_casts
 # (loss_pieces and activation_recompute are on by default: each one's row against the others' baseline, where
 # both are off, measures it; recompute trades a step's time for memory, which a GPU may not need.
 # gelu_forward_kernel acts on the values recompute copies: its row has both, against recompute's row)
+# (device_barriers acts on recompute's waits: its row has both, against recompute's row, whose waits the host reads)
 graph_levers=${all_graph//+/,}
+graph_levers=${graph_levers/activation_recompute,device_barriers,gelu_forward_kernel/activation_recompute,activation_recompute+device_barriers,activation_recompute+device_barriers+gelu_forward_kernel}
 # (the three settings with every lever first, then every lever with torch's choice of attention kernel (cuDNN's on
 # Hopper; apart: a kernel not run here before), the CUDA graph and fused_attention: a run cut short by DEADLINE,
 # which a GPT-2 round of every setting outlasts, measures those first)
 every=$all_graph+fused_attention+packed_attention+causal_attention+loss_pieces
 attention=fused_attention+packed_attention
-levers=${2:-$every,$every+device.cuda_graph,$all_graph+loss_pieces+device.cuda_graph,$every+torch_attention_choice,device.cuda_graph,fused_attention,$attention,$attention+causal_attention,device.torch_allocator,loss_pieces,layer_recompute,${graph_levers/gelu_forward_kernel/activation_recompute+gelu_forward_kernel}}
+levers=${2:-$every,$every+device.cuda_graph,$all_graph+loss_pieces+device.cuda_graph,$every+torch_attention_choice,device.cuda_graph,fused_attention,$attention,$attention+causal_attention,device.torch_allocator,loss_pieces,layer_recompute+device_barriers,$graph_levers}
 python=${GPU_PYTHON:-python3}
 deadline=${DEADLINE:-600}
 device=${DEVICE:-cuda}

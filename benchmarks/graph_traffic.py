@@ -27,6 +27,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -34,7 +35,8 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # operators that ONNX Runtime runs without moving the tensor (an alias of its input) or on shapes only
-VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape"}
+VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape",
+         "AliasAfter"}
 PRODUCTS = {"MatMul", "Gemm", "FusedMatMul", "BiasGemm", "GemmToFloat", "MatMulToFloat"}  # (torch_products' too)
 # the suffix of a value recomputed in the backward (activation_recompute's, layer_recompute's region N)
 RECOMPUTED = re.compile(r"/(?:layer_)?recompute\d*$")
@@ -192,7 +194,7 @@ def build_graph(model_name: str, precision: str, batch: int | None, seq: int | N
     batch, seq = batch or MODELS[model_name][0], seq or MODELS[model_name][1]
     with tempfile.TemporaryDirectory() as cache:
         os.environ["ORT_TRAINER_CACHE_DIR"] = cache
-        from ort_trainer import ORTTrainer
+        from ort_trainer import ORTTrainer, devices, kernels
         from ort_trainer.amp.kernels import MissingKernelError
         from ort_trainer.optim import AdamConfig
 
@@ -201,7 +203,11 @@ def build_graph(model_name: str, precision: str, batch: int | None, seq: int | N
                    "mixed_precision": {"enabled": precision != "fp32",
                                        "dtype": {"bf16": "bfloat16"}.get(precision, "float16")},
                    "graph_optimizations": optimizations}
-        trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4, lambda_coef=0.01), options=options)
+        # the graph a GPU's session runs: the recomputations' waits as AliasAfter nodes (device_barriers), which the
+        # trainer writes only for a device that reads shapes on the host and where CUDA kernels can be had
+        with mock.patch.object(devices.CPUDevice, "device_barriers", True), \
+                mock.patch.object(kernels, "cuda_kernels_at_hand", lambda: True):
+            trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-4, lambda_coef=0.01), options=options)
         trainer._train_step_info.fetches = ["loss"]
         try:
             trainer._ready(trainer._prepare_inputs(batch_of(), {}))

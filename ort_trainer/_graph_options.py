@@ -160,6 +160,13 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
         "BERT-base 2445 -> 2412 MB, GPT-2 small 2923 -> 2789 MB), at the cost of re-running those nodes once per "
         "step (gradient source 'torch' only)"
     ),
+    "graph_optimizations.device_barriers": _Field(
+        _BOOL, True, "on a GPU, each wait of activation_recompute's and layer_recompute's copies for the backward as "
+        "one node of ort_trainer's kernel library (AliasAfter: its input's buffer, no copy) instead of a Reshape "
+        "whose shape ONNX Runtime would copy to the host every step (a wait for the GPU each recomputed layer, and "
+        "no device.cuda_graph capture); needs the kernel library's CUDA kernels (nvcc, or "
+        "$ORT_TRAINER_KERNELS_LIBRARY), without which the waits stay Reshapes (gradient source 'torch' only)"
+    ),
     "graph_optimizations.aligned_products": _Field(
         _BOOL, False, "matrix products with a static dimension of 1024 or more that is not a multiple of 8 (a "
         "50257- or 30522-word vocabulary's language-model head, forward and backward) computed on operands padded "

@@ -170,6 +170,9 @@ class Device:
     #: whether sessions load ONNX Runtime's optimized graphs that an earlier process saved
     #: (``_optimized_graphs.py``): only where they are known to load back and run alike
     reuses_optimized_graphs = False
+    #: whether the recomputations' waits need ort_trainer's kernel node to stay on the device: a Reshape's shape is
+    #: read on the host (``graph_optimizations.device_barriers``)
+    device_barriers = False
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -340,6 +343,7 @@ class CUDADevice(Device):
 
     kind = "cuda"
     provider = _CUDA_PROVIDER
+    device_barriers = True
 
     def __init__(self, index: int = 0):
         super().__init__(index)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import torch
 
-from . import distributed
+from . import distributed, kernels
 from ._export_check import check_model_export
 from ._inputs import StepInputs
 from ._interrupt import deferred_interrupt
@@ -130,7 +130,9 @@ class ORTTrainer(_StateMixin):
                     "sparse_labels": opts.graph_optimizations.sparse_labels and not captured,
                     "loss_piece_elements": opts.graph_optimizations.loss_piece_elements,
                     "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
-                    and device_class(opts.device.id).host_dropout_masks},
+                    and device_class(opts.device.id).host_dropout_masks,
+                    "device_barriers": opts.graph_optimizations.device_barriers
+                    and device_class(opts.device.id).device_barriers and kernels.cuda_kernels_at_hand()},
             source=source,
             autocast=opts.mixed_precision.dtype if opts.mixed_precision.enabled else None,
         )

@@ -46,6 +46,7 @@ _SIGNATURES = {
     "cross_entropy_grad": [I, P, P, P, P, P, L, L, L, L],
     "add_half": [I, I, P, P, I, P, L],
     "half_copies": [I, P, P, P, P, I],
+    "device_copy": [P, P, L],
 }
 
 needs_compiler = pytest.mark.skipif(kernels._compilers()[1] is None, reason="no C++ compiler here")
@@ -519,6 +520,21 @@ def test_half_copies_round_as_casts_do_bit_for_bit(emulated, dtype):
         nan = want.isnan()
         assert torch.equal(y.isnan(), nan), (k, sizes[k])
         assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16)), (k, sizes[k])
+
+
+@needs_compiler
+def test_device_copy_copies_every_byte_and_no_more(emulated):
+    """AliasAfter's copy where ONNX Runtime gives y a buffer of its own (ops.cc): x's bytes bit for bit (NaN's payload,
+    -0 and subnormals included), nothing written past them (an odd count of bfloat16 values: 2 bytes a value)."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.cat([torch.tensor([float("nan"), -0.0, 1e-40, float("-inf")]), torch.randn(997, generator=gen)])
+    x = x.to(torch.bfloat16)
+    x[0] = torch.tensor(0x7fc1, dtype=torch.int16).view(torch.bfloat16)  # a NaN of another payload than torch's
+    memory = Memory()
+    y = memory.output(tuple(x.shape), torch.bfloat16)
+    emulated["device_copy"](memory.input(x), y, x.numel() * 2)
+    memory.check()
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
 
 
 @needs_compiler

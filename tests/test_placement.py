@@ -102,8 +102,9 @@ def test_nothing_is_reported_where_every_node_runs_on_the_device_or_nothing_is_r
 
 
 # every graph lever of benchmarks/gpu_levers.sh's first setting
-EVERY_LEVER = ("activation_recompute", "gelu_forward_kernel", "fused_gelu_gradient", "fused_layer_norm_gradient",
-               "fused_softmax_gradient", "fused_safe_softmax", "fused_cross_entropy", "half_precision_gelu",
+EVERY_LEVER = ("activation_recompute", "device_barriers", "gelu_forward_kernel", "fused_gelu_gradient",
+               "fused_layer_norm_gradient", "fused_softmax_gradient", "fused_safe_softmax", "fused_cross_entropy",
+               "half_precision_gelu",
                "bfloat16_softmax_gradient", "aligned_products", "half_precision_loss", "half_precision_bias_gradient",
                "half_precision_transposed_products", "fused_gradient_sums", "fused_layer_norm", "torch_products",
                "fused_attention", "packed_attention", "causal_attention", "loss_pieces", "weight_casts")

@@ -168,6 +168,12 @@ def has_cuda_kernels(path: Path | None = None) -> bool:
     return bool(handle.OrtTrainerKernelsHaveCuda())
 
 
+def cuda_kernels_at_hand() -> bool:
+    """Whether a library with CUDA kernels can be had here without a failed build: one named by
+    ``$ORT_TRAINER_KERNELS_LIBRARY`` (``register`` checks it holds them), or ``nvcc`` to build it."""
+    return bool(os.environ.get(LIBRARY_ENV)) or _compilers()[0] is not None
+
+
 def uses_kernels(model) -> bool:
     """Whether an ONNX model has a node of the kernels' domain (its sessions need ``register``)."""
     return any(node.domain == DOMAIN for node in model.graph.node)
@@ -193,7 +199,7 @@ def register(options, cuda: bool = False) -> None:
         raise KernelsUnavailable(
             f"ort_trainer's kernel library {path} has no CUDA kernels (it was built without nvcc): install the CUDA "
             f"toolkit's nvcc (or set $NVCC) and delete that file to build it anew, set ${LIBRARY_ENV} to a library "
-            "`make kernels` built on a machine with nvcc, or turn the option that uses it off "
-            "(graph_optimizations.fused_gelu_gradient)")
+            "`make kernels` built on a machine with nvcc, or turn off the graph_optimizations switches that use it "
+            "(fused_gelu_gradient, device_barriers...)")
     options.register_custom_ops_library(str(path))
     _REGISTERED.append(options)

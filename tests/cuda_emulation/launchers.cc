@@ -75,4 +75,8 @@ const char* emu_half_copies(int type, const void* const* xs, void* const* ys, co
   return half_copies_cuda(as_type(type), copies.data(), count, nullptr);
 }
 
+const char* emu_device_copy(const void* src, void* dst, int64_t bytes) {
+  return device_copy_cuda(src, dst, bytes, nullptr);
+}
+
 }  // extern "C"

@@ -51,9 +51,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ...kernels import DOMAIN as KERNELS_DOMAIN
+from ...kernels import DOMAIN as KERNELS_DOMAIN, OPSET as KERNELS_OPSET
 from ..names import LOSS_SCALE_INPUT
-from ._graph import _ONNX_DOMAINS, _Graph, _drop_unread_transposes, _elem_types, _is, _keep, _op, _op_types
+from ._graph import (_ONNX_DOMAINS, _Graph, _drop_unread_transposes, _elem_types, _import_domain, _is, _keep, _op,
+                     _op_types, _replace_nodes)
 
 _ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Neg", "Erf", "Sigmoid", "Tanh"}
 _TRANSCENDENTAL = {"Erf", "Sigmoid", "Tanh"}
@@ -64,6 +65,7 @@ _GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
 # ort_trainer's safe softmax kernels (fused_safe_softmax), BiasSafeSoftmax adding its second input (the mask)
 _SAFE_SOFTMAX_KERNELS = {(KERNELS_DOMAIN, "SafeSoftmax"), (KERNELS_DOMAIN, "BiasSafeSoftmax")}
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+_KERNEL_TYPES = (onnx.TensorProto.FLOAT, *_HALF_TYPES)  # AliasAfter's x
 
 
 def activation_recompute(model: onnx.ModelProto) -> int:
@@ -407,6 +409,43 @@ def _alias_after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
         helper.make_node("Add", [name("shape"), name("nothing")], [name("same_shape")], name=name("same_shape")),
         helper.make_node("Reshape", [root, name("same_shape")], [out], name=out),
     ]
+
+
+def device_barriers(model: onnx.ModelProto) -> int:
+    """Each wait ``_alias_after`` wrote for ``activation_recompute`` and ``layer_recompute`` (``Reshape(x, Shape(x)
+    + sum(empty slice of t))``) as one ``AliasAfter(x, t)`` node of ort_trainer's kernel library: ``x`` itself (an
+    alias of its buffer, no copy), once ``t`` is computed, in place. A Reshape reads its shape on the host, so on a
+    GPU ONNX Runtime copies the sum from the device every step: a wait for the GPU at each recomputed region and a
+    graph that cannot be captured (``device.cuda_graph``); the kernel's node keeps the wait on the device. A wait of
+    an ``x`` of a dtype the kernel lacks (float64) is left as it is. Returns how many waits were rewritten."""
+    g = _Graph(model)
+    types = _elem_types(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        after = _waited_for(node, g) if _is(node, "Reshape") else None
+        if after is not None and types.get(node.input[0]) in _KERNEL_TYPES:
+            replaced[id(node)] = [helper.make_node("AliasAfter", [node.input[0], after], list(node.output),
+                                                   name=node.name, domain=KERNELS_DOMAIN)]
+    if replaced:
+        _import_domain(model, KERNELS_DOMAIN, KERNELS_OPSET)
+    return _replace_nodes(model, replaced, {})
+
+
+def _waited_for(reshape: onnx.NodeProto, g: _Graph) -> str | None:
+    """``t`` where ``reshape`` is ``_alias_after``'s ``Reshape(x, Shape(x) + Cast(ReduceSum(Cast(Slice(t, 0, 0,
+    0)))))``, else None."""
+    def producer(node: onnx.NodeProto | None, op_type: str, index: int = 0) -> onnx.NodeProto | None:
+        return g.producer.get(node.input[index]) if node is not None and _is(node, op_type) else None
+
+    add = g.producer.get(reshape.input[1])
+    shape, cast = producer(add, "Add", 0), producer(add, "Add", 1)
+    widened = producer(producer(cast, "Cast"), "ReduceSum")
+    empty = producer(widened, "Cast")
+    if (empty is None or not _is(empty, "Slice") or len(empty.input) != 4 or shape is None or not _is(shape, "Shape")
+            or shape.attribute or shape.input[0] != reshape.input[0]):
+        return None
+    zeros = [g.const(name) for name in empty.input[1:]]
+    return empty.input[0] if all(z is not None and z.shape == (1,) and z[0] == 0 for z in zeros) else None
 
 
 def _owner(name: str, producer: dict, op_of: dict) -> str:

@@ -105,4 +105,10 @@ const char* half_copies_cuda(ElementType type, const HalfCopy* copies, int count
   return "y must be float16 or bfloat16";
 }
 
+const char* device_copy_cuda(const void* src, void* dst, int64_t bytes, void* stream) {
+  const cudaError_t error = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
+                                            static_cast<cudaStream_t>(stream));
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
+
 }  // namespace ort_trainer_kernels

@@ -101,4 +101,7 @@ struct HalfCopy {
 constexpr int kMaxHalfCopies = 64;
 const char* half_copies_cuda(ElementType type, const HalfCopy* copies, int count, void* stream);
 
+// `bytes` bytes of src copied to dst, device to device (AliasAfter's y where ONNX Runtime gave it a buffer of its own)
+const char* device_copy_cuda(const void* src, void* dst, int64_t bytes, void* stream);
+
 }  // namespace ort_trainer_kernels

@@ -34,9 +34,14 @@
 //                               attribute output_rows (ints, one a y; 0 or none: x's own): y's first dim, at least x's,
 //                               the rows past x's zeros (a padded product's weight). One node for a step's weights:
 //                               one CUDA launch for up to 64 of them
+//   AliasAfter(x, after) -> y   y is x, computed once `after` (any dtype; read by no one) is: the wait of a
+//                               recompute's copies for the backward (graph/passes/recompute.py) kept on the device.
+//                               y is x's own buffer where ONNX Runtime honors the operator's alias map (its struct
+//                               version 18, a runtime of API 18 or later), else a copy of x
 #include <stdint.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +57,10 @@ namespace ort_trainer_kernels {
 namespace {
 
 constexpr uint32_t kOpVersion = 16;  // KernelComputeV2 (errors reach the session as a failed run)
+#ifndef ORT_TRAINER_ALIAS_VERSION
+#define ORT_TRAINER_ALIAS_VERSION 18
+#endif
+constexpr uint32_t kAliasVersion = ORT_TRAINER_ALIAS_VERSION;  // the alias and in-place maps (AliasAfter's)
 
 // the scores a row of `cols` values holds (the attribute classes), or an error
 OrtStatus* row_classes(const Kernel* kernel, const char* name, int64_t cols, int64_t* classes) {
@@ -263,6 +272,20 @@ OrtStatus* compute_half_copies(const Kernel* kernel, OrtKernelContext* context) 
   return nullptr;
 }
 
+OrtStatus* compute_alias_after(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  Tensor x, y;
+  ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y));
+  if (y.data == x.data || x.size == 0) return nullptr;  // (the alias: nothing to write)
+  const int64_t bytes = x.size * (kernel->op->type == ElementType::kFloat ? 4 : 2);
+  if (kernel->op->cuda)
+    return on_cuda_stream(api, context, "AliasAfter",
+                          [&](void* stream) { return device_copy_cuda(x.data, y.data, bytes, stream); });
+  std::copy_n(static_cast<const char*>(x.data), bytes, static_cast<char*>(y.data));
+  return nullptr;
+}
+
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
@@ -278,6 +301,7 @@ OrtStatus* compute(void* opaque, OrtKernelContext* context) {
     case Kind::kCrossEntropyGrad: return compute_cross_entropy_grad(kernel, context);
     case Kind::kAddHalf: return compute_add_half(kernel, context);
     case Kind::kHalfCopies: return compute_half_copies(kernel, context);
+    case Kind::kAliasAfter: return compute_alias_after(kernel, context);
     case Kind::kLayerNormCast:
     case Kind::kLayerNormWithCast:
     case Kind::kAddLayerNormCast:
@@ -324,8 +348,22 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
+// AliasAfter's maps (struct version 18): y (output 0) is x (input 0); may be in place likewise
+size_t first_is_first(int** input_index, int** output_index) {
+  *input_index = new int[1]{0};
+  *output_index = new int[1]{0};
+  return 1;
+}
+void release_indices(int* input_index, int* output_index) {
+  delete[] input_index;
+  delete[] output_index;
+}
+int first_opset(const OrtCustomOp*) { return 1; }
+int last_opset(const OrtCustomOp*) { return 0x7fffffff; }
+
+// (alias_version: AliasAfter's struct version, 0: kOpVersion's, which has no alias map)
 Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda, ElementType type,
-                       ElementType gamma_type = ElementType::kFloat) {
+                       ElementType gamma_type = ElementType::kFloat, uint32_t alias_version = 0) {
   Operator op{};
   // each input's and output's dtype: T the operator's, G LayerNormGrad's weights', float32 and int64 fixed
   // (LayerNormGradAdd: T is dy's and the cast's, LayerNormGradTo*: the cast's; every other tensor float32)
@@ -345,6 +383,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kCrossEntropyGrad ? std::vector{f32, t, i64, f32}
       : kind == Kind::kAddHalf          ? std::vector{g, t}
       : kind == Kind::kHalfCopies       ? std::vector{f32}
+      : kind == Kind::kAliasAfter       ? std::vector{t, ONNX_UNDEFINED}
                                         : std::vector{t, t};
   const std::vector<ONNXTensorElementDataType> outs =
       kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
@@ -358,6 +397,16 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kAddHalf      ? std::vector{f32}
                                     : std::vector{t};
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
+  if (kind == Kind::kAliasAfter && alias_version != 0) {
+    op.version = alias_version;
+    op.InferOutputShapeFn = nullptr;
+    op.GetStartVersion = first_opset;
+    op.GetEndVersion = last_opset;
+    op.GetMayInplace = first_is_first;
+    op.ReleaseMayInplace = release_indices;
+    op.GetAliasMap = first_is_first;
+    op.ReleaseAliasMap = release_indices;
+  }
   op.variadic = kind == Kind::kAddHalf || kind == Kind::kHalfCopies;  // x, ...
   op.variadic_output = kind == Kind::kHalfCopies;                     // y, ...
   op.kind = kind;
@@ -367,9 +416,10 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
   return op;
 }
 
-// every (operator, provider, dtype); ONNX Runtime keeps pointers to them for the process's life
-const std::vector<Operator>& operators() {
-  static const std::vector<Operator> all = [] {
+// every (operator, provider, dtype); ONNX Runtime keeps pointers to them for the process's life (alias_version:
+// AliasAfter's, runtime_alias_version's for the process's runtime)
+const std::vector<Operator>& operators(uint32_t alias_version) {
+  static const std::vector<Operator> all = [alias_version] {
     std::vector<Operator> ops;
 #ifdef ORT_TRAINER_KERNELS_CUDA
     const bool providers[] = {false, true};
@@ -386,6 +436,7 @@ const std::vector<Operator>& operators() {
         ops.push_back(make_operator("BiasSafeSoftmax", Kind::kBiasSafeSoftmax, false, cuda, type));
         ops.push_back(make_operator("CrossEntropy", Kind::kCrossEntropy, false, cuda, type));
         ops.push_back(make_operator("CrossEntropyGrad", Kind::kCrossEntropyGrad, false, cuda, type));
+        ops.push_back(make_operator("AliasAfter", Kind::kAliasAfter, false, cuda, type, type, alias_version));
         if (type != ElementType::kFloat) {  // (a float32 sum, or one of x's dtype: G is the sum's)
           ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, ElementType::kFloat));
           ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, type));
@@ -422,13 +473,21 @@ const std::vector<Operator>& operators() {
   return all;
 }
 
+// AliasAfter's struct version for the runtime of `base`: kAliasVersion (its alias map read) where the runtime's C API
+// (the minor number of its release: 1.19 -> 19) has it, else 0 (kOpVersion's: y a copy)
+uint32_t runtime_alias_version(const OrtApiBase* base) {
+  unsigned major = 0, minor = 0;
+  const bool known = std::sscanf(base->GetVersionString(), "%u.%u", &major, &minor) == 2 && major == 1;
+  return known && minor >= kAliasVersion ? kAliasVersion : 0;
+}
+
 }  // namespace
 }  // namespace ort_trainer_kernels
 
 // ONNX Runtime's entry point of a custom-operator library (SessionOptions.register_custom_ops_library)
 ORTT_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   using namespace ort_trainer_kernels;
-  return register_operators(options, base, kOpVersion, "ort_trainer", operators());
+  return register_operators(options, base, kOpVersion, "ort_trainer", operators(runtime_alias_version(base)));
 }
 
 // 1 where nvcc built the library (its operators have CUDA kernels), 0 otherwise (../__init__.py)

@@ -31,7 +31,8 @@ enum class Kind {
   kCrossEntropy,
   kCrossEntropyGrad,
   kAddHalf,
-  kHalfCopies
+  kHalfCopies,
+  kAliasAfter
 };
 
 struct Operator : OperatorEntry {

@@ -17,7 +17,14 @@ struct OrtKernelContext;
 struct OrtCustomOp;
 
 enum OrtErrorCode { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum ONNXTensorElementDataType { ONNX_FLOAT = 1, ONNX_INT64 = 7, ONNX_FLOAT16 = 10, ONNX_BFLOAT16 = 16 };
+// (ONNX_UNDEFINED: an input of any dtype)
+enum ONNXTensorElementDataType {
+  ONNX_UNDEFINED = 0,
+  ONNX_FLOAT = 1,
+  ONNX_INT64 = 7,
+  ONNX_FLOAT16 = 10,
+  ONNX_BFLOAT16 = 16
+};
 enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_VARIADIC = 2 };
 enum OrtMemType { OrtMemTypeDefault = 0 };
 
@@ -107,7 +114,16 @@ struct OrtCustomOp {
   OrtStatus* (*CreateKernelV2)(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,  // 16
                                 void** kernel);
   OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* context);  // 16
-  // later versions' fields (shape inference, opset range, in-place and alias maps), never read at version 16
-  void* later[7];
+  // version 17: shape inference (none here) and the opset range
+  void* InferOutputShapeFn;
+  int (*GetStartVersion)(const OrtCustomOp* op);
+  int (*GetEndVersion)(const OrtCustomOp* op);
+  // version 18: the outputs that may reuse an input's buffer (in-place) and those that are an input's buffer
+  // (aliases: the output is the input, never written), as two arrays of indices the operator allocates, their
+  // length the result, freed by the Release function
+  size_t (*GetMayInplace)(int** input_index, int** output_index);
+  void (*ReleaseMayInplace)(int* input_index, int* output_index);
+  size_t (*GetAliasMap)(int** input_index, int** output_index);
+  void (*ReleaseAliasMap)(int* input_index, int* output_index);
 };
 
