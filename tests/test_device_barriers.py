@@ -104,6 +104,28 @@ def test_the_waits_stay_on_the_device_and_the_steps_are_bit_for_bit(case, passes
         assert torch.equal(weights[name], value), name
 
 
+@needs_compiler
+@pytest.mark.parametrize("case", ["gpt2", "encoder"])
+def test_no_shape_the_host_reads_comes_from_a_float_value_with_every_lever(case, _as_on_a_gpu):
+    """The float16 training graph of the tiny GPT-2 and encoder with every lever of ``benchmarks/gpu_levers.sh``'s
+    first setting, as a GPU's is built: no input that a CUDA kernel reads on the host is computed from a
+    floating-point tensor (each would be a copy from the GPU and a wait for it every step)."""
+    from ort_trainer.amp import DynamicLossScaler
+
+    from test_placement import EVERY_LEVER
+
+    model, desc, batch, loss_fn = _gpt2_case() if case == "gpt2" else _encoder_case()
+    trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0), loss_fn=loss_fn,
+                         options={"graph": {"gradient_source": "torch"}, "device": {"id": "cpu"},
+                                  "mixed_precision": {"enabled": True,
+                                                      "loss_scaler": DynamicLossScaler(loss_scale=1.0)},
+                                  "graph_optimizations": {name: True for name in EVERY_LEVER}})
+    trainer.train_step(*batch)
+    graph = trainer._graphs.gradient
+    assert any(n.op_type == "AliasAfter" for n in graph.graph.node)
+    assert host_reads_of_float_values(graph) == []
+
+
 @pytest.mark.parametrize("at_hand", [False, True])
 def test_the_cpu_keeps_its_reshapes_and_a_gpu_without_cuda_kernels_too(at_hand, monkeypatch):
     """The switch on (its default): on the CPU (which reads shapes where it computes) the waits stay Reshapes, no
