@@ -65,6 +65,22 @@ class TrainStepInfo:
                 f"optimization_step={self.optimization_step}, step={self.step})")
 
 
+def _device_barriers(opts: ORTTrainerOptions) -> bool:
+    """``graph_optimizations.device_barriers`` as the device takes it: on where the device reads a Reshape's shape on
+    the host and a kernel library with CUDA kernels can be had; a warning where recomputed values' waits will be copied
+    to the host instead."""
+    on = opts.graph_optimizations
+    if not (on.device_barriers and device_class(opts.device.id).device_barriers):
+        return False
+    if not kernels.cuda_kernels_at_hand() and (on.activation_recompute or on.layer_recompute):
+        logger.warning("graph_optimizations.device_barriers needs ort_trainer's kernel library with CUDA kernels, and "
+                       "there is no nvcc here nor $ORT_TRAINER_KERNELS_LIBRARY: each wait of the recomputed values "
+                       "for the backward will be copied to the host every step (a wait for the GPU each layer, and "
+                       "no device.cuda_graph). Install nvcc, set $ORT_TRAINER_KERNELS_LIBRARY to a library `make "
+                       "kernels` built, or turn graph_optimizations.activation_recompute off")
+    return kernels.cuda_kernels_at_hand()
+
+
 class ORTTrainer(_StateMixin):
     """Trains a model with ONNX Runtime: forward, loss, backward and optimizer in ONNX graphs.
 
@@ -131,8 +147,7 @@ class ORTTrainer(_StateMixin):
                     "loss_piece_elements": opts.graph_optimizations.loss_piece_elements,
                     "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
                     and device_class(opts.device.id).host_dropout_masks,
-                    "device_barriers": opts.graph_optimizations.device_barriers
-                    and device_class(opts.device.id).device_barriers and kernels.cuda_kernels_at_hand()},
+                    "device_barriers": _device_barriers(opts)},
             source=source,
             autocast=opts.mixed_precision.dtype if opts.mixed_precision.enabled else None,
         )

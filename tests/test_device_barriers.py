@@ -126,14 +126,19 @@ def test_no_shape_the_host_reads_comes_from_a_float_value_with_every_lever(case,
     assert host_reads_of_float_values(graph) == []
 
 
-@pytest.mark.parametrize("at_hand", [False, True])
-def test_the_cpu_keeps_its_reshapes_and_a_gpu_without_cuda_kernels_too(at_hand, monkeypatch):
+@pytest.mark.parametrize("reads_on_the_host", [False, True], ids=["cpu", "gpu-without-kernels"])
+def test_the_cpu_keeps_its_reshapes_and_a_gpu_without_cuda_kernels_too(reads_on_the_host, monkeypatch, caplog):
     """The switch on (its default): on the CPU (which reads shapes where it computes) the waits stay Reshapes, no
-    kernel library needed; on a device that reads them on the host but without a library of CUDA kernels at hand (no
-    nvcc, no $ORT_TRAINER_KERNELS_LIBRARY), too: the step runs, its waits copied (check_placement warns of them)."""
-    monkeypatch.setattr(devices.CPUDevice, "device_barriers", at_hand)
+    kernel library needed, nothing said; on a device that reads them on the host but without a library of CUDA
+    kernels at hand (no nvcc, no $ORT_TRAINER_KERNELS_LIBRARY), too, with a warning that says what that costs and
+    the fixes: the step runs, its waits copied."""
+    monkeypatch.setattr(devices.CPUDevice, "device_barriers", reads_on_the_host)
     monkeypatch.setattr(kernels, "cuda_kernels_at_hand", lambda: False)
-    graph, losses, _ = _steps("gpt2", True, {"activation_recompute": True})
+    with caplog.at_level("WARNING", logger="ort_trainer"):
+        graph, losses, _ = _steps("gpt2", True, {"activation_recompute": True})
+    warned = [r.getMessage() for r in caplog.records if "device_barriers" in r.getMessage()]
+    assert len(warned) == (1 if reads_on_the_host else 0), warned
+    assert all("copied to the host" in w and "$ORT_TRAINER_KERNELS_LIBRARY" in w for w in warned)
     assert not any(n.op_type == "AliasAfter" for n in graph.graph.node)
     assert any(n.op_type == "Reshape" and n.input[1].endswith("/same_shape") for n in graph.graph.node)
     assert np.isfinite(losses).all()
