@@ -636,16 +636,16 @@ def test_nodes_nothing_reads_are_pruned_but_a_dropout_keeper_stays():
     assert drop_dead_nodes(model) == 0
 
 
-def _pad_model(pads, value, axes=None, dtype=TensorProto.INT64, shape=(3, 5), mode="constant"):
+def _pad_model(pads, value, axes=None, dtype=TensorProto.INT64, shape=(3, 5), mode="constant", opset=18):
     inputs = ["x", "pads", "value"] + (["axes"] if axes is not None else [])
     inits = [numpy_helper.from_array(np.array(pads, np.int64), "pads"),
              numpy_helper.from_array(np.array(value, helper.tensor_dtype_to_np_dtype(dtype)), "value")]
     if axes is not None:
         inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
     graph = helper.make_graph([helper.make_node("Pad", inputs, ["y"], mode=mode)], "pad",
-                              [helper.make_tensor_value_info("x", dtype, list(shape))],
+                              [helper.make_tensor_value_info("x", dtype, list(shape) if shape is not None else None)],
                               [helper.make_tensor_value_info("y", dtype, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
 
 
 def test_integer_pads_unit():
@@ -666,19 +666,45 @@ def test_integer_pads_unit():
             None, {"x": x})[0]
         assert got.dtype == expected.dtype and np.array_equal(got, expected), (pads, axes)
     for model in (_pad_model([0, 0, 0, 1], 0.5, dtype=TensorProto.FLOAT), _pad_model([0, 0, 0, 1], 0, mode="edge"),
-                  _pad_model([0, 0, 0, 1], 0, shape=("batch", 5))):
+                  _pad_model([0, 0, 0, 1], 0, shape=("batch", 5), opset=14), _pad_model([0, 0, 0, 1], 0, shape=None)):
         assert integer_pads(model) == 0
 
 
-def test_integer_pads_take_gpt2s_label_pad_out_of_the_graph():
+@pytest.mark.parametrize("shape", [("batch", 5), (3, "n"), ("batch", "n")])
+def test_integer_pads_of_a_symbolic_shape(shape):
+    """A symbolic dim (a graph past its static-shape signatures): the fill is a ConstantOfShape of the shape read at
+    run time (Shape nodes, which ONNX Runtime keeps on the host), and every pads / axes case gives ONNX Runtime's Pad
+    bit for bit at several input shapes, one graph for all of them."""
+    from ort_trainer.graph.passes.joint import integer_pads
+
+    rng = np.random.default_rng(1)
+    for pads, value, axes in (([0, 0, 0, 1], -100, None), ([1, 2, 3, 0], 7, None), ([2, 1], -1, [1]),
+                              ([1, 0, 0, 2], 0, [-1, 0])):
+        model = _pad_model(pads, value, axes, shape=shape)
+        expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        assert integer_pads(model) == 1
+        ops = [n.op_type for n in model.graph.node]
+        assert "Pad" not in ops and (shape[0] != "batch" or "ConstantOfShape" in ops)  # (a fill of a batch's rows)
+        got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        for rows, cols in ((3, 5), (1, 5), (3, 2), (4, 1)):
+            if any(isinstance(d, int) and d != n for d, n in zip(shape, (rows, cols))):
+                continue
+            x = rng.integers(-50, 50, (rows, cols)).astype(np.int64)
+            want, have = expected.run(None, {"x": x})[0], got.run(None, {"x": x})[0]
+            assert have.dtype == want.dtype and np.array_equal(have, want), (pads, axes, rows, cols)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "symbolic"])
+def test_integer_pads_take_gpt2s_label_pad_out_of_the_graph(static):
     """Hugging Face GPT-2's loss pads its labels (int64) before shifting them: with the pass (on by default) no Pad is
-    left in the training or the eval graph, and the loss and every gradient are bit for bit those without it."""
+    left in the training or the eval graph, static-shape or symbolic (shape_specialization off), and the loss and every
+    gradient are bit for bit those without it."""
     model, desc = tiny_gpt2()
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
     results = {}
     for on in (False, True):
         trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.0),
-                             options={"graph_optimizations": {"integer_pads": on},
+                             options={"graph_optimizations": {"integer_pads": on, "shape_specialization": static},
                                       "graph": {"gradient_source": "torch"}})
         loss, _ = trainer.train_step(ids, torch.ones_like(ids), ids)
         eval_loss = trainer.eval_step(ids, torch.ones_like(ids), ids)[0]

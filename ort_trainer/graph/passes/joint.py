@@ -16,10 +16,11 @@
 - ``integer_powers``: ``Pow(x, 2)`` and ``Pow(x, 3)`` (tanh-GELU's cube and its derivative's
   square) as multiplications, a little cheaper than the CPU ``Pow`` kernel. With the ``gelu``
   pass on (``gradient/gelu.py``) a written-out GELU has no ``Pow`` left; other powers still get it.
-- ``integer_pads``: a constant-mode ``Pad`` of an integer tensor of known shape (Hugging Face's causal-LM loss pads
-  the labels with -100 before it shifts them) as a ``Concat`` with constant tensors of the fill value: ONNX
-  Runtime's CUDA provider has no integer ``Pad`` kernel, so that node ran on the host, the labels copied to it and
-  the padded labels back inside every run (a sync point, and no ``device.cuda_graph`` capture). The same values.
+- ``integer_pads``: a constant-mode ``Pad`` of an integer tensor of known rank (Hugging Face's causal-LM loss pads
+  the labels with -100 before it shifts them) as a ``Concat`` with tensors of the fill value, constants where the
+  shape is static, else a ``ConstantOfShape`` of a shape read at run time (a symbolic-shape graph's): ONNX Runtime's
+  CUDA provider has no integer ``Pad`` kernel, so that node ran on the host, the labels copied to it and the padded
+  labels back inside every run (a sync point, and no ``device.cuda_graph`` capture). The same values.
 
 ``fast_gelu_gradient`` has nothing to do here: autograd spells the GELU derivative in
 elementwise operators already. ``dropout_gradient``, ``sequences``, ``output_reshape`` and
@@ -183,20 +184,21 @@ _INTEGERS = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.IN
 
 
 def integer_pads(model: onnx.ModelProto) -> int:
-    """Each constant-mode ``Pad`` of an integer tensor whose shape is static, with constant non-negative pads, fill
-    value and axes, as ``Concat`` nodes with constant tensors of the fill value (module docstring); returns the
-    count."""
+    """Each constant-mode ``Pad`` of an integer tensor of known rank, with constant non-negative pads, fill value and
+    axes, as ``Concat`` nodes with tensors of the fill value (module docstring): constants where the shape is static,
+    a ``ConstantOfShape`` of the shape read at run time where a dim is symbolic (opset 15 on); returns the count."""
     g = _Graph(model)
     types = _elem_types(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if not _is(node, "Pad") or _attrs(node).get("mode", b"constant") not in (b"constant", "constant"):
             continue
         x, shape, elem = node.input[0], g.shapes.get(node.input[0]), types.get(node.input[0])
         pads = g.const(node.input[1]) if len(node.input) > 1 and node.input[1] else None
-        if elem not in _INTEGERS or pads is None or shape is None or not all(isinstance(d, int) and d > 0
-                                                                             for d in shape):
-            continue
+        if elem not in _INTEGERS or pads is None or shape is None or not shape or any(
+                isinstance(d, int) and d <= 0 for d in shape) or (not _static(shape) and opset < 15):
+            continue  # (a symbolic dim is read at run time by Shape's start / end, which opset 15 gave it)
         value = g.const(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int64)
         axes = (g.const(node.input[3]) if len(node.input) > 3 and node.input[3]
                 else np.arange(len(shape)))
@@ -213,11 +215,14 @@ def integer_pads(model: onnx.ModelProto) -> int:
                 if count:
                     fill_dims = dims[:axis] + [count] + dims[axis + 1:]
                     fill = f"{node.output[0]}/pad_{side}_{axis}"
-                    model.graph.initializer.append(numpy_helper.from_array(
-                        np.full(fill_dims, value.flat[0], dtype=dtype), fill))
+                    if _static(fill_dims):
+                        model.graph.initializer.append(numpy_helper.from_array(
+                            np.full(fill_dims, value.flat[0], dtype=dtype), fill))
+                    else:
+                        nodes.extend(_fill_like(current, axis, count, np.array(value.flat[:1], dtype), fill))
                     parts.append(fill)
             parts.insert(1 if before else 0, current)
-            dims[axis] += before + after
+            dims[axis] = dims[axis] + before + after if isinstance(dims[axis], int) else None
             current = f"{node.output[0]}/padded_{axis}"
             nodes.append(helper.make_node("Concat", parts, [current], axis=axis, name=current))
         if not nodes:
@@ -226,6 +231,24 @@ def integer_pads(model: onnx.ModelProto) -> int:
             nodes[-1].output[0] = node.output[0]
         replaced[id(node)] = nodes
     return _replace_nodes(model, replaced, {})
+
+
+def _static(dims: list) -> bool:
+    return all(isinstance(d, int) for d in dims)
+
+
+def _fill_like(x: str, axis: int, count: int, value: np.ndarray, name: str) -> list[onnx.NodeProto]:
+    """Nodes giving ``name``: ``value`` (one element) over ``x``'s shape with ``count`` along ``axis``, the other dims
+    read from ``x`` at run time (shape computations, which ONNX Runtime runs on the host without a copy)."""
+    count_name = f"{name}/count"
+    return [helper.make_node("Shape", [x], [f"{name}/before"], end=axis, name=f"{name}/before"),
+            helper.make_node("Shape", [x], [f"{name}/after"], start=axis + 1, name=f"{name}/after"),
+            helper.make_node("Constant", [], [count_name], value=numpy_helper.from_array(np.array([count], np.int64)),
+                             name=count_name),
+            helper.make_node("Concat", [f"{name}/before", count_name, f"{name}/after"], [f"{name}/shape"], axis=0,
+                             name=f"{name}/shape"),
+            helper.make_node("ConstantOfShape", [f"{name}/shape"], [name], value=numpy_helper.from_array(value),
+                             name=name)]
 
 
 def identity_transposes(model: onnx.ModelProto) -> int:
