@@ -64,7 +64,8 @@ from .onnx_graph import dangling_names
 # integer_pads (on by default) writes an integer Pad as a Concat (graphs of 17 pad GPT-2's labels on the host); 19:
 # torch_products' Gemm nodes read and write the tensors flattening Reshapes viewed (graphs of 18 keep the Reshapes);
 # 20: torch_products' column sums are Gemm nodes of a row of ones (graphs of 19 reshape around a MatMul); 21: a GPU's
-# graphs wait for the backward with AliasAfter nodes (device_barriers; graphs of 20 with host-read Reshapes)
+# graphs wait for the backward with AliasAfter nodes (device_barriers; graphs of 20 with host-read Reshapes), and a
+# symbolic-shape graph's integer Pad is a Concat too
 _VERSION = "21"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
