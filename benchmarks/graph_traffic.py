@@ -8,7 +8,9 @@ bandwidth (an H200 moves ~4.8 TB/s, ~3.5-4 TB/s in practice), so this table pred
 on the CPU before a GPU run (the graph is the same on every device: ``autocast_context``). ONNX Runtime's own
 fusions (``Gemm`` from ``MatMul`` + ``Add``, ``FusedMatMul``, ``BiasGelu``...) run after this point and are not
 counted; views (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Identity``...) move no bytes, and a ``Gemm``'s bias is
-its ``C`` alone unless ``--bias-copies`` counts ONNX Runtime's copy of it into the output.
+its ``C`` alone unless ``--bias-copies`` counts ONNX Runtime's copy of it into the output. The graph is built as a
+GPU's (the recomputations' waits as ``AliasAfter`` nodes: ``device_barriers``), and the summary counts the copies
+between the GPU and the host that ONNX Runtime's CUDA provider would put inside it (``cuda_placement.py``).
 
 Run: ``python benchmarks/graph_traffic.py --model gpt2 --precision fp16`` (``benchmarks/gpu_worker.py``'s models and
 sizes; ``--batch`` and ``--seq`` replace them; ``--optimizations '{"half_precision_loss": true}'`` turns
@@ -33,6 +35,7 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_placement import host_copies  # noqa: E402
 
 # operators that ONNX Runtime runs without moving the tensor (an alias of its input) or on shapes only
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "ConstantOfShape",
@@ -181,7 +184,7 @@ def traffic(model: onnx.ModelProto, bias_copies: bool = False) -> dict:
         nodes.append((moved, node.op_type, node.name or node.output[0]))
     nodes.sort(reverse=True)
     return {"kinds": dict(kinds), "ops": dict(ops), "flops": flops, "unknown": unknown, "nodes": nodes,
-            "nodes_total": len(model.graph.node)}
+            "nodes_total": len(model.graph.node), "host_copies": len(host_copies(model))}
 
 
 def build_graph(model_name: str, precision: str, batch: int | None, seq: int | None, optimizations: dict):
@@ -234,7 +237,8 @@ def _table(rows: dict, compared: dict | None, top: int, unit: float) -> list[str
 def _summary(result: dict, unit: float, unit_name: str) -> str:
     moved = sum(v[0] for v in result["kinds"].values())
     return (f"{result['nodes_total']} nodes, {moved / unit:.2f} {unit_name} moved, products "
-            f"{result['flops'] / 1e12:.3f} TFLOP, {result['unknown']} nodes of unknown shape (not counted)")
+            f"{result['flops'] / 1e12:.3f} TFLOP, {result['unknown']} nodes of unknown shape (not counted), "
+            f"{result['host_copies']} copies between a GPU and the host inside the graph (cuda_placement.py)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,10 +6,13 @@ would be copied from the device every step (a wait for the GPU at each recompute
 capture); the pass writes each wait as one ``AliasAfter(x, t)`` node of ort_trainer's kernel library instead, on
 the device, and the trainer turns it on where the device reads shapes on the host (CUDA) and a library with CUDA
 kernels can be had. Here on the CPU the device's switch is forced (``_as_on_a_gpu``): the graph must compute what it
-computed before bit for bit, and no shape the host reads may come from a floating-point value anywhere in it.
+computed before bit for bit, and ONNX Runtime's CUDA placement, as ``benchmarks/cuda_placement.py`` follows it, must
+find no copy between the GPU and the host inside it.
 """
 
 import copy
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -25,40 +28,11 @@ from ort_trainer.optim import SGDConfig  # noqa: E402
 
 from test_half_loss import _encoder_case, _gpt2_case  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from cuda_placement import host_copies  # noqa: E402
+
 needs_compiler = pytest.mark.skipif(kernels._compilers()[1] is None and not kernels.cuda_kernels_at_hand(),
                                     reason="no C++ compiler to build the kernel library")
-
-# CUDA kernels' inputs that ONNX Runtime reads on the host (OrtMemTypeCPUInput in their registrations): a shape, axes,
-# starts and ends, a count
-_HOST_INPUTS = {"Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,), "Unsqueeze": (1,),
-                "Tile": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2), "Split": (1,), "ReduceSum": (1,),
-                "Pad": (1, 2, 3), "TopK": (1,), "OneHot": (1,), "CumSum": (1,), "Trilu": (1,)}
-_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
-
-
-def host_reads_of_float_values(model: onnx.ModelProto) -> list[str]:
-    """The nodes with an input a GPU's kernel reads on the host (``_HOST_INPUTS``) that is computed from the values of
-    a floating-point tensor (which lives on the device: a copy to the host and a wait for the GPU every run). A
-    ``Shape`` reads its input's dims alone, so a walk back stops there; integer inputs of the graph (the labels, on
-    the device too) are not floating-point and are not looked for here."""
-    graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    types = {i.name: i.type.tensor_type.elem_type for i in [*graph.input, *graph.value_info, *graph.output]}
-    types.update({i.name: i.data_type for i in graph.initializer})
-    memo: dict[str, bool] = {}
-
-    def from_floats(name: str) -> bool:
-        if name not in memo:
-            memo[name] = False  # (a graph has no cycles: a placeholder while the walk is below it)
-            node = producer.get(name)
-            if node is not None and node.op_type not in ("Shape", "Size", "Constant"):
-                memo[name] = any(types.get(i) in _FLOATS or from_floats(i) for i in node.input if i)
-        return memo[name]
-
-    return [f"{node.op_type} {node.name!r}" for node in graph.node if node.domain in ("", "ai.onnx")
-            for index in _HOST_INPUTS.get(node.op_type, ()) if index < len(node.input) and node.input[index]
-            and from_floats(node.input[index])]
-
 
 @pytest.fixture
 def _as_on_a_gpu(monkeypatch):
@@ -89,7 +63,7 @@ def _steps(case: str, barriers: bool, passes: dict) -> tuple[onnx.ModelProto, li
 def test_the_waits_stay_on_the_device_and_the_steps_are_bit_for_bit(case, passes, _as_on_a_gpu):
     """Two SGD steps of the tiny GPT-2 and the tiny encoder with the recomputations (activations; layers too; with
     kernels that change which values are recomputed): every wait became one AliasAfter node reading a backward
-    value, no shape the host reads comes from a floating-point value (without the pass, the waits' do), and the
+    value, the graph has no copy between the GPU and the host (without the pass, one to the host a wait), and the
     losses and the weights after the steps are the run's without the pass bit for bit (the nodes alias their
     input: no arithmetic changed)."""
     graph, losses, weights = _steps(case, True, passes)
@@ -97,8 +71,8 @@ def test_the_waits_stay_on_the_device_and_the_steps_are_bit_for_bit(case, passes
     waits = [n for n in reference_graph.graph.node if n.op_type == "Reshape" and n.input[1].endswith("/same_shape")]
     aliases = [n for n in graph.graph.node if n.op_type == "AliasAfter" and n.domain == kernels.DOMAIN]
     assert waits and len(aliases) == len(waits)
-    assert host_reads_of_float_values(graph) == []
-    assert len(host_reads_of_float_values(reference_graph)) == len(waits)
+    assert host_copies(graph) == []
+    assert [kind for kind, _, _ in host_copies(reference_graph)] == ["MemcpyToHost"] * len(waits)
     assert losses == reference_losses
     for name, value in reference_weights.items():
         assert torch.equal(weights[name], value), name
@@ -107,10 +81,11 @@ def test_the_waits_stay_on_the_device_and_the_steps_are_bit_for_bit(case, passes
 @needs_compiler
 @pytest.mark.parametrize("levers", ["defaults", "every"])
 @pytest.mark.parametrize("case", ["gpt2", "encoder"])
-def test_no_shape_the_host_reads_comes_from_a_float_value(case, levers, _as_on_a_gpu):
+def test_a_gpus_graph_has_no_copy_to_or_from_the_host(case, levers, _as_on_a_gpu):
     """The float16 training graph of the tiny GPT-2 and encoder, with the default switches and with every lever of
-    ``benchmarks/gpu_levers.sh``'s first setting, as a GPU's is built: no input that a CUDA kernel reads on the host
-    is computed from a floating-point tensor (each would be a copy from the GPU and a wait for it every step)."""
+    ``benchmarks/gpu_levers.sh``'s first setting, as a GPU's is built: ONNX Runtime's CUDA placement
+    (``benchmarks/cuda_placement.py``) would put no copy between the GPU and the host inside it (a copy to the host
+    is a wait for the GPU every step, and either kind keeps ``device.cuda_graph`` from capturing the step)."""
     from ort_trainer.amp import DynamicLossScaler
 
     from test_placement import EVERY_LEVER
@@ -125,7 +100,7 @@ def test_no_shape_the_host_reads_comes_from_a_float_value(case, levers, _as_on_a
     trainer.train_step(*batch)
     graph = trainer._graphs.gradient
     assert any(n.op_type == "AliasAfter" for n in graph.graph.node)
-    assert host_reads_of_float_values(graph) == []
+    assert host_copies(graph) == []
 
 
 @pytest.mark.parametrize("reads_on_the_host", [False, True], ids=["cpu", "gpu-without-kernels"])

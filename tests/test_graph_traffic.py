@@ -77,3 +77,35 @@ def test_the_script_compares_two_settings(capsys):
     moved = [float(re.search(r"([\d.]+) MB moved", line).group(1)) for line in out.splitlines()
              if line.startswith(("gpt2-tiny fp16", "against"))]
     assert len(moved) == 2 and moved[1] > moved[0], moved
+
+
+def test_cuda_placement_finds_the_copies_onnx_runtime_would_make():
+    """``cuda_placement.host_copies`` on hand-built graphs, as ONNX Runtime's CUDA provider places them: a shape
+    computed from the dims alone (``Shape`` of a symbolic shape, then ``Concat``: on the host) needs no copy; one
+    computed from a float tensor's values (a ``ReduceSum`` on the GPU) is copied to the host for the ``Reshape``
+    that reads it; a host value a GPU node reads (a ``Cast`` of dims, on the host, into a ``Mul`` of a GPU value) is
+    copied to it; the ``Shape`` of a static shape is folded (no node, no copy)."""
+    from cuda_placement import host_copies
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    fixed = helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 4])
+    inits = [numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero")]
+    nodes = [helper.make_node("Shape", ["x"], ["dims"], end=1, name="dims"),
+             helper.make_node("Concat", ["dims", "minus_one"], ["shape"], axis=0, name="on_host"),
+             helper.make_node("Reshape", ["x", "shape"], ["a"], name="fine"),
+             helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0, name="total"),
+             helper.make_node("Cast", ["total"], ["count"], to=TensorProto.INT64, name="count"),
+             helper.make_node("Unsqueeze", ["count", "zero"], ["count1"], name="count1"),
+             helper.make_node("Concat", ["count1", "minus_one"], ["shape2"], axis=0, name="on_gpu"),
+             helper.make_node("Reshape", ["x", "shape2"], ["b"], name="waits"),
+             helper.make_node("Cast", ["dims"], ["dims_float"], to=TensorProto.FLOAT, name="float_dims"),
+             helper.make_node("Neg", ["x"], ["minus_x"], name="on_the_gpu"),
+             helper.make_node("Mul", ["minus_x", "dims_float"], ["c"], name="reads_host"),
+             helper.make_node("Shape", ["f"], ["static"], name="folded"),
+             helper.make_node("Reshape", ["f", "static"], ["d"], name="static_reshape")]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcd"]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x, fixed], outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    assert host_copies(model) == [("MemcpyToHost", "Reshape 'waits'", "shape2"),
+                                  ("MemcpyFromHost", "Mul 'reads_host'", "dims_float")]
