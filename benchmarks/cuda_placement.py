@@ -1,5 +1,5 @@
-"""Where ONNX Runtime's CUDA provider would copy tensors between the GPU and the host inside a training graph, told on
-a machine without a GPU (``graph_traffic.py`` prints the count; ``tests/test_device_barriers.py`` checks the graphs).
+"""Where ONNX Runtime's CUDA provider would copy tensors between the GPU and the host inside a training graph (and
+which floating-point nodes it would run on the host), told on a machine without a GPU (``graph_traffic.py`` prints the count; ``tests/test_device_barriers.py`` checks the graphs).
 
 It follows ONNX Runtime's own placement, read from its sources: constant folding first (nodes of constant inputs; a
 ``Shape`` of a static shape), then ``GetCpuPreferredNodes`` (``core/framework/fallback_cpu_capability.cc``): from the
@@ -26,6 +26,7 @@ HOST_INPUTS = {"Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Squeeze"
                "Resize": (1, 2, 3)}
 _HOST_OUTPUTS = {"Shape", "Size"}  # (their CUDA kernels write the dims on the host)
 _HALF = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, *_HALF}
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial"}
 _SMALL = 100  # ONNX Runtime's kSmallInitializerThreshold
 
@@ -37,7 +38,9 @@ def _onnx(node: onnx.NodeProto) -> bool:
 def host_copies(model: onnx.ModelProto) -> list[tuple[str, str, str]]:
     """The copies ONNX Runtime's CUDA provider would put inside ``model``: ``(kind, reader, value)``, kind
     ``"MemcpyToHost"`` (the device waits: a sync point, no CUDA graph capture) or ``"MemcpyFromHost"``, reader the
-    reading node's ``op_type 'name'``."""
+    reading node's ``op_type 'name'``; and ``("HostFloats", node, output)`` for a node it would run on the host that
+    computes floating-point values (one that reads a graph input and a shape, say: that input is then copied to the
+    host at every binding, and the node runs on the CPU)."""
     graph = model.graph
     sizes = {i.name: int(np.prod(i.dims)) for i in graph.initializer}
     inputs = {i.name for i in graph.input}
@@ -85,7 +88,8 @@ def host_copies(model: onnx.ModelProto) -> list[tuple[str, str, str]]:
             on_host.add(key)
             host_values.update(node.output)
             push(node.output)
-    copies = []
+    copies = [("HostFloats", f"{node.op_type} {node.name!r}", name) for node in nodes if id(node) in on_host
+              for name in node.output if types.get(name) in _FLOATS]
     for node in nodes:
         host_reads = HOST_INPUTS.get(node.op_type, ()) if _onnx(node) else ()
         for index, name in enumerate(node.input):

@@ -10,7 +10,8 @@ fusions (``Gemm`` from ``MatMul`` + ``Add``, ``FusedMatMul``, ``BiasGelu``...) r
 counted; views (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Identity``...) move no bytes, and a ``Gemm``'s bias is
 its ``C`` alone unless ``--bias-copies`` counts ONNX Runtime's copy of it into the output. The graph is built as a
 GPU's (the recomputations' waits as ``AliasAfter`` nodes: ``device_barriers``), and the summary counts the copies
-between the GPU and the host that ONNX Runtime's CUDA provider would put inside it (``cuda_placement.py``).
+between the GPU and the host that ONNX Runtime's CUDA provider would put inside it, and the floating-point values it
+would compute on the host (``cuda_placement.py``).
 
 Run: ``python benchmarks/graph_traffic.py --model gpt2 --precision fp16`` (``benchmarks/gpu_worker.py``'s models and
 sizes; ``--batch`` and ``--seq`` replace them; ``--optimizations '{"half_precision_loss": true}'`` turns
@@ -183,8 +184,10 @@ def traffic(model: onnx.ModelProto, bias_copies: bool = False) -> dict:
             flops += _flops(node, shapes)
         nodes.append((moved, node.op_type, node.name or node.output[0]))
     nodes.sort(reverse=True)
+    placed = [kind for kind, _, _ in host_copies(model)]
     return {"kinds": dict(kinds), "ops": dict(ops), "flops": flops, "unknown": unknown, "nodes": nodes,
-            "nodes_total": len(model.graph.node), "host_copies": len(host_copies(model))}
+            "nodes_total": len(model.graph.node), "host_floats": placed.count("HostFloats"),
+            "host_copies": len(placed) - placed.count("HostFloats")}
 
 
 def build_graph(model_name: str, precision: str, batch: int | None, seq: int | None, optimizations: dict):
@@ -238,7 +241,8 @@ def _summary(result: dict, unit: float, unit_name: str) -> str:
     moved = sum(v[0] for v in result["kinds"].values())
     return (f"{result['nodes_total']} nodes, {moved / unit:.2f} {unit_name} moved, products "
             f"{result['flops'] / 1e12:.3f} TFLOP, {result['unknown']} nodes of unknown shape (not counted), "
-            f"{result['host_copies']} copies between a GPU and the host inside the graph (cuda_placement.py)")
+            f"{result['host_copies']} copies between a GPU and the host inside the graph and {result['host_floats']} "
+            "floating-point values computed on the host (cuda_placement.py)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -85,7 +85,8 @@ def test_a_gpus_graph_has_no_copy_to_or_from_the_host(case, levers, _as_on_a_gpu
     """The float16 training graph of the tiny GPT-2 and encoder, with the default switches and with every lever of
     ``benchmarks/gpu_levers.sh``'s first setting, as a GPU's is built: ONNX Runtime's CUDA placement
     (``benchmarks/cuda_placement.py``) would put no copy between the GPU and the host inside it (a copy to the host
-    is a wait for the GPU every step, and either kind keeps ``device.cuda_graph`` from capturing the step)."""
+    is a wait for the GPU every step, and either kind keeps ``device.cuda_graph`` from capturing the step), nor run
+    a floating-point node on the host."""
     from ort_trainer.amp import DynamicLossScaler
 
     from test_placement import EVERY_LEVER

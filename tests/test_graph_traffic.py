@@ -84,7 +84,8 @@ def test_cuda_placement_finds_the_copies_onnx_runtime_would_make():
     computed from the dims alone (``Shape`` of a symbolic shape, then ``Concat``: on the host) needs no copy; one
     computed from a float tensor's values (a ``ReduceSum`` on the GPU) is copied to the host for the ``Reshape``
     that reads it; a host value a GPU node reads (a ``Cast`` of dims, on the host, into a ``Mul`` of a GPU value) is
-    copied to it; the ``Shape`` of a static shape is folded (no node, no copy)."""
+    copied to it; the ``Shape`` of a static shape is folded (no node, no copy); a float node that reads a graph input
+    and a host value runs on the host (as ONNX Runtime places it: the input copied at binding), named."""
     from cuda_placement import host_copies
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
@@ -103,9 +104,13 @@ def test_cuda_placement_finds_the_copies_onnx_runtime_would_make():
              helper.make_node("Neg", ["x"], ["minus_x"], name="on_the_gpu"),
              helper.make_node("Mul", ["minus_x", "dims_float"], ["c"], name="reads_host"),
              helper.make_node("Shape", ["f"], ["static"], name="folded"),
-             helper.make_node("Reshape", ["f", "static"], ["d"], name="static_reshape")]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcd"]
+             helper.make_node("Reshape", ["f", "static"], ["d"], name="static_reshape"),
+             helper.make_node("Mul", ["x", "dims_float"], ["e"], name="float_on_host")]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcde"]
     model = helper.make_model(helper.make_graph(nodes, "g", [x, fixed], outputs, inits),
                               opset_imports=[helper.make_opsetid("", 17)])
-    assert host_copies(model) == [("MemcpyToHost", "Reshape 'waits'", "shape2"),
+    model.graph.value_info.extend([helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                   for n in ("dims_float", "e")])
+    assert host_copies(model) == [("HostFloats", "Cast 'float_dims'", "dims_float"), ("HostFloats", "Mul "
+                                  "'float_on_host'", "e"), ("MemcpyToHost", "Reshape 'waits'", "shape2"),
                                   ("MemcpyFromHost", "Mul 'reads_host'", "dims_float")]
