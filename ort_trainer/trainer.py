@@ -72,13 +72,14 @@ def _device_barriers(opts: ORTTrainerOptions) -> bool:
     on = opts.graph_optimizations
     if not (on.device_barriers and device_class(opts.device.id).device_barriers):
         return False
-    if not kernels.cuda_kernels_at_hand() and (on.activation_recompute or on.layer_recompute):
+    at_hand = kernels.cuda_kernels_at_hand()
+    if not at_hand and (on.activation_recompute or on.layer_recompute):
         logger.warning("graph_optimizations.device_barriers needs ort_trainer's kernel library with CUDA kernels, and "
                        "there is no nvcc here nor $ORT_TRAINER_KERNELS_LIBRARY: each wait of the recomputed values "
                        "for the backward will be copied to the host every step (a wait for the GPU each layer, and "
                        "no device.cuda_graph). Install nvcc, set $ORT_TRAINER_KERNELS_LIBRARY to a library `make "
                        "kernels` built, or turn graph_optimizations.activation_recompute off")
-    return kernels.cuda_kernels_at_hand()
+    return at_hand
 
 
 class ORTTrainer(_StateMixin):

@@ -34,6 +34,7 @@ from cuda_placement import host_copies  # noqa: E402
 needs_compiler = pytest.mark.skipif(kernels._compilers()[1] is None and not kernels.cuda_kernels_at_hand(),
                                     reason="no C++ compiler to build the kernel library")
 
+
 @pytest.fixture
 def _as_on_a_gpu(monkeypatch):
     """The CPU device's graphs built as a GPU's are (its waits as AliasAfter nodes), their kernel library CPU-only."""
@@ -140,9 +141,8 @@ def _alias_model(x_type: int, after_type: int, through: bool) -> onnx.ModelProto
                                                    helper.make_opsetid(kernels.DOMAIN, kernels.OPSET)], ir_version=9)
 
 
-def _skip_without_cuda() -> None:
-    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("needs a GPU and onnxruntime-gpu")
+def _skip_without_cuda_kernels() -> None:
+    """(a ``cuda`` test: conftest skips it where there is no GPU or no CUDA provider)"""
     if not kernels.cuda_kernels_at_hand():
         pytest.skip("needs the kernel library's CUDA kernels (nvcc or $ORT_TRAINER_KERNELS_LIBRARY)")
 
@@ -155,7 +155,7 @@ def test_alias_after_gives_its_input_bit_for_bit(dtype, through, device):
     """The CPU and CUDA kernels: y is x, bit for bit (NaN, -0, infinities included), whatever the dtype of ``after``
     (here int64 and float16), as an alias of a value the graph computed and as a copy of the graph's input."""
     if device == "cuda":
-        _skip_without_cuda()
+        _skip_without_cuda_kernels()
     x_type = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
               torch.bfloat16: TensorProto.BFLOAT16}[dtype]
     values = torch.tensor([float("nan"), -0.0, float("inf"), -3.5, 1e-3] * 3).reshape(5, 3).to(dtype)
@@ -186,7 +186,7 @@ def test_a_gpu_step_at_the_defaults_copies_nothing_to_the_host(dtype):
     """A mixed-precision step of the tiny GPT-2 on CUDA with the default switches (activation_recompute on): its waits
     are AliasAfter nodes, and ONNX Runtime places every node on the GPU with no copy to the host inside the graph
     (``Sessions.placed_elsewhere``, which counts both)."""
-    _skip_without_cuda()
+    _skip_without_cuda_kernels()
     from ort_trainer.amp import DynamicLossScaler
 
     model, desc, batch, _ = _gpt2_case()

@@ -95,6 +95,16 @@ def _op(node: onnx.NodeProto, op_of: dict) -> str | None:
     return node.op_type if node.domain in _ONNX_DOMAINS else op_of.get((node.domain, node.op_type))
 
 
+def _static(shape: list | None) -> bool:
+    """Whether ``shape`` (as ``_Graph.shapes`` holds it) is known and every dim a static positive size."""
+    return shape is not None and all(isinstance(size, int) and size > 0 for size in shape)
+
+
+def _onnx_opset(model: onnx.ModelProto) -> int:
+    """The version of ONNX's own operator set ``model`` imports (0: none)."""
+    return next((o.version for o in model.opset_import if o.domain in _ONNX_DOMAINS), 0)
+
+
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     graph = model.graph
     types = {info.name: info.type.tensor_type.elem_type for info in [*graph.input, *graph.value_info, *graph.output]

@@ -45,7 +45,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._graph import _Graph, _attrs, _elem_types, _is, _other, _replace_nodes
+from ._graph import _Graph, _attrs, _elem_types, _is, _onnx_opset, _other, _replace_nodes, _static
 
 
 def cross_entropy_backward(model: onnx.ModelProto) -> int:
@@ -189,14 +189,14 @@ def integer_pads(model: onnx.ModelProto) -> int:
     a ``ConstantOfShape`` of the shape read at run time where a dim is symbolic (opset 15 on); returns the count."""
     g = _Graph(model)
     types = _elem_types(model)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = _onnx_opset(model)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if not _is(node, "Pad") or _attrs(node).get("mode", b"constant") not in (b"constant", "constant"):
             continue
         x, shape, elem = node.input[0], g.shapes.get(node.input[0]), types.get(node.input[0])
         pads = g.const(node.input[1]) if len(node.input) > 1 and node.input[1] else None
-        if elem not in _INTEGERS or pads is None or shape is None or not shape or any(
+        if elem not in _INTEGERS or pads is None or not shape or any(
                 isinstance(d, int) and d <= 0 for d in shape) or (not _static(shape) and opset < 15):
             continue  # (a symbolic dim is read at run time by Shape's start / end, which opset 15 gave it)
         value = g.const(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int64)
@@ -231,10 +231,6 @@ def integer_pads(model: onnx.ModelProto) -> int:
             nodes[-1].output[0] = node.output[0]
         replaced[id(node)] = nodes
     return _replace_nodes(model, replaced, {})
-
-
-def _static(dims: list) -> bool:
-    return all(isinstance(d, int) for d in dims)
 
 
 def _fill_like(x: str, axis: int, count: int, value: np.ndarray, name: str) -> list[onnx.NodeProto]:

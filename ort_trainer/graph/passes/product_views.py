@@ -31,7 +31,7 @@ from onnx import helper
 
 from ...kernels import DOMAIN as KERNELS_DOMAIN
 from ...kernels import TORCH_OPS_DOMAIN
-from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _redirect, _set_dims
+from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _redirect, _set_dims, _static
 
 _GEMMS = {"Gemm", "BiasGemm", "GemmToFloat"}
 # ort_trainer's kernels that read an input as its elements in order, whatever its shape (they check its size only),
@@ -149,10 +149,6 @@ def _rows_of(g: _Graph, name: str) -> str:
         if not _static(before) or before[-1] != shape[-1] or math.prod(before) != math.prod(shape):
             return name
         name = reshape.input[0]
-
-
-def _static(shape) -> bool:
-    return shape is not None and all(isinstance(size, int) and size > 0 for size in shape)
 
 
 def _flattened(g: _Graph, name: str) -> str | None:
