@@ -167,6 +167,13 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
         "no device.cuda_graph capture); needs the kernel library's CUDA kernels (nvcc, or "
         "$ORT_TRAINER_KERNELS_LIBRARY), without which the waits stay Reshapes (gradient source 'torch' only)"
     ),
+    "graph_optimizations.seeded_dropout": _Field(
+        _BOOL, True, "with device.cuda_graph, each training Dropout (float32, float16, bfloat16) as one node of "
+        "ort_trainer's kernel library (SeededDropout: Philox draws from a seed the trainer writes to the device every "
+        "step, a function of (seed, rank, step)), so that a replayed CUDA graph draws new masks each step; without it "
+        "a captured step with dropout is refused. Needs the kernel library's CUDA kernels (nvcc, or "
+        "$ORT_TRAINER_KERNELS_LIBRARY) (gradient source 'torch' only)"
+    ),
     "graph_optimizations.aligned_products": _Field(
         _BOOL, False, "matrix products with a static dimension of 1024 or more that is not a multiple of 8 (a "
         "50257- or 30522-word vocabulary's language-model head, forward and backward) computed on operands padded "

@@ -119,7 +119,7 @@ class _GradientSession:
                                    else FreshIO(device, binding, self.gradient_outputs))
         self.grad_io = [io[id(binding)] for binding in self.grad_bindings]
         self.draws_random_numbers = _draws_random_numbers(gradient.graph)
-        self.dropout_masks = HostDropoutMasks(gradient)  # Dropouts whose masks the host draws
+        self.dropout_masks = HostDropoutMasks(gradient)  # masks the host draws, the seed of those seeded_dropout draws
         for binding in {id(b): b for b in self.grad_bindings}.values():
             for w, buffer in engine.grads.items():
                 if self.accumulates:

@@ -21,7 +21,7 @@ from ._logging import logger
 from ._state_checks import (IncomingState, IncompatibleKeys, SHARED_OPTIMIZER_STATE, WeightSpec, accumulated_problems,
                             as_array, as_count, dtype_family, loss_scaler_problems, lr_scheduler_problems,
                             optimizer_problems, parse_train_step_info, parse_trainer_options, problems_report,
-                            trial_load, weight_problems)
+                            storage_of, trial_load, weight_problems)
 from .graph.optimizer import state_names
 from .optim.config import LambConfig
 
@@ -147,12 +147,13 @@ class _StateMixin:
         """Every weight name a state may hold, with its shape, dtype family and whether it is required.
 
         Nested names are the graph's weights (once built) or the model's own names; a torch module's
-        other state (tied aliases, BatchNorm counters, parameters the graph does not use) is
-        accepted under its torch key too, so a state taken before the first step loads after it.
-        With ``pytorch_format`` every torch ``state_dict`` key is required.
-        """
+        other state (tied aliases, BatchNorm counters, parameters the graph does not use) is accepted
+        under its torch key too, so a state taken before the first step loads after it, and the other
+        way. With ``pytorch_format`` every torch ``state_dict`` key is required."""
         if isinstance(self.model, torch.nn.Module) and (pytorch_format or self._engine is None):
-            return {k: WeightSpec(tuple(v.shape), dtype_family(v.dtype), pytorch_format or not k.endswith(_COUNTER_SUFFIX))
+            first: dict[tuple, str] = {}  # (a nested state names a tied weight once, as the graph: aliases optional)
+            return {k: WeightSpec(tuple(v.shape), dtype_family(v.dtype), pytorch_format or (
+                        not k.endswith(_COUNTER_SUFFIX) and first.setdefault(storage_of(v), k) == k))
                     for k, v in self.model.state_dict().items()}
         if self._engine is None:
             return {i.name: WeightSpec(tuple(i.dims), dtype_family(numpy_helper.to_array(i).dtype))

@@ -31,6 +31,14 @@ def as_array(value: Any) -> Any:
     return np.asarray(value)
 
 
+def storage_of(tensor: torch.Tensor) -> tuple:
+    """A key equal for two ``state_dict`` tensors where one is a tied alias of the other (the same memory, shape and
+    strides); an empty tensor's is its own."""
+    if tensor.numel() == 0:
+        return (id(tensor),)
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
 def dtype_family(dtype: np.dtype | torch.dtype) -> str:
     """The dtype family a value must share with what it replaces: float, int, bool or complex."""
     if isinstance(dtype, torch.dtype):

@@ -10,6 +10,9 @@ from NumPy's PCG64: a resumed run draws what an uninterrupted one would. Each el
 (relative) of ``p`` (p = 0.1, 0.2, 0.3, 0.5...), else 32 bits (p = 0.01); the scale is the reciprocal of
 the probability actually drawn, so the expected output is exactly the input, as in PyTorch. The
 buffers are allocated once per graph and written in place each step.
+
+A graph whose Dropouts are ``SeededDropout`` nodes (the ``seeded_dropout`` pass: a captured GPU step) draws on the
+device from one seed input, ``DROPOUT_SEED_INPUT``; ``draw`` gives it the step's seed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .graph.passes.dropout import host_mask_inputs
+from .graph.passes.dropout import DROPOUT_SEED_INPUT, host_mask_inputs
 
 __all__ = ["HostDropoutMasks", "keep_threshold"]
 
@@ -33,7 +36,8 @@ def keep_threshold(p: float) -> tuple[int, int]:
 
 
 class HostDropoutMasks:
-    """The mask inputs of one graph (``HOST_DROPOUT_MASKS`` in its metadata) and their buffers.
+    """The mask inputs of one graph (``HOST_DROPOUT_MASKS`` in its metadata) and their buffers, and its
+    ``SeededDropout`` nodes' seed input.
 
     Args:
         model: a training graph (none of whose inputs need be masks).
@@ -49,15 +53,16 @@ class HostDropoutMasks:
         self._masks = [(name, np.empty(shapes[name], np.float32), *keep_threshold(p))
                        for name, p in host_mask_inputs(model).items()]
         self._keep = np.empty(self.CHUNK, np.bool_) if self._masks else None
+        self._seeded = DROPOUT_SEED_INPUT in shapes
 
     def __bool__(self) -> bool:
-        return bool(self._masks)
+        return bool(self._masks) or self._seeded
 
     def draw(self, seed: int) -> dict[str, np.ndarray]:
-        """Fill every mask for a run seeded ``seed``; returns ``{input name: mask}`` (the buffers
-        are rewritten by the next call: bind them for one run)."""
+        """Fill every mask for a run seeded ``seed`` (below 2**63); returns ``{input name: mask}`` (the buffers
+        are rewritten by the next call: bind them for one run), with the seed input's ``[seed]`` too."""
         generator = np.random.PCG64(seed)
-        out = {}
+        out = {DROPOUT_SEED_INPUT: np.array([seed], np.int64)} if self._seeded else {}
         for name, buffer, bits, threshold in self._masks:
             out[name] = buffer
             flat = buffer.reshape(-1)

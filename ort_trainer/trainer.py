@@ -15,16 +15,17 @@ import numpy as np
 import onnx
 import torch
 
-from . import distributed, kernels
+from . import distributed
 from ._export_check import check_model_export
 from ._inputs import StepInputs
 from ._interrupt import deferred_interrupt
 from ._logging import logger
 from ._onnx_files import data_path, save_while_building
+from ._pass_switches import pass_switches
 from ._runtime import resolve_gradient_source
 from ._state import _StateMixin
 from .amp.kernels import missing_kernels_explained
-from .devices import device_class, host_array, host_dtype, host_threads, torch_threads
+from .devices import host_array, host_dtype, host_threads, torch_threads
 from .distributed import make_communicator
 from .engine import Engine
 from .graph.export.input_checks import BatchChecks
@@ -32,8 +33,6 @@ from .graph.gradient import make_gradient_source
 from .graph.job import GraphJob
 from .graph.onnx_graph import build_inference_graph
 from .graph.optimizer import state_names
-from .graph.passes import EVAL_PASSES, JOINT_PASSES
-from .graph.passes.forward import FORWARD_PASSES, GRADIENT_PASSES
 from .graph.pipeline import TrainingGraphs, build_optimizer, initial_weights
 from .graph.shapes import ShapeGraphs
 from .model_desc import ModelDescription, parse_model_desc
@@ -63,23 +62,6 @@ class TrainStepInfo:
     def __repr__(self) -> str:
         return (f"TrainStepInfo(all_finite={self.all_finite}, fetches={self.fetches}, "
                 f"optimization_step={self.optimization_step}, step={self.step})")
-
-
-def _device_barriers(opts: ORTTrainerOptions) -> bool:
-    """``graph_optimizations.device_barriers`` as the device takes it: on where the device reads a Reshape's shape on
-    the host and a kernel library with CUDA kernels can be had; a warning where recomputed values' waits will be copied
-    to the host instead."""
-    on = opts.graph_optimizations
-    if not (on.device_barriers and device_class(opts.device.id).device_barriers):
-        return False
-    at_hand = kernels.cuda_kernels_at_hand()
-    if not at_hand and (on.activation_recompute or on.layer_recompute):
-        logger.warning("graph_optimizations.device_barriers needs ort_trainer's kernel library with CUDA kernels, and "
-                       "there is no nvcc here nor $ORT_TRAINER_KERNELS_LIBRARY: each wait of the recomputed values "
-                       "for the backward will be copied to the host every step (a wait for the GPU each layer, and "
-                       "no device.cuda_graph). Install nvcc, set $ORT_TRAINER_KERNELS_LIBRARY to a library `make "
-                       "kernels` built, or turn graph_optimizations.activation_recompute off")
-    return at_hand
 
 
 class ORTTrainer(_StateMixin):
@@ -142,13 +124,7 @@ class ORTTrainer(_StateMixin):
             save_paths=dict(opts.debug.graph_save_paths),
             accumulate=window > 1 and not captured and (
                 opts.distributed.world_size == 1 or opts.distributed.allreduce_post_accumulation),
-            passes={**{name: opts.graph_optimizations[name]
-                       for name in dict.fromkeys(FORWARD_PASSES + GRADIENT_PASSES + JOINT_PASSES + EVAL_PASSES)},
-                    "sparse_labels": opts.graph_optimizations.sparse_labels and not captured,
-                    "loss_piece_elements": opts.graph_optimizations.loss_piece_elements,
-                    "host_dropout_masks": opts.graph_optimizations.host_dropout_masks
-                    and device_class(opts.device.id).host_dropout_masks,
-                    "device_barriers": _device_barriers(opts)},
+            passes=pass_switches(opts),
             source=source,
             autocast=opts.mixed_precision.dtype if opts.mixed_precision.enabled else None,
         )

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume across processes, refusal to overwrite, corruption detection."""
 
+import copy
 import os
 import signal
 import subprocess
@@ -268,6 +269,29 @@ def test_load_state_dict_before_the_first_step():
     # the same graph on the same weights and batch: the same operations (see RESUME_BOUND)
     assert target.train_step(*batch)[0].item() == pytest.approx(source.train_step(*batch)[0].item(), rel=RESUME_BOUND)
     assert target.state_dict()["train_step_info"]["optimization_step"] == 5
+
+
+def test_a_tied_models_state_loads_before_the_first_step():
+    """GPT-2's head shares the embedding's weight: the graph, and so a nested state taken after a step, name it once
+    (``transformer.wte.weight``), and a fresh trainer takes that state before its first step (the alias is optional
+    there, its tensor the same), strict, and trains on as the trainer the state came from (RESUME_BOUND); a state that
+    lacks a weight still names it."""
+    from models import tiny_gpt2
+
+    model, desc = tiny_gpt2(dropout=0.0)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    source = ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=1e-3))
+    source.train_step(ids, torch.ones_like(ids), ids)
+    state = source.state_dict()
+    assert "lm_head.weight" not in state["model"]["full_precision"]
+    target = ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=1e-3))
+    target.load_state_dict(state)
+    assert target._engine is None
+    resumed = float(target.train_step(ids, torch.ones_like(ids), ids)[0])
+    assert resumed == pytest.approx(float(source.train_step(ids, torch.ones_like(ids), ids)[0]), rel=RESUME_BOUND)
+    del state["model"]["full_precision"]["transformer.wte.weight"]
+    with pytest.raises(ValueError, match="missing weight 'transformer.wte.weight'"):
+        ORTTrainer(copy.deepcopy(model), desc, AdamConfig(lr=1e-3)).load_state_dict(state)
 
 
 # ---- all or nothing: a file with a valid checksum whose state is malformed changes nothing ----------

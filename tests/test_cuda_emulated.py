@@ -47,6 +47,7 @@ _SIGNATURES = {
     "add_half": [I, I, P, P, I, P, L],
     "half_copies": [I, P, P, P, P, I],
     "device_copy": [P, P, L],
+    "seeded_dropout": [I, P, P, P, L, P, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float],
 }
 
 needs_compiler = pytest.mark.skipif(kernels._compilers()[1] is None, reason="no C++ compiler here")
@@ -546,3 +547,38 @@ def test_the_emulation_refuses_a_launch_cuda_would(emulated):
     with pytest.raises(RuntimeError, match=r"columns_kernel<T, D>: grid \(2, 70000, 1\)"):
         emulated["layer_norm_grad"](1, 1, 1, 1, dy, x, mean, rstd, gamma, None, torch.empty_like(x), None,
                                     torch.empty(48), torch.empty(48), torch.empty(70000, 2, 48), 4, 48, 70000)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", list(_TYPES), ids=_IDS)
+@pytest.mark.parametrize("layout", ["vectors", "odd-length", "unaligned"])
+def test_seeded_dropout_keeps_the_reference_masks_elements_bit_for_bit(emulated, dtype, layout):
+    """SeededDropout's kernel (dropout.cu): the mask is the reference Philox's (test_seeded_dropout.py) for this seed
+    and node, bit for bit, and y is x · scale rounded once where kept, x · 0 elsewhere (NaN stays NaN), as the CPU
+    kernel writes them; four elements a thread as one vector where aligned, one at a time otherwise and for a last
+    block of fewer than four; nothing written past y or the mask. The seed is read from (emulated) device memory."""
+    from test_seeded_dropout import reference_mask
+
+    n = {"vectors": 4096 + 8, "odd-length": 4099, "unaligned": 1027}[layout]
+    seed, stream, ratio = 0x0123456789ABCDEF, 5, 0.1
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * 3.0)
+    x[:2] = torch.tensor([float("nan"), float("-inf")])
+    x = x.to(dtype)
+    memory = Memory()
+    y = memory.output((n,), dtype)
+    band = 64  # guard bytes each side of the mask, which the kernel must leave as they are
+    mask_memory = torch.full((n + 2 * band,), 0xA5, dtype=torch.uint8)
+    mask = mask_memory[band:band + n]
+    threshold = round((1.0 - ratio) * 2.0 ** 32)
+    scale = float(torch.tensor(1.0) / (1.0 - torch.tensor(ratio)))
+    emulated["seeded_dropout"](_TYPES[dtype][0], memory.input(x, offset=1 if layout == "unaligned" else 0), y, mask,
+                               n, torch.tensor([seed], dtype=torch.int64), stream, threshold, scale)
+    memory.check()
+    assert (mask_memory[:band] == 0xA5).all() and (mask_memory[band + n:] == 0xA5).all()
+    want_mask = torch.from_numpy(reference_mask(seed, stream, n, ratio))
+    assert torch.equal(mask.bool(), want_mask) and int(mask.max()) == 1
+    want = (x.float() * torch.where(want_mask, torch.tensor(scale), torch.tensor(0.0))).to(dtype)
+    assert torch.equal(y.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(y[finite].float().view(torch.int32), want[finite].float().view(torch.int32))

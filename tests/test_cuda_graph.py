@@ -98,10 +98,11 @@ def test_a_captured_step_projects_every_row_and_accumulates_outside_its_graph():
 
 def test_dropout_is_refused_before_any_step_naming_its_modules():
     """ONNX Runtime's CUDA Dropout draws its mask when launched: a replay would drop the same elements
-    every step. The refusal comes before any run, and leaves the trainer as it was."""
+    every step. Without ``seeded_dropout`` (``test_seeded_dropout.py``) the refusal comes before any run, and
+    leaves the trainer as it was."""
     model, desc = tiny_gpt2(dropout=0.1)
-    trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-3),
-                         options=_options(True, graph_optimizations={"host_dropout_masks": False}))
+    trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-3), options=_options(
+        True, graph_optimizations={"host_dropout_masks": False, "seeded_dropout": False}))
     before = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="device.cuda_graph") as info:
@@ -146,8 +147,10 @@ def test_a_dropout_is_refused_only_where_it_draws_a_mask(ratio, training, refuse
     assert bool(problems) == refused, problems
     if refused:
         assert problems == ["Dropout draws random numbers: a replayed capture would draw the same ones every step "
-                            "(dropout: set the model's dropout probabilities to 0 to train with device.cuda_graph): "
-                            "drop"]
+                            "(dropout: graph_optimizations.seeded_dropout draws float32, float16 and bfloat16 "
+                            "dropouts on the device, with ort_trainer's CUDA kernels: nvcc or "
+                            "$ORT_TRAINER_KERNELS_LIBRARY; or set the model's dropout probabilities to 0 to train with "
+                            "device.cuda_graph): drop"]
 
 
 def test_every_kind_of_node_a_capture_cannot_replay_is_named_once_with_all_its_nodes():

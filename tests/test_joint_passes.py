@@ -584,9 +584,10 @@ def test_every_pass_of_the_torch_source_is_a_switch_the_trainer_hands_on():
     for options in ({}, {"graph_optimizations": everything_off}):
         trainer = ORTTrainer(model, desc, SGDConfig(lr=0.0), options=options)
         wanted = {name: trainer.options.graph_optimizations[name] for name in names}
-        # (switches the device gates: host_dropout_masks a CPU's, device_barriers a GPU's with CUDA kernels at hand)
-        wanted["host_dropout_masks"] = wanted["host_dropout_masks"] and trainer._job.passes["host_dropout_masks"]
-        wanted["device_barriers"] = wanted["device_barriers"] and trainer._job.passes["device_barriers"]
+        # (switches the device gates: host_dropout_masks a CPU's, device_barriers a GPU's with CUDA kernels at hand,
+        # seeded_dropout a captured GPU step's likewise)
+        for gated in ("host_dropout_masks", "device_barriers", "seeded_dropout"):
+            wanted[gated] = wanted[gated] and trainer._job.passes[gated]
         assert {name: trainer._job.passes.get(name) for name in names} == wanted
     assert not any(trainer._job.passes.get(name) for name in names)  # the last one: all off
     assert names <= set(forward.ALL_PASSES)  # the list tests turn everything off with

@@ -30,7 +30,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.safe_softmax", "graph_optimizations.unfused_skip_layer_norm",
     "graph_optimizations.column_sums", "graph_optimizations.tied_embedding_gradient",
     "graph_optimizations.transposed_products", "graph_optimizations.activation_recompute",
-    "graph_optimizations.device_barriers",
+    "graph_optimizations.device_barriers", "graph_optimizations.seeded_dropout",
     "graph_optimizations.layer_recompute",
     "graph_optimizations.aligned_products", "graph_optimizations.fused_gradient_sums",
     "graph_optimizations.half_precision_attention", "graph_optimizations.half_precision_softmax_gradient",

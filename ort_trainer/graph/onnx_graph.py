@@ -9,6 +9,7 @@ from typing import Collection
 import onnx
 from onnx import helper
 
+from ..kernels import DOMAIN as KERNELS_DOMAIN
 from .names import KEEPER_SUFFIX
 
 #: nodes that may draw from ONNX Runtime's random generator: a replayed CUDA graph would draw what its capture
@@ -227,11 +228,11 @@ def _rename_values(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
 
 
 def _dropout_bypasses(nodes, mask_inputs: set[str]) -> dict[str, str]:
-    """``{output: input}`` of what is the identity in eval mode: every ``Dropout`` (its first
-    output is its input) and every ``Mul`` of a value by one of ``mask_inputs``."""
+    """``{output: input}`` of what is the identity in eval mode: every ``Dropout`` and ``SeededDropout`` (its
+    first output is its input) and every ``Mul`` of a value by one of ``mask_inputs``."""
     rename = {}
     for node in nodes:
-        if node.op_type == "Dropout":
+        if node.op_type == "Dropout" or (node.op_type == "SeededDropout" and node.domain == KERNELS_DOMAIN):
             rename[node.output[0]] = node.input[0]
         elif node.op_type == "Mul" and len(node.input) == 2 and len(mask_inputs.intersection(node.input)) == 1:
             rename[node.output[0]] = next(name for name in node.input if name not in mask_inputs)

@@ -27,7 +27,7 @@ from .job import GradientSource, GraphJob, Prepared, Traced
 from .names import GRAD_SUFFIX, LOSS_SCALE_INPUT
 from .onnx_graph import io_signature, value_info
 from .optimizer import Segment, build_optimizer_graph, layout_order, make_segments, plan
-from .passes.dropout import host_mask_inputs
+from .passes.dropout import DROPOUT_SEED_INPUT, host_mask_inputs
 from .passes.tied_embedding import host_table_rows
 
 
@@ -247,7 +247,7 @@ def _entry_problems(models: dict[str, onnx.ModelProto], meta: dict, prepared: Pr
         problems.append("eval.onnx's outputs are not the description's outputs")
     # the gradient graph may only read what the engine feeds, with the traced program's types
     inputs = prepared.gradient_inputs
-    suffix, fed = GRAD_SUFFIX, set(inputs) | set(host_mask_inputs(models["gradient"]))
+    suffix, fed = GRAD_SUFFIX, set(inputs) | set(host_mask_inputs(models["gradient"])) | {DROPOUT_SEED_INPUT}
     if accumulating is not None:
         added, suffix = accumulating.accumulation_io(trained)
         fed |= added

@@ -47,8 +47,10 @@ OPSET = 1
 LIBRARY_ENV = "ORT_TRAINER_KERNELS_LIBRARY"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _NAME = "libort_trainer_kernels.so"
-_CUDA_SOURCES = ("gelu.cu", "layer_norm.cu", "softmax.cu", "cross_entropy.cu", "add_half.cu", "half_copies.cu")
-_SOURCES = ("ops.cc", "layer_norm_ops.cc")  # the operators' runs and registration (CPU kernels: headers)
+_CUDA_SOURCES = ("gelu.cu", "layer_norm.cu", "softmax.cu", "cross_entropy.cu", "add_half.cu", "half_copies.cu",
+                 "dropout.cu")
+# the operators' runs and registration (their CPU kernels: headers)
+_SOURCES = ("ops.cc", "layer_norm_ops.cc", "elementwise_ops.cc")
 _CUDA_ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
                "-gencode", "arch=compute_90,code=compute_90")
 

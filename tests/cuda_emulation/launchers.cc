@@ -79,4 +79,9 @@ const char* emu_device_copy(const void* src, void* dst, int64_t bytes) {
   return device_copy_cuda(src, dst, bytes, nullptr);
 }
 
+const char* emu_seeded_dropout(int type, const void* x, void* y, bool* mask, int64_t n, const int64_t* seed,
+                               uint32_t stream, uint32_t threshold, float scale) {
+  return seeded_dropout_cuda(as_type(type), x, y, mask, n, seed, stream, threshold, scale, nullptr);
+}
+
 }  // extern "C"

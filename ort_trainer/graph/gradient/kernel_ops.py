@@ -337,7 +337,7 @@ def rewrite_joint(program) -> int:
 
 
 # each operator's inputs and outputs (name, type) and attributes; T: the scores' or activations' dtype, G:
-# LayerNormGrad's weights', I: int64, U: float32, A: any
+# LayerNormGrad's weights', I: int64, U: float32, B: bool, A: any
 _SCHEMAS = {
     "GeluGrad": ([("dy", "T"), ("x", "T")], [("dx", "T")], ()),
     "TanhGeluGrad": ([("dy", "T"), ("x", "T")], [("dx", "T")], ()),
@@ -365,15 +365,18 @@ _SCHEMAS = {
        for name in ("LayerNormGradToFloat16", "LayerNormGradToBFloat16")},
     # written by graph/passes/recompute.py's device_barriers: x itself once ``after`` (of any dtype A) is computed
     "AliasAfter": ([("x", "T"), ("after", "A")], [("y", "T")], ()),
+    # written by graph/passes/dropout.py's seeded_dropout: ONNX's training Dropout drawing from the seed (ratio: a
+    # float attribute; stream: the node's number)
+    "SeededDropout": ([("x", "T"), ("seed", "I")], [("y", "T"), ("mask", "B")], ("ratio", "stream")),
     # written by graph/passes/layer_norm_forward.py (epsilon: a float attribute)
     **{name: ([("x", "U"), ("gamma", "U"), ("beta", "U")], [("y", "T"), ("mean", "U"), ("rstd", "U")], ("epsilon",))
        for name in ("LayerNormToFloat16", "LayerNormToBFloat16")},
 }
-_FLOAT_ATTRIBUTES = {"epsilon"}
+_FLOAT_ATTRIBUTES = {"epsilon", "ratio"}
 _INTS_ATTRIBUTES = {"output_rows"}
 # (operator, input or output): one or more tensors of its type
 _VARIADIC = {("AddHalf", "x"), *((name, p) for name in ("CastsToFloat16", "CastsToBFloat16") for p in "xy")}
-_TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"],
+_TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(float)"], "B": ["tensor(bool)"],
           "A": [*_DTYPES, "tensor(double)", "tensor(int64)", "tensor(int32)", "tensor(bool)"]}
 
 

@@ -74,7 +74,8 @@ _JOINT = (
     ("fused_layer_norm_gradient", layer_norm_sums.layer_norm_residual_sums),
     ("fused_layer_norm", layer_norm_forward.fused_layer_norm),
     ("loss_pieces", order.piece_gradients_early), ("torch_products", torch_products.torch_products),
-    ("weight_casts", weight_casts.weight_casts), ("device_barriers", recompute.device_barriers))
+    ("weight_casts", weight_casts.weight_casts), ("device_barriers", recompute.device_barriers),
+    ("seeded_dropout", dropout.seeded_dropout))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),

@@ -15,6 +15,10 @@
   static-shape training Dropout as ``x · m`` with ``m`` a graph input the engine fills from the
   host every step (``ort_trainer/dropout_masks.py``); runs before ``dropout_gradient``, whose
   backward forms it writes itself.
+- ``seeded_dropout`` (a GPU's captured step, ``device.cuda_graph``): each training Dropout as one
+  ``SeededDropout(x, seed)`` node of ort_trainer's kernel library, whose draws are a function of a
+  seed input the engine writes every step (``DROPOUT_SEED_INPUT``), read on the device: a replayed
+  CUDA graph draws new masks each step, where ONNX Runtime's Dropout would replay the same ones.
 
 Each has a name under ``graph_optimizations`` and is checked against float64 PyTorch gradients
 (``tests/test_joint_passes.py``, ``tests/test_rewrites.py``).
@@ -28,8 +32,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ...kernels import DOMAIN as KERNELS_DOMAIN, OPSET as KERNELS_OPSET
 from ..names import KEEPER_SUFFIX
-from ._graph import _Graph, _attrs, _elem_types, _is, _keep, _other, _sole_consumer
+from ._graph import _Graph, _attrs, _elem_types, _import_domain, _is, _keep, _other, _sole_consumer
 
 
 # ---- dropout_gradient ------------------------------------------------------------------------
@@ -228,4 +233,43 @@ def host_dropout_masks(model: onnx.ModelProto) -> int:
     return len(masks)
 
 
-__all__ = ["HOST_DROPOUT_MASKS", "dropout_gradient", "host_dropout_masks", "host_mask_inputs", "keep_dropouts"]
+#: the int64 ``[1]`` input of a graph with ``SeededDropout`` nodes: the step's seed (``dropout_masks.py`` fills it)
+DROPOUT_SEED_INPUT = "ort_trainer/dropout_seed"
+_SEEDED_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)  # the kernel's x
+
+
+def seeded_dropout(model: onnx.ModelProto) -> int:
+    """Each training-mode Dropout of a constant ratio as ``SeededDropout(x, seed)`` (ort_trainer's kernel library):
+    ONNX's Dropout whose draws are a function of ``seed`` (the graph input ``DROPOUT_SEED_INPUT``), the node's number
+    (its attribute ``stream``, in graph order) and the element's index alone (Philox4x32-10, ``kernels/csrc/philox.h``).
+
+    ONNX Runtime's CUDA Dropout passes its generator's seed and offset to the kernel it launches: a CUDA graph that
+    captured that launch replays it with the same ones, the same mask every step. The kernel reads the seed from the
+    device where the node runs, so a replay draws what the step's seed says. The outputs keep their names (the
+    backward reads the mask as it read ONNX's); a mask nothing reads but a keeper (``keep_dropouts``) loses the
+    keeper (ONNX Runtime keeps a custom node whose output is unread). Dropouts of other dtypes (float64) are left
+    as they are. Returns the number of Dropouts rewritten.
+    """
+    g = _Graph(model)
+    types = _elem_types(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    dead: set[int] = set()
+    for drop in [n for n in model.graph.node if _is(n, "Dropout")]:
+        ratio = _training_ratio(g, drop)
+        if ratio is None or not 0.0 < ratio < 1.0 or types.get(drop.input[0]) not in _SEEDED_TYPES:
+            continue
+        mask = drop.output[1] if len(drop.output) > 1 and drop.output[1] else f"{drop.output[0]}/mask"
+        dead |= {id(n) for n in g.consumers.get(mask, []) if n.name.endswith(KEEPER_SUFFIX)}
+        replaced[id(drop)] = [helper.make_node(
+            "SeededDropout", [drop.input[0], DROPOUT_SEED_INPUT], [drop.output[0], mask], name=drop.name,
+            domain=KERNELS_DOMAIN, ratio=ratio, stream=len(replaced))]
+    if not replaced:
+        return 0
+    _import_domain(model, KERNELS_DOMAIN, KERNELS_OPSET)
+    model.graph.input.append(helper.make_tensor_value_info(DROPOUT_SEED_INPUT, TensorProto.INT64, [1]))
+    _keep(model, dead | set(replaced), before=replaced)
+    return len(replaced)
+
+
+__all__ = ["DROPOUT_SEED_INPUT", "HOST_DROPOUT_MASKS", "dropout_gradient", "host_dropout_masks", "host_mask_inputs",
+           "keep_dropouts", "seeded_dropout"]

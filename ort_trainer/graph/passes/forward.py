@@ -58,7 +58,8 @@ ALL_PASSES = ("shape_specialization", "sparse_labels", "cross_entropy", "embeddi
 # its causal mask in the kernel (passes/causal_attention.py), torch's choice of its kernel
 # (passes/attention_backend.py),
 # the products by torch's BLAS (passes/torch_products.py), the weights' half copies in one node
-# (passes/weight_casts.py), the recomputations' waits on the device (passes/recompute.py)
+# (passes/weight_casts.py), the recomputations' waits on the device (passes/recompute.py), Dropouts seeded on the
+# device (passes/dropout.py)
 JOINT_COPY_PASSES = ("tied_embedding_gradient", "integer_pads", "host_dropout_masks", "dropout_gradient", "sequences",
                      "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "bfloat16_softmax_gradient",
                      "half_precision_loss",
@@ -66,7 +67,8 @@ JOINT_COPY_PASSES = ("tied_embedding_gradient", "integer_pads", "host_dropout_ma
                      "half_precision_transposed_products", "layer_recompute", "activation_recompute",
                      "gelu_forward_kernel",
                      "packed_attention", "causal_attention", "torch_attention_choice", "aligned_products",
-                     "fused_gradient_sums", "fused_layer_norm", "torch_products", "weight_casts", "device_barriers")
+                     "fused_gradient_sums", "fused_layer_norm", "torch_products", "weight_casts", "device_barriers",
+                     "seeded_dropout")
 # the "torch" source's rewrites of the traced program before autograd (gradient/attention.py, gradient/loss_pieces.py;
 # loss_pieces' piece size, graph_optimizations.loss_piece_elements, reaches the job beside the switches)
 TRACE_PASSES = ("half_precision_attention", "loss_pieces", "fused_gelu_gradient", "fused_layer_norm_gradient",

@@ -12,6 +12,7 @@
 #include "gelu.h"
 #include "half.h"
 #include "kernels.h"
+#include "philox.h"
 
 namespace ort_trainer_kernels {
 
@@ -304,6 +305,26 @@ void half_copies_cpu(const HalfCopy* copies, int count) {
       typename T::Storage* y = static_cast<typename T::Storage*>(copy.y);
       for (int64_t i = first; i < last; ++i) y[i] = T::store(i < copy.n ? copy.x[i] : 0.0f);
       at = starts[k] + last;
+    }
+  });
+}
+
+// SeededDropout (philox.h): y = x * scale where element i's draw under `seed` for node `stream` is below
+// `threshold`, x * 0 elsewhere (a dropped NaN stays NaN, as in torch); mask[i] whether it was kept. Each share of the
+// cores draws whole blocks of four elements, as a GPU thread does: the values do not depend on the split
+template <typename T>
+void seeded_dropout_cpu(const void* x, void* y, bool* mask, int64_t n, uint64_t seed, uint32_t stream,
+                        uint32_t threshold, float scale) {
+  const auto* xs = static_cast<const typename T::Storage*>(x);
+  auto* ys = static_cast<typename T::Storage*>(y);
+  parallel((n + 3) / 4, kGrain / 4, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      uint32_t draws[4];
+      dropout_draws(seed, stream, static_cast<uint64_t>(group), draws);
+      for (int64_t k = 0, i = group * 4; k < 4 && i < n; ++k, ++i) {
+        mask[i] = draws[k] < threshold;
+        ys[i] = T::store(T::load(xs[i]) * (mask[i] ? scale : 0.0f));
+      }
     }
   });
 }

@@ -104,4 +104,10 @@ const char* half_copies_cuda(ElementType type, const HalfCopy* copies, int count
 // `bytes` bytes of src copied to dst, device to device (AliasAfter's y where ONNX Runtime gave it a buffer of its own)
 const char* device_copy_cuda(const void* src, void* dst, int64_t bytes, void* stream);
 
+// SeededDropout (philox.h) over n elements of x (of `type`): y = x * scale where element i's draw under *seed (read
+// by the kernel from device memory) for node `stream` is below `threshold`, x * 0 elsewhere (a dropped NaN stays
+// NaN, as in torch); mask[i] whether element i was kept
+const char* seeded_dropout_cuda(ElementType type, const void* x, void* y, bool* mask, int64_t n, const int64_t* seed,
+                                uint32_t stream, uint32_t threshold, float scale, void* stream_handle);
+
 }  // namespace ort_trainer_kernels

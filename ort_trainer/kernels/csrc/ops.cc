@@ -2,9 +2,7 @@
 // the registration of the CPU kernels (cpu_kernels.h) and of the CUDA ones (*.cu, where nvcc built the library).
 //
 // Operators:
-//   GeluGrad(dy, x) -> dx       dx = dy * GELU'(x), GELU(x) = x * Phi(x); float32, float16 and bfloat16, dy, x and
-//                               dx of one shape and dtype
-//   TanhGeluGrad(dy, x) -> dx   the same for GELU's tanh approximation (gelu.h)
+//   GeluGrad, TanhGeluGrad, CastsToFloat16, CastsToBFloat16, AliasAfter, SeededDropout: elementwise_ops.cc
 //   LayerNorm's operators: layer_norm_ops.cc
 //   SoftmaxGrad(dy, y) -> dx    a softmax's gradient over the last axis, dx = y * (dy - sum(dy * y)), from its
 //                               output y; float32, float16 and bfloat16, computed in float32
@@ -29,18 +27,10 @@
 //                               then a chain of Adds compute it. sum may be of x's half dtype too (widened as
 //                               well); the attribute rows (default: sum's first dim): y is [rows, sum's other dims],
 //                               the first elements of sum and each x read (all may be padded products)
-//   CastsToFloat16(x, ...) -> (y, ...), CastsToBFloat16(x, ...) -> (y, ...)
-//                               each float32 x rounded to float16 (bfloat16), as a Cast to it rounds; the
-//                               attribute output_rows (ints, one a y; 0 or none: x's own): y's first dim, at least x's,
-//                               the rows past x's zeros (a padded product's weight). One node for a step's weights:
-//                               one CUDA launch for up to 64 of them
-//   AliasAfter(x, after) -> y   y is x, computed once `after` (any dtype; read by no one) is: the wait of a
-//                               recompute's copies for the backward (graph/passes/recompute.py) kept on the device.
-//                               y is x's own buffer where ONNX Runtime honors the operator's alias map (its struct
-//                               version 18, a runtime of API 18 or later), else a copy of x
 #include <stdint.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -68,25 +58,6 @@ OrtStatus* row_classes(const Kernel* kernel, const char* name, int64_t cols, int
   if (*classes < 0 || *classes > cols)
     return fail(kernel->api, std::string(name) + ": the attribute classes (" + std::to_string(kernel->classes) +
                                  ") must be in [1, " + std::to_string(cols) + "], x's row length");
-  return nullptr;
-}
-
-OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context) {
-  Tensor dy, x, dx;
-  ORTT_RETURN_IF_ERROR(input(api, context, 0, &dy));
-  ORTT_RETURN_IF_ERROR(input(api, context, 1, &x));
-  if (dy.dims != x.dims) return fail(api, std::string(op->name) + ": dy and x must have one shape");
-  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &dx));
-  if (op->cuda)
-    return on_cuda_stream(api, context, op->name, [&](void* stream) {
-      return gelu_grad_cuda(op->type, op->tanh_form, dy.data, x.data, dx.data, x.size, stream);
-    });
-  dispatch(op->type, [&]<typename T>() {
-    if (op->tanh_form)
-      gelu_grad_cpu<T, true>(dy.data, x.data, dx.data, x.size);
-    else
-      gelu_grad_cpu<T, false>(dy.data, x.data, dx.data, x.size);
-  });
   return nullptr;
 }
 
@@ -241,55 +212,11 @@ OrtStatus* compute_add_half(const Kernel* kernel, OrtKernelContext* context) {
   return nullptr;
 }
 
-OrtStatus* compute_half_copies(const Kernel* kernel, OrtKernelContext* context) {
-  const OrtApi* api = kernel->api;
-  const std::string name = kernel->op->name;
-  size_t count = 0;
-  ORTT_RETURN_IF_ERROR(input_count(api, context, &count));
-  if (!kernel->output_rows.empty() && kernel->output_rows.size() != count)
-    return fail(api, name + ": output_rows has " + std::to_string(kernel->output_rows.size()) + " values for " +
-                         std::to_string(count) + " tensors");
-  std::vector<HalfCopy> copies(count);
-  for (size_t i = 0; i < count; ++i) {
-    Tensor x, y;
-    ORTT_RETURN_IF_ERROR(input(api, context, i, &x));
-    std::vector<int64_t> dims = x.dims;
-    if (!kernel->output_rows.empty()) {
-      const int64_t rows = kernel->output_rows[i];  // (0: x's own)
-      if (rows != 0 && (dims.empty() || rows < dims[0]))
-        return fail(api, name + ": output_rows[" + std::to_string(i) + "] (" + std::to_string(rows) +
-                             ") must be at least x's first dim (" + std::to_string(dims.empty() ? 0 : dims[0]) + ")");
-      if (rows != 0) dims[0] = rows;
-    }
-    ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &y));
-    copies[i] = HalfCopy{static_cast<const float*>(x.data), y.data, x.size, y.size};
-  }
-  if (kernel->op->cuda)
-    return on_cuda_stream(api, context, kernel->op->name, [&](void* stream) {
-      return half_copies_cuda(kernel->op->type, copies.data(), static_cast<int>(count), stream);
-    });
-  dispatch(kernel->op->type, [&]<typename T>() { half_copies_cpu<T>(copies.data(), static_cast<int>(count)); });
-  return nullptr;
-}
-
-OrtStatus* compute_alias_after(const Kernel* kernel, OrtKernelContext* context) {
-  const OrtApi* api = kernel->api;
-  Tensor x, y;
-  ORTT_RETURN_IF_ERROR(input(api, context, 0, &x));
-  ORTT_RETURN_IF_ERROR(output(api, context, 0, x.dims, &y));
-  if (y.data == x.data || x.size == 0) return nullptr;  // (the alias: nothing to write)
-  const int64_t bytes = x.size * (kernel->op->type == ElementType::kFloat ? 4 : 2);
-  if (kernel->op->cuda)
-    return on_cuda_stream(api, context, "AliasAfter",
-                          [&](void* stream) { return device_copy_cuda(x.data, y.data, bytes, stream); });
-  std::copy_n(static_cast<const char*>(x.data), bytes, static_cast<char*>(y.data));
-  return nullptr;
-}
-
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   switch (kernel->op->kind) {
     case Kind::kGeluGrad: return compute_gelu_grad(kernel->api, kernel->op, context);
+    case Kind::kSeededDropout: return compute_seeded_dropout(kernel, context);
     case Kind::kLayerNormGrad:
     case Kind::kLayerNormGradAdd:
     case Kind::kLayerNormGradAddCast:
@@ -321,13 +248,16 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
   if (kind == Kind::kCrossEntropy || kind == Kind::kCrossEntropyGrad)
     attributes = {{"ignore_index", &ignore_index}, {"classes", &classes}};
   if (kind == Kind::kAddHalf) attributes = {{"rows", &rows}};
+  int64_t stream = 0;
+  if (kind == Kind::kSeededDropout) attributes = {{"stream", &stream}};
   for (auto [name, value] : attributes) {
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  float epsilon = 1e-5f;  // ONNX's default
-  if (is_layer_norm_forward(kind)) {
-    OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, "epsilon", &epsilon);
+  float epsilon = 1e-5f, ratio = 0.5f;  // ONNX's defaults
+  for (auto [name, value] : {std::pair{"epsilon", &epsilon}, std::pair{"ratio", &ratio}}) {
+    if (value == &epsilon ? !is_layer_norm_forward(kind) : kind != Kind::kSeededDropout) continue;
+    OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   std::vector<int64_t> output_rows;
@@ -344,7 +274,11 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
       output_rows.clear();
     }
   }
-  return new Kernel{api, as_operator(op), ignore_index, classes, rows, epsilon, std::move(output_rows)};
+  // kept where a draw is below round((1 - ratio) 2^32): a keep probability within 2^-33 of 1 - ratio
+  const double keep = std::min(std::max(1.0 - static_cast<double>(ratio), 0.0), 1.0) * 4294967296.0;
+  const auto threshold = static_cast<uint32_t>(std::min<long long>(std::llround(keep), 0xffffffffLL));
+  return new Kernel{api, as_operator(op), ignore_index, classes, rows, epsilon, std::move(output_rows), ratio, stream,
+                    threshold, 1.0f / (1.0f - ratio)};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -384,6 +318,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kAddHalf          ? std::vector{g, t}
       : kind == Kind::kHalfCopies       ? std::vector{f32}
       : kind == Kind::kAliasAfter       ? std::vector{t, ONNX_UNDEFINED}
+      : kind == Kind::kSeededDropout    ? std::vector{t, i64}
                                         : std::vector{t, t};
   const std::vector<ONNXTensorElementDataType> outs =
       kind == Kind::kLayerNormGrad      ? std::vector{t, g, g, f32}
@@ -395,6 +330,7 @@ Operator make_operator(const char* op_name, Kind kind, bool tanh_form, bool cuda
       : kind == Kind::kAddLayerNormWithCast ? std::vector{f32, f32, f32, t, f32}
       : kind == Kind::kCrossEntropy ? std::vector{f32, f32}
       : kind == Kind::kAddHalf      ? std::vector{f32}
+      : kind == Kind::kSeededDropout ? std::vector{t, ONNX_BOOL}
                                     : std::vector{t};
   set_entry(&op, kOpVersion, op_name, cuda, ins, outs, create_kernel, destroy_kernel, compute);
   if (kind == Kind::kAliasAfter && alias_version != 0) {
@@ -437,6 +373,7 @@ const std::vector<Operator>& operators(uint32_t alias_version) {
         ops.push_back(make_operator("CrossEntropy", Kind::kCrossEntropy, false, cuda, type));
         ops.push_back(make_operator("CrossEntropyGrad", Kind::kCrossEntropyGrad, false, cuda, type));
         ops.push_back(make_operator("AliasAfter", Kind::kAliasAfter, false, cuda, type, type, alias_version));
+        ops.push_back(make_operator("SeededDropout", Kind::kSeededDropout, false, cuda, type));
         if (type != ElementType::kFloat) {  // (a float32 sum, or one of x's dtype: G is the sum's)
           ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, ElementType::kFloat));
           ops.push_back(make_operator("AddHalf", Kind::kAddHalf, false, cuda, type, type));

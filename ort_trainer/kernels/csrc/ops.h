@@ -1,4 +1,5 @@
-// What ops.cc (the operators' table and most of their runs) and layer_norm_ops.cc (LayerNorm's operators) share:
+// What ops.cc (the operators' table and some of their runs), layer_norm_ops.cc (LayerNorm's operators) and
+// elementwise_ops.cc (those that go over their elements one at a time) share:
 // each operator's entry, a kernel's attributes, and the launch of a CUDA kernel on the session's stream.
 #pragma once
 
@@ -32,7 +33,8 @@ enum class Kind {
   kCrossEntropyGrad,
   kAddHalf,
   kHalfCopies,
-  kAliasAfter
+  kAliasAfter,
+  kSeededDropout
 };
 
 struct Operator : OperatorEntry {
@@ -51,6 +53,10 @@ struct Kernel {
   int64_t rows;          // AddHalf's attribute: 0, sum's
   float epsilon;         // LayerNormTo* and LayerNormWith*'s
   std::vector<int64_t> output_rows;  // CastsTo*'s attribute: each y's first dim (0 or none: x's own)
+  float ratio = 0.0f;       // SeededDropout's attributes: the drop probability,
+  int64_t stream = 0;       // the node's number (philox.h)
+  uint32_t threshold = 0;   // and from the ratio: an element is kept where its draw is below threshold,
+  float scale = 1.0f;       // its value scaled by 1 / (1 - ratio) (float32, as ONNX Runtime's Dropout computes it)
 };
 
 // runs launch(stream) (a CUDA launcher of kernels.h) on the session's CUDA stream: nullptr, or its error as the
@@ -81,6 +87,12 @@ inline bool is_layer_norm_forward(Kind kind) {
 
 // LayerNormWith* and AddLayerNormWith*: y written in float32 and the half dtype both
 inline bool writes_both(Kind kind) { return kind == Kind::kLayerNormWithCast || kind == Kind::kAddLayerNormWithCast; }
+
+// the element-wise operators' runs (elementwise_ops.cc)
+OrtStatus* compute_gelu_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context);
+OrtStatus* compute_half_copies(const Kernel* kernel, OrtKernelContext* context);
+OrtStatus* compute_alias_after(const Kernel* kernel, OrtKernelContext* context);
+OrtStatus* compute_seeded_dropout(const Kernel* kernel, OrtKernelContext* context);
 
 // LayerNorm's operators' runs (layer_norm_ops.cc)
 OrtStatus* compute_layer_norm_grad(const OrtApi* api, const Operator* op, OrtKernelContext* context);

@@ -22,6 +22,7 @@ enum ONNXTensorElementDataType {
   ONNX_UNDEFINED = 0,
   ONNX_FLOAT = 1,
   ONNX_INT64 = 7,
+  ONNX_BOOL = 9,
   ONNX_FLOAT16 = 10,
   ONNX_BFLOAT16 = 16
 };
