@@ -59,10 +59,10 @@ class HostDropoutMasks:
         return bool(self._masks) or self._seeded
 
     def draw(self, seed: int) -> dict[str, np.ndarray]:
-        """Fill every mask for a run seeded ``seed`` (below 2**63); returns ``{input name: mask}`` (the buffers
-        are rewritten by the next call: bind them for one run), with the seed input's ``[seed]`` too."""
+        """Fill every mask for a run seeded ``seed``; returns ``{input name: mask}`` (the buffers are rewritten
+        by the next call: bind them for one run), with the seed input's ``[seed mod 2**63]`` too."""
         generator = np.random.PCG64(seed)
-        out = {DROPOUT_SEED_INPUT: np.array([seed], np.int64)} if self._seeded else {}
+        out = {DROPOUT_SEED_INPUT: np.array([seed % 2**63], np.int64)} if self._seeded else {}
         for name, buffer, bits, threshold in self._masks:
             out[name] = buffer
             flat = buffer.reshape(-1)

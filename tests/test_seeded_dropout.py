@@ -280,3 +280,18 @@ def test_a_captured_gpu_step_draws_new_masks_each_replay():
         patch.setattr(kernels, "cuda_kernels_at_hand", lambda: True)
         cpu = _gpt2_steps(_captured_options, 4, optimizer=SGDConfig(lr=0.1))
     np.testing.assert_allclose(gpu, cpu, rtol=GPU_RTOL)
+
+
+def test_the_engine_feeds_the_seed_as_one_int64():
+    """``HostDropoutMasks.draw`` gives a graph with the seed input its seed as ``[seed mod 2^63]`` (an int64), any
+    seed it is handed (NumPy's 128-bit entropy where no seed is given), and a graph without it nothing."""
+    from ort_trainer.dropout_masks import HostDropoutMasks
+
+    seeded = helper.make_model(helper.make_graph(
+        [], "g", [helper.make_tensor_value_info(DROPOUT_SEED_INPUT, TensorProto.INT64, [1])], []))
+    masks = HostDropoutMasks(seeded)
+    assert masks
+    for seed in (0, 2 ** 63 - 1, 2 ** 100 + 5):
+        (name, value), = masks.draw(seed).items()
+        assert name == DROPOUT_SEED_INPUT and value.dtype == np.int64 and value.tolist() == [seed % 2 ** 63]
+    assert not HostDropoutMasks(helper.make_model(helper.make_graph([], "g", [], [])))
