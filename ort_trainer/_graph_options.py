@@ -151,7 +151,8 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
     "graph_optimizations.layer_recompute": _Field(
         _BOOL, False, "`torch` source: each transformer sublayer's values that the backward reads recomputed in the "
         "backward from its LayerNorm's input (checkpointing): the forward keeps two tensors a layer, the step runs "
-        "the layers' forward twice; a sublayer with a Dropout drawing masks on the device is left as it is"),
+        "the layers' forward twice; on a GPU its Dropouts are seeded_dropout's, whose copies draw the same masks; a "
+        "sublayer with a Dropout that ONNX Runtime draws is left as it is"),
     "graph_optimizations.activation_recompute": _Field(
         _BOOL, True, "an activation's values that the backward reads (a GELU's x/sqrt(2), Phi and output) "
         "recomputed in the backward from its input, so the forward keeps one [batch, seq, 4 x hidden] tensor per "
@@ -168,11 +169,12 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
         "$ORT_TRAINER_KERNELS_LIBRARY), without which the waits stay Reshapes (gradient source 'torch' only)"
     ),
     "graph_optimizations.seeded_dropout": _Field(
-        _BOOL, True, "with device.cuda_graph, each training Dropout (float32, float16, bfloat16) as one node of "
-        "ort_trainer's kernel library (SeededDropout: Philox draws from a seed the trainer writes to the device every "
-        "step, a function of (seed, rank, step)), so that a replayed CUDA graph draws new masks each step; without it "
-        "a captured step with dropout is refused. Needs the kernel library's CUDA kernels (nvcc, or "
-        "$ORT_TRAINER_KERNELS_LIBRARY) (gradient source 'torch' only)"
+        _BOOL, True, "on a GPU with device.cuda_graph or layer_recompute, each training Dropout (float32, float16, "
+        "bfloat16) as one node of ort_trainer's kernel library (SeededDropout: Philox draws from a seed the trainer "
+        "writes to the device every step, a function of (seed, rank, step)), so that a replayed CUDA graph draws new "
+        "masks each step and layer_recompute's copies draw the forward's; without it a captured step with dropout is "
+        "refused and layer_recompute leaves sublayers with dropout as they are. Needs the kernel library's CUDA "
+        "kernels (nvcc, or $ORT_TRAINER_KERNELS_LIBRARY) (gradient source 'torch' only)"
     ),
     "graph_optimizations.aligned_products": _Field(
         _BOOL, False, "matrix products with a static dimension of 1024 or more that is not a multiple of 8 (a "

@@ -2,8 +2,9 @@
 
 Most switches go to the graph job as they are; some depend on what the device is and what is at hand: the host draws
 a CPU graph's dropout masks (``host_dropout_masks``), a GPU's recomputed values wait for the backward in one kernel
-node (``device_barriers``) and a captured step draws its dropout masks from a seed in device memory
-(``seeded_dropout``), the last two with the kernel library's CUDA kernels. A captured step (``device.cuda_graph``)
+node (``device_barriers``), and a GPU step that must draw repeatable masks (a captured one, or one whose sublayers
+``layer_recompute`` copies) draws them from a seed in device memory (``seeded_dropout``), the last two with the
+kernel library's CUDA kernels. A captured step (``device.cuda_graph``)
 projects every label's row (no ``sparse_labels``: its count would be fixed by the capture).
 """
 
@@ -26,7 +27,8 @@ def pass_switches(opts: ORTTrainerOptions) -> dict:
             "loss_piece_elements": on.loss_piece_elements,
             "host_dropout_masks": on.host_dropout_masks and device_class(opts.device.id).host_dropout_masks,
             "device_barriers": _device_barriers(opts),
-            "seeded_dropout": bool(on.seeded_dropout and captured and kernels.cuda_kernels_at_hand())}
+            "seeded_dropout": bool(on.seeded_dropout and device_class(opts.device.id).seeded_dropout
+                                   and (captured or on.layer_recompute) and kernels.cuda_kernels_at_hand())}
 
 
 def _device_barriers(opts: ORTTrainerOptions) -> bool:

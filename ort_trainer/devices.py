@@ -173,6 +173,9 @@ class Device:
     #: whether the recomputations' waits need ort_trainer's kernel node to stay on the device: a Reshape's shape is
     #: read on the host (``graph_optimizations.device_barriers``)
     device_barriers = False
+    #: whether a training graph whose step must draw repeatable masks (a captured step, layer_recompute's copies)
+    #: draws them with ort_trainer's SeededDropout kernel (``graph_optimizations.seeded_dropout``)
+    seeded_dropout = False
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -344,6 +347,7 @@ class CUDADevice(Device):
     kind = "cuda"
     provider = _CUDA_PROVIDER
     device_barriers = True
+    seeded_dropout = True
 
     def __init__(self, index: int = 0):
         super().__init__(index)

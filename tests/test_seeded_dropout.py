@@ -9,8 +9,9 @@ a graph input the engine writes each step ((seed, rank, step)'s, as ONNX Runtime
 Here, on the CPU, the generator is checked against Random123's known answers through a NumPy reference, the kernel
 against that reference bit for bit (the CUDA kernel likewise under the emulation: ``test_cuda_emulated.py``), and a
 captured step (its fixed bindings, as ``test_cuda_graph.py`` runs them without a GPU) with the pass forced against
-float64 PyTorch given the same masks. The GPU test trains a captured tiny GPT-2 with dropout against the same steps
-on the CPU: a replay that drew the captured masks again would part from them at the second step.
+float64 PyTorch given the same masks, and ``layer_recompute``'s copies of sublayers with dropout (the pass runs
+before it on a GPU) against the same steps without them. The GPU test trains a captured tiny GPT-2 with dropout
+against the same steps on the CPU: a replay that drew the captured masks again would part from them.
 """
 
 import copy
@@ -25,7 +26,7 @@ from onnx import TensorProto, helper
 pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
 
 from models import tiny_gpt2  # noqa: E402
-from ort_trainer import ORTTrainer, ORTTrainerOptions, kernels  # noqa: E402
+from ort_trainer import ORTTrainer, ORTTrainerOptions, devices, kernels  # noqa: E402
 from ort_trainer._step_io import CapturedIO  # noqa: E402
 from ort_trainer.graph.passes.dropout import DROPOUT_SEED_INPUT  # noqa: E402
 from ort_trainer.optim import AdamConfig, SGDConfig  # noqa: E402
@@ -156,10 +157,16 @@ def _captured_options(**graph_optimizations) -> ORTTrainerOptions:
     return options
 
 
+def _as_on_a_gpu(patch) -> None:
+    """The CPU device draws repeatable masks as a GPU does (SeededDropout), a library with CUDA kernels as if at hand
+    (here its CPU kernels run the nodes)."""
+    patch.setattr(devices.CPUDevice, "seeded_dropout", True)
+    patch.setattr(kernels, "cuda_kernels_at_hand", lambda: True)
+
+
 @pytest.fixture
 def _kernels_at_hand(monkeypatch):
-    """A library with CUDA kernels as if at hand (here its CPU kernels run the nodes)."""
-    monkeypatch.setattr(kernels, "cuda_kernels_at_hand", lambda: True)
+    _as_on_a_gpu(monkeypatch)
 
 
 @needs_compiler
@@ -251,6 +258,7 @@ def test_the_eval_graph_and_the_saved_model_run_without_the_nodes(_kernels_at_ha
 
 def test_without_the_kernels_a_captured_dropout_is_refused_naming_the_fix(monkeypatch):
     """No library with CUDA kernels at hand: the pass stays off and the capture's refusal names it and its needs."""
+    monkeypatch.setattr(devices.CPUDevice, "seeded_dropout", True)
     monkeypatch.setattr(kernels, "cuda_kernels_at_hand", lambda: False)
     model, desc = tiny_gpt2(dropout=0.1)
     trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-3), options=_captured_options())
@@ -277,7 +285,7 @@ def test_a_captured_gpu_step_draws_new_masks_each_replay():
                                                  "device": {"id": "cuda", "cuda_graph": True}}), 4,
                       optimizer=SGDConfig(lr=0.1))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "cuda_kernels_at_hand", lambda: True)
+        _as_on_a_gpu(patch)
         cpu = _gpt2_steps(_captured_options, 4, optimizer=SGDConfig(lr=0.1))
     np.testing.assert_allclose(gpu, cpu, rtol=GPU_RTOL)
 
@@ -295,3 +303,44 @@ def test_the_engine_feeds_the_seed_as_one_int64():
         (name, value), = masks.draw(seed).items()
         assert name == DROPOUT_SEED_INPUT and value.dtype == np.int64 and value.tolist() == [seed % 2 ** 63]
     assert not HostDropoutMasks(helper.make_model(helper.make_graph([], "g", [], [])))
+
+
+@needs_compiler
+def test_layer_recompute_copies_seeded_dropouts_which_draw_the_same_masks(monkeypatch):
+    """On a GPU, ``layer_recompute`` takes the tiny GPT-2's sublayers with dropout too: their Dropouts are
+    SeededDropout nodes (the pass runs before it there), whose copies in the backward draw the forward's masks again.
+    Forced on the CPU (the device's switch; the library's CPU kernels), not captured: all four sublayers are copied,
+    their SeededDropouts with them, and two SGD steps give the losses and weights of the same seeded steps without
+    the copies, bit for bit (the copies compute the same operators on the same values and draws)."""
+    from test_layer_recompute import _regions
+
+    _as_on_a_gpu(monkeypatch)
+    model, desc = tiny_gpt2(dropout=0.1)
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 50, (2, 8), generator=generator) for _ in range(2)]
+    runs = {}
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        # the reference: the same seeded draws without the copies, which only a captured step takes (its bindings
+        # compute bit for bit what the usual ones do: test_cuda_graph.py); sparse_labels off in both, as captured
+        options = (ORTTrainerOptions({"graph": {"gradient_source": "torch"}, "device": {"id": "cpu"},
+                                      "graph_optimizations": {"host_dropout_masks": False, "layer_recompute": True,
+                                                              "sparse_labels": False}})
+                   if recompute else _captured_options())
+        trainer = ORTTrainer(copy.deepcopy(model), desc, SGDConfig(lr=0.5), options=options)
+        losses = [float(trainer.train_step(ids, torch.ones_like(ids), ids)[0]) for ids in batches]
+        graph = trainer._graphs.gradient
+        runs[recompute] = losses, trainer.state_dict(pytorch_format=True), graph
+    graph = runs[True][2]
+    assert len(_regions(graph)) == 4
+    copied = [n for n in graph.graph.node if n.op_type == "SeededDropout" and "/layer_recompute" in n.name]
+    forward = [n for n in graph.graph.node if n.op_type == "SeededDropout" and "/layer_recompute" not in n.name]
+    assert copied and {_stream(n) for n in copied} <= {_stream(n) for n in forward}
+    assert not _regions(runs[False][2]) and not [n for n in runs[False][2].graph.node if n.op_type == "Dropout"]
+    assert runs[True][0] == runs[False][0]
+    for name, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], value), name
+
+
+def _stream(node: onnx.NodeProto) -> int:
+    return next(a.i for a in node.attribute if a.name == "stream")

@@ -66,6 +66,7 @@ _JOINT = (
     ("half_precision_bias_gradient", copies.half_column_sums), ("column_sums", copies.column_sums),
     ("transposed_products", recompute.transposed_products),
     ("half_precision_transposed_products", recompute.half_transposed_products),
+    ("seeded_dropout", dropout.seeded_dropout),
     ("layer_recompute", layer_recompute.layer_recompute), ("activation_recompute", recompute.activation_recompute),
     ("gelu_forward_kernel", gelu_kernel.gelu_forward_kernel), ("fused_attention", attention_layout.attention_layout),
     ("packed_attention", packed_attention.packed_attention), ("causal_attention", causal_attention.causal_attention),
@@ -74,8 +75,7 @@ _JOINT = (
     ("fused_layer_norm_gradient", layer_norm_sums.layer_norm_residual_sums),
     ("fused_layer_norm", layer_norm_forward.fused_layer_norm),
     ("loss_pieces", order.piece_gradients_early), ("torch_products", torch_products.torch_products),
-    ("weight_casts", weight_casts.weight_casts), ("device_barriers", recompute.device_barriers),
-    ("seeded_dropout", dropout.seeded_dropout))
+    ("weight_casts", weight_casts.weight_casts), ("device_barriers", recompute.device_barriers))
 JOINT_PASSES = tuple(name for name, _ in _JOINT)
 # the eval graph's: those that act on a forward graph
 _EVAL = (("cross_entropy", forward.cross_entropy_forward), ("half_precision_loss", loss.half_precision_loss),

@@ -64,11 +64,10 @@ JOINT_COPY_PASSES = ("tied_embedding_gradient", "integer_pads", "host_dropout_ma
                      "output_reshape", "safe_softmax", "half_precision_softmax_gradient", "bfloat16_softmax_gradient",
                      "half_precision_loss",
                      "half_precision_bias_gradient", "column_sums", "transposed_products",
-                     "half_precision_transposed_products", "layer_recompute", "activation_recompute",
+                     "half_precision_transposed_products", "seeded_dropout", "layer_recompute", "activation_recompute",
                      "gelu_forward_kernel",
                      "packed_attention", "causal_attention", "torch_attention_choice", "aligned_products",
-                     "fused_gradient_sums", "fused_layer_norm", "torch_products", "weight_casts", "device_barriers",
-                     "seeded_dropout")
+                     "fused_gradient_sums", "fused_layer_norm", "torch_products", "weight_casts", "device_barriers")
 # the "torch" source's rewrites of the traced program before autograd (gradient/attention.py, gradient/loss_pieces.py;
 # loss_pieces' piece size, graph_optimizations.loss_piece_elements, reaches the job beside the switches)
 TRACE_PASSES = ("half_precision_attention", "loss_pieces", "fused_gelu_gradient", "fused_layer_norm_gradient",

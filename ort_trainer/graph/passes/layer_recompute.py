@@ -15,9 +15,11 @@ before each LayerNorm of a post-LN one (BERT). A forward value the backward read
 the values computed from the same checkpoints are one region, copied once into the backward, reading its
 checkpoints through ``recompute._alias_after``'s no-op ``Reshape`` that waits for the gradient arriving at
 the region's first backward reader: the copies run when the backward reaches that sublayer, and the
-backward reads them in place of the forward's values. A region with a node that draws random numbers (a
-training Dropout on a GPU: the copy would draw another mask) is left as it is. The copies compute the
-forward's operators on the same values: the same values, bit for bit.
+backward reads them in place of the forward's values. A region with a node that draws random numbers (ONNX
+Runtime's training Dropout: the copy would draw another mask) is left as it is; a ``SeededDropout`` (the
+``seeded_dropout`` pass, which runs before this one on a GPU) draws the same mask again in the copy (its draws are a
+function of the step's seed, its number and the element alone). The copies compute the forward's operators on the
+same values: the same values, bit for bit.
 
 ``activation_recompute`` (run after this pass) then finds nothing left to do in the sublayers this pass
 took: their GELU and attention values are read by the copies alone.
