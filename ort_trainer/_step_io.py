@@ -59,9 +59,10 @@ def capture_problems(model: onnx.ModelProto) -> list[str]:
     for node in model.graph.node:
         if node.op_type in RANDOM_OPS and (node.op_type != "Dropout" or _draws_masks(g, node)):
             kind = ("draws random numbers: a replayed capture would draw the same ones every step "
-                    "(dropout: graph_optimizations.seeded_dropout draws float32, float16 and bfloat16 dropouts on the "
-                    "device, with ort_trainer's CUDA kernels: nvcc or $ORT_TRAINER_KERNELS_LIBRARY; or set the "
-                    "model's dropout probabilities to 0 to train with device.cuda_graph)")
+                    "(dropout: graph_optimizations.seeded_dropout, gradient source 'torch', draws float32, float16 and "
+                    "bfloat16 dropouts on the device, with ort_trainer's CUDA kernels: nvcc or "
+                    "$ORT_TRAINER_KERNELS_LIBRARY; or set the model's dropout probabilities to 0 to train with "
+                    "device.cuda_graph)")
         elif node.op_type in _DATA_DEPENDENT_OPS:
             kind = "has an output whose shape depends on the batch's values, which a capture fixes"
         elif node.op_type in _CONTROL_FLOW_OPS:

@@ -147,8 +147,8 @@ def test_a_dropout_is_refused_only_where_it_draws_a_mask(ratio, training, refuse
     assert bool(problems) == refused, problems
     if refused:
         assert problems == ["Dropout draws random numbers: a replayed capture would draw the same ones every step "
-                            "(dropout: graph_optimizations.seeded_dropout draws float32, float16 and bfloat16 "
-                            "dropouts on the device, with ort_trainer's CUDA kernels: nvcc or "
+                            "(dropout: graph_optimizations.seeded_dropout, gradient source 'torch', draws float32, "
+                            "float16 and bfloat16 dropouts on the device, with ort_trainer's CUDA kernels: nvcc or "
                             "$ORT_TRAINER_KERNELS_LIBRARY; or set the model's dropout probabilities to 0 to train with "
                             "device.cuda_graph): drop"]
 
