@@ -4,8 +4,8 @@ Most switches go to the graph job as they are; some depend on what the device is
 a CPU graph's dropout masks (``host_dropout_masks``), a GPU's recomputed values wait for the backward in one kernel
 node (``device_barriers``), and a GPU step that must draw repeatable masks (a captured one, or one whose sublayers
 ``layer_recompute`` copies) draws them from a seed in device memory (``seeded_dropout``), the last two with the
-kernel library's CUDA kernels. A captured step (``device.cuda_graph``)
-projects every label's row (no ``sparse_labels``: its count would be fixed by the capture).
+kernel library's CUDA kernels. A captured step (``device.cuda_graph``) projects every label's row (no
+``sparse_labels``: its count would be fixed by the capture).
 """
 
 from __future__ import annotations
@@ -20,25 +20,22 @@ from .options import ORTTrainerOptions
 
 def pass_switches(opts: ORTTrainerOptions) -> dict:
     """``{pass name: on}`` for the graph job (with ``loss_piece_elements``, the loss pieces' size)."""
-    on = opts.graph_optimizations
+    on, device = opts.graph_optimizations, device_class(opts.device.id)
     captured = opts.device.cuda_graph
+    at_hand = kernels.cuda_kernels_at_hand()
     return {**{name: on[name] for name in dict.fromkeys(FORWARD_PASSES + GRADIENT_PASSES + JOINT_PASSES + EVAL_PASSES)},
             "sparse_labels": on.sparse_labels and not captured,
             "loss_piece_elements": on.loss_piece_elements,
-            "host_dropout_masks": on.host_dropout_masks and device_class(opts.device.id).host_dropout_masks,
-            "device_barriers": _device_barriers(opts),
-            "seeded_dropout": bool(on.seeded_dropout and device_class(opts.device.id).seeded_dropout
-                                   and (captured or on.layer_recompute) and kernels.cuda_kernels_at_hand())}
+            "host_dropout_masks": on.host_dropout_masks and device.host_dropout_masks,
+            "device_barriers": on.device_barriers and device.device_barriers and _barriers_at_hand(on, at_hand),
+            "seeded_dropout": bool(on.seeded_dropout and device.seeded_dropout and (captured or on.layer_recompute)
+                                   and at_hand)}
 
 
-def _device_barriers(opts: ORTTrainerOptions) -> bool:
-    """``graph_optimizations.device_barriers`` as the device takes it: on where the device reads a Reshape's shape on
-    the host and a kernel library with CUDA kernels can be had; a warning where recomputed values' waits will be copied
-    to the host instead."""
-    on = opts.graph_optimizations
-    if not (on.device_barriers and device_class(opts.device.id).device_barriers):
-        return False
-    at_hand = kernels.cuda_kernels_at_hand()
+def _barriers_at_hand(on, at_hand: bool) -> bool:
+    """Whether ``device_barriers``, asked for on a device that reads a Reshape's shape on the host, can be had (a
+    kernel library with CUDA kernels at hand); a warning where recomputed values' waits will be copied to the host
+    instead."""
     if not at_hand and (on.activation_recompute or on.layer_recompute):
         logger.warning("graph_optimizations.device_barriers needs ort_trainer's kernel library with CUDA kernels, and "
                        "there is no nvcc here nor $ORT_TRAINER_KERNELS_LIBRARY: each wait of the recomputed values "

@@ -11,8 +11,9 @@ from NumPy's PCG64: a resumed run draws what an uninterrupted one would. Each el
 the probability actually drawn, so the expected output is exactly the input, as in PyTorch. The
 buffers are allocated once per graph and written in place each step.
 
-A graph whose Dropouts are ``SeededDropout`` nodes (the ``seeded_dropout`` pass: a captured GPU step) draws on the
-device from one seed input, ``DROPOUT_SEED_INPUT``; ``draw`` gives it the step's seed.
+A graph whose Dropouts are ``SeededDropout`` nodes (the ``seeded_dropout`` pass: a GPU step that is captured or
+recomputes its sublayers) draws on the device from one seed input, ``DROPOUT_SEED_INPUT``; ``draw`` gives it the
+step's seed.
 """
 
 from __future__ import annotations

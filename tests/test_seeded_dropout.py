@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 pytest.importorskip("onnxscript", reason="the 'torch' gradient source exports with onnxscript")
 
 from models import tiny_gpt2  # noqa: E402
+from test_cuda_graph import _options  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, devices, kernels  # noqa: E402
 from ort_trainer._step_io import CapturedIO  # noqa: E402
 from ort_trainer.graph.passes.dropout import DROPOUT_SEED_INPUT  # noqa: E402
@@ -149,12 +150,10 @@ _DROP_DESC = {"inputs": [("x", ["batch", 8]), ("y", ["batch", 4])], "outputs": [
 
 
 def _captured_options(**graph_optimizations) -> ORTTrainerOptions:
-    """CPU options with ``device.cuda_graph`` set past the check that refuses it without a GPU: the engine binds as
-    around a capture (``test_cuda_graph.py``); ONNX Runtime's CPU Dropout stays (no host-drawn masks)."""
-    options = ORTTrainerOptions({"graph": {"gradient_source": "torch"}, "device": {"id": "cpu"},
-                                 "graph_optimizations": {"host_dropout_masks": False, **graph_optimizations}})
-    dict.__setitem__(options["device"], "cuda_graph", True)
-    return options
+    """``test_cuda_graph.py``'s captured CPU options (the engine binds as around a capture), the ``torch`` source,
+    ONNX Runtime's CPU Dropout kept (no host-drawn masks)."""
+    return _options(True, graph={"gradient_source": "torch"},
+                    graph_optimizations={"host_dropout_masks": False, **graph_optimizations})
 
 
 def _as_on_a_gpu(patch) -> None:

@@ -15,10 +15,12 @@
   static-shape training Dropout as ``x · m`` with ``m`` a graph input the engine fills from the
   host every step (``ort_trainer/dropout_masks.py``); runs before ``dropout_gradient``, whose
   backward forms it writes itself.
-- ``seeded_dropout`` (a GPU's captured step, ``device.cuda_graph``): each training Dropout as one
+- ``seeded_dropout`` (a GPU's step that is captured, ``device.cuda_graph``, or whose sublayers
+  ``layer_recompute`` copies; it runs before that pass): each training Dropout as one
   ``SeededDropout(x, seed)`` node of ort_trainer's kernel library, whose draws are a function of a
   seed input the engine writes every step (``DROPOUT_SEED_INPUT``), read on the device: a replayed
-  CUDA graph draws new masks each step, where ONNX Runtime's Dropout would replay the same ones.
+  CUDA graph draws new masks each step, where ONNX Runtime's Dropout would replay the same ones, and
+  a recomputed copy draws the forward's masks again.
 
 Each has a name under ``graph_optimizations`` and is checked against float64 PyTorch gradients
 (``tests/test_joint_passes.py``, ``tests/test_rewrites.py``).

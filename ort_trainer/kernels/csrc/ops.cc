@@ -254,12 +254,14 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  float epsilon = 1e-5f, ratio = 0.5f;  // ONNX's defaults
-  for (auto [name, value] : {std::pair{"epsilon", &epsilon}, std::pair{"ratio", &ratio}}) {
-    if (value == &epsilon ? !is_layer_norm_forward(kind) : kind != Kind::kSeededDropout) continue;
+  // a float attribute into `value`, which keeps its default where the node has none
+  const auto read_float = [&](const char* name, float* value) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
-  }
+  };
+  float epsilon = 1e-5f, ratio = 0.5f;  // ONNX's defaults
+  if (is_layer_norm_forward(kind)) read_float("epsilon", &epsilon);
+  if (kind == Kind::kSeededDropout) read_float("ratio", &ratio);
   std::vector<int64_t> output_rows;
   if (kind == Kind::kHalfCopies) {
     const auto get = slot<KernelInfoGetAttributeArrayInt64>(api, kKernelInfoGetAttributeArrayInt64);
