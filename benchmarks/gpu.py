@@ -250,6 +250,9 @@ def summarize(results: list[dict], warmup: int) -> dict:
             if name not in IMPLS and ort.get("ms") and cell.get("ms"):
                 cell["speedup"] = ort["ms"] / cell["ms"]
                 cell["loss_error"] = _loss_error(cell["runs"], ort["runs"])
+                # and against PyTorch measured in the same run (gpu_levers.sh's REFERENCES): the goals' ratios
+                cell["against"] = {other: cells[other]["ms"] / cell["ms"] for other in ("eager", "compile")
+                                   if cells.get(other, {}).get("ms")}
     return table
 
 
@@ -267,7 +270,8 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
              f"{len(rounds)} round(s), the order reversed every other round; {args.steps} steps per process, the first "
              f"{args.warmup} not timed. Step time: median of the timed steps, in ms. Ratio: the other's time / "
              "ort_trainer's (> 1: ort_trainer is faster); on a lever's row (ort_trainer + a pass turned on), ort_trainer's "
-             "time / the row's (> 1: the lever wins). MFU: 6 × parameters × tokens / step time / dense peak "
+             "time / the row's (> 1: the lever wins), and beside it PyTorch's time / the row's where the run measured "
+             "PyTorch too (the goals' ratios for that setting). MFU: 6 × parameters × tokens / step time / dense peak "
              "(fp32 without TF32, the default of both; fp16/bf16 tensor cores). Peak memory: device memory in use by "
              "the process (CUDA context, caching allocator and ONNX Runtime's arena; on the CPU the peak resident set), MB; in brackets the peak of torch's caching allocator alone (for ort_trainer: its weights, gradients and optimizer state; the rest is ONNX Runtime's arena and the context). First step: from the model built to the first step done (graph build or compilation from the warm caches, first step). Loss error: the largest "
              f"relative difference of ort_trainer's losses over all {args.steps} steps from the other's "
@@ -285,7 +289,9 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
             goal = GOALS.get(impl, {}).get(precision)
             verdict, loss = "", ""
             if impl not in IMPLS:  # a lever's variant: against ort_trainer without it
-                verdict = "lever: ort_trainer's time / this"
+                verdict = "lever: ort_trainer's time / this" + "".join(
+                    f"; {ratio:.2f}× {_pytorch(other, precision)} (goal {GOALS[other][precision]:.1f}×)"
+                    for other, ratio in cell.get("against", {}).items())
                 loss = _fmt(cell.get("loss_error"), "{:.1e}") + " (from ort_trainer's)"
             if goal is not None:
                 met = cell.get("speedup") is not None and cell["speedup"] >= goal
@@ -316,6 +322,11 @@ def report(results: list[dict], args) -> tuple[str, list[str]]:
     lines += ["", "Goals (issue 26): fp16 and bf16 ≥ 1.2× autocast eager and ≥ 1.0× `torch.compile`; fp32 ≥ 1.0× both; "
               "peak memory ≤ eager's. Missed: " + ("; ".join(missed) if missed else "none") + ".", ""]
     return "\n".join(lines), missed
+
+
+def _pytorch(impl: str, precision: str) -> str:
+    """A PyTorch implementation's short name in ``precision``."""
+    return "torch.compile" if impl == "compile" else "eager" if precision == "fp32" else "autocast"
 
 
 def _probe_lines(results: list[dict]) -> list[str]:

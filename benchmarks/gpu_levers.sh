@@ -18,11 +18,14 @@
 #    kernel names, ms, TFLOP/s.
 # 2. ort_trainer's GPT-2 small and BERT-base steps in fp16 and bf16, without the levers and with each one
 #    (LEVERS: comma-separated graph_optimizations names, device.X for a device option; a+b turns two on
-#    together), every setting once per round in alternating order, 2 rounds, round 1 profiled by kind of
-#    kernel (benchmarks/gpu.py --impls ort,ort+LEVER,...: OUT/levers.jsonl and its page OUT/levers.md).
+#    together), and PyTorch's (REFERENCES: autocast eager and torch.compile by default, measured right after
+#    ort_trainer without the levers, so that every setting's row has the goals' ratios from the same run),
+#    every setting once per round in alternating order, 2 rounds, round 1 profiled by kind of
+#    kernel (benchmarks/gpu.py --impls ort,eager,compile,ort+LEVER,...: OUT/levers.jsonl and its page
+#    OUT/levers.md).
 # Each part writes its JSON lines as they come (a run cut short keeps what it measured). DEADLINE (seconds,
 # default 600) stops starting new processes; the lever part is skipped when the probe used it up.
-# DEVICE, MODELS, PRECISIONS, ROUNDS and PROBE_ARGS change what runs (make test runs it on the CPU at toy size).
+# DEVICE, MODELS, PRECISIONS, ROUNDS, REFERENCES and PROBE_ARGS change what runs (make test runs it on the CPU at toy size).
 set -uo pipefail
 out=${1:-docs/gpu_levers}
 # each lever alone, then the graph levers all together with loss_pieces (what turning every one on would give),
@@ -47,7 +50,8 @@ started=$(date +%s)
 mkdir -p "$out"
 # shellcheck disable=SC2086  # PROBE_ARGS: several arguments
 "$python" benchmarks/gpu_probe.py --device "$device" ${PROBE_ARGS:-} --results "$out/probe.jsonl" > "$out/probe.md"
-impls=ort
+references=${REFERENCES-eager,compile}
+impls=ort${references:+,$references}
 off=""  # every lever named, off: each row carries the whole setting
 for lever in ${levers//,/ }; do
     impls="$impls,ort+$lever"
@@ -61,7 +65,7 @@ if [ "$left" -le 30 ]; then
     exit 0
 fi
 "$python" benchmarks/gpu.py --device "$device" --models "${MODELS:-gpt2,bert-base}" \
-    --precisions "${PRECISIONS:-fp16,bf16}" --impls "$impls" --warm-impls ort --rounds "${ROUNDS:-2}" \
+    --precisions "${PRECISIONS:-fp16,bf16}" --impls "$impls" --warm-impls ort,compile --rounds "${ROUNDS:-2}" \
     --warm-parallel 6 --probe '' --profile-steps 3 --deadline "$left" --ort-optimizations "{$off}" \
     --results "$out/levers.jsonl" --out "$out/levers.md" \
     || true  # exit 1 means a goal missed: the page is written all the same

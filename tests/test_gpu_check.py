@@ -3,6 +3,7 @@ the report ``benchmarks/gpu.py`` writes from its measurements."""
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_make_test_gpu_torch_runs_the_suite_under_the_gpu_machines_torch():
     """``make test-gpu-torch`` installs torch 2.11.0 (the GPU machines') and this package into a venv of its own,
     as ``make install`` sets up .venv, and runs the suite there; ``GPU_TORCH`` names another version."""
     for version, venv in (("", ".venv-torch-2.11.0"), ("GPU_TORCH=2.12.0", ".venv-torch-2.12.0")):
-        dry = subprocess.run(["make", "-n", "--no-print-directory", "test-gpu-torch", "PYTHON=py", "TEST_WORKERS=2",
+        dry = subprocess.run(["make", "-n", "-B", "--no-print-directory", "test-gpu-torch", "PYTHON=py", "TEST_WORKERS=2",
                               *([version] if version else [])], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0, dry.stderr
         lines = dry.stdout.splitlines()
@@ -312,7 +313,8 @@ def test_the_session_runs_the_tests_then_the_levers_probe_and_settings(tmp_path)
     env = {**os.environ, "ORT_TRAINER_CACHE_DIR": str(tmp_path / "cache"), "GPU_PYTHON": sys.executable,
            "DEVICE": "cpu", "MODELS": "gpt2-tiny", "PRECISIONS": "fp32", "ROUNDS": "1",
            "PROBE_ARGS": "--tokens 32 --hidden 16 --widths 257 --precisions fp32 --repeat 2",
-           "WHEELS": "", "TESTS": "tests/test_cuda_graph.py", "LEVERS": "aligned_products,half_precision_loss"}
+           "WHEELS": "", "TESTS": "tests/test_cuda_graph.py", "LEVERS": "aligned_products,half_precision_loss",
+           "REFERENCES": "eager"}  # torch.compile's too by default: a C++ build of the toy model here
     session = tmp_path / "session"
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), str(session), "600"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
@@ -330,13 +332,18 @@ def test_the_session_runs_the_tests_then_the_levers_probe_and_settings(tmp_path)
     rows = [json.loads(line) for line in (out / "levers.jsonl").read_text().splitlines()]
     assert not [row for row in rows if "error" in row], rows
     timed = {row["impl"]: row for row in rows if row.get("phase") == "time"}
-    assert set(timed) == {"ort", "ort+aligned_products", "ort+half_precision_loss"}, rows
+    assert set(timed) == {"ort", "eager", "ort+aligned_products", "ort+half_precision_loss"}, rows
+    del timed["eager"]  # PyTorch: no graph_optimizations
     assert {impl: row["ort_optimizations"] for impl, row in timed.items()} == {
         "ort": {"aligned_products": False, "half_precision_loss": False},
         "ort+aligned_products": {"aligned_products": True, "half_precision_loss": False},
         "ort+half_precision_loss": {"aligned_products": False, "half_precision_loss": True}}
     page = (out / "levers.md").read_text()
     assert "| ort_trainer + `aligned_products` |" in page and "| ort_trainer + `half_precision_loss` |" in page
+    # each setting's row has the goal's ratio against PyTorch measured in the same run
+    for lever in ("aligned_products", "half_precision_loss"):
+        row = next(line for line in page.splitlines() if f"| ort_trainer + `{lever}` |" in line)
+        assert re.search(r"lever: ort_trainer's time / this; \d+\.\d\d× eager \(goal 1\.0×\)", row), row
 
 
 def test_a_lever_named_device_x_is_a_device_option_of_the_run():
