@@ -135,6 +135,20 @@ class _WithCummax(_WithDiff):
         self.differences = _Cummax()
 
 
+class _Warp(torch.nn.Module):
+    """``grid_sample``: its forward translates, its backward operator (``grid_sampler_2d_backward``) does not."""
+
+    def forward(self, x):
+        grid = torch.tanh(x[:, :2]).reshape(-1, 1, 1, 2).expand(-1, 2, 2, 2)
+        return torch.nn.functional.grid_sample(x.reshape(-1, 1, 2, 2), grid, align_corners=False)
+
+
+class _WithWarp(_WithDiff):
+    def __init__(self):
+        super().__init__()
+        self.differences = _Warp()
+
+
 class _Igamma(torch.nn.Module):
     def forward(self, x):
         return torch.igamma(x.abs() + 1.0, torch.ones_like(x))
@@ -160,6 +174,16 @@ def test_unexportable_op_names_the_op_and_the_module(capfd, source):
     with pytest.raises(ExportError, match=r"operator aten::diff in module differences \(_Diff\) cannot be exported"):
         trainer.train_step(torch.randn(2, 4))
     assert "Torch IR graph" not in capfd.readouterr().out  # the exporter's dump stays out of stdout
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_a_backward_operator_without_translation_names_the_module_whose_backward_uses_it():
+    """An operator only the backward uses is not in the traced forward: the joint program's node carries the
+    module of the forward node it differentiates."""
+    trainer = ORTTrainer(_WithWarp(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
+    with pytest.raises(ExportError, match=r"no translation for aten\.grid_sampler_2d_backward\.default.*"
+                                          r"\(in module differences \(_Warp\)'s backward\)"):
+        trainer.train_step(torch.randn(2, 4))
 
 
 def test_op_without_gradient_names_the_op_and_the_module(source):

@@ -335,6 +335,37 @@ def test_convolution_and_pooling_gradients_equal_float64_pytorch():
     _classifier_gradients_match(Pools(), [4, 9, 11])
 
 
+class GroupNormSiLU(torch.nn.Module):
+    """A diffusion model's ResNet block: convolution, GroupNorm, SiLU. torch's reference of
+    ``empty_like``, in SiLU's backward after a GroupNorm, makes an ``aten.empty_permuted``, which the
+    exporter has no translation for."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 8)
+        self.out = torch.nn.Conv2d(8, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(self.norm(self.conv(x)))
+        return self.head(self.out(h).flatten(1))
+
+
+def test_group_norm_then_silu_gradients_equal_float64_pytorch():
+    torch.manual_seed(29)
+    _classifier_gradients_match(GroupNormSiLU(), [3, 5, 5])
+
+
+@pytest.mark.parametrize("layout", [[0, 1, 2, 3], [0, 2, 3, 1], [3, 1, 0, 2]])
+def test_the_empty_permuted_decomposition_has_the_size_and_memory_order_asked_for(layout):
+    from ort_trainer.graph.gradient.backward_decompositions import empty_permuted
+
+    expected = torch.empty_permuted([2, 3, 4, 5], layout, dtype=torch.float16)
+    got = empty_permuted([2, 3, 4, 5], layout, dtype=torch.float16)
+    assert (got.shape, got.stride(), got.dtype) == (expected.shape, expected.stride(), expected.dtype)
+
+
 class MaxPools(torch.nn.Module):
     """Max pooling with overlapping windows (an element can be the maximum of several: its gradients
     add up), padding, dilation and ceil_mode."""
@@ -349,6 +380,46 @@ class MaxPools(torch.nn.Module):
     def forward(self, x):
         h = self.overlap(torch.tanh(self.conv(x)))  # 9x9 -> 9x9 (tanh: no ties, which relu's zeros make)
         return self.head(self.dilated(h).flatten(1))  # 9x9 -> 4x4
+
+
+class AdaptiveMaxPools(torch.nn.Module):
+    """Adaptive max pooling from 6 to 3 positions a side (windows of 2: the exporter translates the forward
+    where the windows tile the input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = torch.nn.AdaptiveMaxPool2d(3)
+        self.head = torch.nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x):
+        return self.head(self.pool(torch.tanh(self.conv(x))).flatten(1))
+
+
+def test_adaptive_max_pooling_gradients_equal_float64_pytorch():
+    """No torch decomposes ``adaptive_max_pool2d_backward`` and the exporter has no translation of it:
+    ort_trainer's scatter-add."""
+    torch.manual_seed(31)
+    gradient = _classifier_gradients_match(AdaptiveMaxPools(), [2, 6, 6])
+    assert "ScatterElements" in {n.op_type for n in gradient.graph.node}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_the_adaptive_max_pooling_backward_decomposition_is_torchs_kernel(dtype):
+    """7 to 3 positions a side: windows [0, 3), [2, 5), [4, 7) overlap, so an element can be the maximum of
+    two and its gradients add up (at most 4 additions into an element: 1e-12 relative in float64; float16
+    added in float32 and rounded once, within 2^-11 relative, 1e-3 with margin)."""
+    from ort_trainer.graph.gradient.backward_decompositions import adaptive_max_pool2d_backward
+
+    gen = torch.Generator().manual_seed(37)
+    x = torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64).to(dtype)
+    out, indices = torch.ops.aten.adaptive_max_pool2d(x, [3, 3])
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    expected = torch.ops.aten.adaptive_max_pool2d_backward(grad, x, indices)
+    got = adaptive_max_pool2d_backward(grad, x, indices)
+    assert got.dtype == dtype and got.shape == x.shape
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-3
+    assert float((got.double() - expected.double()).abs().max()) <= tolerance * float(expected.abs().max())
 
 
 @pytest.mark.parametrize("decomposition", ["installed torch's", "ort_trainer's"])

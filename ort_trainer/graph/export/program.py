@@ -200,8 +200,10 @@ def modules_using(program: Any, op: str) -> list[str]:
     """The modules whose forward calls operator ``op``, as ``"path (Class)"``.
 
     Args:
-        program: the ``torch.export`` program of ``autograd.trace`` (its nodes carry the
-            module stack; the joint program's do not).
+        program: the ``torch.export`` program of ``autograd.trace``, or the joint program made
+            from it, whose backward nodes carry the stack of the forward node they differentiate
+            (an operator only the backward or a decomposition of the joint trace uses: labelled
+            ``"path (Class)'s backward"``).
         op: an operator name as torch's messages write it (``aten.cummax.default``,
             ``prims.igamma``, ``igamma``); matched on the name between namespace and overload.
 
@@ -215,7 +217,8 @@ def modules_using(program: Any, op: str) -> list[str]:
     for node in program.graph.nodes:
         if node.op != "call_function" or getattr(node.target, "_opname", "").lstrip("_") != wanted:
             continue
-        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        backward = node.meta.get("nn_module_stack") is None and node.meta.get("fwd_nn_module_stack") is not None
+        stack = list((node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}).values())
         path, kind = stack[-1] if stack else ("", "")
         if path == "model":
             label = f"<top-level forward> ({kind.rsplit('.', 1)[-1]})"
@@ -223,6 +226,8 @@ def modules_using(program: Any, op: str) -> list[str]:
             label = f"{path[len('model.'):]} ({kind.rsplit('.', 1)[-1]})"
         else:
             label = "the loss function"
+        if backward:
+            label += "'s backward"
         if label not in found:
             found.append(label)
     return found

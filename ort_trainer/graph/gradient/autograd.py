@@ -279,7 +279,9 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         gradient, trained, buffer_updates = _gradient_graph(joint, job, returned, optimize)
     except joint_onnx.UnsupportedOperatorError as exc:
         op = re.search(r"no translation for ([\w.]+)", str(exc))
-        modules = _traced_program.modules_using(program, op.group(1)) if op else []
+        # the traced forward's modules, else the joint program's (a backward operator, a decomposition's)
+        modules = (_traced_program.modules_using(program, op.group(1))
+                   or _traced_program.modules_using(joint, op.group(1))) if op else []
         if not modules:
             raise
         raise joint_onnx.UnsupportedOperatorError(f"{exc} (in module {', '.join(modules)})") from exc

@@ -6,8 +6,10 @@ Autograd emits ``convolution_backward``, ``avg_pool2d_backward`` and
 each is written here with ``aten.convolution`` (transposed where it is the adjoint), sums and
 reshapes, which translate to standard ONNX. ``max_pool2d_with_indices_backward`` (a scatter-add of
 the output gradient to the maxima's positions) is one where the installed torch has no
-decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used). Used during
-the joint trace (``joint_onnx.joint_program``).
+decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used);
+``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes. And
+``empty_permuted``, which torch's own decompositions make. Used during the joint trace
+(``joint_onnx.joint_program``).
 """
 
 from __future__ import annotations
@@ -130,6 +132,16 @@ def max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, pa
     so the gradient is a scatter-add along the flattened plane; windows that overlap and picked the
     same element add up. Half-precision gradients are added in float32 (as torch's own
     decomposition does), then rounded once."""
+    return _scatter_to_maxima(grad_output, input, indices)
+
+
+def adaptive_max_pool2d_backward(grad_output, input, indices):
+    """``aten.adaptive_max_pool2d_backward``: as ``max_pool2d_with_indices_backward`` (its indices are
+    flat positions in each channel's plane too)."""
+    return _scatter_to_maxima(grad_output, input, indices)
+
+
+def _scatter_to_maxima(grad_output, input, indices):
     lead = list(input.shape[:-2])
     grad = grad_output.reshape(*lead, -1)
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
@@ -138,10 +150,25 @@ def max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, pa
     return summed.to(grad_output.dtype).reshape(input.shape)
 
 
+def empty_permuted(size, physical_layout, **options):
+    """``aten.empty_permuted``: an uninitialised tensor of ``size`` whose memory runs in the order of
+    ``physical_layout``. torch's reference of ``empty_like`` makes one (the backward of ``silu``
+    after a ``group_norm`` fills one with ones), and the exporter has no translation of it: an
+    ``empty`` of the sizes in memory order, permuted back to ``size`` (in ONNX, where tensors have no
+    strides, its values are all that count)."""
+    layout = list(physical_layout)
+    if layout == list(range(len(layout))):
+        return aten.empty.memory_format(list(size), **options)
+    inverse = [layout.index(axis) for axis in range(len(layout))]
+    return aten.empty.memory_format([size[axis] for axis in layout], **options).permute(inverse)
+
+
 DECOMPOSITIONS = {
+    aten.empty_permuted.default: empty_permuted,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+    aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
 }
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward
