@@ -135,18 +135,18 @@ class _WithCummax(_WithDiff):
         self.differences = _Cummax()
 
 
-class _Warp(torch.nn.Module):
-    """``grid_sample``: its forward translates, its backward operator (``grid_sampler_2d_backward``) does not."""
+class _Pool(torch.nn.Module):
+    """Average pooling: its forward translates; its backward operator (``avg_pool2d_backward``) does only through
+    ort_trainer's decomposition, which the test takes away."""
 
     def forward(self, x):
-        grid = torch.tanh(x[:, :2]).reshape(-1, 1, 1, 2).expand(-1, 2, 2, 2)
-        return torch.nn.functional.grid_sample(x.reshape(-1, 1, 2, 2), grid, align_corners=False)
+        return torch.nn.functional.avg_pool2d(x.reshape(-1, 1, 2, 2), 2)
 
 
-class _WithWarp(_WithDiff):
+class _WithPool(_WithDiff):
     def __init__(self):
         super().__init__()
-        self.differences = _Warp()
+        self.differences = _Pool()
 
 
 class _Igamma(torch.nn.Module):
@@ -177,13 +177,21 @@ def test_unexportable_op_names_the_op_and_the_module(capfd, source):
 
 
 @pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
-def test_a_backward_operator_without_translation_names_the_module_whose_backward_uses_it():
+def test_a_backward_operator_without_translation_names_the_module_whose_backward_uses_it(monkeypatch):
     """An operator only the backward uses is not in the traced forward: the joint program's node carries the
     module of the forward node it differentiates."""
-    trainer = ORTTrainer(_WithWarp(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
-    with pytest.raises(ExportError, match=r"no translation for aten\.grid_sampler_2d_backward\.default.*"
-                                          r"\(in module differences \(_Warp\)'s backward\)"):
-        trainer.train_step(torch.randn(2, 4))
+    from ort_trainer.graph.gradient import backward_decompositions, joint_onnx
+
+    monkeypatch.delitem(backward_decompositions.DECOMPOSITIONS, torch.ops.aten.avg_pool2d_backward.default)
+    joint_onnx._registry_and_tables.cache_clear()
+    try:
+        trainer = ORTTrainer(_WithPool(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
+        with pytest.raises(ExportError, match=r"no translation for aten\.avg_pool2d_backward\.default.*"
+                                              r"\(in module differences \(_Pool\)'s backward\)"):
+            trainer.train_step(torch.randn(2, 4))
+    finally:
+        monkeypatch.undo()
+        joint_onnx._registry_and_tables.cache_clear()
 
 
 def test_op_without_gradient_names_the_op_and_the_module(source):

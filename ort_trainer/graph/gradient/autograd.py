@@ -27,8 +27,8 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import (attention as torch_attention, attention_ops, eval_program, gelu as torch_gelu, joint_onnx, kernel_ops,
-               loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels, torch_export)
+from . import (attention as torch_attention, attention_ops, before_autograd, eval_program, gelu as torch_gelu,
+               joint_onnx, kernel_ops, loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels, torch_export)
 from .torch_export import _first_line
 
 
@@ -257,6 +257,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     if half_attention:
         torch_attention.half_precision(program)
     keep = (torch_gelu.KEPT if gelu else ()) + kernel_ops.kept(program, kernels)
+    before_autograd.decompose(program)  # operators whose backward the exporter cannot translate
     try:
         joint = joint_onnx.joint_program(program, loss_index=0, keep=keep)
     except Exception as exc:  # torch raises many types; the message is what helps

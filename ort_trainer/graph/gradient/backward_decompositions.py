@@ -14,6 +14,8 @@ decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._decomp import decomposition_table
 
@@ -90,24 +92,40 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride, padding, ceil_m
                         divisor_override):
     """``aten.avg_pool2d_backward``: each output's gradient, divided by its window's divisor, spread
     over the window by a transposed depthwise convolution of ones."""
+    return _avg_pool_backward(2, grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                              divisor_override)
+
+
+def avg_pool3d_backward(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override):
+    """``aten.avg_pool3d_backward`` (``local_response_norm`` uses the pool too): as ``avg_pool2d_backward``."""
+    return _avg_pool_backward(3, grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                              divisor_override)
+
+
+def _avg_pool_backward(dims, grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                       divisor_override):
     if ceil_mode:
-        raise NotImplementedError(f"avg_pool2d with ceil_mode=True has no ONNX gradient here; use ceil_mode=False "
-                                  f"or {_UNSUPPORTED}")
-    kernel = _per_dim(kernel_size, 2)
-    stride = _per_dim(stride or kernel_size, 2)
-    padding = _per_dim(padding, 2)
+        raise NotImplementedError(f"avg_pool{dims}d with ceil_mode=True has no ONNX gradient here; use "
+                                  f"ceil_mode=False or {_UNSUPPORTED}")
+    if input.dim() == dims + 1:  # unbatched
+        return _avg_pool_backward(dims, grad_output.unsqueeze(0), input.unsqueeze(0), kernel_size, stride, padding,
+                                  ceil_mode, count_include_pad, divisor_override).squeeze(0)
+    kernel = _per_dim(kernel_size, dims)
+    stride = _per_dim(stride or kernel_size, dims)
+    padding = _per_dim(padding, dims)
     channels = input.shape[1]
     ones = grad_output.new_ones([channels, 1, *kernel])
     if divisor_override:
         scaled = grad_output / divisor_override
-    elif count_include_pad or padding == [0, 0]:
-        scaled = grad_output / (kernel[0] * kernel[1])
+    elif count_include_pad or not any(padding):
+        scaled = grad_output / math.prod(kernel)
     else:  # count only the input elements inside each window
         plane = input.new_ones([1, 1, *input.shape[2:]])
-        counts = aten.convolution(plane, input.new_ones([1, 1, *kernel]), None, stride, padding, [1, 1], False,
-                                  [0, 0], 1)
+        counts = aten.convolution(plane, input.new_ones([1, 1, *kernel]), None, stride, padding, [1] * dims, False,
+                                  [0] * dims, 1)
         scaled = grad_output / counts
-    return _transposed(scaled, ones, stride, padding, [1, 1], channels, list(input.shape))
+    return _transposed(scaled, ones, stride, padding, [1] * dims, channels, list(input.shape))
 
 
 def adaptive_avg_pool2d_backward(grad_output, input):
@@ -132,20 +150,26 @@ def max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, pa
     so the gradient is a scatter-add along the flattened plane; windows that overlap and picked the
     same element add up. Half-precision gradients are added in float32 (as torch's own
     decomposition does), then rounded once."""
-    return _scatter_to_maxima(grad_output, input, indices)
+    return _scatter_to_maxima(2, grad_output, input, indices)
+
+
+def max_pool3d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """``aten.max_pool3d_with_indices_backward``: as ``max_pool2d_with_indices_backward``, the indices
+    flat positions in each channel's ``D × H × W`` volume."""
+    return _scatter_to_maxima(3, grad_output, input, indices)
 
 
 def adaptive_max_pool2d_backward(grad_output, input, indices):
     """``aten.adaptive_max_pool2d_backward``: as ``max_pool2d_with_indices_backward`` (its indices are
     flat positions in each channel's plane too)."""
-    return _scatter_to_maxima(grad_output, input, indices)
+    return _scatter_to_maxima(2, grad_output, input, indices)
 
 
-def _scatter_to_maxima(grad_output, input, indices):
-    lead = list(input.shape[:-2])
+def _scatter_to_maxima(dims, grad_output, input, indices):
+    lead = list(input.shape[:-dims])
     grad = grad_output.reshape(*lead, -1)
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-    zeros = grad.new_zeros([*lead, input.shape[-2] * input.shape[-1]], dtype=accumulate)
+    zeros = grad.new_zeros([*lead, math.prod(input.shape[-dims:])], dtype=accumulate)
     summed = aten.scatter_add(zeros, -1, indices.reshape(*lead, -1), grad.to(accumulate))
     return summed.to(grad_output.dtype).reshape(input.shape)
 
@@ -169,6 +193,8 @@ DECOMPOSITIONS = {
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+    aten.avg_pool3d_backward.default: avg_pool3d_backward,
+    aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
 }
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward

@@ -158,12 +158,12 @@ def _translates(target) -> bool | None:
     return False if overload else None
 
 
-def _decomposition(node: torch.fx.Node) -> torch.fx.GraphModule | None:
-    """``node``'s operator traced on its operands' fake values with the exporter's decomposition
-    table (``make_fx``, as ``run_decompositions`` traces every node): a graph of translated
-    operators and size arithmetic whose placeholders are ``node.all_input_nodes``. None where the
-    trace fails or leaves anything else, or where ``node`` gives a tuple read other than by
-    ``getitem``s."""
+def _decomposition(node: torch.fx.Node, table: dict | None = None, function=None) -> torch.fx.GraphModule | None:
+    """``node``'s operator (or ``function``, called with its arguments) traced on its operands' fake
+    values with the exporter's decomposition table (``make_fx``, as ``run_decompositions`` traces
+    every node), or ``table``: a graph of translated operators and size arithmetic whose
+    placeholders are ``node.all_input_nodes``. None where the trace fails or leaves anything else,
+    or where ``node`` gives a tuple read other than by ``getitem``s."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -182,11 +182,11 @@ def _decomposition(node: torch.fx.Node) -> torch.fx.GraphModule | None:
     def run(*operands):
         by_node = dict(zip(inputs, operands))
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), by_node.__getitem__)
-        return node.target(*args, **kwargs)
+        return (function or node.target)(*args, **kwargs)
 
     try:
         with _quiet_exporter(), fake_mode, enable_python_dispatcher(), sdpa_kernel([SDPBackend.MATH]):
-            traced = make_fx(run, decomposition_table=_registry_and_tables()[1])(*values)
+            traced = make_fx(run, decomposition_table=table or _registry_and_tables()[1])(*values)
     except Exception as error:  # noqa: BLE001  (the whole program's decomposition reports what fails)
         logger.debug("decomposing %s alone failed (%s): the whole program is decomposed", node.target, error)
         return None

@@ -1,0 +1,107 @@
+"""Operators written out before autograd differentiates the training program, where the exporter
+translates the operator but not its backward.
+
+``grid_sample``'s backward (``aten.grid_sampler_2d_backward``) is one operator that the exporter
+has no translation for and torch no decomposition of (``replication_pad1d_backward`` and its 2-d and
+3-d twins, ``F.pad``'s ``"replicate"`` mode, are others: their forwards are indexing at clamped
+positions). Its forward has one (indexing, ``floor``,
+``where`` and products: what ``torch.compile`` runs), each of whose operators the exporter
+translates and autograd differentiates: the gradient of the input is then an ``index_put`` that
+adds (a scatter-add), the grid's that of the interpolation weights. So the forward node is replaced
+by its decomposition, traced on its operands' fake values (``eval_program._decomposition``), before
+the joint trace; a node whose decomposition fails is left as it is (the build then names the
+backward operator and the module whose backward uses it). In nearest mode the grid reaches the
+output only through rounded integer positions, where the kernel's backward gives the grid a zero
+gradient: a zero that reads the grid (a ``where`` that picks none of it) is added to the output,
+so that weights before the grid get zeros, as in PyTorch, rather than no gradient. The reflection
+padding's decomposition counts its reflections in int8, which ONNX Runtime 1.19.2 cannot compare
+(no int8 ``Equal``): they are counted in int64, as the kernel counts them in an ``int``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._logging import logger
+from .eval_program import _decomposition, _inline
+from .joint_onnx import _registry_and_tables
+
+_aten = torch.ops.aten
+# the decompositions that write the operators out (``grid_sampler`` and ``pad``, which ``torch.export``
+# keeps, dispatch to these)
+_DECOMPOSED = (_aten.grid_sampler_2d.default, _aten.replication_pad1d.default, _aten.replication_pad2d.default,
+               _aten.replication_pad3d.default)
+BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, *_DECOMPOSED)
+
+
+def _written_out(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in BEFORE_AUTOGRAD:
+        return False
+    if node.target is _aten.pad.default:  # replicate mode only (reflect and circular have translated backwards)
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        return mode == "replicate"
+    return True
+
+
+def decompose(program: Any) -> int:
+    """Replace each node of ``program`` (a ``torch.export`` program before autograd, submodules
+    included) whose operator is in ``BEFORE_AUTOGRAD`` by its decomposition, in place.
+
+    Returns:
+        How many nodes were replaced.
+    """
+    from torch._decomp import decomposition_table
+
+    table = None
+    count = 0
+    for module in program.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        graph, found = module.graph, 0
+        for node in [n for n in graph.nodes if _written_out(n)]:
+            if table is None:
+                table = {**_registry_and_tables()[1], **{op: decomposition_table[op] for op in _DECOMPOSED}}
+            nearest = node.target is not _aten.pad.default and len(node.args) > 2 and node.args[2] == 1  # its mode
+            traced = _decomposition(node, table, _with_zero_grid_gradient(node.target) if nearest else None)
+            if traced is None:
+                continue
+            _widen_int8(traced, node)
+            _inline(graph, node, traced)
+            found += 1
+        if found:
+            graph.lint()
+            module.recompile()
+            count += found
+    if count:
+        logger.debug("before autograd: %d node(s) decomposed (their backward has no translation)", count)
+    return count
+
+
+def _with_zero_grid_gradient(op):
+    """``op`` (a grid sampler) with a zero added that autograd differentiates to a zero gradient of
+    the grid (NaN and infinite grid values included)."""
+
+    def sample(input, grid, *args):
+        zero = torch.where(torch.zeros_like(grid, dtype=torch.bool), grid, 0.0).sum()
+        return op(input, grid, *args) + zero.to(input.dtype)
+
+    return sample
+
+
+def _widen_int8(traced: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Cast to int64 where ``traced`` (``node``'s decomposition) casts to int8, its values' metadata
+    propagated again."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    casts = [sub for sub in traced.graph.nodes
+             if sub.target is _aten._to_copy.default and sub.kwargs.get("dtype") is torch.int8]
+    if not casts:
+        return
+    for cast in casts:
+        cast.kwargs = {**cast.kwargs, "dtype": torch.int64}
+    traced.recompile()
+    values = [n.meta["val"] for n in node.all_input_nodes]
+    FakeTensorProp(traced, mode=detect_fake_mode(values)).propagate_dont_convert_inputs(*values)
