@@ -149,6 +149,22 @@ class _WithPool(_WithDiff):
         self.differences = _Pool()
 
 
+class _ComplexRotary(torch.nn.Module):
+    """A rotation as Meta's Llama code writes its rotary embedding: pairs of features as complex numbers,
+    rotated (here by angles the input gives)."""
+
+    def forward(self, x):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        rotation = torch.polar(torch.ones_like(x[..., :2]), x[..., 2:])
+        return torch.view_as_real(pairs * rotation).flatten(-2)
+
+
+class _WithComplexRotary(_WithDiff):
+    def __init__(self):
+        super().__init__()
+        self.differences = _ComplexRotary()
+
+
 class _Igamma(torch.nn.Module):
     def forward(self, x):
         return torch.igamma(x.abs() + 1.0, torch.ones_like(x))
@@ -192,6 +208,16 @@ def test_a_backward_operator_without_translation_names_the_module_whose_backward
     finally:
         monkeypatch.undo()
         joint_onnx._registry_and_tables.cache_clear()
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_complex_tensors_the_exporter_cannot_translate_are_named_with_their_module():
+    """torch's exporter fails on complex tensors in a training graph with an operator that says little
+    (``prims.convert_element_type``, ``aten.alias``): the error names the modules computing complex values."""
+    trainer = ORTTrainer(_WithComplexRotary(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
+    with pytest.raises(ExportError, match=r"no translation for .*the model computes with complex tensors \(in module "
+                                          r"differences \(_ComplexRotary\)\).*rotate_half"):
+        trainer.train_step(torch.randn(2, 4))
 
 
 def test_op_without_gradient_names_the_op_and_the_module(source):

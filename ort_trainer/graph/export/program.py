@@ -213,10 +213,22 @@ def modules_using(program: Any, op: str) -> list[str]:
     """
     parts = op.split(".")
     wanted = (parts[1] if len(parts) > 1 else parts[0]).lstrip("_")
+    return _labels(node for node in program.graph.nodes
+                   if node.op == "call_function" and getattr(node.target, "_opname", "").lstrip("_") == wanted)
+
+
+def modules_computing_complex(program: Any) -> list[str]:
+    """The modules whose forward computes a complex-valued tensor (``torch.view_as_complex``,
+    ``torch.polar``, ``torch.fft``...), labelled as ``modules_using`` labels them."""
+    return _labels(node for node in program.graph.nodes if node.op == "call_function"
+                   and any(getattr(value, "is_complex", lambda: False)()
+                           for value in (node.meta.get("val") if isinstance(node.meta.get("val"), (tuple, list))
+                                         else [node.meta.get("val")])))
+
+
+def _labels(nodes) -> list[str]:
     found = []
-    for node in program.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "_opname", "").lstrip("_") != wanted:
-            continue
+    for node in nodes:
         backward = node.meta.get("nn_module_stack") is None and node.meta.get("fwd_nn_module_stack") is not None
         stack = list((node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}).values())
         path, kind = stack[-1] if stack else ("", "")

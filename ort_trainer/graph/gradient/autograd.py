@@ -283,9 +283,14 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         # the traced forward's modules, else the joint program's (a backward operator, a decomposition's)
         modules = (_traced_program.modules_using(program, op.group(1))
                    or _traced_program.modules_using(joint, op.group(1))) if op else []
-        if not modules:
+        complex_modules = _traced_program.modules_computing_complex(program)
+        if not modules and not complex_modules:
             raise
-        raise joint_onnx.UnsupportedOperatorError(f"{exc} (in module {', '.join(modules)})") from exc
+        where = f" (in module {', '.join(modules)})" if modules else ""
+        why = (f"; the model computes with complex tensors (in module {', '.join(complex_modules)}), which torch's "
+               "ONNX exporter translates only in part in a training graph: write that part with real tensors (a "
+               "rotary embedding as Hugging Face's rotate_half does, say)") if complex_modules else ""
+        raise joint_onnx.UnsupportedOperatorError(f"{exc}{where}{why}") from exc
     seconds["gradient onnx"] = time.perf_counter() - started
 
     eval_model = None
