@@ -25,7 +25,8 @@
 #    OUT/levers.md).
 # Each part writes its JSON lines as they come (a run cut short keeps what it measured). DEADLINE (seconds,
 # default 600) stops starting new processes; the lever part is skipped when the probe used it up.
-# DEVICE, MODELS, PRECISIONS, ROUNDS, REFERENCES and PROBE_ARGS change what runs (make test runs it on the CPU at toy size).
+# DEVICE, MODELS, PRECISIONS, ROUNDS, REFERENCES and PROBE_ARGS change what runs (make test runs it on the CPU at
+# toy size).
 set -uo pipefail
 out=${1:-docs/gpu_levers}
 # each lever alone, then the graph levers all together with loss_pieces (what turning every one on would give),

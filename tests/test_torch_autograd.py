@@ -419,7 +419,8 @@ _GRID_SAMPLES = [("bilinear", "zeros", False), ("bilinear", "border", True), ("b
 
 @pytest.mark.parametrize("mode, padding_mode, align_corners", [
     case if case in _GRID_SAMPLES else pytest.param(*case, marks=pytest.mark.slow)
-    for case in itertools.product(["bilinear", "nearest", "bicubic"], ["zeros", "border", "reflection"], [False, True])])
+    for case in itertools.product(["bilinear", "nearest", "bicubic"], ["zeros", "border", "reflection"],
+                                  [False, True])])
 def test_grid_sample_gradients_equal_float64_pytorch(mode, padding_mode, align_corners):
     """``grid_sampler_2d_backward`` has no translation and no decomposition: the forward is written out before
     autograd (``before_autograd``), whose gradients are the kernel's wherever the sampled points miss the

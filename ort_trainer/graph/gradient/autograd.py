@@ -28,7 +28,8 @@ from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
 from . import (attention as torch_attention, attention_ops, before_autograd, eval_program, gelu as torch_gelu,
-               joint_onnx, kernel_ops, loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels, torch_export)
+               joint_onnx, kernel_ops, loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels,
+               torch_export)
 from .torch_export import _first_line
 
 

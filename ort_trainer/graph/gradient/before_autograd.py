@@ -1,21 +1,22 @@
 """Operators written out before autograd differentiates the training program, where the exporter
 translates the operator but not its backward.
 
-``grid_sample``'s backward (``aten.grid_sampler_2d_backward``) is one operator that the exporter
-has no translation for and torch no decomposition of (``replication_pad1d_backward`` and its 2-d and
-3-d twins, ``F.pad``'s ``"replicate"`` mode, are others: their forwards are indexing at clamped
-positions). Its forward has one (indexing, ``floor``,
-``where`` and products: what ``torch.compile`` runs), each of whose operators the exporter
-translates and autograd differentiates: the gradient of the input is then an ``index_put`` that
-adds (a scatter-add), the grid's that of the interpolation weights. So the forward node is replaced
-by its decomposition, traced on its operands' fake values (``eval_program._decomposition``), before
-the joint trace; a node whose decomposition fails is left as it is (the build then names the
-backward operator and the module whose backward uses it). In nearest mode the grid reaches the
-output only through rounded integer positions, where the kernel's backward gives the grid a zero
-gradient: a zero that reads the grid (a ``where`` that picks none of it) is added to the output,
-so that weights before the grid get zeros, as in PyTorch, rather than no gradient. The reflection
-padding's decomposition counts its reflections in int8, which ONNX Runtime 1.19.2 cannot compare
-(no int8 ``Equal``): they are counted in int64, as the kernel counts them in an ``int``.
+``grid_sample``'s backward (``aten.grid_sampler_2d_backward``) has no translation and no torch
+decomposition, nor has ``replication_pad1d_backward`` (and its 2-d and 3-d twins: ``F.pad``'s
+``"replicate"`` mode). Their forwards have decompositions (indexing at computed or clamped
+positions, ``floor``, ``where`` and products: what ``torch.compile`` runs), whose operators the
+exporter translates and autograd differentiates: the input's gradient is then an ``index_put`` that
+adds (a scatter-add), the grid's that of the interpolation weights. So each such forward node is
+replaced by its decomposition, traced on its operands' fake values (``eval_program._decomposition``),
+before the joint trace; a node whose decomposition fails is left as it is (the build then names the
+backward operator and the module whose backward uses it).
+
+In nearest mode the grid reaches the output only through rounded integer positions, where the
+kernel's backward gives the grid a zero gradient: a zero that reads the grid (a ``where`` that picks
+none of it) is added to the output, so that the weights before the grid get zeros, as in PyTorch,
+rather than no gradient. The reflection padding's decomposition counts its reflections in int8,
+which ONNX Runtime 1.19.2 cannot compare (no int8 ``Equal``): they are counted in int64, as the
+kernel counts them in an ``int``.
 """
 
 from __future__ import annotations
