@@ -7,9 +7,10 @@ each is written here with ``aten.convolution`` (transposed where it is the adjoi
 reshapes, which translate to standard ONNX. ``max_pool2d_with_indices_backward`` (a scatter-add of
 the output gradient to the maxima's positions) is one where the installed torch has no
 decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used);
-``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes. And
-``empty_permuted``, which torch's own decompositions make. Used during the joint trace
-(``joint_onnx.joint_program``).
+``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes; the 3-d pools'
+backwards as the 2-d ones. And ``empty_permuted``, which torch's own decompositions make, and
+``cumprod`` (with its backward's bool ``max``), whose reference uses ``prims.prod``. Used during
+the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode graph's too.
 """
 
 from __future__ import annotations
@@ -187,7 +188,35 @@ def empty_permuted(size, physical_layout, **options):
     return aten.empty.memory_format([size[axis] for axis in layout], **options).permute(inverse)
 
 
+def cumprod(input, dim, dtype=None):
+    """``aten.cumprod``: each position's product of the elements up to it along ``dim``, as a
+    product over ``dim`` of the input with the later elements replaced by ones (torch's reference
+    writes the same with ``prims.prod``, which the exporter has no translation for; ``aten.prod``
+    is ``ReduceProd``). Its backward, which autograd writes with ``cumprod`` and sums, uses it too."""
+    if input.dim() == 0:
+        return input.clone() if dtype is None else input.to(dtype)
+    dim = dim % input.dim()
+    positions = torch.arange(input.shape[dim], device=input.device)
+    mask = positions.unsqueeze(1) <= positions  # [source, target]: source at or before target
+    for _ in range(input.dim() - dim - 1):
+        mask = mask.unsqueeze(-1)
+    masked = torch.where(mask, input.unsqueeze(dim + 1), 1)
+    return aten.prod.dim_int(masked, dim, False, dtype=dtype)
+
+
+def max_dim(input, dim, keepdim=False):
+    """``aten.max.dim`` of a bool tensor (``cumprod``'s backward finds each row's first zero so), whose
+    ``ReduceMax`` and ``ArgMax`` ONNX does not take in bool: of its int32 copy. Other dtypes are left
+    to the exporter."""
+    if input.dtype != torch.bool:
+        return NotImplemented
+    values, indices = aten.max.dim(input.to(torch.int32), dim, keepdim)
+    return values.to(torch.bool), indices
+
+
 DECOMPOSITIONS = {
+    aten.cumprod.default: cumprod,
+    aten.max.dim: max_dim,
     aten.empty_permuted.default: empty_permuted,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
@@ -196,5 +225,7 @@ DECOMPOSITIONS = {
     aten.avg_pool3d_backward.default: avg_pool3d_backward,
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
 }
+# forward operators among them, which the eval-mode graph decomposes with the exporter's table too
+FORWARD = (aten.cumprod.default,)
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward

@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 from ..export.torchscript import ExportError
 from ..onnx_graph import compacted
 from ..passes.dropout import keep_dropouts
-from .backward_decompositions import DECOMPOSITIONS
+from .backward_decompositions import DECOMPOSITIONS, FORWARD
 from . import attention_ops, kernel_ops
 from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
@@ -66,6 +66,7 @@ def _registry_and_tables() -> tuple:
     onnx_table.update({op: decomposition_table[op] for op in (
         aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
         aten._native_batch_norm_legit.no_stats, aten.native_batch_norm.default)})
+    onnx_table.update({op: DECOMPOSITIONS[op] for op in FORWARD})  # ``cumprod`` without ``prims.prod``
     return registry, onnx_table, {**core_aten_decompositions(), **onnx_table, **DECOMPOSITIONS}
 
 
