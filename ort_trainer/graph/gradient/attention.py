@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from .fx_nodes import rewrite_graphs
+
 logger = logging.getLogger(__name__)
 _aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -68,21 +70,16 @@ def retarget(program: Any, accept: Callable[[torch.fx.Node], bool], target: Call
     """Have each ``scaled_dot_product_attention`` call of ``program`` (its submodules', the regions ``torch.export``
     traced under autocast, too) that ``accept(node)`` takes compute ``target`` (same arguments), in place; returns
     how many. The joint trace then traces ``target``'s operators."""
-    count = 0
-    for module in program.graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
+    def retarget_calls(graph: torch.fx.Graph) -> int:
         found = 0
-        for node in module.graph.nodes:
+        for node in graph.nodes:
             if node.op == "call_function" and node.target is _aten.scaled_dot_product_attention.default \
                     and accept(node):
                 node.target = target
                 found += 1
-        if found:
-            module.graph.lint()
-            module.recompile()
-            count += found
-    return count
+        return found
+
+    return rewrite_graphs(program, retarget_calls)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 
 from ..._logging import logger
 from .eval_program import _decomposition, _inline
+from .fx_nodes import rewrite_graphs
 from .joint_onnx import _registry_and_tables
 
 _aten = torch.ops.aten
@@ -53,31 +54,31 @@ def decompose(program: Any) -> int:
     Returns:
         How many nodes were replaced.
     """
-    from torch._decomp import decomposition_table
-
-    table = None
-    count = 0
-    for module in program.graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        graph, found = module.graph, 0
-        for node in [n for n in graph.nodes if _written_out(n)]:
-            if table is None:
-                table = {**_registry_and_tables()[1], **{op: decomposition_table[op] for op in _DECOMPOSED}}
-            nearest = node.target is not _aten.pad.default and len(node.args) > 2 and node.args[2] == 1  # its mode
-            traced = _decomposition(node, table, _with_zero_grid_gradient(node.target) if nearest else None)
-            if traced is None:
-                continue
-            _widen_int8(traced, node)
-            _inline(graph, node, traced)
-            found += 1
-        if found:
-            graph.lint()
-            module.recompile()
-            count += found
+    count = rewrite_graphs(program, _write_out)
     if count:
         logger.debug("before autograd: %d node(s) decomposed (their backward has no translation)", count)
     return count
+
+
+def _write_out(graph: torch.fx.Graph) -> int:
+    found, table = 0, None
+    for node in [n for n in graph.nodes if _written_out(n)]:
+        table = table or _table()
+        nearest = node.target is not _aten.pad.default and len(node.args) > 2 and node.args[2] == 1  # its mode
+        traced = _decomposition(node, table, _with_zero_grid_gradient(node.target) if nearest else None)
+        if traced is None:
+            continue
+        _widen_int8(traced, node)
+        _inline(graph, node, traced)
+        found += 1
+    return found
+
+
+def _table() -> dict:
+    """The exporter's decomposition table with torch's decompositions of ``_DECOMPOSED``."""
+    from torch._decomp import decomposition_table
+
+    return {**_registry_and_tables()[1], **{op: decomposition_table[op] for op in _DECOMPOSED}}
 
 
 def _with_zero_grid_gradient(op):

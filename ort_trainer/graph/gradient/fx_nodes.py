@@ -1,5 +1,5 @@
-"""Adding nodes to a traced torch program (the joint program's rewrites: ``gelu.py``, ``kernel_ops.py``) with the
-``meta["val"]`` fake values the ONNX exporter reads."""
+"""Editing a traced torch program's graphs (``rewrite_graphs``) and adding nodes to them (the joint program's
+rewrites: ``gelu.py``, ``kernel_ops.py``) with the ``meta["val"]`` fake values the ONNX exporter reads."""
 
 from __future__ import annotations
 
@@ -23,6 +23,22 @@ class Builder:
         node.meta.update(self.meta)
         node.meta["val"] = fake_result(target, args, kwargs)
         return node
+
+
+def rewrite_graphs(program: Any, rewrite: Callable[[torch.fx.Graph], int]) -> int:
+    """Run ``rewrite`` on each graph of ``program`` (its own and its submodules': the regions ``torch.export``
+    traced under autocast); it edits the graph in place and returns how many rewrites it made. Each graph it
+    changed is linted and recompiled. Returns the total."""
+    count = 0
+    for module in program.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        found = rewrite(module.graph)
+        if found:
+            module.graph.lint()
+            module.recompile()
+            count += found
+    return count
 
 
 def retarget(node: torch.fx.Node, target: Callable, args: tuple, kwargs: dict | None = None) -> None:

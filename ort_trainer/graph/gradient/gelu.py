@@ -47,7 +47,7 @@ import torch
 
 from ..._logging import logger
 from . import kernel_ops
-from .fx_nodes import Builder as _Builder, retarget as _retarget
+from .fx_nodes import Builder as _Builder, retarget as _retarget, rewrite_graphs as _rewrite_graphs
 
 _aten = torch.ops.aten
 KEPT = (_aten.gelu_backward.default,)  # what the joint trace leaves undecomposed for ``rewrite_joint``
@@ -72,6 +72,22 @@ _MAX_DEGREE = 3
 _MAX_STEPS = 8  # arithmetic nodes between the function and the formula's result
 
 
+def _gelu_calls(graph: torch.fx.Graph) -> int:
+    found = 0
+    for function in [n for n in graph.nodes if n.op == "call_function" and n.target in _FORMULAS]:
+        match = _match_formula(function)
+        if match is None:
+            continue
+        x, result, members, approximate = match
+        result.target, result.args = _aten.gelu.default, (x,)
+        result.kwargs = {"approximate": approximate} if approximate != "none" else {}
+        for node in reversed([n for n in graph.nodes if n in members]):
+            if not node.users:
+                graph.erase_node(node)
+        found += 1
+    return found
+
+
 def rewrite_formulas(program: Any) -> int:
     """Replace every GELU written out as arithmetic in ``program`` by ``aten.gelu``, in place.
 
@@ -88,26 +104,7 @@ def rewrite_formulas(program: Any) -> int:
     Returns:
         How many formulas were replaced.
     """
-    count = 0
-    for module in program.graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        graph, found = module.graph, 0
-        for function in [n for n in graph.nodes if n.op == "call_function" and n.target in _FORMULAS]:
-            match = _match_formula(function)
-            if match is None:
-                continue
-            x, result, members, approximate = match
-            result.target, result.args = _aten.gelu.default, (x,)
-            result.kwargs = {"approximate": approximate} if approximate != "none" else {}
-            for node in reversed([n for n in graph.nodes if n in members]):
-                if not node.users:
-                    graph.erase_node(node)
-            found += 1
-        if found:
-            graph.lint()
-            module.recompile()
-            count += found
+    count = _rewrite_graphs(program, _gelu_calls)
     if count:
         logger.debug("gelu: %d GELU formula(s) written out in arithmetic now call aten.gelu", count)
     return count

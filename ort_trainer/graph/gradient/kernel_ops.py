@@ -47,7 +47,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...kernels import DOMAIN, OPSET
-from .fx_nodes import Builder, fill_fake_values
+from .fx_nodes import Builder, fill_fake_values, rewrite_graphs
 from .sparse_labels import _is_float_cast, _value, erase_unread, readers
 
 _DTYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -173,45 +173,41 @@ def fused_cross_entropy(program) -> int:
     without class weights or label smoothing, by ``cross_entropy``'s per-row losses summed (divided by the
     count of labelled rows for a mean), in place; where the scores are a float32 cast of half-precision ones read
     by the loss alone, the half ones are read and the cast is erased. Returns how many."""
-    count = 0
-    for module in program.graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
+    return rewrite_graphs(program, _fused_cross_entropies)
+
+
+def _fused_cross_entropies(graph: torch.fx.Graph) -> int:
+    changed = 0
+    losses = [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]
+    if losses:
+        fill_fake_values(graph)  # (the nodes loss_pieces and sparse_labels wrote have none)
+    for node in losses:
+        names = ("weight", "reduction", "ignore_index", "label_smoothing")
+        x, target = node.args[:2]
+        weight, reduction, ignore_index, smoothing = [
+            node.kwargs.get(name, node.args[2 + i] if len(node.args) > 2 + i else default)
+            for i, (name, default) in enumerate(zip(names, (None, _MEAN, -100, 0.0)))]
+        value, labels = _value(x), _value(target)
+        if (weight is not None or smoothing or value is None or labels is None or value.dim() != 2
+                or value.dtype not in KERNEL_DTYPES or labels.dim() != 1 or labels.dtype != torch.int64):
             continue
-        graph, changed = module.graph, 0
-        losses = [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.cross_entropy_loss.default]
-        if losses:
-            fill_fake_values(graph)  # (the nodes loss_pieces and sparse_labels wrote have none)
-        for node in losses:
-            names = ("weight", "reduction", "ignore_index", "label_smoothing")
-            x, target = node.args[:2]
-            weight, reduction, ignore_index, smoothing = [
-                node.kwargs.get(name, node.args[2 + i] if len(node.args) > 2 + i else default)
-                for i, (name, default) in enumerate(zip(names, (None, _MEAN, -100, 0.0)))]
-            value, labels = _value(x), _value(target)
-            if (weight is not None or smoothing or value is None or labels is None or value.dim() != 2
-                    or value.dtype not in KERNEL_DTYPES or labels.dim() != 1 or labels.dtype != torch.int64):
-                continue
-            cast = x if _is_float_cast(x) and _value(x.args[0]).dtype in KERNEL_DTYPES and readers(x) == 1 else None
-            with graph.inserting_before(node):
-                build = Builder(graph, node)
-                fused = build(torch.ops.ort_trainer.cross_entropy.default, cast.args[0] if cast else x, target,
-                              ignore_index)
-                losses = build(operator.getitem, fused, 0)
-                result = losses if reduction == 0 else build(_aten.sum.default, losses)
-                if reduction == _MEAN:
-                    labelled = build(_aten.sum.default, build(_aten.ne.Scalar, target, ignore_index),
-                                     dtype=torch.float32)
-                    result = build(_aten.div.Tensor, result, labelled)
-            node.replace_all_uses_with(result)
-            graph.erase_node(node)
-            if cast is not None:
-                erase_unread(graph, [cast])
-            changed += 1
-        if changed:
-            graph.lint()
-            module.recompile()
-            count += changed
-    return count
+        cast = x if _is_float_cast(x) and _value(x.args[0]).dtype in KERNEL_DTYPES and readers(x) == 1 else None
+        with graph.inserting_before(node):
+            build = Builder(graph, node)
+            fused = build(torch.ops.ort_trainer.cross_entropy.default, cast.args[0] if cast else x, target,
+                          ignore_index)
+            per_row = build(operator.getitem, fused, 0)
+            result = per_row if reduction == 0 else build(_aten.sum.default, per_row)
+            if reduction == _MEAN:
+                labelled = build(_aten.sum.default, build(_aten.ne.Scalar, target, ignore_index),
+                                 dtype=torch.float32)
+                result = build(_aten.div.Tensor, result, labelled)
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        if cast is not None:
+            erase_unread(graph, [cast])
+        changed += 1
+    return changed
 
 
 def layer_norm_applies(program) -> bool:
