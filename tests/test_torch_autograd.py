@@ -426,6 +426,84 @@ def test_the_cumprod_decomposition_is_torchs(dim):
     assert cumprod(x, dim, dtype=torch.float32).dtype == torch.float32
 
 
+class Sequences(torch.nn.Module):
+    """What models do around their layers that the exporter got wrong or could not differentiate:
+    assignments into slices (``tokens[:, 0] = 7``, as encoder-decoders' ``shift_tokens_right`` makes a
+    decoder's inputs, and ``first[:] = weight row``: an ``aten.copy`` of a smaller value, which torchlib
+    translated without broadcasting it); a global average pool of a transposed ``[batch, seq, channels]``
+    tensor (Swin's pooler: ATen's composite restrides its mean, whose backward is an ``as_strided_scatter``);
+    adaptive average pools whose windows overlap or differ in size, in 1, 2 and 3 dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.conv = torch.nn.Conv2d(4, 3, 3, padding=1)
+        self.volume = torch.nn.Conv3d(1, 2, 1)
+        self.head = torch.nn.Linear(4 + 4 + 3 * 4 * 3 + 3 * 7 * 7 + 2 * 2 * 3 * 2 + 3 * 3, 3)
+
+    def forward(self, x):  # x: [batch, 6, 5]
+        ids = (x > 0).long() * 4 + (x > 1).long()  # comparisons: the same ids in float32 and float64
+        tokens = ids.new_zeros(ids.shape)
+        tokens[:, 1:] = ids[:, :-1]
+        tokens[:, 0] = 7
+        h = self.embed(tokens)  # [batch, 6, 5, 4]
+        first = h.new_zeros(x.shape[0], 4)
+        first[:] = self.embed.weight[3]
+        pooled = F.adaptive_avg_pool1d(h.flatten(1, 2).transpose(1, 2), 1).flatten(1)  # 30 -> 1
+        image = torch.tanh(self.conv(h.permute(0, 3, 1, 2)))  # [batch, 3, 6, 5]
+        overlapping = F.adaptive_avg_pool2d(image, (4, 3)).flatten(1)  # 6x5 -> 4x3: windows of 2 and 3
+        wider = F.adaptive_avg_pool2d(image, (7, 7)).flatten(1)  # 6x5 -> 7x7: windows of 1 and 2
+        volume = F.adaptive_avg_pool3d(self.volume(image.unsqueeze(1)), (2, 3, 2)).flatten(1)  # 3x6x5 -> 2x3x2
+        line = F.adaptive_avg_pool1d(image.flatten(2), 3).flatten(1)  # 30 -> 3
+        return self.head(torch.cat([first, pooled, overlapping, wider, volume, line], dim=1))
+
+
+def test_slice_assignments_and_adaptive_pools_gradients_equal_float64_pytorch():
+    torch.manual_seed(53)
+    _classifier_gradients_match(Sequences(), [6, 5])
+
+
+def test_slice_assignments_and_adaptive_pools_evaluate_and_save_as_pytorch(tmp_path):
+    """The eval graph and the saved model, built at batch 2 and run at batch 3 (the broadcast copies'
+    shapes come from the batch), against float64 PyTorch: one float32 forward, within LOSS_BOUND."""
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import SGDConfig
+
+    torch.manual_seed(59)
+    model = Sequences()
+    d = {"inputs": [("x", ["batch", 6, 5]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+    trainer = ORTTrainer(model, d, SGDConfig(lr=0.0), loss_fn=F.cross_entropy)
+    trainer.train_step(torch.randn(2, 6, 5), torch.randint(0, 3, (2,)))
+    x, y = torch.randn(3, 6, 5), torch.randint(0, 3, (3,))
+    with torch.no_grad():
+        expected = copy.deepcopy(model).double().eval()(x.double()).numpy()
+    _, out = trainer.eval_step(x, y)
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (saved,) = session.run(None, {"x": x.numpy()})
+    for got in (out.numpy(), saved):
+        error = float(np.abs(got - expected).max() / np.abs(expected).max())
+        check(error, LOSS_BOUND, f"outputs: relative error {error:.2e}")
+
+
+@pytest.mark.parametrize("sizes, output", [((6, 5), (4, 3)), ((6, 5), (7, 7)), ((3, 6, 5), (2, 3, 2)),
+                                           ((9, 4, 7), (4, 4, 3))])
+def test_the_adaptive_pool_products_are_torchs_pools_and_their_adjoint(sizes, output):
+    """``_pooled`` against torch's adaptive average pools in float64 (sums of at most 3 terms, each
+    divided: within 1e-15 relative), and its ``backward`` against autograd's vector-Jacobian product."""
+    from ort_trainer.graph.gradient.backward_decompositions import _pooled
+
+    pool = F.adaptive_avg_pool2d if len(sizes) == 2 else F.adaptive_avg_pool3d
+    x = torch.randn(2, 3, *sizes, dtype=torch.float64, requires_grad=True)
+    expected = pool(x, output)
+    torch.testing.assert_close(_pooled(x.detach(), list(output), backward=False), expected.detach(),
+                               rtol=1e-15, atol=1e-15)
+    grad = torch.randn_like(expected)
+    (want,) = torch.autograd.grad(expected, x, grad)
+    torch.testing.assert_close(_pooled(grad, list(sizes), backward=True), want, rtol=1e-15, atol=1e-15)
+
+
 class Warp(torch.nn.Module):
     """A spatial transformer: ``grid_sample`` of the features at a grid the model computes, so that the
     gradient reaches both the input's and the grid's weights."""

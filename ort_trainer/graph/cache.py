@@ -66,7 +66,7 @@ from .onnx_graph import dangling_names
 # 20: torch_products' column sums are Gemm nodes of a row of ones (graphs of 19 reshape around a MatMul); 21: a GPU's
 # graphs wait for the backward with AliasAfter nodes (device_barriers; graphs of 20 with host-read Reshapes), and a
 # symbolic-shape graph's integer Pad is a Concat too
-_VERSION = "21"
+_VERSION = "22"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]

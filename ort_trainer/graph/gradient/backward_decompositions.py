@@ -8,8 +8,10 @@ reshapes, which translate to standard ONNX. ``max_pool2d_with_indices_backward``
 the output gradient to the maxima's positions) is one where the installed torch has no
 decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used);
 ``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes; the 3-d pools'
-backwards as the 2-d ones. And ``empty_permuted``, which torch's own decompositions make, and
-``cumprod`` (with its backward's bool ``max``), whose reference uses ``prims.prod``. Used during
+backwards as the 2-d ones; adaptive average pools whose windows overlap or differ in size (and the
+3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
+And ``empty_permuted``, which torch's own decompositions make, and ``cumprod`` (with its backward's
+bool ``max``), whose reference uses ``prims.prod``. Used during
 the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode graph's too.
 """
 
@@ -130,7 +132,8 @@ def _avg_pool_backward(dims, grad_output, input, kernel_size, stride, padding, c
 
 
 def adaptive_avg_pool2d_backward(grad_output, input):
-    """``aten._adaptive_avg_pool2d_backward``: global pooling, or windows that tile the input."""
+    """``aten._adaptive_avg_pool2d_backward``: global pooling, windows that tile the input, or else
+    ``_pooled``'s products by each dim's averaging matrix, transposed."""
     out_h, out_w = grad_output.shape[-2:]
     height, width = input.shape[-2:]
     if out_h == 1 and out_w == 1:
@@ -140,9 +143,43 @@ def adaptive_avg_pool2d_backward(grad_output, input):
         lead = list(grad_output.shape[:-2])
         tiled = grad_output.reshape(*lead, out_h, 1, out_w, 1).expand(*lead, out_h, kh, out_w, kw)
         return tiled.reshape(input.shape) / (kh * kw)
-    raise NotImplementedError(f"adaptive_avg_pool2d from {height}x{width} to {out_h}x{out_w} (windows of unequal "
-                              f"sizes) has no ONNX gradient here; pool to a size that divides the input, or "
-                              f"{_UNSUPPORTED}")
+    return _pooled(grad_output, list(input.shape[-2:]), backward=True)
+
+
+def adaptive_avg_pool3d(input, output_size):
+    """``aten._adaptive_avg_pool3d`` (no translation, no torch decomposition): ``_pooled``."""
+    return _pooled(input, list(output_size), backward=False)
+
+
+def adaptive_avg_pool3d_backward(grad_output, input):
+    """``aten._adaptive_avg_pool3d_backward``: ``_pooled``'s products, transposed."""
+    return _pooled(grad_output, list(input.shape[-3:]), backward=True)
+
+
+def _pooled(x, sizes, backward: bool):
+    """An adaptive average pool of ``x`` over its last ``len(sizes)`` dims (to ``sizes``; ``backward``: its
+    adjoint, from them to ``sizes``), one matrix product a dim: output ``i`` of a dim of ``n`` inputs averages
+    inputs ``floor(i·n/m)`` to ``ceil((i+1)·n/m)`` (exclusive) of the ``m`` outputs, as ATen's kernel's
+    windows, which overlap or differ in size where ``m`` does not divide ``n``. Half-precision values are
+    summed in float32 (as the kernel's accumulator), then rounded once."""
+    dtype = x.dtype
+    work = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+    for axis, size in zip(range(-len(sizes), 0), sizes):
+        outputs, inputs = (x.shape[axis], size) if backward else (size, x.shape[axis])
+        matrix = _averaging(outputs, inputs, work)  # [outputs, inputs]
+        work = (work.movedim(axis, -1) @ (matrix if backward else matrix.t())).movedim(-1, axis)
+    return work.to(dtype)
+
+
+def _averaging(outputs, inputs, like: torch.Tensor) -> torch.Tensor:
+    """The ``[outputs, inputs]`` matrix of an adaptive average pool along one dim: row ``i`` is ``1 / count``
+    over its window ``[floor(i·inputs/outputs), ceil((i+1)·inputs/outputs))``, zero elsewhere."""
+    rows = torch.arange(outputs, device=like.device)
+    start = torch.div(rows * inputs, outputs, rounding_mode="floor")
+    end = torch.div((rows + 1) * inputs + outputs - 1, outputs, rounding_mode="floor")
+    positions = torch.arange(inputs, device=like.device)
+    inside = (positions >= start.unsqueeze(1)) & (positions < end.unsqueeze(1))
+    return inside.to(like.dtype) / (end - start).to(like.dtype).unsqueeze(1)
 
 
 def max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices):
@@ -221,11 +258,13 @@ DECOMPOSITIONS = {
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+    aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+    aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
     aten.avg_pool3d_backward.default: avg_pool3d_backward,
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
 }
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
-FORWARD = (aten.cumprod.default,)
+FORWARD = (aten.cumprod.default, aten._adaptive_avg_pool3d.default)
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward

@@ -17,6 +17,12 @@ none of it) is added to the output, so that the weights before the grid get zero
 rather than no gradient. The reflection padding's decomposition counts its reflections in int8,
 which ONNX Runtime 1.19.2 cannot compare (no int8 ``Equal``): they are counted in int64, as the
 kernel counts them in an ``int``.
+
+Global average pooling (``adaptive_avg_pool1d/2d/3d`` to one element a channel) becomes the ``mean``
+over the pooled dims it is. ATen's composite computes that mean and then restrides it (``as_strided_``)
+where the input's layout looks channels-last, as an ``AdaptiveAvgPool1d`` of a transposed ``[batch, seq,
+channels]`` tensor does (Swin's pooler); that restriding's backward is an ``as_strided_scatter``, which
+the exporter cannot translate. In ONNX, where tensors have no strides, the mean is all that counts.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ _aten = torch.ops.aten
 _DECOMPOSED = (_aten.grid_sampler_2d.default, _aten.replication_pad1d.default, _aten.replication_pad2d.default,
                _aten.replication_pad3d.default)
 BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, *_DECOMPOSED)
+_GLOBAL_POOLS = {_aten.adaptive_avg_pool1d.default: 1, _aten.adaptive_avg_pool2d.default: 2,
+                 _aten.adaptive_avg_pool3d.default: 3}  # operator: pooled dims
 
 
 def _written_out(node: torch.fx.Node) -> bool:
@@ -54,7 +62,7 @@ def decompose(program: Any) -> int:
     Returns:
         How many nodes were replaced.
     """
-    count = rewrite_graphs(program, _write_out)
+    count = rewrite_graphs(program, _write_out) + rewrite_graphs(program, _global_pools_as_means)
     if count:
         logger.debug("before autograd: %d node(s) decomposed (their backward has no translation)", count)
     return count
@@ -71,6 +79,20 @@ def _write_out(graph: torch.fx.Graph) -> int:
         _widen_int8(traced, node)
         _inline(graph, node, traced)
         found += 1
+    return found
+
+
+def _global_pools_as_means(graph: torch.fx.Graph) -> int:
+    """Each adaptive average pool of ``graph`` to one element a channel as the mean over its pooled dims
+    (kept), in place; returns how many."""
+    found = 0
+    for node in graph.nodes:
+        dims = _GLOBAL_POOLS.get(node.target) if node.op == "call_function" else None
+        if dims and len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
+                and all(size == 1 for size in node.args[1]):
+            node.target = _aten.mean.dim
+            node.args = (node.args[0], list(range(-dims, 0)), True)
+            found += 1
     return found
 
 

@@ -31,7 +31,7 @@ from ..export.torchscript import ExportError
 from ..onnx_graph import compacted
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS, FORWARD
-from . import attention_ops, kernel_ops
+from . import attention_ops, exporter_fixes, kernel_ops
 from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
 from .torch_export import without_stack_traces
@@ -57,6 +57,7 @@ def _registry_and_tables() -> tuple:
 
     with _quiet_exporter():
         registry = lazy_torchlib_registry()
+    exporter_fixes.register_translations(registry)  # where torchlib's own translate wrongly (aten.copy)
     kernel_ops.register_translations(registry)  # the operators of ort_trainer's own kernels
     attention_ops.register_translations(registry)  # torch's attention kernels (kernels/torch_ops.py)
     onnx_table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
