@@ -396,6 +396,13 @@ class ExportGuard:
                          "and the exported graph cannot replay it in the backward pass; turn checkpointing off "
                          "(Hugging Face: model.gradient_checkpointing_disable()): the export builds the whole "
                          "backward graph itself")
+        elif cls.__qualname__.startswith("GeneratedBackwardFor_transformers_grouped_mm"):
+            self._report(("function", cls.__qualname__), "Hugging Face's grouped_mm mixture-of-experts layer in module "
+                         "{modules} at {where}: it calls transformers' custom operator grouped_mm (its backward "
+                         "registered with torch.library), which has no ONNX translation and whose routing sizes are "
+                         "read from the data; call model.set_experts_implementation(\"batched_mm\") before making "
+                         "the trainer (the same values: each token's experts' weights gathered, a [tokens x experts "
+                         "per token, ...] copy of them, so for small expert layers only)")
         else:
             self._report(("function", cls.__qualname__), f"custom torch.autograd.Function {cls.__qualname__} called "
                          f"in module {{modules}} at {{where}}: the exported graph keeps its forward only and "

@@ -42,7 +42,11 @@ def _transposed(grad: torch.Tensor, weight: torch.Tensor, stride: list, padding:
     missing = [size[2 + i] - ((grad.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
                               + dilation[i] * (weight.shape[2 + i] - 1) + 1) for i in range(dims)]
     if all(isinstance(m, int) for m in missing):
-        return aten.convolution(grad, weight, None, stride, padding, dilation, True, missing, groups)
+        result = aten.convolution(grad, weight, None, stride, padding, dilation, True, [max(m, 0) for m in missing],
+                                  groups)
+        for axis in (axis for axis in range(dims) if missing[axis] < 0):  # a pool's ceil_mode windows past the end
+            result = aten.slice(result, 2 + axis, 0, size[2 + axis])
+        return result
     result = aten.convolution(grad, weight, None, stride, padding, dilation, True, [0] * dims, groups)
     pads = []
     for axis in reversed(range(dims)):
@@ -108,9 +112,6 @@ def avg_pool3d_backward(grad_output, input, kernel_size, stride, padding, ceil_m
 
 def _avg_pool_backward(dims, grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
                        divisor_override):
-    if ceil_mode:
-        raise NotImplementedError(f"avg_pool{dims}d with ceil_mode=True has no ONNX gradient here; use "
-                                  f"ceil_mode=False or {_UNSUPPORTED}")
     if input.dim() == dims + 1:  # unbatched
         return _avg_pool_backward(dims, grad_output.unsqueeze(0), input.unsqueeze(0), kernel_size, stride, padding,
                                   ceil_mode, count_include_pad, divisor_override).squeeze(0)
@@ -121,14 +122,37 @@ def _avg_pool_backward(dims, grad_output, input, kernel_size, stride, padding, c
     ones = grad_output.new_ones([channels, 1, *kernel])
     if divisor_override:
         scaled = grad_output / divisor_override
-    elif count_include_pad or not any(padding):
+    elif not ceil_mode and (count_include_pad or not any(padding)):
         scaled = grad_output / math.prod(kernel)
-    else:  # count only the input elements inside each window
-        plane = input.new_ones([1, 1, *input.shape[2:]])
-        counts = aten.convolution(plane, input.new_ones([1, 1, *kernel]), None, stride, padding, [1] * dims, False,
-                                  [0] * dims, 1)
-        scaled = grad_output / counts
+    else:
+        scaled = grad_output / _window_sizes(dims, grad_output, input, kernel, stride, padding, ceil_mode,
+                                             count_include_pad)
     return _transposed(scaled, ones, stride, padding, [1] * dims, channels, list(input.shape))
+
+
+def _window_sizes(dims, grad_output, input, kernel, stride, padding, ceil_mode, count_include_pad):
+    """Each window's divisor, as ATen's kernel counts it: the elements of the input (``count_include_pad``: of
+    the input and its padding) the window covers, a convolution of ones over a plane of ones. Under
+    ``ceil_mode`` the last windows may run past the padding, where they count nothing."""
+    sizes = list(input.shape[2:])
+    plane = input.new_ones([1, 1, *sizes])
+    if not ceil_mode:
+        return aten.convolution(plane, input.new_ones([1, 1, *kernel]), None, stride, padding, [1] * dims, False,
+                                [0] * dims, 1)
+    past = [(grad_output.shape[2 + i] - 1) * stride[i] + kernel[i] - (sizes[i] + 2 * padding[i]) for i in range(dims)]
+    if not all(isinstance(p, int) for p in past):
+        raise NotImplementedError(f"avg_pool{dims}d with ceil_mode=True over symbolic sizes has no ONNX gradient "
+                                  f"here; use ceil_mode=False, static sizes, or {_UNSUPPORTED}")
+    inside, beyond = [], []  # constant_pad_nd's pads, the last dim first
+    for axis in reversed(range(dims)):
+        inside += [padding[axis], padding[axis]]
+        beyond += [0, max(past[axis], 0)]
+    if count_include_pad:
+        plane = aten.constant_pad_nd(aten.constant_pad_nd(plane, inside, 1.0), beyond, 0.0)
+    else:
+        plane = aten.constant_pad_nd(plane, [a + b for a, b in zip(inside, beyond)], 0.0)
+    return aten.convolution(plane, input.new_ones([1, 1, *kernel]), None, stride, [0] * dims, [1] * dims, False,
+                            [0] * dims, 1)
 
 
 def adaptive_avg_pool2d_backward(grad_output, input):

@@ -16,7 +16,9 @@ kernel's backward gives the grid a zero gradient: a zero that reads the grid (a 
 none of it) is added to the output, so that the weights before the grid get zeros, as in PyTorch,
 rather than no gradient. The reflection padding's decomposition counts its reflections in int8,
 which ONNX Runtime 1.19.2 cannot compare (no int8 ``Equal``): they are counted in int64, as the
-kernel counts them in an ``int``.
+kernel counts them in an ``int``. Weight normalisation (``nn.utils.parametrizations.weight_norm``: wav2vec2's
+positional convolution, HuBERT's, vocoders') is its norm and products too, its fused backward
+(``_weight_norm_interface_backward``) having no translation.
 
 Global average pooling (``adaptive_avg_pool1d/2d/3d`` to one element a channel) becomes the ``mean``
 over the pooled dims it is. ATen's composite computes that mean and then restrides it (``as_strided_``)
@@ -41,7 +43,8 @@ _aten = torch.ops.aten
 # keeps, dispatch to these)
 _DECOMPOSED = (_aten.grid_sampler_2d.default, _aten.replication_pad1d.default, _aten.replication_pad2d.default,
                _aten.replication_pad3d.default)
-BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, *_DECOMPOSED)
+_GRID_SAMPLERS = (_aten.grid_sampler.default, _aten.grid_sampler_2d.default)
+BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, _aten._weight_norm.default, *_DECOMPOSED)
 _GLOBAL_POOLS = {_aten.adaptive_avg_pool1d.default: 1, _aten.adaptive_avg_pool2d.default: 2,
                  _aten.adaptive_avg_pool3d.default: 3}  # operator: pooled dims
 
@@ -72,8 +75,7 @@ def _write_out(graph: torch.fx.Graph) -> int:
     found, table = 0, None
     for node in [n for n in graph.nodes if _written_out(n)]:
         table = table or _table()
-        nearest = node.target is not _aten.pad.default and len(node.args) > 2 and node.args[2] == 1  # its mode
-        traced = _decomposition(node, table, _with_zero_grid_gradient(node.target) if nearest else None)
+        traced = _decomposition(node, table, _function(node))
         if traced is None:
             continue
         _widen_int8(traced, node)
@@ -94,6 +96,23 @@ def _global_pools_as_means(graph: torch.fx.Graph) -> int:
             node.args = (node.args[0], list(range(-dims, 0)), True)
             found += 1
     return found
+
+
+def _function(node: torch.fx.Node):
+    """What ``node`` is written out as where it is not its operator's decomposition in ``_table()``."""
+    if node.target in _GRID_SAMPLERS and len(node.args) > 2 and node.args[2] == 1:  # nearest mode
+        return _with_zero_grid_gradient(node.target)
+    if node.target is _aten._weight_norm.default:
+        return _weight_norm
+    return None
+
+
+def _weight_norm(v, g, dim=0):
+    """``aten._weight_norm`` (``nn.utils.parametrizations.weight_norm``): ``v · g / ‖v‖``, the norm over every dim
+    but ``dim``, as torch's decomposition of the fused ``_weight_norm_interface`` computes it."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table[_aten._weight_norm_interface.default](v, g, dim)[0]
 
 
 def _table() -> dict:
