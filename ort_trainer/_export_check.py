@@ -10,6 +10,7 @@ import torch
 from ._logging import logger
 from .devices import host_array
 from .engine import Engine
+from .graph.export.guard import _model_left_untouched
 from .graph.export.torchscript import ExportMismatchError, _ModelWithLoss, export_order
 from .graph.gradient.torch_export import autocast_context
 from .model_desc import ModelDescription
@@ -47,14 +48,10 @@ def check_model_export(model: torch.nn.Module, loss_fn: Callable | None, desc: M
                [other_values(a) for a in sample_inputs])]
     engine.select(full_signature(dict(zip(desc.input_names, sample_inputs))), training=False)
     for which, inputs in checks:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), autocast_context(autocast):
-                expected = dict(zip(export_order(desc, loss_fn is not None),
-                                    wrapper(*(torch.from_numpy(a) for a in inputs))))
-        finally:
-            model.train(was_training)
+        with _model_left_untouched(model), torch.no_grad(), autocast_context(autocast):
+            model.eval()
+            expected = dict(zip(export_order(desc, loss_fn is not None),
+                                wrapper(*(torch.from_numpy(a) for a in inputs))))
         got = engine.evaluate(dict(zip(desc.input_names, inputs)))
         for name in desc.output_names:
             a, b = (host_array(t) for t in (expected[name], got[name]))

@@ -29,6 +29,7 @@ from .devices import host_array, host_dtype, host_threads, torch_threads
 from .distributed import make_communicator
 from .engine import Engine
 from .graph.export.input_checks import BatchChecks
+from .graph.export.torchscript import training_in_trace
 from .graph.gradient import make_gradient_source
 from .graph.job import GraphJob
 from .graph.onnx_graph import build_inference_graph
@@ -202,8 +203,9 @@ class ORTTrainer(_StateMixin):
             for tensor in self._engine.fixed_tensors.values():
                 self._comm.broadcast(tensor)
         if isinstance(self.model, torch.nn.Module):
+            training = training_in_trace(self.model)  # a BatchNorm in eval mode counts no batch, as in PyTorch
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
-                                  if k.endswith("num_batches_tracked")}
+                                  if k.endswith("num_batches_tracked") and k.rpartition(".")[0] in training}
         if self._pending_optimizer:
             self._engine.load_optimizer_states(self._pending_optimizer)
             self._pending_optimizer = {}

@@ -113,3 +113,56 @@ def test_dropout_is_off_in_eval_and_export():
     first = trainer.eval_step(images, label)[1]
     second = trainer.eval_step(images, label)[1]
     torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def _trains_like_pytorch(model: torch.nn.Module, reference: torch.nn.Module, steps: int = 20) -> ORTTrainer:
+    trainer = ORTTrainer(model, DESC, AdamConfig(lr=1e-2), loss_fn=CE)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    ort_losses, torch_losses = [], []
+    for step in range(steps):
+        images, label = _batch(gen, size=8 if step % 3 else 5)
+        ort_losses.append(trainer.train_step(images, label)[0].item())
+        torch_losses.append(torch_step(reference, optimizer, CE, (images,), label, clip=1.0))
+    np.testing.assert_allclose(ort_losses, torch_losses, rtol=CNN_BOUND)
+    state = trainer.state_dict(pytorch_format=True)
+    for key, expected in reference.state_dict().items():
+        if key.endswith("num_batches_tracked"):
+            assert int(state[key]) == int(expected), key
+        else:
+            err = (torch.linalg.vector_norm(state[key] - expected) / torch.linalg.vector_norm(expected)).item()
+            check(err, CNN_BOUND, f"{key}: {err:.2e}")
+    return trainer
+
+
+def test_submodules_in_eval_mode_train_in_eval_mode_as_in_pytorch():
+    """A frozen BatchNorm (put in eval mode in a model in training mode: it normalises with its running
+    statistics and never updates them, its weight and bias still trained) and a Dropout turned off, as a
+    fine-tuning script sets them; the model's modes are left as they were."""
+    torch.manual_seed(3)
+    model = SmallCNN()
+    with torch.no_grad():
+        model.bn1.running_mean.uniform_(-0.5, 0.5)
+        model.bn1.running_var.uniform_(0.5, 2.0)
+    model.train()
+    model.bn1.eval()
+    model.dropout.eval()  # p = 0.2, off: the same losses as PyTorch's without sharing its masks
+    reference = clone(model)
+    frozen_mean = model.bn1.running_mean.clone()
+    trainer = _trains_like_pytorch(model, reference)
+    state = trainer.state_dict(pytorch_format=True)
+    torch.testing.assert_close(state["bn1.running_mean"], frozen_mean, rtol=0, atol=0)
+    assert int(state["bn1.num_batches_tracked"]) == 0 and int(state["bn2.num_batches_tracked"]) == 20
+    assert [m.training for m in (model, model.bn1, model.dropout, model.bn2)] == [True, False, False, True]
+
+
+def test_a_model_in_eval_mode_trains_in_training_mode_and_stays_in_eval_mode():
+    """A model handed over in eval mode (as Hugging Face's from_pretrained returns one) trains as after
+    model.train(), as a PyTorch training loop sets it first; its modes are left as they were."""
+    torch.manual_seed(4)
+    model = SmallCNN()
+    model.dropout.p = 0.0
+    reference = clone(model)
+    model.eval()
+    _trains_like_pytorch(model, reference.train(), steps=6)
+    assert not any(m.training for m in model.modules())

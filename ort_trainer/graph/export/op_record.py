@@ -238,7 +238,7 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
         modes = []
         with _model_left_untouched(wrapper):
             for training in (True, False):
-                wrapper.train(training)
+                wrapper.train_as_traced() if training else wrapper.train(False)
                 recorders = [_Recorder(labels)] + ([_Recorder(labels, without_dropout=True)] if training else [])
                 # grad enabled in both modes, as the traces are; the fake mode is entered before the
                 # recorders, so they see the real weights and inputs (their labels' ids)

@@ -30,7 +30,7 @@ import torch
 
 from ..._logging import logger
 from ...model_desc import ModelDescription
-from .guard import ExportGuard, GUARD_FILE
+from .guard import ExportGuard, GUARD_FILE, _model_left_untouched
 
 MODEL_PREFIX = "model."
 
@@ -65,6 +65,23 @@ class _ModelWithLoss(torch.nn.Module):
             list(parameters).index(name) != i for i, name in enumerate(input_names))
         self.guard: ExportGuard | None = None  # set while the exporter traces
 
+    def train_as_traced(self) -> None:
+        """Put the user's model (and a module ``loss_fn``) in the modes the training trace runs it in.
+
+        A model in eval mode itself (as Hugging Face's ``from_pretrained`` returns it) is put in training mode,
+        ``model.train()``, as a PyTorch training loop does first. A model in training mode is left as it is: the
+        submodules the user put in eval mode (a frozen BatchNorm, which normalises with its running statistics
+        and never updates them; a Dropout turned off) stay so, as PyTorch trains them."""
+        training = training_in_trace(self.model)
+        self.training = True
+        for module in (self.model, self.loss_fn):
+            if isinstance(module, torch.nn.Module) and not module.training:
+                module.train()
+        frozen = [f"{name} ({type(m).__name__})" for name, m in self.model.named_modules() if name not in training]
+        if frozen:
+            logger.info("submodules in eval mode in a model in training mode train in eval mode, as in PyTorch: %s",
+                        ", ".join(frozen[:10]) + (f" and {len(frozen) - 10} more" if len(frozen) > 10 else ""))
+
     def forward(self, *inputs: torch.Tensor) -> tuple:
         """``(loss, *flattened model outputs)``, or the model's own outputs without a loss_fn."""
         if self.guard is None:
@@ -83,6 +100,13 @@ class _ModelWithLoss(torch.nn.Module):
             return tuple(outputs)
         loss = self.loss_fn(prediction, *inputs[self.num_model_inputs:])
         return (loss, *outputs)
+
+
+def training_in_trace(model: torch.nn.Module) -> set[str]:
+    """The names (as ``named_modules`` gives them) of ``model``'s submodules that its training trace runs in
+    training mode (``_ModelWithLoss.train_as_traced``): every one of a model in eval mode, else those in training
+    mode."""
+    return {name for name, module in model.named_modules() if module.training or not model.training}
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:
@@ -155,20 +179,11 @@ def export_torch(
     args = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in sample_inputs)
     names = export_order(desc, loss_fn is not None)
 
-    was_training = model.training
-    # Tracing runs forward in training mode: keep the user's RNG stream and buffers (BatchNorm
-    # running statistics) exactly as they were.
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b is not None}
-    with torch.random.fork_rng(devices=[]):
-        try:
-            model.train()
-            return _export(wrapper, loss_fn, desc, args, names, opset)
-        finally:
-            model.train(was_training)
-            with torch.no_grad():
-                for name, buffer in model.named_buffers():
-                    if name in saved_buffers:
-                        buffer.copy_(saved_buffers[name])
+    # Tracing runs forward in training mode: keep each module's mode, the user's RNG stream and buffers
+    # (BatchNorm running statistics) exactly as they were.
+    with _model_left_untouched(model):
+        wrapper.train_as_traced()
+        return _export(wrapper, loss_fn, desc, args, names, opset)
 
 
 def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDescription, args: tuple,
@@ -183,7 +198,7 @@ def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDesc
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
-                wrapper, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                wrapper, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
                 do_constant_folding=False, opset_version=opset, input_names=desc.input_names,
                 output_names=names, dynamic_axes=_dynamic_axes(desc), export_params=True,
                 keep_initializers_as_inputs=False,

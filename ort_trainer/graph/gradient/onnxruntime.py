@@ -24,7 +24,7 @@ from ..job import Built, GradientSource, GraphJob, Prepared, Traced
 from ..names import ACCUMULATED_FLAG_SUFFIX, ACCUMULATOR_SUFFIX, LOSS_SCALE_INPUT, RESET_INPUT
 from ..onnx_graph import io_signature, specialize, value_info
 from ..passes import forward as rewrites
-from ..passes.buffers import expose_running_statistics
+from ..passes.buffers import expose_running_statistics, frozen_batch_norms_as_arithmetic
 from ..passes.trainable import make_trainable
 from .ort_builder import (add_gradient_accumulation, build_eval_graph, build_gradient_graph, stop_gradients_to_identity,
                           weights_to_inputs)
@@ -78,6 +78,7 @@ class OnnxRuntimeGradientSource(GradientSource):
         trainable = [w for w in traced.trainable if w not in set(job.frozen_weights)]
         eval_model = build_eval_graph(forward)
         buffer_updates = expose_running_statistics(forward, set(traced.torch_keys) - set(trainable))
+        frozen_batch_norms_as_arithmetic(forward)  # the builder would train them in training mode
         gradient, trained = build_gradient_graph(forward, trainable, job.desc.loss_name, prepared.expected["outputs"],
                                                  list(buffer_updates.values()))
         rewrites.mask_padding_rows(gradient, traced.padding)  # semantics, not speed: always

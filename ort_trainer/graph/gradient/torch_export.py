@@ -106,9 +106,9 @@ def _refuse(guard: ExportGuard, failure: BaseException | None) -> None:
 
 
 def export_train(wrapper: Scaled, args: tuple, dynamic_shapes: Any) -> Any:
-    """The guarded ``torch.export`` of the wrapped model in training mode (the graphs' program);
+    """The guarded ``torch.export`` of the wrapped model in training mode (``train_as_traced``: the graphs' program);
     the caller restores the model's state."""
-    wrapper.model.train()
+    wrapper.train_as_traced()
     guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
     wrapper.guard = guard
     try:

@@ -86,3 +86,56 @@ def expose_running_statistics(model: onnx.ModelProto, buffers: set[str]) -> dict
             graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
         updates[mean_in], updates[var_in] = mean_out, var_out
     return updates
+
+
+def frozen_batch_norms_as_arithmetic(model: onnx.ModelProto) -> int:
+    """Write each inference-mode BatchNormalization of a forward graph about to be differentiated as its
+    arithmetic, in place, and return how many.
+
+    Such a node is a BatchNorm the user put in eval mode in a model that trains (a frozen BatchNorm): it
+    normalises with the running statistics and never updates them. ONNX Runtime's gradient builder
+    differentiates every BatchNormalization as training mode's, whatever its ``training_mode`` (it puts a
+    training-mode ``BatchNormInternal`` in its place: batch statistics, running ones updated), so it is
+    written out, ``y = x · s + (bias − mean · s)`` with ``s = scale / √(var + ε)`` a channel, which the builder
+    differentiates as written: the weight and bias get their gradients, the statistics none.
+    """
+    graph = model.graph
+    inferred = onnx.shape_inference.infer_shapes(model)
+    values = [*inferred.graph.value_info, *inferred.graph.input]
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    types = {v.name: v.type.tensor_type.elem_type for v in values}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    nodes, count = [], 0
+    for index, node in enumerate(graph.node):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        frozen = node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") \
+            and not attrs.get("training_mode", 0) and len([o for o in node.output if o]) == 1
+        rank = ranks.get(node.input[0]) if frozen else None
+        if not frozen or rank is None or rank < 2:
+            if frozen:
+                logger.warning("BatchNormalization %s in eval mode: input rank unknown, so ONNX Runtime's "
+                               "gradient builder trains it in training mode", node.name)
+            nodes.append(node)
+            continue
+        x, scale, bias, mean, var = node.input[:5]
+        prefix = f"{node.name or 'bn' + str(index)}_frozen"
+
+        def op(op_type: str, inputs: list[str], name: str, output: str | None = None) -> str:
+            out = output or f"{prefix}_{name}"
+            nodes.append(helper.make_node(op_type, inputs, [out], name=f"{prefix}_{name}"))
+            return out
+
+        epsilon = f"{prefix}_epsilon"
+        channel_shape = f"{prefix}_channel_shape"  # [C, 1, ...]: a channel's value against x's [N, C, ...]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(types.get(var, onnx.TensorProto.FLOAT))
+        graph.initializer.extend([numpy_helper.from_array(np.array(attrs.get("epsilon", 1e-5), dtype), epsilon),
+                                  numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), np.int64), channel_shape)])
+        factor = op("Div", [scale, op("Sqrt", [op("Add", [var, epsilon], "var_eps")], "std")], "factor")
+        shift = op("Sub", [bias, op("Mul", [mean, factor], "mean_factor")], "shift")
+        scaled = op("Mul", [x, op("Reshape", [factor, channel_shape], "factor_c")], "scaled")
+        op("Add", [scaled, op("Reshape", [shift, channel_shape], "shift_c")], "y", output=node.output[0])
+        count += 1
+    if count:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return count
