@@ -20,6 +20,7 @@ from ._export_check import check_model_export
 from ._inputs import StepInputs
 from ._interrupt import deferred_interrupt
 from ._logging import logger
+from ._module_attributes import AttributeWatch
 from ._onnx_files import data_path, save_while_building
 from ._pass_switches import pass_switches
 from ._runtime import resolve_gradient_source
@@ -149,6 +150,7 @@ class ORTTrainer(_StateMixin):
         self._checks: dict[int, tuple[dict, BatchChecks]] = {}  # id(constraints) -> (constraints, their checks)
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
+        self._attributes: AttributeWatch | None = None  # the model's Python attributes its graphs hold
         # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
         # resumed run (the seed is checkpointed) draws the masks an uninterrupted run would.
         self._seed = int(torch.initial_seed()) % 2**63
@@ -220,6 +222,8 @@ class ORTTrainer(_StateMixin):
     def _ready(self, feeds: dict[str, np.ndarray], training: bool = True) -> Engine:
         # sessions are made here, before the step changes anything; the graphs of a new shape are
         # checked against the batch between their trace and their build (``_check_building``)
+        if self._attributes is not None:
+            self._attributes.check()  # a Python attribute or mode changed since the graphs were traced
         self._building_for = (feeds, training)
         try:
             with self._kernels_explained():
@@ -228,6 +232,9 @@ class ORTTrainer(_StateMixin):
                 self._engine.select(self._shapes.signature(feeds, self._outputs_key()), training)
         finally:
             self._building_for = None
+        if isinstance(self.model, torch.nn.Module):
+            self._attributes = self._attributes.current() if self._attributes else AttributeWatch(self.model,
+                                                                                                 self.loss_fn)
         return self._engine
 
     def _check_building(self, constraints: dict) -> None:
@@ -298,6 +305,8 @@ class ORTTrainer(_StateMixin):
                 anything runs. TypeError: for a wrong dtype.
             StepError: ONNX Runtime failed inside the step (out of memory...); the message names the
                 inputs' shapes and the module, and the trainer's state is as before the step.
+            RuntimeError: a Python attribute or mode of the model changed since its graphs were traced,
+                named, before anything runs (docs/export_limits.md, "Changed after the graphs were built").
         """
         feeds = self._prepare_inputs(inputs, named_inputs)
         self._check_batch(feeds, training=True)  # before a new shape's graph is built
@@ -445,7 +454,8 @@ class ORTTrainer(_StateMixin):
 
         Raises:
             FileNotFoundError: when the directory of ``path`` does not exist.
-            RuntimeError: before the graph is built.
+            RuntimeError: before the graph is built, or where a Python attribute or mode of the model changed
+                since (docs/export_limits.md, "Changed after the graphs were built").
             ValueError: ``external_data=False`` for a model over 2 GB.
             OSError: the write failed (a full disk): the message names the file; a file already at
                 ``path`` is left as it was.
@@ -456,6 +466,8 @@ class ORTTrainer(_StateMixin):
         if not path.parent.is_dir():
             raise FileNotFoundError(f"save_as_onnx: directory {str(path.parent)!r} does not exist")
         engine = self._require_built("save_as_onnx")
+        if self._attributes is not None:
+            self._attributes.check()  # the saved graph is the eval graph the trace made
         if self._comm is not None and self._comm.rank != 0:
             return  # under mpirun only rank 0 writes
         desc = self.model_desc

@@ -1,0 +1,93 @@
+"""The model's plain Python attributes and modes, which its traced graphs hold as they were traced.
+
+A graph computes with the Python values its trace read: an attribute the forward divides by
+(``self.temperature``), a flag it branches on, a submodule's training mode. PyTorch reads them anew
+every forward; a graph never does, so a change made between steps would be ignored without a word.
+``AttributeWatch`` keeps every submodule's plain attributes (bool, int, float, str, None: ~870 of GPT-2
+small's 164 modules, compared in ~30 µs) and the modes its trace ran them in, and the trainer checks them
+before each step: a change is an error that names it, before the step runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+
+from .graph.export.torchscript import training_in_trace
+
+_PLAIN = (bool, int, float, str, type(None))
+_SHOWN = 10  # changes named in the message
+
+
+def _getter(keys: tuple[str, ...]) -> Callable[[dict], tuple]:
+    """A function of a module's ``__dict__`` giving the values of ``keys`` as a tuple."""
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda values: (values[key],)
+    return operator.itemgetter(*keys)
+
+
+class AttributeWatch:
+    """The plain attributes of ``model``'s (and a module ``loss_fn``'s) submodules when its graphs were built."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Any = None):
+        self._model, self._loss_fn = model, loss_fn
+        self._entries = []  # (label, module, its __dict__, keys, getter)
+        roots = [("", model)] + ([("loss_fn", loss_fn)] if isinstance(loss_fn, torch.nn.Module) else [])
+        for prefix, root in roots:
+            for name, module in root.named_modules():
+                values = vars(module)
+                keys = tuple(k for k, v in values.items() if isinstance(v, _PLAIN))
+                if keys:
+                    label = ".".join(p for p in (prefix, name) if p) or "<top-level>"
+                    self._entries.append((f"{label} ({type(module).__name__})", values, keys, _getter(keys)))
+        self._values = self._current()
+        self._training = training_in_trace(model)
+
+    def _current(self) -> tuple:
+        try:
+            return tuple(getter(values) for _, values, _, getter in self._entries)
+        except KeyError:  # an attribute was deleted
+            return ()
+
+    def current(self) -> "AttributeWatch":
+        """This watch, or a new one where the values moved since it was made: after a step that traced the model
+        (a new input shape), whose forward may set attributes itself (a cache of a rotary embedding's length),
+        and whose graphs hold the values it left."""
+        return self if self._current() == self._values else AttributeWatch(self._model, self._loss_fn)
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` naming what changed since the build, if anything did."""
+        if self._current() == self._values:
+            return
+        changes = self._changes()
+        if not changes:
+            self._values = self._current()  # modes changed as the trace does not see (model.eval() and back)
+            return
+        listed = "; ".join(changes[:_SHOWN]) + (f"; and {len(changes) - _SHOWN} more" if len(changes) > _SHOWN else "")
+        raise RuntimeError(
+            f"the model changed after its graphs were built, and the graphs compute with what it was: {listed}. A "
+            "graph holds the Python values its trace read; keep a value that changes during training in a tensor the "
+            "forward reads, a buffer changed in place (model.register_buffer('temperature', torch.tensor(1.0)), "
+            "later model.temperature.fill_(0.5)), set modes before the first step, or make a new ORTTrainer from the "
+            "changed model (trainer.update_torch_model() first, to carry the trained weights)")
+
+    def _changes(self) -> list[str]:
+        """What changed, one phrase each; modes only where the trace would run a module otherwise."""
+        changes = []
+        for (label, values, keys, _), before in zip(self._entries, self._values):
+            for key, old in zip(keys, before):
+                new = values.get(key, "<deleted>")
+                if key != "training" and new is not old and new != old:
+                    changes.append(f"attribute {key!r} of module {label}: {old!r} -> {new!r}")
+        training = training_in_trace(self._model)
+        for name in sorted(self._training ^ training):
+            mode = "training" if name in training else "eval"
+            changes.append(f"module {name or '<top-level>'} would train in {mode} mode, where it was traced in "
+                           f"{'eval' if mode == 'training' else 'training'} mode")
+        return changes
+
+
+__all__ = ["AttributeWatch"]

@@ -1,0 +1,101 @@
+"""A Python attribute or a mode of the model changed after its graphs were traced is refused before the step,
+naming it: the graphs hold the values the trace read, where PyTorch reads them anew every forward."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer
+from ort_trainer.optim import SGDConfig
+from tolerances import check, steps_bound
+
+DESC = {"inputs": [("x", ["batch", "seq", 8]), ("y", ["batch"])],
+        "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+
+
+class Tempered(torch.nn.Module):
+    """Logits divided by a temperature held as a Python float, and one held as a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.temperature = 1.0
+        self.register_buffer("scale", torch.tensor(1.0))
+        self.longest = 0  # set by the forward itself, as a rotary embedding caches the longest length it saw
+
+    def forward(self, x):
+        self.longest = max(self.longest, x.shape[1])
+        return self.norm(self.linear(x.mean(1))) / self.temperature / self.scale
+
+
+def _batch(seed: int, seq: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(6, seq, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+
+
+def test_a_changed_python_attribute_is_refused_before_the_step_naming_it():
+    torch.manual_seed(0)
+    model = Tempered()
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(*_batch(0))
+    before = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
+    model.temperature = 2.0
+    with pytest.raises(RuntimeError, match=r"attribute 'temperature' of module <top-level> \(Tempered\): 1.0 -> 2.0.*"
+                                           r"register_buffer"):
+        trainer.train_step(*_batch(1))
+    with pytest.raises(RuntimeError, match="temperature"):
+        trainer.eval_step(*_batch(1))
+    assert trainer._train_step_info.step == 1  # nothing ran
+    for key, value in trainer.state_dict(pytorch_format=True).items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    model.temperature = 1.0  # as traced again: the steps go on
+    trainer.train_step(*_batch(1))
+
+
+def test_a_buffer_changed_in_place_trains_as_pytorch():
+    """The fix the message gives: a value that changes during training as a buffer, changed in place."""
+    torch.manual_seed(0)
+    model = Tempered()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        if step == 1:
+            model.scale.fill_(4.0)
+            reference.scale.fill_(4.0)
+        x, y = _batch(step)
+        loss = trainer.train_step(x, y)[0].item()
+        optimizer.zero_grad()
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        # the same float32 arithmetic, each sum (the mean over 4 positions, the product's 8 terms, BatchNorm's 6
+        # rows) added in its own order: <= 16·u per step, carried through the weights (Higham)
+        check(abs(loss - expected.item()) / abs(expected.item()), steps_bound(3, length=16), f"step {step}")
+
+
+def test_a_mode_changed_after_the_build_is_refused_unless_the_trace_is_the_same():
+    torch.manual_seed(0)
+    model = Tempered()
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(*_batch(0))
+    model.eval()  # a whole model in eval mode is traced after model.train(): the same graphs
+    trainer.train_step(*_batch(1))
+    model.train()  # back, as after a validation pass in PyTorch
+    trainer.train_step(*_batch(2))
+    model.norm.eval()  # freezing the BatchNorm now would need another trace
+    with pytest.raises(RuntimeError, match="module norm would train in eval mode, where it was traced in training"):
+        trainer.train_step(*_batch(3))
+
+
+def test_attributes_the_forward_sets_while_traced_for_a_new_shape_are_no_change():
+    torch.manual_seed(0)
+    model = Tempered()
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(*_batch(0, seq=4))
+    trainer.train_step(*_batch(1, seq=9))  # a new shape: traced again, the forward sets model.longest = 9
+    trainer.train_step(*_batch(2, seq=4))
+    trainer.eval_step(*_batch(3, seq=9))
