@@ -90,4 +90,38 @@ class AttributeWatch:
         return changes
 
 
-__all__ = ["AttributeWatch"]
+class BufferWatch:
+    """The model's buffers, each with its version counter: one the script changes in place, or replaces, between
+    steps is copied to the engine's tensor of it before the next step, which the graphs read. On the CPU a
+    module's buffer is the engine's tensor itself (``_share_module_memory``), whose changes need no copy, until
+    the script assigns another tensor; on a GPU the module's buffers stay on the host and the engine holds
+    copies."""
+
+    def __init__(self, model: torch.nn.Module, torch_keys: dict[str, list[str]], fixed: dict[str, torch.Tensor]):
+        owners = {name: module._buffers for name, module in model.named_modules()}
+        self._fixed = fixed
+        self._watched = []  # [owner's _buffers, its name there, the tensor, its version, the engine's weight]
+        for weight, keys in torch_keys.items():
+            target = fixed.get(weight)
+            for key in keys if target is not None else ():
+                path, _, name = key.rpartition(".")
+                tensor = owners.get(path, {}).get(name)
+                if isinstance(tensor, torch.Tensor):
+                    self._watched.append([owners[path], name, tensor, tensor._version, weight])
+
+    def copy_changes(self) -> None:
+        """Copy each buffer changed since the last call to the engine's tensor of it."""
+        for entry in self._watched:
+            owner, name, tensor, version, weight = entry
+            current = owner.get(name)
+            if current is tensor and current._version == version:
+                continue
+            if isinstance(current, torch.Tensor):
+                target = self._fixed[weight]
+                if current.data_ptr() != target.data_ptr():  # else it is the engine's tensor, changed already
+                    with torch.no_grad():
+                        target.copy_(current.detach().reshape(target.shape))
+                entry[2], entry[3] = current, current._version
+
+
+__all__ = ["AttributeWatch", "BufferWatch"]

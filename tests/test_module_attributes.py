@@ -55,17 +55,17 @@ def test_a_changed_python_attribute_is_refused_before_the_step_naming_it():
     trainer.train_step(*_batch(1))
 
 
-def test_a_buffer_changed_in_place_trains_as_pytorch():
-    """The fix the message gives: a value that changes during training as a buffer, changed in place."""
+def _trains_as_pytorch(change, steps: int) -> None:
+    """``steps`` SGD steps of ``Tempered`` against PyTorch's, ``change(step, module, trainer)`` applied to both
+    models before each."""
     torch.manual_seed(0)
     model = Tempered()
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(3):
-        if step == 1:
-            model.scale.fill_(4.0)
-            reference.scale.fill_(4.0)
+    for step in range(steps):
+        for module in (model, reference):
+            change(step, module, trainer if module is model else None)
         x, y = _batch(step)
         loss = trainer.train_step(x, y)[0].item()
         optimizer.zero_grad()
@@ -74,7 +74,12 @@ def test_a_buffer_changed_in_place_trains_as_pytorch():
         optimizer.step()
         # the same float32 arithmetic, each sum (the mean over 4 positions, the product's 8 terms, BatchNorm's 6
         # rows) added in its own order: <= 16·u per step, carried through the weights (Higham)
-        check(abs(loss - expected.item()) / abs(expected.item()), steps_bound(3, length=16), f"step {step}")
+        check(abs(loss - expected.item()) / abs(expected.item()), steps_bound(steps, length=16), f"step {step}")
+
+
+def test_a_buffer_changed_in_place_trains_as_pytorch():
+    """The fix the message gives: a value that changes during training as a buffer, changed in place."""
+    _trains_as_pytorch(lambda step, module, _: module.scale.fill_(4.0) if step == 1 else None, steps=3)
 
 
 def test_a_mode_changed_after_the_build_is_refused_unless_the_trace_is_the_same():
@@ -99,3 +104,18 @@ def test_attributes_the_forward_sets_while_traced_for_a_new_shape_are_no_change(
     trainer.train_step(*_batch(1, seq=9))  # a new shape: traced again, the forward sets model.longest = 9
     trainer.train_step(*_batch(2, seq=4))
     trainer.eval_step(*_batch(3, seq=9))
+
+
+def test_a_buffer_replaced_or_changed_after_the_build_is_copied_to_the_engine():
+    """A buffer the script replaces (no longer the engine's tensor, as on a GPU, where the module's buffers stay on
+    the host and the engine holds copies), then changes in place, then after ``update_torch_model``: each step
+    reads the value the script set, as PyTorch's forward does."""
+    def change(step, module, trainer):
+        if step == 1:
+            module.scale = torch.tensor(5.0)
+        elif step == 2:
+            module.scale.fill_(2.0)
+        elif step == 3 and trainer is not None:
+            trainer.update_torch_model()
+
+    _trains_as_pytorch(change, steps=4)
