@@ -109,6 +109,13 @@ class BufferWatch:
                 if isinstance(tensor, torch.Tensor):
                     self._watched.append([owners[path], name, tensor, tensor._version, weight])
 
+    def rebase(self) -> None:
+        """Take each buffer as it is now for unchanged (the engine's tensors were written from elsewhere)."""
+        for entry in self._watched:
+            current = entry[0].get(entry[1])
+            if isinstance(current, torch.Tensor):
+                entry[2], entry[3] = current, current._version
+
     def copy_changes(self) -> None:
         """Copy each buffer changed since the last call to the engine's tensor of it."""
         for entry in self._watched:

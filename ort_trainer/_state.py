@@ -1,10 +1,9 @@
 """The trainer's state: state dicts, checkpoints and the torch model round trip.
 
-A mixin of ``ORTTrainer``: everything here reads or writes weights, optimizer moments, step
-counters, the scheduler and loss-scaler state. Loading is all-or-nothing: the whole state is
-parsed and validated first (names, shapes, dtypes, counter types, scheduler and scaler states),
-a checkpoint's array data is read only after its names, shapes and dtypes passed, and nothing is
-changed unless every part fits.
+A mixin of ``ORTTrainer``: everything here reads or writes weights, optimizer moments, step counters, the scheduler
+and loss-scaler state. Loading is all-or-nothing: the whole state is parsed and validated first (names, shapes,
+dtypes, counter types, scheduler and scaler states), a checkpoint's array data is read only after its names, shapes
+and dtypes passed, and nothing is changed unless every part fits.
 """
 
 from __future__ import annotations
@@ -311,6 +310,8 @@ class _StateMixin:
                 else:
                     module_values[key] = value
             self._engine.load_weights(engine_values)
+            if self._buffer_watch is not None:  # loaded after the script changed a buffer: the loaded value wins
+                self._buffer_watch.rebase()
             weights = module_values
             if not weights:
                 return
@@ -476,13 +477,12 @@ class _StateMixin:
         """Make the module's parameters and buffers views of the engine's buffers ``live``
         (``Engine.live_buffers``; the engine calls this as it is made) where they can be.
 
-        The engine holds every weight in its own buffers; a module that kept its own tensors too
-        would hold all weights twice (472 MB for GPT-2 small). Where a weight's buffer lives from
-        step to step (``Engine.live_buffers``: not double-buffered) and matches the module's tensor
-        in device, dtype and shape, the module's tensor becomes that buffer (``tensor.data``), so
-        the module's old memory is freed and the module always holds the trained values, as with a
-        ``torch.optim`` optimizer. Other tensors keep their own memory and are written by
-        ``update_torch_model``.
+        The engine holds every weight in its own buffers; a module that kept its own tensors too would hold all
+        weights twice (472 MB for GPT-2 small). Where a weight's buffer lives from step to step
+        (``Engine.live_buffers``: not double-buffered) and matches the module's tensor in device, dtype and shape,
+        the module's tensor becomes that buffer (``tensor.data``), so the module's old memory is freed and the
+        module always holds the trained values, as with a ``torch.optim`` optimizer. Other tensors keep their own
+        memory and are written by ``update_torch_model``.
         """
         if not isinstance(self.model, torch.nn.Module):
             return

@@ -151,7 +151,7 @@ class ORTTrainer(_StateMixin):
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         self._attributes: AttributeWatch | None = None  # the model's Python attributes its graphs hold
-        self._buffers: BufferWatch | None = None  # the model's buffers the engine holds copies of
+        self._buffer_watch: BufferWatch | None = None  # the model's buffers the engine holds copies of
         # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
         # resumed run (the seed is checkpointed) draws the masks an uninterrupted run would.
         self._seed = int(torch.initial_seed()) % 2**63
@@ -209,7 +209,7 @@ class ORTTrainer(_StateMixin):
             training = training_in_trace(self.model)  # a BatchNorm in eval mode counts no batch, as in PyTorch
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
                                   if k.endswith("num_batches_tracked") and k.rpartition(".")[0] in training}
-            self._buffers = BufferWatch(self.model, self._graphs.meta["torch_keys"], self._engine.fixed_tensors)
+            self._buffer_watch = BufferWatch(self.model, self._graphs.meta["torch_keys"], self._engine.fixed_tensors)
         if self._pending_optimizer:
             self._engine.load_optimizer_states(self._pending_optimizer)
             self._pending_optimizer = {}
@@ -226,8 +226,8 @@ class ORTTrainer(_StateMixin):
         # checked against the batch between their trace and their build (``_check_building``)
         if self._attributes is not None:
             self._attributes.check()  # a Python attribute or mode changed since the graphs were traced
-        if self._buffers is not None:
-            self._buffers.copy_changes()  # a buffer the script changed, where the engine holds a copy
+        if self._buffer_watch is not None:
+            self._buffer_watch.copy_changes()  # a buffer the script changed, where the engine holds a copy
         self._building_for = (feeds, training)
         try:
             with self._kernels_explained():

@@ -119,3 +119,18 @@ def test_a_buffer_replaced_or_changed_after_the_build_is_copied_to_the_engine():
             trainer.update_torch_model()
 
     _trains_as_pytorch(change, steps=4)
+
+
+def test_a_state_loaded_after_a_buffer_change_wins_over_it():
+    torch.manual_seed(0)
+    model = Tempered()
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(*_batch(0))
+    saved = trainer.state_dict()
+    model.scale = torch.tensor(5.0)
+    trainer.load_state_dict(saved)  # later than the change: its scale, 1.0, is what the steps read
+    trainer.train_step(*_batch(1))
+    assert float(trainer.state_dict(pytorch_format=True)["scale"]) == 1.0
+    model.scale.fill_(3.0)  # a change after the load is copied
+    trainer.train_step(*_batch(2))
+    assert float(trainer.state_dict(pytorch_format=True)["scale"]) == 3.0
