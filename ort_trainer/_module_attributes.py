@@ -90,45 +90,63 @@ class AttributeWatch:
         return changes
 
 
-class BufferWatch:
-    """The model's buffers, each with its version counter: one the script changes in place, or replaces, between
-    steps is copied to the engine's tensor of it before the next step, which the graphs read. On the CPU a
-    module's buffer is the engine's tensor itself (``_share_module_memory``), whose changes need no copy, until
-    the script assigns another tensor; on a GPU the module's buffers stay on the host and the engine holds
-    copies."""
+class TensorWatch:
+    """The model's parameters and buffers, each with its version counter, for the changes the script makes to them
+    between steps (WGAN's weight clipping under ``torch.no_grad()``, a pruning mask applied, an annealed buffer),
+    which PyTorch's next forward and optimizer step read. On the CPU a module's tensor is mostly the engine's own
+    (``_share_module_memory``), whose changes need no copy. Elsewhere (a GPU, where the module's tensors stay on
+    the host) the engine holds copies: a changed buffer or frozen weight is copied to it before the next step; a
+    trained weight or a BatchNorm statistic, which the steps change, is copied where the module held the current
+    values when the script changed it (after ``update_torch_model``, or before any step), and is an error otherwise,
+    as is a trained weight replaced by another tensor (PyTorch's optimizer would go on updating the old one). A
+    change through ``.data`` (``p.data.clamp_()``) bumps no version counter and is not seen there."""
 
-    def __init__(self, model: torch.nn.Module, torch_keys: dict[str, list[str]], fixed: dict[str, torch.Tensor]):
-        owners = {name: module._buffers for name, module in model.named_modules()}
-        self._fixed = fixed
-        self._watched = []  # [owner's _buffers, its name there, the tensor, its version, the engine's weight]
+    def __init__(self, model: torch.nn.Module, torch_keys: dict[str, list[str]], engine: Any, updated: set[str]):
+        modules = dict(model.named_modules())
+        self._engine, self._updated, self._synced = engine, updated, True
+        self._watched = []  # [owner's _parameters or _buffers, key, the tensor, its version, weight]
         for weight, keys in torch_keys.items():
-            target = fixed.get(weight)
-            for key in keys if target is not None else ():
+            for key in keys:
                 path, _, name = key.rpartition(".")
-                tensor = owners.get(path, {}).get(name)
-                if isinstance(tensor, torch.Tensor):
-                    self._watched.append([owners[path], name, tensor, tensor._version, weight])
+                module = modules.get(path)
+                owner = next((d for d in (getattr(module, "_parameters", {}), getattr(module, "_buffers", {}))
+                              if isinstance(d.get(name), torch.Tensor)), None)
+                if owner is not None:
+                    self._watched.append([owner, key, owner[name], owner[name]._version, weight])
 
-    def rebase(self) -> None:
-        """Take each buffer as it is now for unchanged (the engine's tensors were written from elsewhere)."""
+    def rebase(self, synced: bool) -> None:
+        """Take each tensor as it is now for unchanged: the module's were written from the engine's (``synced``:
+        they hold its current values) or the engine's from elsewhere (a state loaded)."""
+        self._synced = synced
         for entry in self._watched:
-            current = entry[0].get(entry[1])
+            current = entry[0].get(entry[1].rpartition(".")[2])
             if isinstance(current, torch.Tensor):
                 entry[2], entry[3] = current, current._version
 
-    def copy_changes(self) -> None:
-        """Copy each buffer changed since the last call to the engine's tensor of it."""
+    def copy_changes(self, training: bool) -> None:
+        """Copy each tensor changed since the last call to the engine's tensor of it, before a step (``training``:
+        one that changes the trained weights)."""
+        targets = None
         for entry in self._watched:
-            owner, name, tensor, version, weight = entry
-            current = owner.get(name)
-            if current is tensor and current._version == version:
+            owner, key, tensor, version, weight = entry
+            current = owner.get(key.rpartition(".")[2])
+            if current is tensor and current._version == version or not isinstance(current, torch.Tensor):
                 continue
-            if isinstance(current, torch.Tensor):
-                target = self._fixed[weight]
-                if current.data_ptr() != target.data_ptr():  # else it is the engine's tensor, changed already
-                    with torch.no_grad():
-                        target.copy_(current.detach().reshape(target.shape))
-                entry[2], entry[3] = current, current._version
+            targets = targets or self._engine.current_tensors()
+            target = targets[weight]
+            if current.data_ptr() != target.data_ptr():  # else it is the engine's tensor, changed already
+                if weight in self._updated and (current is not tensor or not self._synced):
+                    raise RuntimeError(
+                        f"the model's {key!r} was {'replaced' if current is not tensor else 'changed'} after steps "
+                        "had changed it: on this device the module holds a copy of the trained values as they were "
+                        "at the build (or at the last trainer.update_torch_model()), which the trainer cannot take "
+                        "for the current ones. Call trainer.update_torch_model() first, then change the module's "
+                        "tensors in place (with torch.no_grad(): parameter.clamp_(-c, c)), or load new values with "
+                        "trainer.load_state_dict")
+                with torch.no_grad():
+                    target.copy_(current.detach().reshape(target.shape))
+            entry[2], entry[3] = current, current._version
+        self._synced = self._synced and not training
 
 
-__all__ = ["AttributeWatch", "BufferWatch"]
+__all__ = ["AttributeWatch", "TensorWatch"]

@@ -310,8 +310,8 @@ class _StateMixin:
                 else:
                     module_values[key] = value
             self._engine.load_weights(engine_values)
-            if self._buffer_watch is not None:  # loaded after the script changed a buffer: the loaded value wins
-                self._buffer_watch.rebase()
+            if self._tensor_watch is not None:  # loaded after the script changed a tensor: the loaded value wins
+                self._tensor_watch.rebase(synced=False)
             weights = module_values
             if not weights:
                 return
@@ -454,11 +454,8 @@ class _StateMixin:
 
     # ---- torch round trip -----------------------------------------------------------------------
     def update_torch_model(self) -> None:
-        """Copy the trained weights and buffers (BatchNorm statistics too) back into the ``torch.nn.Module``.
-
-        Raises:
-            TypeError: when the trainer was given an ONNX model.
-        """
+        """Copy the trained weights and buffers (BatchNorm statistics too) back into the ``torch.nn.Module``; raises
+        ``TypeError`` when the trainer was given an ONNX model."""
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError("update_torch_model: the trainer was given an ONNX model, not a torch.nn.Module")
         if self._engine is None:
@@ -472,6 +469,8 @@ class _StateMixin:
                         state[key].copy_(current[weight])
             for key, value in self._counter_values().items():
                 state[key].fill_(value)
+        if self._tensor_watch is not None:  # the module's tensors now hold the engine's values
+            self._tensor_watch.rebase(synced=True)
 
     def _share_module_memory(self, live: dict[str, torch.Tensor]) -> None:
         """Make the module's parameters and buffers views of the engine's buffers ``live``

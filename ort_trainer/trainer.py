@@ -20,7 +20,7 @@ from ._export_check import check_model_export
 from ._inputs import StepInputs
 from ._interrupt import deferred_interrupt
 from ._logging import logger
-from ._module_attributes import AttributeWatch, BufferWatch
+from ._module_attributes import AttributeWatch, TensorWatch
 from ._onnx_files import data_path, save_while_building
 from ._pass_switches import pass_switches
 from ._runtime import resolve_gradient_source
@@ -151,7 +151,7 @@ class ORTTrainer(_StateMixin):
         self._pending_optimizer: dict = {}  # optimizer state loaded before the graph existed
         self._counter_base: dict[str, int] = {}  # BatchNorm num_batches_tracked at step 0
         self._attributes: AttributeWatch | None = None  # the model's Python attributes its graphs hold
-        self._buffer_watch: BufferWatch | None = None  # the model's buffers the engine holds copies of
+        self._tensor_watch: TensorWatch | None = None  # the model's tensors, changes the script makes copied
         # Seed of the dropout masks: step k draws its masks from (seed, rank, k) alone, so a
         # resumed run (the seed is checkpointed) draws the masks an uninterrupted run would.
         self._seed = int(torch.initial_seed()) % 2**63
@@ -209,7 +209,8 @@ class ORTTrainer(_StateMixin):
             training = training_in_trace(self.model)  # a BatchNorm in eval mode counts no batch, as in PyTorch
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
                                   if k.endswith("num_batches_tracked") and k.rpartition(".")[0] in training}
-            self._buffer_watch = BufferWatch(self.model, self._graphs.meta["torch_keys"], self._engine.fixed_tensors)
+            self._tensor_watch = TensorWatch(self.model, self._graphs.meta["torch_keys"], self._engine,
+                                             set(self._graphs.meta["trained"]) | set(self._engine.buffer_updates))
         if self._pending_optimizer:
             self._engine.load_optimizer_states(self._pending_optimizer)
             self._pending_optimizer = {}
@@ -226,8 +227,6 @@ class ORTTrainer(_StateMixin):
         # checked against the batch between their trace and their build (``_check_building``)
         if self._attributes is not None:
             self._attributes.check()  # a Python attribute or mode changed since the graphs were traced
-        if self._buffer_watch is not None:
-            self._buffer_watch.copy_changes()  # a buffer the script changed, where the engine holds a copy
         self._building_for = (feeds, training)
         try:
             with self._kernels_explained():
@@ -239,6 +238,8 @@ class ORTTrainer(_StateMixin):
         if isinstance(self.model, torch.nn.Module):
             self._attributes = self._attributes.current() if self._attributes else AttributeWatch(self.model,
                                                                                                  self.loss_fn)
+        if self._tensor_watch is not None:
+            self._tensor_watch.copy_changes(training)  # a tensor the script changed, where the engine holds a copy
         return self._engine
 
     def _check_building(self, constraints: dict) -> None:

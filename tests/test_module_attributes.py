@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer
+from ort_trainer import ORTTrainer, ORTTrainerOptions
 from ort_trainer.optim import SGDConfig
 from tolerances import check, steps_bound
 
@@ -55,13 +55,13 @@ def test_a_changed_python_attribute_is_refused_before_the_step_naming_it():
     trainer.train_step(*_batch(1))
 
 
-def _trains_as_pytorch(change, steps: int) -> None:
+def _trains_as_pytorch(change, steps: int, options: dict | None = None) -> None:
     """``steps`` SGD steps of ``Tempered`` against PyTorch's, ``change(step, module, trainer)`` applied to both
     models before each."""
     torch.manual_seed(0)
     model = Tempered()
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
         for module in (model, reference):
@@ -134,3 +134,27 @@ def test_a_state_loaded_after_a_buffer_change_wins_over_it():
     model.scale.fill_(3.0)  # a change after the load is copied
     trainer.train_step(*_batch(2))
     assert float(trainer.state_dict(pytorch_format=True)["scale"]) == 3.0
+
+
+# the ONNX optimizer graph double-buffers the weights: the module keeps tensors of its own, as on a GPU
+UNSHARED = ORTTrainerOptions({"graph": {"optimizer": "graph"}})
+
+
+def _clip(step, module, trainer, synced=True):
+    """WGAN's weight clipping of the linear layer, after the trainer's weights were copied to the module."""
+    if step and trainer is not None and synced:
+        trainer.update_torch_model()
+    with torch.no_grad():
+        module.linear.weight.clamp_(-0.2, 0.2)
+
+
+@pytest.mark.parametrize("options", [None, UNSHARED], ids=["shared", "unshared"])
+def test_a_parameter_changed_in_place_trains_as_pytorch(options):
+    _trains_as_pytorch(_clip, steps=4, options=options)
+
+
+def test_a_parameter_changed_where_the_module_holds_stale_values_is_refused():
+    with pytest.raises(RuntimeError, match=r"'linear.weight' was changed after steps had changed it.*"
+                                           r"update_torch_model\(\) first"):
+        _trains_as_pytorch(lambda step, module, trainer: _clip(step, module, trainer, synced=False), steps=3,
+                           options=UNSHARED)
