@@ -106,7 +106,7 @@ class TensorWatch:
     def __init__(self, model: torch.nn.Module, torch_keys: dict[str, list[str]], engine: Any, updated: set[str]):
         modules = dict(model.named_modules())
         self._engine, self._updated, self._synced = engine, updated, True
-        self._watched = []  # [owner's _parameters or _buffers, key, the tensor, its version, weight]
+        self._watched = []  # [owner's _parameters or _buffers, name there, key, the tensor, its version, weight]
         for weight, keys in torch_keys.items():
             for key in keys:
                 path, _, name = key.rpartition(".")
@@ -114,24 +114,24 @@ class TensorWatch:
                 owner = next((d for d in (getattr(module, "_parameters", {}), getattr(module, "_buffers", {}))
                               if isinstance(d.get(name), torch.Tensor)), None)
                 if owner is not None:
-                    self._watched.append([owner, key, owner[name], owner[name]._version, weight])
+                    self._watched.append([owner, name, key, owner[name], owner[name]._version, weight])
 
     def rebase(self, synced: bool) -> None:
         """Take each tensor as it is now for unchanged: the module's were written from the engine's (``synced``:
         they hold its current values) or the engine's from elsewhere (a state loaded)."""
         self._synced = synced
         for entry in self._watched:
-            current = entry[0].get(entry[1].rpartition(".")[2])
+            current = entry[0].get(entry[1])
             if isinstance(current, torch.Tensor):
-                entry[2], entry[3] = current, current._version
+                entry[3], entry[4] = current, current._version
 
     def copy_changes(self, training: bool) -> None:
         """Copy each tensor changed since the last call to the engine's tensor of it, before a step (``training``:
         one that changes the trained weights)."""
         targets = None
         for entry in self._watched:
-            owner, key, tensor, version, weight = entry
-            current = owner.get(key.rpartition(".")[2])
+            owner, name, key, tensor, version, weight = entry
+            current = owner.get(name)
             if current is tensor and current._version == version or not isinstance(current, torch.Tensor):
                 continue
             targets = targets or self._engine.current_tensors()
@@ -147,7 +147,7 @@ class TensorWatch:
                         "trainer.load_state_dict")
                 with torch.no_grad():
                     target.copy_(current.detach().reshape(target.shape))
-            entry[2], entry[3] = current, current._version
+            entry[3], entry[4] = current, current._version
         self._synced = self._synced and not training
 
 
