@@ -227,6 +227,51 @@ def test_custom_autograd_function_on_data_alone_trains_like_pytorch():
     _assert_same_weights(got, expected)
 
 
+class NoGradTable(torch.autograd.Function):
+    """A table computed from data under torch.no_grad() inside a Function's forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.no_grad():
+            return torch.sin(x * 0.5)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class FunctionEnteringNoGrad(_Base):
+    """Autograd turns grad mode back on after a Function's forward where torch.export does not see it:
+    everything after the Function up to the next grad-mode change (the no_grad region) was traced
+    without gradient, so ``a`` and ``b`` went untrained."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        u = self.b(h + NoGradTable.apply(x))
+        with torch.no_grad():
+            shift = u.mean()
+        return self.c(torch.tanh(u) + shift)
+
+
+class ReentrantCheckpointOnData(_Base):
+    """Reentrant checkpointing of data alone: PyTorch gives the checkpointed layer no gradient."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.c(torch.tanh(self.a(x)) + checkpoint(self.b, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("model_class", [FunctionEnteringNoGrad, ReentrantCheckpointOnData])
+def test_grad_mode_after_a_function_is_what_pytorch_has(model_class):
+    torch.manual_seed(0)
+    model = model_class()
+    before = copy.deepcopy(model.state_dict())
+    _, got, expected = _train_both(model)
+    _assert_same_weights(got, expected)
+    assert not torch.equal(got["a.weight"], before["a.weight"])  # trained, as in PyTorch
+
+
 class MeanBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -396,11 +441,11 @@ class Checkpointed(torch.nn.Module):
         return self.head(checkpoint(self.body, self.stem(x), use_reentrant=True))
 
 
-def test_reentrant_gradient_checkpointing_is_refused_with_the_fix():
-    trainer = ORTTrainer(Checkpointed(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
-    with pytest.raises(ExportError, match=r"gradient checkpointing .* in module <top-level forward> \(Checkpointed\)"
-                                          r".*turn checkpointing off"):
-        trainer.train_step(*_batch(0))
+def test_reentrant_gradient_checkpointing_trains_like_pytorch():
+    """PyTorch recomputes the checkpointed forward in the backward; the graph computes it once."""
+    torch.manual_seed(0)
+    _, got, expected = _train_both(Checkpointed())
+    _assert_same_weights(got, expected)
 
 
 class SeveralProblems(torch.nn.Module):

@@ -1,7 +1,8 @@
 """More Hugging Face architectures train through ORTTrainer like PyTorch: an encoder-decoder (BART, whose
 ``shift_tokens_right`` assigns the start token into a slice), a mixture of experts (Mixtral with its
 ``batched_mm`` experts; the default ``grouped_mm`` is refused, naming the switch) and an audio encoder with
-weight normalisation (wav2vec2's positional convolution) and a ceil-mode average pool (Funnel)."""
+weight normalisation (wav2vec2's positional convolution), a ceil-mode average pool (Funnel) and GPT-2 with
+reentrant gradient checkpointing (traced as the plain calls PyTorch's backward recomputes)."""
 
 import copy
 
@@ -69,6 +70,14 @@ def _funnel():
     return Loss(transformers.FunnelForSequenceClassification(config), "input_ids"), "classes"
 
 
+def _gpt2_reentrant_checkpointing():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return Loss(model, "input_ids"), "tokens"
+
+
 def _batch(kind: str, step: int):
     gen = torch.Generator().manual_seed(step)
     if kind == "audio":
@@ -79,7 +88,8 @@ def _batch(kind: str, step: int):
     return ids, torch.randint(3, VOCAB, (2, 12), generator=gen)
 
 
-@pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _funnel], ids=["bart", "mixtral", "wav2vec2", "funnel"])
+@pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _funnel, _gpt2_reentrant_checkpointing],
+                         ids=["bart", "mixtral", "wav2vec2", "funnel", "gpt2_reentrant_checkpointing"])
 def test_hugging_face_family_trains_like_eager(make):
     torch.manual_seed(0)
     model, kind = make()

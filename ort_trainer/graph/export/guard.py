@@ -16,8 +16,9 @@ semantics live outside that record:
   ``ort_trainer::StopGradient`` marker node; ``gradient/ort_builder.py`` cuts the gradient at the markers and
   turns them into ``Identity``.
 - **Backward-only code**: a custom ``torch.autograd.Function``'s backward (the trace keeps its
-  forward), tensor and module backward hooks, reentrant checkpointing, ``torch.autograd.grad``
-  inside the forward. Refused when PyTorch would run it (grad on, an input that requires grad).
+  forward), tensor and module backward hooks, ``torch.autograd.grad`` inside the forward. Refused
+  when PyTorch would run it (grad on, an input that requires grad). Reentrant checkpointing, whose
+  backward recomputes its forward, is traced as the plain call (``_checkpointed_call``).
 - **Data read into Python** (``if x.mean() > 0``, ``.item()``, ``float(x)``, ``.tolist()``...).
   The value of the traced batch becomes a constant. Values derived from model inputs, weights or
   buffers are refused (a taint carried through every torch call); values derived from shapes only
@@ -48,6 +49,7 @@ from typing import Any, Iterator
 import numpy as np
 import onnxruntime as ort
 import torch
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -60,6 +62,7 @@ STOP_GRADIENT_OP = "StopGradient"
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # onnxruntime-training wraps torch.utils.checkpoint.checkpoint when its ortmodule is imported
 _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__file__)))
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
 _DISPATCH_FILES = (
     GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"),
@@ -194,9 +197,18 @@ class ExportGuard:
         guard, thread = self, threading.get_ident()
 
         def apply(cls, *args, **kwargs):
+            if cls is _REENTRANT_CHECKPOINT and threading.get_ident() == thread:
+                return guard._checkpointed_call(*args)
             if guard._watching and cls is not StopGradient and threading.get_ident() == thread:
                 guard._check_function(cls, args, kwargs)
-            return original_apply.__func__(cls, *args, **kwargs)
+            grad_mode = torch.is_grad_enabled()
+            result = original_apply.__func__(cls, *args, **kwargs)
+            # A Function's forward runs with grad off, and autograd turns it back on in C++, unseen by
+            # torch.export, which records only Python's grad-mode changes: a forward entering and leaving
+            # torch.no_grad() (reentrant checkpointing does) left every later operation recorded without
+            # gradient. Setting the mode again records it.
+            torch._C._set_grad_enabled(grad_mode)
+            return result
 
         # Function.apply is no torch function, so no mode sees it. The tracer records ``cls.apply``
         # and the exporter later looks for the Function's ``symbolic`` by comparing it with
@@ -371,6 +383,16 @@ class ExportGuard:
 
         return func(*tree_map(stop, args), **tree_map(stop, kwargs))
 
+    def _checkpointed_call(self, function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
+        """Reentrant gradient checkpointing as the plain call it recomputes: PyTorch runs ``function``
+        under ``no_grad`` and again with gradient in the backward (the forward's random state restored),
+        which gives the gradients of one call with gradient where grad is on and an input requires grad,
+        and none otherwise. The backward graph is built whole either way; ``layer_recompute`` is the
+        trainer's own checkpointing."""
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return function(*args)
+
     def _check_function(self, cls: type, args: tuple, kwargs: dict) -> None:
         module = self._stack[-1] if self._stack else self._outside_model
         if f"{cls.__qualname__} in module {module}" not in self.functions:
@@ -390,12 +412,6 @@ class ExportGuard:
                          f"register_full_backward_pre_hook) on module {{modules}}: {self._builder}, so the hook would "
                          "never run; remove the hook, or express its effect in the forward or the loss",
                          module=self._labels.get(id(owner)))
-        elif cls.__module__ == "torch.utils.checkpoint":
-            self._report(("function", cls.__qualname__), "gradient checkpointing (torch.utils.checkpoint, "
-                         "use_reentrant=True) in module {modules} at {where}: its forward runs without gradient "
-                         "and the exported graph cannot replay it in the backward pass; turn checkpointing off "
-                         "(Hugging Face: model.gradient_checkpointing_disable()): the export builds the whole "
-                         "backward graph itself")
         elif cls.__qualname__.startswith("GeneratedBackwardFor_transformers_grouped_mm"):
             self._report(("function", cls.__qualname__), "Hugging Face's grouped_mm mixture-of-experts layer in module "
                          "{modules} at {where}: it calls transformers' custom operator grouped_mm (its backward "
