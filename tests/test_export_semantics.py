@@ -272,6 +272,35 @@ def test_grad_mode_after_a_function_is_what_pytorch_has(model_class):
     assert not torch.equal(got["a.weight"], before["a.weight"])  # trained, as in PyTorch
 
 
+def _selected_rows_loss(logits, label):
+    """Cross-entropy over the rows whose label is not 2, and the squared logits ``masked_select`` keeps where
+    they are positive: values as many as the batch says, a new count every step."""
+    kept = label != 2
+    positive = torch.masked_select(logits, logits > 0)
+    return F.cross_entropy(logits[kept], label[kept]) + 0.1 * (positive ** 2).sum() / logits.shape[0]
+
+
+def test_losses_over_the_values_a_mask_selects_train_and_evaluate_like_pytorch():
+    torch.manual_seed(0)
+    model = BehindDetach()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=LR), loss_fn=_selected_rows_loss, options=_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(3):
+        x, label = _batch(step)
+        trainer.train_step(x, label)
+        optimizer.zero_grad()
+        _selected_rows_loss(reference(x), label).backward()
+        optimizer.step()
+    _assert_same_weights(trainer.state_dict(pytorch_format=True), reference.state_dict())
+    x, label = _batch(3)
+    loss, logits = trainer.eval_step(x, label)
+    with torch.no_grad():
+        expected = reference(x)
+        np.testing.assert_allclose(logits.numpy(), expected.numpy(), rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+        np.testing.assert_allclose(float(loss), float(_selected_rows_loss(expected, label)), rtol=LOGITS_RTOL)
+
+
 class MeanBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -487,6 +487,33 @@ def test_slice_assignments_and_adaptive_pools_evaluate_and_save_as_pytorch(tmp_p
         check(error, LOSS_BOUND, f"outputs: relative error {error:.2e}")
 
 
+class Selections(torch.nn.Module):
+    """Values picked by the data, as many as it says: a boolean mask index (``h[keep]``), ``masked_select``
+    broadcasting a trained vector to the mask (its gradient sums over the rows) and ``nonzero``. Their sizes
+    are unknown until the batch is seen (``torch.export``'s unbacked sizes; ONNX ``NonZero`` and ``Compress``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(5, 5)
+        self.offset = torch.nn.Parameter(torch.randn(5))
+        self.head = torch.nn.Linear(5 + 3, 3)
+
+    def forward(self, x):  # x: [batch, 5]
+        h = torch.tanh(self.proj(x))
+        keep = x > 0  # comparisons of the input: the same mask in float32 and float64
+        kept = h[keep]
+        chosen = torch.masked_select(self.offset, keep)
+        rows = h[torch.nonzero(keep[:, 0]).squeeze(1)]
+        summary = torch.stack([(kept ** 2).sum(), torch.sin(chosen).sum(), rows.sum()]) / x.shape[0]
+        return self.head(torch.cat([h, summary.expand(x.shape[0], 3)], dim=1))
+
+
+def test_data_sized_selections_gradients_equal_float64_pytorch():
+    """Built at a batch of 3, run at a batch of 2 with another mask."""
+    torch.manual_seed(61)
+    _classifier_gradients_match(Selections(), [5])
+
+
 @pytest.mark.parametrize("sizes, output", [((6, 5), (4, 3)), ((6, 5), (7, 7)), ((3, 6, 5), (2, 3, 2)),
                                            ((9, 4, 7), (4, 4, 3))])
 def test_the_adaptive_pool_products_are_torchs_pools_and_their_adjoint(sizes, output):

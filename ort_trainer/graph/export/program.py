@@ -181,7 +181,10 @@ def _differentiable_nodes(program: Any) -> set:
     # 2.11's fake tensors turn sizes into ints inside composite operators, aten.linear's on a slice, and
     # each such guard fixed a symbolic dimension of the description to its traced size)
     quiet = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
-    with fake_mode or contextlib.nullcontext(), quiet, torch.enable_grad():
+    # nor leave the sizes a data-dependent operator (nonzero, a boolean mask) makes here pending, which the
+    # next trace on this shape environment (autograd's) would take for its own, unbound ones
+    fresh = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+    with fake_mode or contextlib.nullcontext(), quiet, fresh, torch.enable_grad():
         args = [v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
                 for v in values]
         Recorder(program.graph_module).run(*args)

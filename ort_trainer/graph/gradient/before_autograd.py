@@ -18,7 +18,8 @@ rather than no gradient. The reflection padding's decomposition counts its refle
 which ONNX Runtime 1.19.2 cannot compare (no int8 ``Equal``): they are counted in int64, as the
 kernel counts them in an ``int``. Weight normalisation (``nn.utils.parametrizations.weight_norm``: wav2vec2's
 positional convolution, HuBERT's, vocoders') is its norm and products too, its fused backward
-(``_weight_norm_interface_backward``) having no translation.
+(``_weight_norm_interface_backward``) having no translation. ``masked_select`` is the boolean index of its
+broadcast operands, whose backward keeps a symbolic batch (``masked_select``'s reads it as an int).
 
 Global average pooling (``adaptive_avg_pool1d/2d/3d`` to one element a channel) becomes the ``mean``
 over the pooled dims it is. ATen's composite computes that mean and then restrides it (``as_strided_``)
@@ -29,6 +30,8 @@ the exporter cannot translate. In ONNX, where tensors have no strides, the mean 
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -65,7 +68,8 @@ def decompose(program: Any) -> int:
     Returns:
         How many nodes were replaced.
     """
-    count = rewrite_graphs(program, _write_out) + rewrite_graphs(program, _global_pools_as_means)
+    count = (rewrite_graphs(program, _write_out) + rewrite_graphs(program, _global_pools_as_means)
+             + rewrite_graphs(program, _masked_selects_as_indexes))
     if count:
         logger.debug("before autograd: %d node(s) decomposed (their backward has no translation)", count)
     return count
@@ -95,6 +99,35 @@ def _global_pools_as_means(graph: torch.fx.Graph) -> int:
             node.target = _aten.mean.dim
             node.args = (node.args[0], list(range(-dims, 0)), True)
             found += 1
+    return found
+
+
+def _masked_selects_as_indexes(graph: torch.fx.Graph) -> int:
+    """Each ``masked_select`` of ``graph`` as the boolean index of its operands broadcast, in place; returns
+    how many. The index keeps the node's value (its size unknown until run) and whatever reads it."""
+    from torch._guards import detect_fake_mode
+
+    found = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is _aten.masked_select.default]:
+        operands = [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None for arg in node.args]
+        if len(operands) != 2 or not all(isinstance(v, torch.Tensor) for v in operands):
+            continue
+        with detect_fake_mode(operands) or contextlib.nullcontext():
+            broadcast = torch.broadcast_tensors(*operands)
+        with graph.inserting_before(node):
+            both = graph.call_function(_aten.broadcast_tensors.default, (list(node.args),))
+            values, mask = (graph.call_function(operator.getitem, (both, i)) for i in range(2))
+            # a mask of its own: torch counts a mask's elements once and reuses the count for the same mask
+            # indexed again (``h[keep]`` beside ``masked_select(h, keep)``), where this node's size is a new one
+            own_mask = graph.call_function(_aten.clone.default, (mask,))
+            index = graph.call_function(_aten.index.Tensor, (values, [own_mask]))
+        both.meta["val"] = list(broadcast)
+        values.meta["val"], mask.meta["val"] = broadcast
+        own_mask.meta["val"] = broadcast[1]
+        index.meta.update(node.meta)
+        node.replace_all_uses_with(index)
+        graph.erase_node(node)
+        found += 1
     return found
 
 

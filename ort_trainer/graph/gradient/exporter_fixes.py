@@ -1,4 +1,4 @@
-"""Translations that replace torchlib's where its own translate an operator wrongly.
+"""Translations that replace torchlib's where its own translate an operator wrongly, or where it has none.
 
 ``aten.copy(self, src)`` is what ``torch.export``'s functionalization makes of an assignment into a
 view, ``x[:, 0] = 2`` or ``x[:] = row``: the value of ``self`` with ``src`` written into it, ``src``
@@ -9,6 +9,10 @@ decoder's inputs from the labels) stays a scalar where the program says ``[batch
 stopped in ONNX's shape inference ("Inferred shape and existing shape differ in rank"); a ``[1]`` that
 the next node happens to broadcast gave the right values by chance. ``copy`` here broadcasts
 ``src`` to ``self``'s shape (an ``Expand`` to ``Shape(self)``) unless the two shapes are known equal.
+
+``aten.masked_select(self, mask)`` has no translation: it is ``Compress`` of both broadcast and flattened, as
+many values as the mask has ``True`` elements (a loss over the values a mask keeps; before autograd the
+training program indexes instead, ``before_autograd._masked_selects_as_indexes``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ def register_translations(registry) -> None:
         return cast if _same_shape(src, self) else op.Expand(cast, op.Shape(self))
 
     registry.register_op(torch.ops.aten.copy.default, copy_onnx)
+
+    def masked_select_onnx(self, mask):
+        values, keep = op.Expand(self, op.Shape(mask)), op.Expand(mask, op.Shape(self))  # broadcast both
+        return op.Compress(op.Reshape(values, op.Constant(value_ints=[-1])),
+                           op.Reshape(keep, op.Constant(value_ints=[-1])))
+
+    registry.register_op(torch.ops.aten.masked_select.default, masked_select_onnx)
 
 
 __all__ = ["register_translations"]
