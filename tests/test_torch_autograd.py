@@ -514,6 +514,36 @@ def test_data_sized_selections_gradients_equal_float64_pytorch():
     _classifier_gradients_match(Selections(), [5])
 
 
+class Bags(torch.nn.Module):
+    """``nn.EmbeddingBag`` in its three modes (whose backward has no translation): sums over offsets with an empty
+    last bag and per-sample weights from a trained vector, means of 2-d bags leaving ``padding_idx`` out,
+    maxima with ``include_last_offset``."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums = torch.nn.EmbeddingBag(6, 4, mode="sum")
+        self.importance = torch.nn.Parameter(torch.rand(6) + 0.5)
+        self.means = torch.nn.EmbeddingBag(6, 4, mode="mean", padding_idx=0)
+        self.maxima = torch.nn.EmbeddingBag(6, 4, mode="max", include_last_offset=True)
+        self.head = torch.nn.Linear(3 * 4 + 1, 3)
+
+    def forward(self, x):  # x: [batch, 5]
+        ids = (x > -0.5).long() + (x > 0).long() * 2 + (x > 0.8).long() * 2  # 0..5, the same in float64
+        batch, length = ids.shape
+        starts = torch.arange(batch) * length
+        flat = ids.flatten()
+        empty_last = torch.cat([starts, starts.new_full((1,), batch * length)])
+        sums = self.sums(flat, empty_last, per_sample_weights=self.importance[flat])  # [batch + 1, 4]
+        maxima = self.maxima(flat, empty_last)  # include_last_offset: [batch, 4]
+        features = torch.cat([sums[:batch], self.means(ids), maxima, sums[batch:].sum().expand(batch, 1)], dim=1)
+        return self.head(torch.tanh(features))
+
+
+def test_embedding_bag_gradients_equal_float64_pytorch():
+    torch.manual_seed(67)
+    _classifier_gradients_match(Bags(), [5])
+
+
 @pytest.mark.parametrize("sizes, output", [((6, 5), (4, 3)), ((6, 5), (7, 7)), ((3, 6, 5), (2, 3, 2)),
                                            ((9, 4, 7), (4, 4, 3))])
 def test_the_adaptive_pool_products_are_torchs_pools_and_their_adjoint(sizes, output):
