@@ -220,6 +220,30 @@ def test_complex_tensors_the_exporter_cannot_translate_are_named_with_their_modu
         trainer.train_step(torch.randn(2, 4))
 
 
+class _Alignment(torch.nn.Module):
+    """CTC loss over the frames: torch's fake tensors cannot size its alignment table before the step."""
+
+    def forward(self, x):
+        frames = x.log_softmax(-1).reshape(x.shape[0], 1, 4).expand(-1, 2, -1)  # [time, batch, classes]
+        targets = torch.tensor([[1, 2], [3, 1]])
+        return torch.nn.functional.ctc_loss(frames, targets, torch.full((2,), x.shape[0]), torch.tensor([2, 1]))
+
+
+class _WithAlignment(_WithSign):
+    def __init__(self):
+        super().__init__()
+        self.signs = _Alignment()
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+def test_an_operator_whose_output_is_sized_by_its_values_is_named_with_its_line_and_module():
+    trainer = ORTTrainer(_WithAlignment(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
+    with pytest.raises(ExportError, match=r"Operator aten\._ctc_loss\.Tensor \(called in module signs \(_Alignment\) "
+                                          r"at .*test_errors\.py:\d+ \(return torch\.nn\.functional\.ctc_loss.*\) "
+                                          r"returns a tensor whose shape depends on its inputs' values"):
+        trainer.train_step(torch.randn(6, 4))
+
+
 def test_op_without_gradient_names_the_op_and_the_module(source):
     if source == "onnxruntime":
         trainer = ORTTrainer(_WithSign(), LOSS_ONLY, SGDConfig(), options=_on(source))

@@ -147,6 +147,12 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
             where = f" at {data_dependent.group(1)}" if data_dependent else ""
             hint = (f" The model reads a tensor's value into Python{where} (a branch on it, a Python number or "
                     f"list made from it), which a graph cannot recompute for each batch; {_CONVERSION_FIX}.")
+        elif _dynamic_shape_operator(exc) is not None:
+            operator, where = _dynamic_shape_operator(exc), _user_frame(exc, wrapper)
+            hint = (f" Operator {operator} (called {where}) returns a tensor whose shape depends on its inputs' "
+                    "values, and torch cannot trace it with a shape unknown until the step runs (F.ctc_loss's: its "
+                    "alignment table is as long as the longest target); compute the loss with other operators, or "
+                    "this part with PyTorch.")
         elif "specialized" in str(exc) or "specialize" in str(exc):
             hint = (" The model's code fixes a dimension that model_desc declares symbolic: declare it as an int "
                     "in model_desc.")
@@ -155,6 +161,43 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
     finally:
         if unwatched:
             wrapper.guard = None
+
+
+def _dynamic_shape_operator(exc: BaseException) -> str | None:
+    """The operator of the first ``DynamicOutputShapeException`` among ``exc``'s causes (fake tensors raise it
+    for an operator whose output's shape comes from its inputs' values and which has no unknown-size rule)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, DynamicOutputShapeException):
+            return str(cause.func)
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _user_frame(exc: BaseException, wrapper: torch.nn.Module) -> str:
+    """``in module M at file:line (code)``: the innermost frame of ``exc``'s traceback outside torch and this
+    package, with the module whose method it is."""
+    import linecache
+    import os
+    import traceback
+
+    libraries = (os.path.dirname(torch.__file__) + os.sep,  # torch, and this package
+                 os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep)
+    labels = {id(module): f"{name[len('model.'):] or '<top-level forward>'} ({type(module).__name__})"
+              for name, module in wrapper.named_modules() if name == "model" or name.startswith("model.")}
+    found = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if not frame.f_code.co_filename.startswith(libraries):
+            found = frame, lineno
+    if found is None:
+        return "in the model"
+    frame, lineno = found
+    owner = frame.f_locals.get("self")
+    module = f"in module {labels[id(owner)]} " if id(owner) in labels else ""
+    code = linecache.getline(frame.f_code.co_filename, lineno).strip()
+    return f"{module}at {frame.f_code.co_filename}:{lineno}" + (f" ({code})" if code else "")
 
 
 def _first_line(exc: BaseException) -> str:
