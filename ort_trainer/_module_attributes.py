@@ -116,18 +116,20 @@ class TensorWatch:
                 if owner is not None:
                     self._watched.append([owner, name, key, owner[name], owner[name]._version, weight])
 
-    def rebase(self, synced: bool) -> None:
+    def rebase(self, synced: bool | None, training: bool = False) -> None:
         """Take each tensor as it is now for unchanged: the module's were written from the engine's (``synced``:
-        they hold its current values) or the engine's from elsewhere (a state loaded)."""
-        self._synced = synced
+        they hold its current values), the engine's from elsewhere (a state loaded), or a trace of a new shape ran
+        the forward, which put back what it changed in place (``None``: as synced as before). ``training``: a step
+        that changes the trained weights follows."""
+        self._synced = (self._synced if synced is None else synced) and not training
         for entry in self._watched:
             current = entry[0].get(entry[1])
             if isinstance(current, torch.Tensor):
                 entry[3], entry[4] = current, current._version
 
-    def copy_changes(self, training: bool) -> None:
-        """Copy each tensor changed since the last call to the engine's tensor of it, before a step (``training``:
-        one that changes the trained weights)."""
+    def copy_changes(self) -> None:
+        """Copy each tensor changed since the last call (or ``rebase``) to the engine's tensor of it, before a
+        step."""
         targets = None
         for entry in self._watched:
             owner, name, key, tensor, version, weight = entry
@@ -148,7 +150,6 @@ class TensorWatch:
                 with torch.no_grad():
                     target.copy_(current.detach().reshape(target.shape))
             entry[3], entry[4] = current, current._version
-        self._synced = self._synced and not training
 
 
 __all__ = ["AttributeWatch", "TensorWatch"]

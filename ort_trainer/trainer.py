@@ -206,9 +206,11 @@ class ORTTrainer(_StateMixin):
             for tensor in self._engine.fixed_tensors.values():
                 self._comm.broadcast(tensor)
         if isinstance(self.model, torch.nn.Module):
-            training = training_in_trace(self.model)  # a BatchNorm in eval mode counts no batch, as in PyTorch
+            # BatchNorms count batches (InstanceNorm has the counter too, never counting); in eval mode none
+            counting = {n for n, m in self.model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+            counting &= training_in_trace(self.model)
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
-                                  if k.endswith("num_batches_tracked") and k.rpartition(".")[0] in training}
+                                  if k.endswith("num_batches_tracked") and k.rpartition(".")[0] in counting}
             self._tensor_watch = TensorWatch(self.model, self._graphs.meta["torch_keys"], self._engine,
                                              set(self._graphs.meta["trained"]) | set(self._engine.buffer_updates))
         if self._pending_optimizer:
@@ -227,6 +229,8 @@ class ORTTrainer(_StateMixin):
         # checked against the batch between their trace and their build (``_check_building``)
         if self._attributes is not None:
             self._attributes.check()  # a Python attribute or mode changed since the graphs were traced
+        if self._tensor_watch is not None:
+            self._tensor_watch.copy_changes()  # a tensor the script changed, where the engine holds a copy
         self._building_for = (feeds, training)
         try:
             with self._kernels_explained():
@@ -238,8 +242,8 @@ class ORTTrainer(_StateMixin):
         if isinstance(self.model, torch.nn.Module):
             self._attributes = self._attributes.current() if self._attributes else AttributeWatch(self.model,
                                                                                                  self.loss_fn)
-        if self._tensor_watch is not None:
-            self._tensor_watch.copy_changes(training)  # a tensor the script changed, where the engine holds a copy
+        if self._tensor_watch is not None:  # a trace of a new shape bumped the versions of what its forward changed
+            self._tensor_watch.rebase(None, training)
         return self._engine
 
     def _check_building(self, constraints: dict) -> None:

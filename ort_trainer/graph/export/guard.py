@@ -26,8 +26,10 @@ semantics live outside that record:
   a value (it stops at the first one); the guard names it before that.
 - **State changed by the forward** (a buffer updated in place, a weight clamped through
   ``.data``): the graph would never store it. Refused, BatchNorm statistics excepted (trained by
-  ``passes/buffers.py``). On the ``torch`` route the real tensors are not touched while tracing: the
-  program's mutation outputs say what changed (``check_program``).
+  ``passes/buffers.py``); on the ``torch`` route a persistent buffer changed in place is a graph
+  output the trainer stores after each step, as BatchNorm's (``_stored``). There the real tensors are
+  not touched while tracing: the traced copies' version counters and the program's mutation outputs
+  say what changed (``check_program``).
 - **In-place change under ``torch.no_grad()`` of a tensor that requires grad**: refused on the
   TorchScript route only; autograd over the ``torch.export`` program keeps PyTorch's gradient.
 
@@ -54,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
+from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
 STOP_GRADIENT_DOMAIN = "ort_trainer"
@@ -154,7 +157,7 @@ def _is_python_value(value: Any) -> bool:
     return bool(leaves) and all(isinstance(v, (bool, int, float, complex, np.ndarray, np.generic)) for v in leaves)
 
 
-class ExportGuard:
+class ExportGuard(StateChanges):
     """Watches one export trace; ``problems`` lists what it cannot honour.
 
     Args:
@@ -249,54 +252,6 @@ class ExportGuard:
                 handle.remove()
             self._stack.clear()
             self._tainted.clear()
-
-    def _state_versions(self) -> dict[tuple[str, str], tuple[int, int, bool]]:
-        """``{(module path, tensor name): (id, version, is BatchNorm statistic)}`` of every weight and buffer."""
-        state = {}
-        for path, module in self._wrapper.named_modules():
-            batch_norm = isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
-            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
-                if tensor is not None:
-                    state[(path, name)] = (id(tensor), tensor._version, batch_norm)
-        return state
-
-    def check_program(self, program: Any) -> None:
-        """Report the weights and buffers a ``torch.export`` program changes (its mutation outputs),
-        BatchNorm statistics excepted: tracing changes fake copies, so ``exporting`` cannot see it.
-
-        Args:
-            program: the ``torch.export`` program traced from the wrapper.
-        """
-        from torch.export.graph_signature import OutputKind
-
-        modules = dict(self._wrapper.named_modules())
-        for spec in program.graph_signature.output_specs:
-            if spec.kind not in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION) or not spec.target:
-                continue
-            path, _, name = spec.target.rpartition(".")
-            module = modules.get(path)
-            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                continue
-            self._report_state_change(path, name, module, spec.kind == OutputKind.PARAMETER_MUTATION)
-
-    def _report_state_change(self, path: str, name: str, module: torch.nn.Module | None, weight: bool) -> None:
-        key = f"{path[len('model.'):]}.{name}" if path.startswith("model.") else name
-        self._problems.setdefault(("state", key), (
-            f"the forward changes {'weight' if weight else 'buffer'} {key!r} (in place or by assigning a new tensor), "
-            "in module {modules}: the exported graph reads its value from before the step and never stores a new "
-            "one, so each step would start from the same value where PyTorch keeps the change; move that update "
-            "out of the forward (ort_trainer trains only the weights and BatchNorm statistics)",
-            [self._labels.get(id(module), path) if module is not None else path]))
-
-    def _check_state(self, before: dict[tuple[str, str], tuple[int, int, bool]]) -> None:
-        """Report weights and buffers the traced forward changed (BatchNorm statistics are trained)."""
-        modules = dict(self._wrapper.named_modules())
-        for (path, name), (identity, version, batch_norm) in before.items():
-            module = modules.get(path)
-            tensor = None if module is None else {**module._parameters, **module._buffers}.get(name)
-            if batch_norm or (tensor is not None and id(tensor) == identity and tensor._version == version):
-                continue
-            self._report_state_change(path, name, module, module is not None and name in module._parameters)
 
     def _leave(self, *_: Any) -> None:
         self._stack.pop()
@@ -471,10 +426,12 @@ def _user_source_line(outside_torch: bool = False) -> str:
 
 @contextlib.contextmanager
 def _model_left_untouched(model: torch.nn.Module) -> Iterator[None]:
-    """Restore requires_grad flags, each module's training mode, buffers and torch's RNG state."""
+    """Restore requires_grad flags, each module's training mode, buffers (values, and the tensors a forward
+    assigned in their place) and torch's RNG state."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
     modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None]
+    buffers = [(m._buffers, n, b, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items()
+               if b is not None]
     with torch.random.fork_rng(devices=[]):
         try:
             yield
@@ -484,7 +441,8 @@ def _model_left_untouched(model: torch.nn.Module) -> Iterator[None]:
             for module, mode in modes:
                 module.training = mode
             with torch.no_grad():
-                for buffer, saved in buffers:
+                for owner, name, buffer, saved in buffers:
+                    owner[name] = buffer
                     buffer.copy_(saved)
 
 

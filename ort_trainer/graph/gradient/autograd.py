@@ -306,6 +306,9 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     weights = {}
     for graph in (gradient, eval_model) if eval_model is not None else (gradient,):
         weights.update({i.name: _shape_dtype(i) for i in graph.graph.input if i.name in traced.torch_keys})
+    new_values = {o.name: o for o in gradient.graph.output}
+    for buffer, output in buffer_updates.items():  # a buffer the forward overwrites before reading it (spectral
+        weights.setdefault(buffer, _shape_dtype(new_values[output]))  # norm's u) is state, though no input
     meta = {
         "torch_keys": {w: traced.torch_keys[w] for w in weights},
         "trained": trained,
