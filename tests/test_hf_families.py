@@ -2,7 +2,8 @@
 ``shift_tokens_right`` assigns the start token into a slice), a mixture of experts (Mixtral with its
 ``batched_mm`` experts; the default ``grouped_mm`` is refused, naming the switch) and an audio encoder with
 weight normalisation (wav2vec2's positional convolution), a ceil-mode average pool (Funnel) and GPT-2 with
-reentrant gradient checkpointing (traced as the plain calls PyTorch's backward recomputes)."""
+reentrant gradient checkpointing (traced as the plain calls PyTorch's backward recomputes), and BLOOM, whose GELU is
+a custom autograd Function with its derivative written out as its backward."""
 
 import copy
 
@@ -78,6 +79,12 @@ def _gpt2_reentrant_checkpointing():
     return Loss(model, "input_ids"), "tokens"
 
 
+def _bloom():
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.0,
+                                      attention_dropout=0.0)
+    return Loss(transformers.BloomForCausalLM(config), "input_ids"), "tokens"
+
+
 def _batch(kind: str, step: int):
     gen = torch.Generator().manual_seed(step)
     if kind == "audio":
@@ -88,8 +95,8 @@ def _batch(kind: str, step: int):
     return ids, torch.randint(3, VOCAB, (2, 12), generator=gen)
 
 
-@pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _funnel, _gpt2_reentrant_checkpointing],
-                         ids=["bart", "mixtral", "wav2vec2", "funnel", "gpt2_reentrant_checkpointing"])
+@pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _funnel, _gpt2_reentrant_checkpointing, _bloom],
+                         ids=["bart", "mixtral", "wav2vec2", "funnel", "gpt2_reentrant_checkpointing", "bloom"])
 def test_hugging_face_family_trains_like_eager(make):
     torch.manual_seed(0)
     model, kind = make()
@@ -123,3 +130,29 @@ def test_grouped_mm_experts_are_refused_naming_the_experts_implementation_that_t
     message = str(refused.value)
     assert "grouped_mm mixture-of-experts layer in module model.model.layers.0.mlp.experts" in message
     assert 'model.set_experts_implementation("batched_mm")' in message
+
+
+class _Context:
+    """What a Function's forward may call on its ``ctx``, run outside ``apply`` (autograd then records its operations)."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def test_the_functions_taken_for_their_forward_have_its_derivative_for_backward():
+    """``guard.DERIVATIVE_BACKWARDS``: autograd of the traced forward stands for the Function's own backward, so the
+    two must be the same function. Compared in float64 over [-8, 8] with random output gradients in [-1, 1]. BLOOM's
+    GELU backward writes sqrt(2/pi)·3·0.044715 as 0.1070322243 (10 digits: off by <= 5e-11), a term multiplied by
+    x³/2 <= 256: <= 1.3e-8 between the two; float64's roundings add ~1e-14. Bound 1e-7."""
+    import importlib
+
+    from ort_trainer.graph.export.guard import DERIVATIVE_BACKWARDS
+
+    for name in DERIVATIVE_BACKWARDS:
+        module, _, function = name.rpartition(".")
+        cls = getattr(importlib.import_module(module), function)
+        x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
+        grad = torch.rand(4001, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        (theirs,) = torch.autograd.grad(cls.apply(x), x, grad)
+        (traced,) = torch.autograd.grad(cls.forward(_Context(), x), x, grad)
+        check(float((theirs - traced).abs().max()), 1e-7, f"{name}: its backward against autograd of its forward")

@@ -63,6 +63,9 @@ STOP_GRADIENT_DOMAIN = "ort_trainer"
 STOP_GRADIENT_OP = "StopGradient"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# Functions whose backward is their forward's derivative, written out by hand (Megatron's): the gradient of the
+# traced forward is theirs (tests/test_hf_families.py compares them in float64)
+DERIVATIVE_BACKWARDS = {"transformers.models.bloom.modeling_bloom.GeLUFunction"}
 # onnxruntime-training wraps torch.utils.checkpoint.checkpoint when its ortmodule is imported
 _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__file__)))
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
@@ -352,7 +355,7 @@ class ExportGuard(StateChanges):
         module = self._stack[-1] if self._stack else self._outside_model
         if f"{cls.__qualname__} in module {module}" not in self.functions:
             self.functions.append(f"{cls.__qualname__} in module {module}")
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or f"{cls.__module__}.{cls.__qualname__}" in DERIVATIVE_BACKWARDS:
             return
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not any(t.requires_grad for t in tensors):
