@@ -183,3 +183,37 @@ def test_statistics_the_trace_of_a_new_shape_changes_and_puts_back_are_no_change
     # Observed (2-core Intel Xeon): <= 6e-8, 32x under.
     for key, value in reference.state_dict().items():
         check(float((got[key].double() - value.double()).abs().max()), steps_bound(4, length=8), key)
+
+
+def test_requires_grad_changed_after_the_build_is_refused_and_a_new_trainer_trains_the_new_set():
+    """Unfreezing a backbone after some steps (or freezing a layer) was ignored: the graphs kept training the weights
+    they were built for. It is refused before the step; the fix the message names trains as PyTorch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    desc = {"inputs": [("x", ["batch", 4]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 4, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+        if step == 2:
+            model[0].requires_grad_(True)
+            with pytest.raises(RuntimeError, match=r"requires_grad of the model's weights changed after the graphs "
+                                                   r"were built: '0.weight' False -> True, '0.bias' False -> True"):
+                trainer.train_step(x, y)
+            trainer.update_torch_model()
+            trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+            reference[0].requires_grad_(True)
+            optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        loss = trainer.train_step(x, y)[0].item()
+        optimizer.zero_grad()
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        # sums of <= 8 terms a step, each side in its own order, through the weights (Higham): steps_bound(4, 8)
+        check(abs(loss - expected.item()) / expected.item(), steps_bound(4, length=8), f"step {step}")
+    model[2].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"'2.weight' True -> False"):
+        trainer.train_step(x, y)
