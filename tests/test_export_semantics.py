@@ -8,6 +8,7 @@ legitimately differ, the test asserts each route's own behaviour.
 
 import copy
 import logging
+import re
 
 import numpy as np
 import onnxruntime as ort
@@ -301,6 +302,26 @@ def test_losses_over_the_values_a_mask_selects_train_and_evaluate_like_pytorch()
         np.testing.assert_allclose(float(loss), float(_selected_rows_loss(expected, label)), rtol=LOGITS_RTOL)
 
 
+class Differences(_Base):
+    """``torch.diff`` (no TorchScript translation: ``symbolics.py`` writes it as slices), n = 1 and 2, with a
+    prepended and an appended piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Linear(3 + 4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        twice = torch.diff(h, n=2, dim=1, prepend=h[:, :1] * 0.5, append=h[:, -1:])
+        return self.c(torch.cat([torch.diff(h, dim=-1), twice], dim=1))
+
+
+def test_differences_train_like_pytorch():
+    torch.manual_seed(0)
+    _, got, expected = _train_both(Differences())
+    _assert_same_weights(got, expected)
+
+
 class MeanBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -475,6 +496,50 @@ def test_reentrant_gradient_checkpointing_trains_like_pytorch():
     torch.manual_seed(0)
     _, got, expected = _train_both(Checkpointed())
     _assert_same_weights(got, expected)
+
+
+class PythonLayerDrop(_Base):
+    """Skips a layer with probability 1/2 by a Python draw: the trace would freeze the traced step's outcome."""
+
+    def forward(self, x):
+        import random
+
+        h = torch.tanh(self.a(x))
+        if self.training and random.random() < 0.5:
+            return self.c(h)
+        return self.c(h + torch.tanh(self.b(h)))
+
+
+class NumpyMask(_Base):
+    """Zeroes features NumPy's global generator picks (a SpecAugment-like mask)."""
+
+    def forward(self, x):
+        keep = torch.from_numpy((np.random.rand(4) > 0.3).astype(np.float32))
+        return self.c(torch.tanh(self.a(x)) * keep)
+
+
+class TorchLayerDrop(_Base):
+    """The same decision from a torch draw read into Python (Hugging Face's layer drop): the TorchScript tracer
+    froze it without a word."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.training and torch.rand(()) < 0.5:
+            return self.c(h)
+        return self.c(h + torch.tanh(self.b(h)))
+
+
+@pytest.mark.parametrize("make, draw, line", [
+    (PythonLayerDrop, r"a Python random draw \(random.random\(\)\)", "random.random() < 0.5"),
+    (NumpyMask, r"a Python random draw \(np.random.rand\(\)\)", "np.random.rand(4) > 0.3"),
+    (TorchLayerDrop, r"a tensor's value used as a Python bool .*", "torch.rand(()) < 0.5"),
+], ids=["random", "numpy", "torch"])
+def test_random_draws_read_in_python_are_refused_naming_the_line(make, draw, line):
+    trainer = ORTTrainer(make(), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=_options())
+    with pytest.raises(ExportError, match=rf"{draw} in module <top-level forward> \({make.__name__}\) at "
+                                          rf".*test_export_semantics.py:\d+ \(.*{re.escape(line)}.*\): .*(draw with "
+                                          rf"torch inside the forward|a random draw)"):
+        trainer.train_step(*_batch(0))
 
 
 class SeveralProblems(torch.nn.Module):

@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
+from . import python_draws
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -71,11 +72,15 @@ _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__fil
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
 _DISPATCH_FILES = (
-    GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"),
+    GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"), python_draws.__file__,
     *(os.path.join(_TORCH_DIR, *p) for p in [("overrides.py",), ("_tensor.py",), ("autograd", "function.py"),
                                            ("utils", "_contextlib.py"), ("autograd", "grad_mode.py")]),
 )
 
+# torch's random draws: a value read from one into Python (a layer dropped when torch.rand(()) < p) is one draw
+_DRAWS = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli", "multinomial",
+          "normal", "poisson", "uniform_", "normal_", "bernoulli_", "exponential_", "random_", "cauchy_",
+          "geometric_", "log_normal_"}
 # Queries about a tensor's metadata, not its values: their results depend on shapes only.
 _METADATA = {
     "size", "shape", "dim", "ndim", "ndimension", "numel", "nelement", "__len__", "stride", "dtype",
@@ -245,7 +250,7 @@ class ExportGuard(StateChanges):
         before = None if self._stop_gradients else self._state_versions()
         self._watching = True
         try:
-            with _GuardMode(self):
+            with _GuardMode(self), python_draws.reporting(self._report_draw):
                 yield
         finally:
             if before is not None:
@@ -263,7 +268,7 @@ class ExportGuard(StateChanges):
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = _func_name(func)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        tainted = any(self._is_tainted(t) for t in tensors)
+        tainted = name in _DRAWS or any(self._is_tainted(t) for t in tensors)
         if func in _AUTOGRAD_CALLS:
             self._report(("autograd", name), f"{_AUTOGRAD_CALLS[func]} inside the forward, in module {{modules}} at "
                          "{where}: the exported graph has no autograd, so the gradients it computes would be "
@@ -315,11 +320,19 @@ class ExportGuard(StateChanges):
                     self._taint(args[0])
         return out
 
+    def _report_draw(self, name: str) -> None:
+        self._report(("draw", name), f"a Python random draw ({name}()) in module {{modules}} at {{where}}: the trace "
+                     "computes it once, so the graph repeats the traced batch's outcome every step (the same layers "
+                     "dropped, the same positions masked); draw with torch inside the forward instead, as tensors "
+                     "the computation multiplies in (keep = (torch.rand(()) >= p).to(x.dtype); x + keep * f(x)), "
+                     "or turn the feature off (Hugging Face wav2vec2 and HuBERT in training: config.layerdrop = 0, "
+                     "mask_time_prob = 0, mask_feature_prob = 0)")
+
     def _report_conversion(self, name: str) -> None:
         construct = _CONVERSIONS.get(name, f"{name}() returning a Python value")
         self._report(("convert", name), f"{construct} in module {{modules}} at {{where}}: the value comes from the "
-                     "batch, the weights or the buffers, and the export would freeze it at its value for the traced "
-                     f"batch; {_CONVERSION_FIX}")
+                     "batch, the weights, the buffers or a random draw, and the export would freeze it at its value "
+                     f"for the traced batch; {_CONVERSION_FIX}")
 
     def _call_without_gradient(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         """An operation under ``torch.no_grad()``: its inputs that require grad pass a StopGradient."""

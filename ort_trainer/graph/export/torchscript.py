@@ -30,6 +30,7 @@ import torch
 
 from ..._logging import logger
 from ...model_desc import ModelDescription
+from . import symbolics
 from .guard import ExportGuard, GUARD_FILE, _model_left_untouched
 
 MODEL_PREFIX = "model."
@@ -194,7 +195,8 @@ def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDesc
     handle = wrapper.register_forward_hook(lambda _module, _inputs, outputs: produced.append(len(outputs)))
     buffer = io.BytesIO()
     wrapper.guard = guard
-    with warnings.catch_warnings(record=True) as caught, _native_stdout_to_log(), guard.exporting():
+    with warnings.catch_warnings(record=True) as caught, _native_stdout_to_log(), guard.exporting(), \
+            symbolics.registered(opset):
         warnings.simplefilter("always")
         try:
             torch.onnx.export(

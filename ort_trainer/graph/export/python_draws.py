@@ -1,0 +1,56 @@
+"""Random numbers the forward draws in Python (``random``, NumPy's global generator), which a trace freezes.
+
+A graph recomputes tensor operations for every batch; a Python value is traced once. A draw with
+``random.random()`` or ``np.random.rand()`` in the forward (a layer dropped with probability p, a
+SpecAugment mask: Hugging Face's wav2vec2 draws both with NumPy in training) is computed for the
+traced batch and its outcome becomes a constant of the graph: every step would drop the same
+layers, mask the same frames. The guard reports each call made while the traced forward runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from typing import Callable, Iterator
+
+import numpy as np
+
+# the module-level draws of Python's ``random`` and of NumPy's legacy global generator
+_PYTHON = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+           "normalvariate", "betavariate", "expovariate", "triangular", "getrandbits")
+_NUMPY = ("rand", "randn", "random", "random_sample", "randint", "uniform", "normal", "choice", "permutation",
+          "shuffle", "binomial", "poisson", "exponential", "beta", "integers")
+
+
+@contextlib.contextmanager
+def reporting(report: Callable[[str], None]) -> Iterator[None]:
+    """Within: each call of those draws on this thread calls ``report("random.random")`` (the draw's name), then
+    draws as it would have."""
+    thread, swapped = threading.get_ident(), []
+
+    def watched(owner, prefix: str, name: str):
+        original = getattr(owner, name)
+
+        def draw(*args, **kwargs):
+            if threading.get_ident() == thread:
+                report(f"{prefix}.{name}")
+            return original(*args, **kwargs)
+
+        swapped.append((owner, name, original))
+        setattr(owner, name, draw)
+
+    for name in _PYTHON:
+        if hasattr(random, name):
+            watched(random, "random", name)
+    for name in _NUMPY:
+        if hasattr(np.random, name):
+            watched(np.random, "np.random", name)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(swapped):
+            setattr(owner, name, original)
+
+
+__all__ = ["reporting"]
