@@ -138,9 +138,11 @@ class TensorWatch:
         for entry in self._watched:
             owner, name, key, tensor, version, weight, requires_grad = entry
             current = owner.get(name)
-            if current is tensor and current._version == version or not isinstance(current, torch.Tensor):
-                if current is not None and current.requires_grad != requires_grad:
-                    flipped.append(f"{key!r} {requires_grad} -> {not requires_grad}")
+            if not isinstance(current, torch.Tensor):
+                continue
+            if current.requires_grad != requires_grad:
+                flipped.append(f"{key!r} {requires_grad} -> {not requires_grad}")
+            if current is tensor and current._version == version:
                 continue
             targets = targets or self._engine.current_tensors()
             target = targets[weight]
@@ -156,8 +158,6 @@ class TensorWatch:
                 with torch.no_grad():
                     target.copy_(current.detach().reshape(target.shape))
             entry[3], entry[4] = current, current._version
-            if current.requires_grad != requires_grad:
-                flipped.append(f"{key!r} {requires_grad} -> {not requires_grad}")
         if flipped:
             raise RuntimeError(
                 f"requires_grad of the model's weights changed after the graphs were built: {', '.join(flipped)}. "

@@ -207,8 +207,8 @@ class ORTTrainer(_StateMixin):
                 self._comm.broadcast(tensor)
         if isinstance(self.model, torch.nn.Module):
             # BatchNorms count batches (InstanceNorm has the counter too, never counting); in eval mode none
-            counting = {n for n, m in self.model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
-            counting &= training_in_trace(self.model)
+            counting = training_in_trace(self.model) & {
+                n for n, m in self.model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
             self._counter_base = {k: int(v) - self._train_step_info.step for k, v in self.model.state_dict().items()
                                   if k.endswith("num_batches_tracked") and k.rpartition(".")[0] in counting}
             self._tensor_watch = TensorWatch(self.model, self._graphs.meta["torch_keys"], self._engine,

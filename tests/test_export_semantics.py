@@ -316,12 +316,6 @@ class Differences(_Base):
         return self.c(torch.cat([torch.diff(h, dim=-1), twice], dim=1))
 
 
-def test_differences_train_like_pytorch():
-    torch.manual_seed(0)
-    _, got, expected = _train_both(Differences())
-    _assert_same_weights(got, expected)
-
-
 class MeanBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -491,10 +485,12 @@ class Checkpointed(torch.nn.Module):
         return self.head(checkpoint(self.body, self.stem(x), use_reentrant=True))
 
 
-def test_reentrant_gradient_checkpointing_trains_like_pytorch():
-    """PyTorch recomputes the checkpointed forward in the backward; the graph computes it once."""
+@pytest.mark.parametrize("model_class", [Checkpointed, Differences])
+def test_checkpointing_and_differences_train_like_pytorch(model_class):
+    """Reentrant checkpointing: PyTorch recomputes the checkpointed forward in the backward, the graph computes it
+    once. ``torch.diff``: written as slices on the onnxruntime route."""
     torch.manual_seed(0)
-    _, got, expected = _train_both(Checkpointed())
+    _, got, expected = _train_both(model_class())
     _assert_same_weights(got, expected)
 
 

@@ -133,7 +133,8 @@ def test_grouped_mm_experts_are_refused_naming_the_experts_implementation_that_t
 
 
 class _Context:
-    """What a Function's forward may call on its ``ctx``, run outside ``apply`` (autograd then records its operations)."""
+    """What a Function's forward may call on its ``ctx``, run outside ``apply`` (autograd then records its
+    operations)."""
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors

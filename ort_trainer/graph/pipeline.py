@@ -352,9 +352,8 @@ def initial_weights(
         return {w: np.ascontiguousarray(values[w]) for w in meta["weights"]}
     state = model.state_dict(keep_vars=True)
     out = {}
-    updated = meta.get("buffer_updates", {})  # a buffer the forward overwrites before reading is no input
     for weight, keys in meta["torch_keys"].items():
-        if weight in meta["weights"] or weight in updated:
+        if weight in meta["weights"]:
             out[weight] = state[keys[0]].detach().cpu().numpy()
     return out
 

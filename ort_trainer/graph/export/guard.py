@@ -193,6 +193,10 @@ class ExportGuard(StateChanges):
         self._watching = False
         self.functions: list[str] = []  # custom autograd Functions the forward applied, as "Class in module M"
 
+    def module_label(self, module: Any) -> str | None:
+        """``module`` as the problems name it (``path (Class)``), or None where it is no module of the model."""
+        return self._labels.get(id(module))
+
     @property
     def problems(self) -> list[str]:
         """One line per problem: the construct, where, the module(s) and the fix."""

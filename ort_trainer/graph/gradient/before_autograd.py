@@ -18,9 +18,9 @@ rather than no gradient. The reflection padding's decomposition counts its refle
 which ONNX Runtime 1.19.2 cannot compare (no int8 ``Equal``): they are counted in int64, as the
 kernel counts them in an ``int``. Weight normalisation (``nn.utils.parametrizations.weight_norm``: wav2vec2's
 positional convolution, HuBERT's, vocoders') is its norm and products too, its fused backward
-(``_weight_norm_interface_backward``) having no translation. ``nn.EmbeddingBag`` (whose backward has no translation) is an
-embedding and a sum, mean or maximum into each bag. ``masked_select`` is the boolean index of its
-broadcast operands, whose backward keeps a symbolic batch (``masked_select``'s reads it as an int).
+(``_weight_norm_interface_backward``) having no translation. ``nn.EmbeddingBag`` (whose backward has no
+translation) is an embedding and a sum, mean or maximum into each bag. ``masked_select`` is the boolean index of
+its broadcast operands, whose backward keeps a symbolic batch (``masked_select``'s reads it as an int).
 
 Global average pooling (``adaptive_avg_pool1d/2d/3d`` to one element a channel) becomes the ``mean``
 over the pooled dims it is. ATen's composite computes that mean and then restrides it (``as_strided_``)

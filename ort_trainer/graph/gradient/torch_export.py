@@ -5,11 +5,15 @@ with the guard that refuses what a graph cannot hold (``export/guard.py``)."""
 from __future__ import annotations
 
 import contextlib
+import linecache
+import os
 import re
+import traceback
 import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
 from ..export.guard import ExportGuard, _CONVERSION_FIX
 from ..export.torchscript import ExportError, _ModelWithLoss
@@ -137,9 +141,12 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
         if guard is not None:
             _refuse(guard, exc)
         cause: BaseException | None = exc
+        unsized = None  # the operator fake tensors could not size (its output's shape comes from its inputs' values)
         while cause is not None:  # the wrapper's own error, wrapped by torch
             if isinstance(cause, ExportError):
                 raise cause from exc
+            if isinstance(cause, DynamicOutputShapeException) and unsized is None:
+                unsized = str(cause.func)
             cause = cause.__cause__ or cause.__context__
         hint = ""
         data_dependent = re.search(r"Caused by: \(([^)]*)\)", str(exc))
@@ -147,9 +154,8 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
             where = f" at {data_dependent.group(1)}" if data_dependent else ""
             hint = (f" The model reads a tensor's value into Python{where} (a branch on it, a Python number or "
                     f"list made from it), which a graph cannot recompute for each batch; {_CONVERSION_FIX}.")
-        elif _dynamic_shape_operator(exc) is not None:
-            operator, where = _dynamic_shape_operator(exc), _user_frame(exc, wrapper)
-            hint = (f" Operator {operator} (called {where}) returns a tensor whose shape depends on its inputs' "
+        elif unsized is not None:
+            hint = (f" Operator {unsized} (called {_user_frame(exc, wrapper.guard)}) returns a tensor whose shape depends on its inputs' "
                     "values, and torch cannot trace it with a shape unknown until the step runs (F.ctc_loss's: its "
                     "alignment table is as long as the longest target); compute the loss with other operators, or "
                     "this part with PyTorch.")
@@ -163,30 +169,11 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
             wrapper.guard = None
 
 
-def _dynamic_shape_operator(exc: BaseException) -> str | None:
-    """The operator of the first ``DynamicOutputShapeException`` among ``exc``'s causes (fake tensors raise it
-    for an operator whose output's shape comes from its inputs' values and which has no unknown-size rule)."""
-    from torch._subclasses.fake_tensor import DynamicOutputShapeException
-
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, DynamicOutputShapeException):
-            return str(cause.func)
-        cause = cause.__cause__ or cause.__context__
-    return None
-
-
-def _user_frame(exc: BaseException, wrapper: torch.nn.Module) -> str:
+def _user_frame(exc: BaseException, guard: ExportGuard) -> str:
     """``in module M at file:line (code)``: the innermost frame of ``exc``'s traceback outside torch and this
-    package, with the module whose method it is."""
-    import linecache
-    import os
-    import traceback
-
+    package, with the module whose method it is (as ``guard`` names it)."""
     libraries = (os.path.dirname(torch.__file__) + os.sep,  # torch, and this package
                  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep)
-    labels = {id(module): f"{name[len('model.'):] or '<top-level forward>'} ({type(module).__name__})"
-              for name, module in wrapper.named_modules() if name == "model" or name.startswith("model.")}
     found = None
     for frame, lineno in traceback.walk_tb(exc.__traceback__):
         if not frame.f_code.co_filename.startswith(libraries):
@@ -194,8 +181,8 @@ def _user_frame(exc: BaseException, wrapper: torch.nn.Module) -> str:
     if found is None:
         return "in the model"
     frame, lineno = found
-    owner = frame.f_locals.get("self")
-    module = f"in module {labels[id(owner)]} " if id(owner) in labels else ""
+    label = guard.module_label(frame.f_locals.get("self"))
+    module = f"in module {label} " if label else ""
     code = linecache.getline(frame.f_code.co_filename, lineno).strip()
     return f"{module}at {frame.f_code.co_filename}:{lineno}" + (f" ({code})" if code else "")
 
