@@ -138,7 +138,7 @@ class TensorWatch:
         for entry in self._watched:
             owner, name, key, tensor, version, weight, requires_grad = entry
             current = owner.get(name)
-            if not isinstance(current, torch.Tensor):
+            if current is None:  # a module's _parameters and _buffers hold tensors or None
                 continue
             if current.requires_grad != requires_grad:
                 flipped.append(f"{key!r} {requires_grad} -> {not requires_grad}")
