@@ -21,7 +21,8 @@ margin=${MARGIN:-60}
 tests=${TESTS:-tests/test_placement.py tests/test_kernels.py tests/test_fused_kernels.py tests/test_fused_attention.py \
 tests/test_causal_attention.py tests/test_torch_products.py tests/test_aligned_products.py tests/test_gradient_sums.py \
 tests/test_layer_norm_sums.py tests/test_layer_norm_forward.py tests/test_weight_casts.py tests/test_cuda_graph.py \
-tests/test_torch_allocator.py tests/test_device_barriers.py tests/test_seeded_dropout.py tests/test_cuda.py}
+tests/test_torch_allocator.py tests/test_device_barriers.py tests/test_seeded_dropout.py tests/test_cuda.py \
+tests/test_ctc.py}
 started=$(date +%s)
 left() { echo $((budget - ($(date +%s) - started))); }
 step() { echo "== $(($(date +%s) - started)) s: $*"; }

@@ -10,6 +10,8 @@ import onnx
 from onnx import helper
 
 from ..kernels import DOMAIN as KERNELS_DOMAIN
+from ..kernels import TORCH_OPS_DOMAIN
+from ..kernels.standard_ctc import standard_ctc
 from .names import KEEPER_SUFFIX
 
 #: nodes that may draw from ONNX Runtime's random generator: a replayed CUDA graph would draw what its capture
@@ -288,8 +290,14 @@ def build_inference_graph(
             "LayerNormalization", "BatchNormalization"
         ):
             node.output.pop()
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    live = standard_ctc(live, types)  # (a stock InferenceSession has no ort_trainer operators)
     del graph.node[:]
     graph.node.extend(live)
+    used = {node.domain for node in live}
+    kept_opsets = [o for o in model.opset_import if o.domain != TORCH_OPS_DOMAIN or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(kept_opsets)
     # the wanted inputs, and any other data input the kept outputs still read; weights become initializers
     new_inputs = [i for i in graph.input if i.name in keep_inputs or (i.name in needed and i.name not in weights)]
     del graph.input[:]

@@ -1,5 +1,5 @@
 """ort_trainer's operators that run torch's own kernels inside ONNX Runtime (``graph_optimizations.fused_attention``,
-``graph_optimizations.torch_products``).
+``graph_optimizations.torch_products``, CTC loss).
 
 ONNX Runtime's standard builds have no fused attention with a backward (its ``MultiHeadAttention`` contrib
 operator is a forward for inference), and a training graph spells attention out: the scores' product, the mask
@@ -11,6 +11,8 @@ without a copy, and on a GPU the kernels run on the session's CUDA stream): torc
 CUDA, its flash attention for the CPU on the CPU. Neither keeps a ``[seq_q, seq_k]`` tensor: the backward
 recomputes the probabilities from the forward's per-row log-sum-exp. ``Gemm``, ``BiasGemm`` and ``MatMul`` run a graph's
 products by torch's BLAS (``torch_products``: on a GPU cuBLAS, which adds a bias vector in the product's epilogue).
+``CTCLoss`` and ``CTCLossGrad`` run torch's CTC kernels (``graph/export/ctc.py``: ``torch.export`` cannot trace
+``F.ctc_loss`` itself, and ONNX has no CTC operator).
 
 The library is built on first use against the torch that runs (its headers and libraries; with a CUDA build of
 torch, CUDA kernels too) into ``$ORT_TRAINER_CACHE_DIR/kernels/torch_ops/<hash>/`` (about a minute with the C++
@@ -30,8 +32,8 @@ from .torch_allocator import cuda_include_dir
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cc"
 _HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("ort_abi.h", "ort_io.h")]
 _NAME = "libort_trainer_torch_ops.so"
-_SWITCHES = "graph_optimizations.fused_attention and torch_products"
-_FIX = f"or turn {_SWITCHES} off"
+_SWITCHES = "graph_optimizations.fused_attention and torch_products, and a CTC loss (F.ctc_loss),"
+_FIX = "or turn those options off (a CTC loss has no other implementation)"
 
 
 def _command(cxx: str, output: Path, torch_root: Path, cxx11_abi: bool, cuda_include: Path | None,
@@ -79,7 +81,7 @@ def build() -> Path:
                             + " ".join([*command, torch.__version__]).encode())
     path = _root() / "torch_ops" / digest.hexdigest()[:16] / _NAME
     return _built(path, lambda output: _command(cxx, output, torch_root, abi, cuda_include),
-                  "ort_trainer's torch operators (fused attention, torch's products)", _FIX)
+                  "ort_trainer's torch operators (fused attention, torch's products, CTC loss)", _FIX)
 
 
 @functools.lru_cache(maxsize=None)

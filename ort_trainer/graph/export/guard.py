@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import python_draws
+from . import checked_losses, ctc, python_draws, validations
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -70,6 +70,9 @@ DERIVATIVE_BACKWARDS = {"transformers.models.bloom.modeling_bloom.GeLUFunction"}
 # onnxruntime-training wraps torch.utils.checkpoint.checkpoint when its ortmodule is imported
 _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__file__)))
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
+# what the torch.export route computes instead of these functions
+_REPLACEMENTS = {**{f: ctc.ctc_loss for f in ctc.FUNCTIONS}, **checked_losses.REPLACEMENTS}
+_OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.library makes of ort_trainer's operators
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
 _DISPATCH_FILES = (
     GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"), python_draws.__file__,
@@ -292,11 +295,17 @@ class ExportGuard(StateChanges):
             out = func(*args, **kwargs)
         elif not self._stop_gradients:
             if tainted and name in _PLACEHOLDERS:
+                passing = validations.passing_value(_user_frame()) if name == "__bool__" else None
+                if passing is not None:  # a check that raises: traced where it passes
+                    return passing
                 # torch.export cannot produce the value (it stops tracing there): the export is refused
                 # anyway, so a stand-in lets the trace go on and find every other problem
                 self._report_conversion(name)
                 return _PLACEHOLDERS[name](args[0])
-            out = args[0].detach() if name == "data" else func(*args, **kwargs)
+            if name == "data":
+                out = args[0].detach()
+            else:  # CTC loss as operators torch.export can trace (ctc.py), losses' checks traced where they pass
+                out = _REPLACEMENTS.get(func, func)(*args, **kwargs)
         elif name in ("detach", "data"):
             out = StopGradient.apply(args[0])
         elif not torch.is_grad_enabled() and not _is_metadata(name) and any(t.requires_grad for t in tensors):
@@ -315,7 +324,8 @@ class ExportGuard(StateChanges):
                          _user_source_line())
         if tainted and not _is_metadata(name):
             if _is_python_value(out):
-                self._report_conversion(name)
+                if name != "__bool__" or validations.passing_value(_user_frame()) is None:
+                    self._report_conversion(name)
             else:
                 for value in tree_flatten(out)[0]:
                     if isinstance(value, torch.Tensor):
@@ -369,6 +379,8 @@ class ExportGuard(StateChanges):
             return function(*args)
 
     def _check_function(self, cls: type, args: tuple, kwargs: dict) -> None:
+        if cls.__qualname__.startswith(_OWN_OPERATORS):
+            return  # this package's operators (ctc.py): autograd runs the backward registered with torch.library
         module = self._stack[-1] if self._stack else self._outside_model
         if f"{cls.__qualname__} in module {module}" not in self.functions:
             self.functions.append(f"{cls.__qualname__} in module {module}")
@@ -427,16 +439,22 @@ class _GuardMode(TorchFunctionMode):
         return self._guard.handle(func, args, kwargs or {})
 
 
+def _user_frame(outside_torch: bool = False) -> Any:
+    """The innermost frame outside torch's dispatch and this package's export code (``_user_source_line``)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename in _DISPATCH_FILES or (
+            outside_torch and frame.f_code.co_filename.startswith(_LIBRARY_DIRS))):
+        frame = frame.f_back
+    return frame
+
+
 def _user_source_line(outside_torch: bool = False) -> str:
     """``file:line (code)`` of the innermost caller outside torch's dispatch and this package's export code.
 
     With ``outside_torch``, the innermost caller outside torch altogether (for what torch's own
     helpers apply on the user's behalf: checkpointing, autograd calls, hooks).
     """
-    frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename in _DISPATCH_FILES or (
-            outside_torch and frame.f_code.co_filename.startswith(_LIBRARY_DIRS))):
-        frame = frame.f_back
+    frame = _user_frame(outside_torch)
     if frame is None:
         return "<unknown line>"
     filename, lineno = frame.f_code.co_filename, frame.f_lineno

@@ -295,7 +295,9 @@ def _explain_export_failure(exc: Exception, wrapper: torch.nn.Module, args: tupl
     where = f" in module {', '.join(modules)}" if modules else ""
     return (
         f"ONNX export failed: operator {op}{where} cannot be exported ({message}). "
-        "Rewrite that part of the model with supported torch operations, or pass an ONNX model instead."
+        "Rewrite that part of the model with supported torch operations, train it with graph.gradient_source="
+        "\"torch\" (PyTorch's autograd, whose export takes more operators: F.ctc_loss among them), or pass an ONNX "
+        "model instead."
     )
 
 

@@ -31,7 +31,7 @@ from ..export.torchscript import ExportError
 from ..onnx_graph import compacted
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS, FORWARD
-from . import attention_ops, exporter_fixes, kernel_ops
+from . import attention_ops, ctc_ops, exporter_fixes, kernel_ops
 from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
 from .torch_export import without_stack_traces
@@ -60,6 +60,7 @@ def _registry_and_tables() -> tuple:
     exporter_fixes.register_translations(registry)  # where torchlib's own translate wrongly (aten.copy)
     kernel_ops.register_translations(registry)  # the operators of ort_trainer's own kernels
     attention_ops.register_translations(registry)  # torch's attention kernels (kernels/torch_ops.py)
+    ctc_ops.register_translations(registry)  # torch's CTC kernels (kernels/torch_ops.py)
     onnx_table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
     # torchlib translates training-mode batch norm in inference mode (running statistics, never
     # updated): decompose it into the batch-statistics arithmetic torch itself runs
@@ -217,8 +218,9 @@ def _layer_norms_in_the_weights_type(model) -> int:
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
-    """The exporter warns about optional packages (torchvision) and initializers on every call."""
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript")]
+    """The exporter warns about optional packages (torchvision) and initializers on every call, and onnx_ir
+    about an empty list attribute it takes for the integers it is (torchlib's index_put)."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:

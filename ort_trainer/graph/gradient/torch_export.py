@@ -155,10 +155,9 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
             hint = (f" The model reads a tensor's value into Python{where} (a branch on it, a Python number or "
                     f"list made from it), which a graph cannot recompute for each batch; {_CONVERSION_FIX}.")
         elif unsized is not None:
-            hint = (f" Operator {unsized} (called {_user_frame(exc, wrapper.guard)}) returns a tensor whose shape depends on its inputs' "
-                    "values, and torch cannot trace it with a shape unknown until the step runs (F.ctc_loss's: its "
-                    "alignment table is as long as the longest target); compute the loss with other operators, or "
-                    "this part with PyTorch.")
+            hint = (f" Operator {unsized} (called {_user_frame(exc, wrapper.guard)}) returns a tensor whose shape "
+                    "depends on its inputs' values, and torch cannot trace it with a shape unknown until the step "
+                    "runs; compute that part with other operators, or with PyTorch.")
         elif "specialized" in str(exc) or "specialize" in str(exc):
             hint = (" The model's code fixes a dimension that model_desc declares symbolic: declare it as an int "
                     "in model_desc.")

@@ -24,6 +24,7 @@ enum ONNXTensorElementDataType {
   ONNX_INT64 = 7,
   ONNX_BOOL = 9,
   ONNX_FLOAT16 = 10,
+  ONNX_DOUBLE = 11,
   ONNX_BFLOAT16 = 16
 };
 enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_VARIADIC = 2 };

@@ -43,6 +43,17 @@
 //                                             the same of float16 or bfloat16 operands (no C), y float32: summed in
 //                                             float32 and not rounded to the half dtype (a half weight gradient that
 //                                             a Cast widened; on CUDA cuBLAS writes float32 itself, mm's out_dtype)
+//
+// CTC loss (graph/export/ctc.py), torch's CTC kernels (T: float32 or float64; the targets and lengths int64;
+// attributes blank and zero_infinity (ints)):
+//   CTCLoss(log_probs, targets, input_lengths, target_lengths) -> loss
+//                                             each sequence's negative log-likelihood [batch] (aten::_ctc_loss) of
+//                                             log_probs [frames, batch, classes], targets [batch, longest] (padded)
+//                                             or concatenated, lengths [batch]; a target value outside [0, classes)
+//                                             fails the run (torch's kernels would read past log_probs)
+//   CTCLossGrad(grad, log_probs, targets, input_lengths, target_lengths) -> grad_log_probs
+//                                             aten::_ctc_loss_backward, after aten::_ctc_loss again (its alignment
+//                                             table is not kept between the two)
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/SDPBackend.h>
@@ -76,6 +87,7 @@ constexpr uint32_t kOpVersion = 16;
 struct Operator : OperatorEntry {
   bool backward, bias, packed;
   bool product, matmul, to_float;  // Gemm, BiasGemm or MatMul (else an attention); MatMul; a float32 output
+  bool ctc;                        // CTCLoss or CTCLossGrad
   ONNXTensorElementDataType type;
 };
 
@@ -88,10 +100,15 @@ struct Kernel {
   bool torch_choice;  // the attribute backend: 1 (on CUDA, the kernel torch's attention would pick)
   bool trans_a, trans_b;  // the products'
   float alpha, beta;
+  int64_t blank;
+  bool zero_infinity;  // CTC's
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
-  return type == ONNX_FLOAT16 ? at::kHalf : type == ONNX_BFLOAT16 ? at::kBFloat16 : at::kFloat;
+  return type == ONNX_FLOAT16    ? at::kHalf
+         : type == ONNX_BFLOAT16 ? at::kBFloat16
+         : type == ONNX_DOUBLE   ? at::kDouble
+                                 : at::kFloat;
 }
 
 // the efficient kernel reads a bias whose last dim is a multiple of 16 elements, and [batch, heads, seq_q, seq_k]
@@ -352,8 +369,68 @@ OrtStatus* compute_attention(const Kernel* kernel, OrtKernelContext* context) {
   }
 }
 
+// the targets' values that the lengths select (each row's first target_length of padded [batch, longest] targets,
+// else the first sum of the lengths) outside [0, classes): torch's kernels would index log_probs with them
+std::optional<int64_t> bad_target(const at::Tensor& targets, const at::Tensor& target_lengths, int64_t classes) {
+  const at::Tensor values = targets.cpu(), lengths = target_lengths.cpu();
+  const int64_t* value = values.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const bool padded = values.dim() == 2;
+  int64_t at = 0;
+  for (int64_t i = 0; i < lengths.numel(); ++i) {
+    const int64_t start = padded ? i * values.size(1) : at, n = std::max<int64_t>(length[i], 0);
+    for (int64_t j = start; j < std::min(start + n, values.numel()); ++j)
+      if (value[j] < 0 || value[j] >= classes) return value[j];
+    at += n;
+  }
+  return std::nullopt;
+}
+
+// CTCLoss and CTCLossGrad (the file's head)
+OrtStatus* compute_ctc(const Kernel* kernel, OrtKernelContext* context) {
+  const OrtApi* api = kernel->api;
+  const Operator* op = kernel->op;
+  Run run;
+  ORTT_RETURN_IF_ERROR(start(api, op, context, &run));
+  const std::vector<Tensor>& in = run.in;
+  const size_t first = op->backward ? 1 : 0;  // log_probs' index
+  auto wrap = [&](const Tensor& t, at::ScalarType type) {
+    return at::from_blob(t.data, t.dims, run.options.dtype(type));
+  };
+  if (in[first].dims.size() != 3 || in[first + 2].dims.size() != 1 || in[first + 3].dims.size() != 1 ||
+      in[first + 1].dims.empty() || in[first + 1].dims.size() > 2)
+    return fail(api, std::string(op->name) + ": log_probs must be [frames, batch, classes], the targets 1-D or 2-D "
+                                             "and the lengths 1-D");
+  try {
+    OnStream on_stream(op, run.stream);
+    const at::ScalarType t = scalar_type(op->type);
+    const at::Tensor log_probs = wrap(in[first], t), targets = wrap(in[first + 1], at::kLong),
+                     input_lengths = wrap(in[first + 2], at::kLong), target_lengths = wrap(in[first + 3], at::kLong);
+    if (auto bad = bad_target(targets, target_lengths, log_probs.size(2)))
+      return fail(api, std::string(op->name) + ": a target is " + std::to_string(*bad) + ", outside the " +
+                           std::to_string(log_probs.size(2)) + " classes of log_probs [0, " +
+                           std::to_string(log_probs.size(2)) + ")");
+    auto [nll, log_alpha] =
+        at::_ctc_loss(log_probs, targets, input_lengths, target_lengths, kernel->blank, kernel->zero_infinity);
+    Tensor out;
+    if (!op->backward) {
+      ORTT_RETURN_IF_ERROR(output(api, context, 0, {log_probs.size(1)}, &out));
+      wrap(out, t).copy_(nll);
+      return nullptr;
+    }
+    const at::Tensor grad = at::_ctc_loss_backward(wrap(in[0], t), log_probs, targets, input_lengths, target_lengths,
+                                                   nll, log_alpha, kernel->blank, kernel->zero_infinity);
+    ORTT_RETURN_IF_ERROR(output(api, context, 0, in[first].dims, &out));
+    wrap(out, t).copy_(grad);
+    return nullptr;
+  } catch (const std::exception& error) {
+    return fail(api, std::string(op->name) + ": " + error.what());
+  }
+}
+
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
+  if (kernel->op->ctc) return compute_ctc(kernel, context);
   return kernel->op->product ? compute_product(kernel, context) : compute_attention(kernel, context);
 }
 
@@ -362,19 +439,20 @@ const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Op
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   // (an attribute the node lacks keeps its default)
   float scale = 1.0f, alpha = 1.0f, beta = 1.0f;
-  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0;
+  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0, blank = 0, zero_infinity = 0;
   for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   for (auto [name, value] : {std::pair{"causal", &causal}, std::pair{"layout", &layout},
                              std::pair{"transA", &trans_a}, std::pair{"transB", &trans_b},
-                             std::pair{"backend", &backend}}) {
+                             std::pair{"backend", &backend}, std::pair{"blank", &blank},
+                             std::pair{"zero_infinity", &zero_infinity}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0, trans_b != 0,
-                    alpha, beta};
+                    alpha, beta, blank, zero_infinity != 0};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -394,7 +472,21 @@ Operator make_operator(const char* op_name, bool backward, bool bias, bool cuda,
   op.backward = backward;
   op.bias = bias;
   op.packed = packed;
-  op.product = op.matmul = op.to_float = false;
+  op.product = op.matmul = op.to_float = op.ctc = false;
+  op.type = t;
+  return op;
+}
+
+// CTCLoss (log_probs, targets, input_lengths, target_lengths) -> loss; CTCLossGrad (grad, ...) -> grad_log_probs
+Operator make_ctc(bool backward, bool cuda, ONNXTensorElementDataType t) {
+  std::vector<ONNXTensorElementDataType> ins = {t, ONNX_INT64, ONNX_INT64, ONNX_INT64};
+  if (backward) ins.insert(ins.begin(), t);
+  Operator op{};
+  set_entry(&op, kOpVersion, backward ? "CTCLossGrad" : "CTCLoss", cuda, ins, {t}, create_kernel, destroy_kernel,
+            compute);
+  op.backward = backward;
+  op.bias = op.packed = op.product = op.matmul = op.to_float = false;
+  op.ctc = true;
   op.type = t;
   return op;
 }
@@ -406,7 +498,7 @@ Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorEleme
   op.to_float = name.size() > 7 && name.compare(name.size() - 7, 7, "ToFloat") == 0;
   set_entry(&op, kOpVersion, op_name, cuda, std::vector<ONNXTensorElementDataType>(bias ? 3 : 2, t),
             {op.to_float ? ONNX_FLOAT : t}, create_kernel, destroy_kernel, compute);
-  op.backward = op.packed = false;
+  op.backward = op.packed = op.ctc = false;
   op.bias = bias;
   op.product = true;
   op.matmul = name.rfind("MatMul", 0) == 0;
@@ -422,6 +514,9 @@ const std::vector<Operator>& operators() {
 #else
     const bool providers[] = {false};
 #endif
+    for (bool cuda : providers)
+      for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_DOUBLE})
+        for (bool backward : {false, true}) ops.push_back(make_ctc(backward, cuda, t));
     for (bool cuda : providers)
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_FLOAT16, ONNX_BFLOAT16}) {
         ops.push_back(make_operator("Attention", false, false, cuda, t));
