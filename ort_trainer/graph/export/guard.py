@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import checked_losses, ctc, python_draws, validations
+from . import checked_losses, ctc, python_draws, spec_augment, validations
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -234,7 +234,8 @@ class ExportGuard(StateChanges):
         torch.autograd.Function.apply = classmethod(apply)
         before = self._state_versions()
         try:
-            yield
+            with spec_augment.drawn_in_the_graph(self._wrapper):  # Hugging Face's NumPy SpecAugment, in torch
+                yield
         finally:
             torch.autograd.Function.apply = original_apply
         self._check_state(before)
@@ -339,8 +340,7 @@ class ExportGuard(StateChanges):
                      "computes it once, so the graph repeats the traced batch's outcome every step (the same layers "
                      "dropped, the same positions masked); draw with torch inside the forward instead, as tensors "
                      "the computation multiplies in (keep = (torch.rand(()) >= p).to(x.dtype); x + keep * f(x)), "
-                     "or turn the feature off (Hugging Face wav2vec2 and HuBERT in training: config.layerdrop = 0, "
-                     "mask_time_prob = 0, mask_feature_prob = 0)")
+                     "or turn the feature off")
 
     def _report_conversion(self, name: str) -> None:
         construct = _CONVERSIONS.get(name, f"{name}() returning a Python value")

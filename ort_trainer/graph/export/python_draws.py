@@ -2,9 +2,10 @@
 
 A graph recomputes tensor operations for every batch; a Python value is traced once. A draw with
 ``random.random()`` or ``np.random.rand()`` in the forward (a layer dropped with probability p, a
-SpecAugment mask: Hugging Face's wav2vec2 draws both with NumPy in training) is computed for the
-traced batch and its outcome becomes a constant of the graph: every step would drop the same
-layers, mask the same frames. The guard reports each call made while the traced forward runs.
+SpecAugment mask) is computed for the traced batch and its outcome becomes a constant of the graph:
+every step would drop the same layers, mask the same frames. The guard reports each call made while
+the traced forward runs (Hugging Face's wav2vec2 family draws its SpecAugment masks with NumPy:
+``spec_augment.py`` replaces them with torch draws while the model is exported).
 """
 
 from __future__ import annotations
