@@ -10,8 +10,8 @@ decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is 
 ``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes; the 3-d pools'
 backwards as the 2-d ones; adaptive average pools whose windows overlap or differ in size (and the
 3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
-And ``empty_permuted``, which torch's own decompositions make, and ``cumprod`` (with its backward's
-bool ``max``), whose reference uses ``prims.prod``. Used during
+And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's
+bool ``max``), whose reference uses ``prims.prod``, and RReLU's forward. Used during
 the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode graph's too.
 """
 
@@ -275,6 +275,20 @@ def max_dim(input, dim, keepdim=False):
     return values.to(torch.bool), indices
 
 
+def rrelu_with_noise_functional(self: torch.Tensor, noise: torch.Tensor, lower=0.125, upper=1.0 / 3.0,
+                                training: bool = False, generator=None):
+    """RReLU (``nn.RReLU``, ``F.rrelu``), which the exporter has no translation for, as torch's kernel computes it:
+    in training each element at or below 0 times a slope drawn uniformly from [lower, upper] (a random operator
+    of the graph, drawn anew at each step), the others kept; ``noise`` those slopes and 1 (what
+    ``rrelu_with_noise_backward`` multiplies the gradient by). In eval mode a leaky ReLU of slope
+    (lower + upper) / 2, ``noise`` unchanged."""
+    if not training:
+        return aten.leaky_relu(self, (lower + upper) / 2), noise
+    slopes = torch.rand_like(self) * (upper - lower) + lower
+    slopes = torch.where(self <= 0, slopes, torch.ones((), dtype=self.dtype, device=self.device))
+    return self * slopes, slopes
+
+
 DECOMPOSITIONS = {
     aten.cumprod.default: cumprod,
     aten.max.dim: max_dim,
@@ -287,8 +301,9 @@ DECOMPOSITIONS = {
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
     aten.avg_pool3d_backward.default: avg_pool3d_backward,
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
+    aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
 }
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
-FORWARD = (aten.cumprod.default, aten._adaptive_avg_pool3d.default)
+FORWARD = (aten.cumprod.default, aten._adaptive_avg_pool3d.default, aten.rrelu_with_noise_functional.default)
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward

@@ -1,0 +1,84 @@
+"""RReLU (``nn.RReLU``), which torch's ONNX exporter has no translation for, trains on the ``torch`` route as torch's
+kernel computes it (``graph/gradient/backward_decompositions.py``): slopes drawn in the graph at every step."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from ort_trainer import ORTTrainer, _runtime
+from ort_trainer.optim import SGDConfig
+from tolerances import check, relative_error, steps_bound
+
+pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
+                                "onnxscript")
+TORCH = {"graph": {"gradient_source": "torch"}}
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, lower: float, upper: float):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.RReLU(lower, upper), torch.nn.Linear(8, 3))
+
+    def forward(self, x, y):
+        out = self.body(x)
+        return torch.nn.functional.cross_entropy(out, y), out
+
+
+DESC = {"inputs": [("x", ["b", 6]), ("y", ["b"])], "outputs": [("loss", [], True), ("out", ["b", 3])]}
+
+
+def test_rrelu_of_one_slope_trains_and_evaluates_as_pytorch():
+    """lower == upper: the slope drawn is known, so the losses are PyTorch's; eval mode is a leaky ReLU."""
+    torch.manual_seed(29)
+    model = Classifier(0.1, 0.1)
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.2), options=TORCH)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for step in range(3):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        loss = float(trainer.train_step(x, y)[0])
+        optimizer.zero_grad()
+        want = reference(x, y)[0]
+        want.backward()
+        optimizer.step()
+        # the same float32 arithmetic, sums of at most 8 terms in other orders; observed <= 0.03 of the bound
+        check(relative_error(loss, float(want.detach())), steps_bound(step + 1), f"step {step}")
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    reference.eval()
+    with torch.no_grad():
+        want = reference(x, y)[1]
+    check(relative_error(np.asarray(trainer.eval_step(x, y)[1]), want.numpy()), steps_bound(4), "eval")
+
+
+class Slopes(torch.nn.Module):
+    """RReLU of the input times a trained scale of 1: its output over its input is each element's slope."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.rrelu = torch.nn.RReLU(0.1, 0.3)
+
+    def forward(self, x):
+        out = self.rrelu(x * self.scale)
+        return out.square().mean(), out
+
+
+def test_rrelu_draws_slopes_in_its_range_at_every_step():
+    """At a learning rate of 0: the negative inputs' slopes lie in [0.1, 0.3], differ between elements and steps,
+    and average 0.2 (over ~1000 draws of a uniform of standard deviation 0.2 / sqrt(12) = 0.058 each: a standard
+    error of 0.0018; bound 5 of them); positive inputs pass unchanged."""
+    desc = {"inputs": [("x", ["b", 64])], "outputs": [("loss", [], True), ("out", ["b", 64])]}
+    trainer = ORTTrainer(Slopes(), desc, SGDConfig(lr=0.0), options=TORCH)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(31))
+    negative = (x < 0).numpy()
+    slopes = []
+    for _ in range(2):
+        out = np.asarray(trainer.train_step(x)[1])
+        assert np.array_equal(out[~negative], x.numpy()[~negative])
+        slopes.append(out[negative] / x.numpy()[negative])
+    for drawn in slopes:
+        assert drawn.min() >= 0.1 - 1e-6 and drawn.max() <= 0.3 + 1e-6 and len(np.unique(drawn)) > 100
+        check(abs(float(drawn.mean()) - 0.2), 5 * 0.2 / np.sqrt(12) / np.sqrt(drawn.size), "mean slope")
+    assert not np.array_equal(slopes[0], slopes[1])  # drawn anew
