@@ -72,6 +72,7 @@ _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__fil
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 # what the torch.export route computes instead of these functions
 _REPLACEMENTS = {**{f: ctc.ctc_loss for f in ctc.FUNCTIONS}, **checked_losses.REPLACEMENTS}
+_TRUTH_TESTS = (torch._is_all_true, torch._is_any_true)  # a bool tensor torch.export reads into Python
 _OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.library makes of ort_trainer's operators
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
 _DISPATCH_FILES = (
@@ -303,6 +304,10 @@ class ExportGuard(StateChanges):
                 # anyway, so a stand-in lets the trace go on and find every other problem
                 self._report_conversion(name)
                 return _PLACEHOLDERS[name](args[0])
+            if func in _TRUTH_TESTS:  # torch.distributions' `if not torch._is_all_true(valid): raise` (constants too)
+                passing = validations.passing_value(_user_frame())
+                if passing is not None:
+                    return torch.tensor(passing)
             if name == "data":
                 out = args[0].detach()
             else:  # CTC loss as operators torch.export can trace (ctc.py), losses' checks traced where they pass
