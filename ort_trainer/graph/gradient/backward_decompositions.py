@@ -11,8 +11,8 @@ decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is 
 backwards as the 2-d ones; adaptive average pools whose windows overlap or differ in size (and the
 3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
 And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's
-bool ``max``), whose reference uses ``prims.prod``, RReLU's forward, and the gamma function's logarithm and
-derivatives (``special_functions.py``). Used during
+bool ``max``), whose reference uses ``prims.prod``, RReLU's forward, the gamma function's logarithm and
+derivatives (``special_functions.py``), the k-th value and medians (``order_statistics.py``). Used during
 the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode graph's too.
 """
 
@@ -23,7 +23,7 @@ import math
 import torch
 from torch._decomp import decomposition_table
 
-from . import special_functions
+from . import order_statistics, special_functions
 
 aten = torch.ops.aten
 _UNSUPPORTED = ("use the gradient source of the onnxruntime-training 1.19.2 build for this model "
@@ -306,9 +306,10 @@ DECOMPOSITIONS = {
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
     **special_functions.DECOMPOSITIONS,  # lgamma, digamma, polygamma(1, ·)
+    **order_statistics.DECOMPOSITIONS,  # kthvalue, median, nanmedian
 }
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
 FORWARD = (aten.cumprod.default, aten._adaptive_avg_pool3d.default, aten.rrelu_with_noise_functional.default,
-           *special_functions.DECOMPOSITIONS)
+           *special_functions.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS)
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward
