@@ -9,7 +9,7 @@ import torch
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import SGDConfig
-from tolerances import check, relative_error, steps_bound
+from tolerances import FLOAT32, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
                                 "onnxscript")
@@ -82,3 +82,19 @@ def test_rrelu_draws_slopes_in_its_range_at_every_step():
         assert drawn.min() >= 0.1 - 1e-6 and drawn.max() <= 0.3 + 1e-6 and len(np.unique(drawn)) > 100
         check(abs(float(drawn.mean()) - 0.2), 5 * 0.2 / np.sqrt(12) / np.sqrt(drawn.size), "mean slope")
     assert not np.array_equal(slopes[0], slopes[1])  # drawn anew
+
+
+def test_the_gradient_multiplies_by_the_slopes_the_forward_drew():
+    """d(mean of RReLU(x · s)²)/ds at s = 1 is 2 · mean(out²) if the backward reads the forward's slopes (other
+    slopes move it by ~10%): one SGD step of 2^-10 moves the scale by it. The new scale is rounded to 2^-24, g read
+    back to 2^-14 absolute; the graph's float32 sum of 2048 terms to 2048 · 2^-24 relative; bound 4x both (observed
+    0.02 of it)."""
+    model = Slopes()
+    trainer = ORTTrainer(model, {"inputs": [("x", ["b", 64])], "outputs": [("loss", [], True), ("out", ["b", 64])]},
+                         SGDConfig(lr=2.0 ** -10), options=TORCH)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(37))
+    out = np.asarray(trainer.train_step(x)[1]).astype(np.float64)
+    trainer.update_torch_model()
+    gradient = (1.0 - float(model.scale.detach())) * 2.0 ** 10
+    expected = 2.0 * (out * out).sum() / out.size  # d(mean(out²))/ds = 2·mean(out · out/s) at s = 1
+    check(abs(gradient - expected) / abs(expected), 4 * (2.0 ** -14 / abs(expected) + 2048 * FLOAT32), "gradient")
