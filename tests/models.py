@@ -244,3 +244,26 @@ def assert_float32_untouched(model, desc, batch, switch: str, loss_fn=None) -> N
     assert graphs[0] == graphs[1]
     for name, grad in grads[0].items():
         np.testing.assert_array_equal(grad, grads[1][name])
+
+
+def sgd_steps_as_pytorch(model: torch.nn.Module, desc: dict, batches, lr: float, bound, options: dict | None = None):
+    """SGD steps of ``model`` in ORTTrainer (``options``) and of a copy in eager PyTorch, one per batch of
+    ``batches`` (an iterable, read as the steps run): each step's loss (the first output where the model returns
+    several) within ``bound(step)`` of PyTorch's, relative. Returns ``(trainer, the PyTorch copy)``."""
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import SGDConfig
+    from tolerances import check, relative_error
+
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=lr), options=options)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step, batch in enumerate(batches):
+        out = trainer.train_step(*batch)
+        loss = float(out[0] if isinstance(out, (list, tuple)) else out)
+        optimizer.zero_grad()
+        want = reference(*batch)
+        want = want[0] if isinstance(want, tuple) else want
+        want.backward()
+        optimizer.step()
+        check(relative_error(loss, float(want.detach())), bound(step), f"step {step}")
+    return trainer, reference

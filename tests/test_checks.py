@@ -2,7 +2,6 @@
 ``F.gaussian_nll_loss``) are traced where they pass, and logged (``graph/export/validations.py``,
 ``graph/export/checked_losses.py``); a branch that does not raise stays refused."""
 
-import copy
 import logging
 
 import pytest
@@ -10,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph.export import checked_losses, validations
+from ort_trainer.graph.export import validations
 from ort_trainer.graph.export.torchscript import ExportError
 from ort_trainer.optim import SGDConfig
-from tolerances import check, relative_error, steps_bound
+from models import sgd_steps_as_pytorch
+from tolerances import steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
                                 "onnxscript")
@@ -23,18 +23,10 @@ DESC = {"inputs": [("x", ["b", 4]), ("y", ["b"])], "outputs": [("loss", [], True
 
 def _train_as_pytorch(model, desc, batches, caplog, source="torch"):
     """SGD steps of ``model`` in the trainer and in PyTorch: the losses agree; the warnings logged."""
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), options={"graph": {"gradient_source": source}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="ort_trainer"):
-        for step, batch in enumerate(batches):
-            loss = float(trainer.train_step(*batch))
-            optimizer.zero_grad()
-            want = reference(*batch)
-            want.backward()
-            optimizer.step()
-            # the same float32 arithmetic summed in other orders; observed <= 0.03 of the bound
-            check(relative_error(loss, float(want.detach())), steps_bound(step + 1), f"step {step}")
+        # the same float32 arithmetic summed in other orders; observed <= 0.03 of the bound
+        sgd_steps_as_pytorch(model, desc, batches, 0.1, lambda step: steps_bound(step + 1),
+                             {"graph": {"gradient_source": source}})
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
@@ -114,7 +106,7 @@ class GaussianHead(torch.nn.Module):
 @pytest.mark.parametrize("per_row, full, reduction", [(False, False, "mean"), (True, True, "sum"),
                                                       (False, True, "none")])
 def test_gaussian_nll_loss_trains_as_pytorch(per_row, full, reduction, caplog, monkeypatch):
-    monkeypatch.setattr(checked_losses, "_WARNED", set())  # (logged once per process)
+    monkeypatch.setattr(validations, "_WARNED", set())  # (logged once per process)
     torch.manual_seed(17)
     batches = [(torch.randn(5, 4), torch.randn(5, 3)) for _ in range(3)]
     desc = {"inputs": [("x", ["b", 4]), ("y", ["b", 3])], "outputs": [("loss", [], True)]}

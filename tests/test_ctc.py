@@ -20,6 +20,7 @@ from ort_trainer.graph.gradient.autograd import export_joint
 from ort_trainer.kernels import TORCH_OPS_DOMAIN, _compilers, torch_ops
 from ort_trainer.model_desc import parse_model_desc
 from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import FLOAT32, FLOAT64, check, relative_error, steps_bound
 
 pytestmark = [pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
@@ -99,22 +100,17 @@ def test_ctc_gradients_equal_float64_pytorch(concatenated, reduction):
 TRAIN_BOUND = steps_bound(STEPS, length=64)
 
 
+def _changing_frames():
+    """The training batches: STEPS of them, of 9 and 8 frames in turn."""
+    return (_batch(step, frames=9 - step % 2) for step in range(STEPS))
+
+
 @pytest.mark.parametrize("concatenated", [False, True])
 def test_ctc_trains_evaluates_and_saves_as_pytorch(concatenated, tmp_path):
     """Four SGD steps at changing frame counts, eval_step, and the saved model in a stock InferenceSession."""
     torch.manual_seed(5)
-    model = Frames(concatenated)
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.5), options=TORCH)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for step in range(STEPS):
-        batch = _batch(step, frames=9 - step % 2)
-        loss = float(trainer.train_step(*batch)[0])
-        optimizer.zero_grad()
-        want = reference(*batch)[0]
-        want.backward()
-        optimizer.step()
-        check(relative_error(loss, float(want.detach())), TRAIN_BOUND, f"step {step}")
+    trainer, reference = sgd_steps_as_pytorch(Frames(concatenated), DESC, _changing_frames(), 0.5,
+                                              lambda step: TRAIN_BOUND, TORCH)
     batch = _batch(STEPS)
     loss, log_probs = trainer.eval_step(*batch)
     with torch.no_grad():
@@ -135,19 +131,10 @@ def test_ctc_trains_on_cuda_as_pytorch():
     """torch's CUDA CTC kernels on ONNX Runtime's stream (the lengths and targets copied to the host by them and by
     the target check), against PyTorch on the CPU."""
     torch.manual_seed(5)
-    model = Frames(concatenated=True)
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.5), options={**TORCH, "device": {"id": "cuda"}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for step in range(STEPS):
-        batch = _batch(step, frames=9 - step % 2)
-        loss = float(trainer.train_step(*batch)[0])
-        optimizer.zero_grad()
-        want = reference(*batch)[0]
-        want.backward()
-        optimizer.step()
-        # the CUDA kernels' exp and log round otherwise than the CPU's: the recursions' ~110 roundings a step
-        check(relative_error(loss, float(want.detach())), TRAIN_BOUND + (step + 1) * 150 * FLOAT32 * 20, f"step {step}")
+    # the CUDA kernels' exp and log round otherwise than the CPU's: the recursions' ~110 roundings a step
+    sgd_steps_as_pytorch(Frames(concatenated=True), DESC, _changing_frames(), 0.5,
+                         lambda step: TRAIN_BOUND + (step + 1) * 150 * FLOAT32 * 20,
+                         {**TORCH, "device": {"id": "cuda"}})
 
 
 def _standard_session(elem_type: int, rank: int) -> ort.InferenceSession:
@@ -223,14 +210,8 @@ def test_hugging_face_wav2vec2_for_ctc_trains_evaluates_and_saves_as_pytorch(tmp
         activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, ctc_loss_reduction="mean",
         ctc_zero_infinity=True)
     model = _HuggingFaceCTC(transformers.Wav2Vec2ForCTC(config).train())
-    reference = copy.deepcopy(model)
     desc = {"inputs": [("audio", ["batch", "samples"]), ("mask", ["batch", "samples"]), ("labels", ["batch", "len"])],
             "outputs": [("loss", [], True)]}
-    # a small rate: a CTC loss of ~60 moves these tiny weights far in one step at larger ones, and differences in
-    # the last bits grow with the step (at 0.05 the loss falls from 63 to 9 in one step)
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=1e-3), options=TORCH)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
-
     def batch(seed):
         g = torch.Generator().manual_seed(seed)
         audio = torch.randn(2, 1600 + 160 * seed, generator=g)
@@ -241,15 +222,12 @@ def test_hugging_face_wav2vec2_for_ctc_trains_evaluates_and_saves_as_pytorch(tmp
         return audio, mask, labels
 
     with caplog.at_level(logging.WARNING, logger="ort_trainer"):
-        for step in range(3):
-            loss = float(trainer.train_step(*batch(step)))
-            optimizer.zero_grad()
-            want = reference(*batch(step))
-            want.backward()
-            optimizer.step()
-            # the longest sums: the feed-forward's and the positional convolution's 64 terms, the attention's and
-            # the CTC's over ~20 frames, taken as 128 (test_hf_families.py's); observed <= 0.1 of the bound
-            check(relative_error(loss, float(want.detach())), _bound_128(step + 1), f"step {step}")
+        # a small rate: a CTC loss of ~60 moves these tiny weights far in one step at larger ones, and differences
+        # in the last bits grow with the step (at 0.05 the loss falls from 63 to 9 in one step). The longest sums:
+        # the feed-forward's and the positional convolution's 64 terms, the attention's and the CTC's over ~20
+        # frames, taken as 128 (test_hf_families.py's); observed <= 0.1 of the bound
+        trainer, reference = sgd_steps_as_pytorch(model, desc, (batch(step) for step in range(3)), 1e-3,
+                                                  lambda step: _bound_128(step + 1), TORCH)
     assert any("labels.max() >= self.config.vocab_size" in r.getMessage() for r in caplog.records)
     with torch.no_grad():
         want = float(reference(*batch(3)))

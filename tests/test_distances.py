@@ -2,15 +2,14 @@
 kernels torch's ONNX exporter cannot translate, are written with differences and reductions
 (``graph/gradient/distances.py``): torch's values and gradients, and models using them train as in PyTorch."""
 
-import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer, _runtime
+from ort_trainer import _runtime
 from ort_trainer.graph.gradient.distances import _pairs, cdist_backward, cdist_forward, pdist_backward, pdist_forward
-from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import FLOAT64, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
@@ -63,18 +62,13 @@ class Distances(torch.nn.Module):
 def test_distance_models_train_as_pytorch():
     """Three SGD steps at batches of 6, 4 and 6 rows (the pairs of pdist follow the batch)."""
     torch.manual_seed(53)
-    model = Distances()
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, {"inputs": [("x", ["b", 5]), ("y", ["b"])], "outputs": [("loss", [], True)]},
-                         SGDConfig(lr=0.1), options={"graph": {"gradient_source": "torch"}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step, rows in enumerate([6, 4, 6]):
+
+    def batch(step, rows):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(rows, 5, generator=g), torch.randint(0, 3, (rows,), generator=g)
-        loss = float(trainer.train_step(x, y))
-        optimizer.zero_grad()
-        want = reference(x, y)
-        want.backward()
-        optimizer.step()
-        # float32 sums of at most 5 terms in other orders; observed <= 0.05 of the bound
-        check(relative_error(loss, float(want.detach())), steps_bound(step + 1), f"step {step}")
+        return torch.randn(rows, 5, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+    # float32 sums of at most 5 terms in other orders; observed <= 0.05 of the bound
+    desc = {"inputs": [("x", ["b", 5]), ("y", ["b"])], "outputs": [("loss", [], True)]}
+    sgd_steps_as_pytorch(Distances(), desc, (batch(step, rows) for step, rows in enumerate([6, 4, 6])), 0.1,
+                         lambda step: steps_bound(step + 1),
+                         {"graph": {"gradient_source": "torch"}})

@@ -2,16 +2,15 @@
 cannot translate, are written with a sort and a gather (``graph/gradient/order_statistics.py``): the same values
 and indices as torch's, and models using them train and evaluate as in PyTorch on the ``torch`` route."""
 
-import copy
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, _runtime
+from ort_trainer import _runtime
 from ort_trainer.graph.gradient.order_statistics import kthvalue, median, median_dim, nanmedian, nanmedian_dim
-from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
@@ -60,20 +59,12 @@ class Statistics(torch.nn.Module):
 def test_order_statistics_train_and_evaluate_as_pytorch():
     """Three SGD steps; then an evaluation on a batch with a NaN (median gives NaN for its row, nanmedian not)."""
     torch.manual_seed(43)
-    model = Statistics()
-    reference = copy.deepcopy(model)
     desc = {"inputs": [("x", ["b", 6]), ("shift", ["b", 7])], "outputs": [("loss", [], True), ("rows", ["b", 3])]}
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.05), options={"graph": {"gradient_source": "torch"}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
-    for step in range(3):
-        x, shift = torch.randn(5, 6, generator=torch.Generator().manual_seed(step)), torch.zeros(5, 7)
-        loss = float(trainer.train_step(x, shift)[0])
-        optimizer.zero_grad()
-        want = reference(x, shift)[0]
-        want.backward()
-        optimizer.step()
-        # the layer's sums of 6 terms in another order, carried by the weights; observed <= 0.07 of the bound
-        check(relative_error(loss, float(want.detach())), steps_bound(step + 1), f"step {step}")
+    batches = ((torch.randn(5, 6, generator=torch.Generator().manual_seed(step)), torch.zeros(5, 7))
+               for step in range(3))
+    # the layer's sums of 6 terms in another order, carried by the weights; observed <= 0.07 of the bound
+    trainer, reference = sgd_steps_as_pytorch(Statistics(), desc, batches, 0.05, lambda step: steps_bound(step + 1),
+                                              {"graph": {"gradient_source": "torch"}})
     x, shift = torch.randn(5, 6, generator=torch.Generator().manual_seed(9)), torch.zeros(5, 7)
     shift[2, 3] = float("nan")
     with torch.no_grad():

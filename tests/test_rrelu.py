@@ -1,7 +1,6 @@
 """RReLU (``nn.RReLU``), which torch's ONNX exporter has no translation for, trains on the ``torch`` route as torch's
 kernel computes it (``graph/gradient/backward_decompositions.py``): slopes drawn in the graph at every step."""
 
-import copy
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import FLOAT32, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
@@ -32,19 +32,10 @@ DESC = {"inputs": [("x", ["b", 6]), ("y", ["b"])], "outputs": [("loss", [], True
 def test_rrelu_of_one_slope_trains_and_evaluates_as_pytorch():
     """lower == upper: the slope drawn is known, so the losses are PyTorch's; eval mode is a leaky ReLU."""
     torch.manual_seed(29)
-    model = Classifier(0.1, 0.1)
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.2), options=TORCH)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
-    for step in range(3):
-        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-        loss = float(trainer.train_step(x, y)[0])
-        optimizer.zero_grad()
-        want = reference(x, y)[0]
-        want.backward()
-        optimizer.step()
-        # the same float32 arithmetic, sums of at most 8 terms in other orders; observed <= 0.03 of the bound
-        check(relative_error(loss, float(want.detach())), steps_bound(step + 1), f"step {step}")
+    # the same float32 arithmetic, sums of at most 8 terms in other orders; observed <= 0.03 of the bound
+    trainer, reference = sgd_steps_as_pytorch(Classifier(0.1, 0.1), DESC,
+                                              ((torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)),
+                                              0.2, lambda step: steps_bound(step + 1), TORCH)
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     reference.eval()
     with torch.no_grad():

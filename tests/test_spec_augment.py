@@ -10,6 +10,7 @@ import torch
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph.export.spec_augment import span_mask
 from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -120,23 +121,14 @@ def test_given_frames_are_masked_as_by_hugging_face():
     """With the frames given, no draw: three SGD steps equal PyTorch's, masked_spec_embed trained through them."""
     torch.manual_seed(23)
     model = _GivenMask()
-    reference = copy.deepcopy(model)
     desc = {"inputs": [("audio", ["batch", "samples"]), ("masked", ["batch", "frames"]), ("labels", ["batch"])],
             "outputs": [("loss", [], True)]}
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), options=TORCH)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     audio = _batch()[0]
     frames = int(model.model._get_feat_extract_output_lengths(audio.shape[1]))
-    for step in range(3):
-        masked = torch.rand(2, frames, generator=torch.Generator().manual_seed(step)) < 0.5
-        labels = torch.tensor([step % 3, (step + 1) % 3])
-        loss = float(trainer.train_step(audio, masked, labels))
-        optimizer.zero_grad()
-        want = reference(audio, masked, labels)
-        want.backward()
-        optimizer.step()
-        # the encoder's sums of up to 64 terms (steps_bound's length); observed <= 0.003 of the bound
-        check(relative_error(loss, float(want.detach())), steps_bound(step + 1), f"step {step}")
+    batches = ((audio, torch.rand(2, frames, generator=torch.Generator().manual_seed(step)) < 0.5,
+                torch.tensor([step % 3, (step + 1) % 3])) for step in range(3))
+    # the encoder's sums of up to 64 terms (steps_bound's length); observed <= 0.003 of the bound
+    trainer, reference = sgd_steps_as_pytorch(model, desc, batches, 0.1, lambda step: steps_bound(step + 1), TORCH)
     trainer.update_torch_model()
     embed, want = model.model.masked_spec_embed.detach(), reference.model.masked_spec_embed.detach()
     assert not torch.equal(want, _GivenMask().model.masked_spec_embed)  # (it was trained)
