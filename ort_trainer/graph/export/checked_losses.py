@@ -13,17 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..._logging import logger
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(name: str, check: str) -> None:
-    if name not in _WARNED:
-        _WARNED.add(name)
-        logger.warning("%s checks %s on every batch in PyTorch; the exported graph cannot raise, so it is traced "
-                       "where the check passes and does not make it: validate the data before train_step where it "
-                       "matters", name, check)
+from .validations import warn_once
 
 
 def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tensor | float, full: bool = False,
@@ -37,7 +27,7 @@ def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tens
             raise ValueError("var has negative entry/entries")
         var = torch.full_like(input, var)
     else:
-        _warn_once("F.gaussian_nll_loss", "that no variance is negative")
+        warn_once("F.gaussian_nll_loss checks that no variance is negative")
     if var.size() != input.size():
         if input.size()[:-1] == var.size():
             var = var.unsqueeze(-1)

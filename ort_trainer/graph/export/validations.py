@@ -22,10 +22,20 @@ from types import FrameType
 
 from ..._logging import logger
 
-_WARNED: set[tuple[str, int]] = set()  # the checks already logged (file, line)
+_WARNED: set[str] = set()  # the checks already logged
 
 
-@functools.lru_cache(maxsize=64)
+def warn_once(what: str) -> None:
+    """Log, the first time for ``what`` (a check named by its line, or a torch function's check), that the graph does
+    not make that check for each batch."""
+    if what not in _WARNED:
+        _WARNED.add(what)
+        logger.warning("%s: a check that raises, on values of the batch or the weights. PyTorch makes it on every "
+                       "batch; the exported graph cannot raise, so it is traced where the check passes and does not "
+                       "make it: validate the data before train_step where it matters", what)
+
+
+@functools.lru_cache(maxsize=16)
 def _tree(filename: str) -> ast.Module | None:
     try:
         return ast.parse("".join(linecache.getlines(filename)))
@@ -33,6 +43,7 @@ def _tree(filename: str) -> ast.Module | None:
         return None
 
 
+@functools.lru_cache(maxsize=256)
 def _check_statement(filename: str, lineno: int) -> ast.If | ast.Assert | None:
     """The innermost ``if`` (its body one ``raise``, no ``else``) or ``assert`` whose test spans ``lineno``."""
     tree = _tree(filename)
@@ -70,13 +81,8 @@ def passing_value(frame: FrameType | None) -> bool | None:
     negated = None if statement is None else _negated(statement.test)
     if negated is None:
         return None
-    if (filename, lineno) not in _WARNED:
-        _WARNED.add((filename, lineno))
-        code = linecache.getline(filename, lineno).strip()
-        logger.warning("%s:%d (%s): a check that raises, on values of the batch or the weights. PyTorch makes it on "
-                       "every batch; the exported graph cannot raise, so it is traced where the check passes and does "
-                       "not make it: validate the data before train_step where it matters", filename, lineno, code)
+    warn_once(f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})")
     return negated if isinstance(statement, ast.If) else not negated
 
 
-__all__ = ["passing_value"]
+__all__ = ["passing_value", "warn_once"]
