@@ -76,11 +76,13 @@ def pdist_forward(self: torch.Tensor, p: float = 2.0) -> torch.Tensor:
 
 def pdist_backward(grad: torch.Tensor, self: torch.Tensor, p: float, pdist: torch.Tensor) -> torch.Tensor:
     """``pdist_forward``'s gradient: each pair's, to both its rows (``cdist_backward`` of the pairs' matrix and of
-    its transpose)."""
+    its transpose, with the forward's distances ``pdist`` placed likewise)."""
     n = self.shape[0]
     i, j = _pairs(n, self.device)
-    full = torch.zeros(n, n, dtype=grad.dtype, device=grad.device).index_put((i, j), grad)
-    dist = cdist_forward(self, self, p)
+    zeros = torch.zeros(n, n, dtype=grad.dtype, device=grad.device)
+    full = zeros.index_put((i, j), grad)
+    upper = zeros.index_put((i, j), pdist)
+    dist = upper + upper.transpose(0, 1)  # the forward's distances, both ways (the diagonal's 0 has no gradient)
     return cdist_backward(full, self, self, p, dist) + cdist_backward(full.transpose(0, 1), self, self, p, dist)
 
 
