@@ -515,8 +515,8 @@ class NumpyMask(_Base):
 
 
 class TorchLayerDrop(_Base):
-    """The same decision from a torch draw read into Python (Hugging Face's layer drop): the TorchScript tracer
-    froze it without a word."""
+    """The same decision from a torch draw read into Python, outside a loop over layers (a loop's layer drop is
+    honoured: test_layer_drop.py): the TorchScript tracer froze it without a word."""
 
     def forward(self, x):
         h = torch.tanh(self.a(x))

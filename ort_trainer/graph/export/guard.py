@@ -23,7 +23,8 @@ semantics live outside that record:
   The value of the traced batch becomes a constant. Values derived from model inputs, weights or
   buffers are refused (a taint carried through every torch call); values derived from shapes only
   (``x.size(0) > 1``) are recorded by the tracer and allowed. ``torch.export`` cannot freeze such
-  a value (it stops at the first one); the guard names it before that.
+  a value (it stops at the first one); the guard names it before that. A layer drop read from a draw in a loop
+  over layers is decided in the graph instead (``layer_drop.py``).
 - **State changed by the forward** (a buffer updated in place, a weight clamped through
   ``.data``): the graph would never store it. Refused, BatchNorm statistics excepted (trained by
   ``passes/buffers.py``); on the ``torch`` route a persistent buffer changed in place is a graph
@@ -56,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import checked_losses, ctc, python_draws, spec_augment, validations
+from . import checked_losses, ctc, layer_drop, python_draws, spec_augment, validations
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -259,7 +260,8 @@ class ExportGuard(StateChanges):
         before = None if self._stop_gradients else self._state_versions()
         self._watching = True
         try:
-            with _GuardMode(self), python_draws.reporting(self._report_draw):
+            with _GuardMode(self), python_draws.reporting(self._report_draw), \
+                    layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)):
                 yield
         finally:
             if before is not None:
@@ -291,6 +293,8 @@ class ExportGuard(StateChanges):
             self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: {self._builder}, so "
                          "a gradient hook would never run; remove the hook, or express its effect in the forward or "
                          "the loss")
+        if tainted and name == "__bool__" and (kept := layer_drop.decision(_user_frame(), args[0])) is not None:
+            return kept  # Hugging Face's layer drop: the layer is kept, and blended in with the draw (layer_drop.py)
         if name == "detach_":
             self._report(("detach_",), "Tensor.detach_() in module {modules} at {where}: the export cannot "
                          "detach a tensor in place; write x = x.detach()")

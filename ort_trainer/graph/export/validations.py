@@ -36,7 +36,8 @@ def warn_once(what: str) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _tree(filename: str) -> ast.Module | None:
+def source_tree(filename: str) -> ast.Module | None:
+    """The parsed source of ``filename`` as ``linecache`` holds it; None where it cannot be parsed."""
     try:
         return ast.parse("".join(linecache.getlines(filename)))
     except (SyntaxError, ValueError):
@@ -46,7 +47,7 @@ def _tree(filename: str) -> ast.Module | None:
 @functools.lru_cache(maxsize=256)
 def _check_statement(filename: str, lineno: int) -> ast.If | ast.Assert | None:
     """The innermost ``if`` (its body one ``raise``, no ``else``) or ``assert`` whose test spans ``lineno``."""
-    tree = _tree(filename)
+    tree = source_tree(filename)
     if tree is None:
         return None
     found = None
@@ -85,4 +86,4 @@ def passing_value(frame: FrameType | None) -> bool | None:
     return negated if isinstance(statement, ast.If) else not negated
 
 
-__all__ = ["passing_value", "warn_once"]
+__all__ = ["passing_value", "source_tree", "warn_once"]
