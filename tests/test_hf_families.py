@@ -1,7 +1,8 @@
 """More Hugging Face architectures train through ORTTrainer like PyTorch: an encoder-decoder (BART, whose
 ``shift_tokens_right`` assigns the start token into a slice), a mixture of experts (Mixtral with its
 ``batched_mm`` experts; the default ``grouped_mm`` is refused, naming the switch) and an audio encoder with
-weight normalisation (wav2vec2's positional convolution), a ceil-mode average pool (Funnel) and GPT-2 with
+weight normalisation (wav2vec2's positional convolution), DeBERTa's attention (SEW-D: its masked softmax and
+dropout are Functions whose backward is their forward's derivative), a ceil-mode average pool (Funnel) and GPT-2 with
 reentrant gradient checkpointing (traced as the plain calls PyTorch's backward recomputes), and BLOOM, whose GELU is
 a custom autograd Function with its derivative written out as its backward."""
 
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 from ort_trainer import ORTTrainer  # noqa: E402
 from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
-from tolerances import check, steps_bound  # noqa: E402
+from tolerances import check, relative_error, steps_bound  # noqa: E402
 
 VOCAB, STEPS = 64, 3
 # ONNX Runtime against eager PyTorch for STEPS SGD steps on the same float32 arithmetic, each sum added in
@@ -64,6 +65,17 @@ def _wav2vec2():
     return Loss(transformers.Wav2Vec2ForSequenceClassification(config), "input_values"), "audio"
 
 
+def _sew_d():
+    """DeBERTa's attention in a speech encoder: its masked softmax (a Function taken for its forward) zeroes its
+    softmax's output in place (graph/gradient/out_of_place.py)."""
+    config = transformers.SEWDConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     squeeze_factor=2, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                     num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, position_buckets=8,
+                                     num_labels=3, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                     feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0)
+    return Loss(transformers.SEWDForSequenceClassification(config), "input_values"), "audio"
+
+
 def _funnel():
     config = transformers.FunnelConfig(vocab_size=VOCAB, d_model=32, n_head=2, d_head=16, d_inner=64,
                                        block_sizes=[1, 1, 1], num_labels=3, hidden_dropout=0.0,
@@ -95,8 +107,9 @@ def _batch(kind: str, step: int):
     return ids, torch.randint(3, VOCAB, (2, 12), generator=gen)
 
 
-@pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _funnel, _gpt2_reentrant_checkpointing, _bloom],
-                         ids=["bart", "mixtral", "wav2vec2", "funnel", "gpt2_reentrant_checkpointing", "bloom"])
+@pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _sew_d, _funnel, _gpt2_reentrant_checkpointing,
+                                  _bloom],
+                         ids=["bart", "mixtral", "wav2vec2", "sew_d", "funnel", "gpt2_reentrant_checkpointing", "bloom"])
 def test_hugging_face_family_trains_like_eager(make):
     torch.manual_seed(0)
     model, kind = make()
@@ -140,11 +153,17 @@ class _Context:
         self.saved_tensors = tensors
 
 
+# each Function's arguments after x (1-D): a mask for the masked softmax (one element in five dropped), the
+# probability for the dropout (whose mask, drawn in its forward, is the same for both calls: the same seed)
+_ARGUMENTS = {"XSoftmax": lambda x: ((torch.arange(x.numel()) % 5 != 0).int(), -1), "XDropout": lambda x: (0.3,)}
+
+
 def test_the_functions_taken_for_their_forward_have_its_derivative_for_backward():
     """``guard.DERIVATIVE_BACKWARDS``: autograd of the traced forward stands for the Function's own backward, so the
     two must be the same function. Compared in float64 over [-8, 8] with random output gradients in [-1, 1]. BLOOM's
     GELU backward writes sqrt(2/pi)·3·0.044715 as 0.1070322243 (10 digits: off by <= 5e-11), a term multiplied by
-    x³/2 <= 256: <= 1.3e-8 between the two; float64's roundings add ~1e-14. Bound 1e-7."""
+    x³/2 <= 256: <= 1.3e-8 between the two, relative to gradients of ~1; float64's roundings add ~1e-14 (the
+    softmax's sums of 4001 terms: ~1e-12). Bound 1e-7, relative to the largest gradient."""
     import importlib
 
     from ort_trainer.graph.export.guard import DERIVATIVE_BACKWARDS
@@ -154,6 +173,12 @@ def test_the_functions_taken_for_their_forward_have_its_derivative_for_backward(
         cls = getattr(importlib.import_module(module), function)
         x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
         grad = torch.rand(4001, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-        (theirs,) = torch.autograd.grad(cls.apply(x), x, grad)
-        (traced,) = torch.autograd.grad(cls.forward(_Context(), x), x, grad)
-        check(float((theirs - traced).abs().max()), 1e-7, f"{name}: its backward against autograd of its forward")
+        arguments = _ARGUMENTS.get(function, lambda x: ())(x)
+        torch.manual_seed(1)
+        (theirs,) = torch.autograd.grad(cls.apply(x, *arguments), x, grad)
+        torch.manual_seed(1)
+        # as traced: functional (XSoftmax zeroes its softmax's output in place, which eager autograd refuses)
+        traced_forward = torch.func.functionalize(lambda x: cls.forward(_Context(), x, *arguments))
+        (traced,) = torch.autograd.grad(traced_forward(x), x, grad)
+        assert theirs.abs().max() > 0, f"{name}: a gradient to compare"
+        check(relative_error(traced, theirs), 1e-7, f"{name}: its backward against autograd of its forward")

@@ -65,9 +65,10 @@ STOP_GRADIENT_DOMAIN = "ort_trainer"
 STOP_GRADIENT_OP = "StopGradient"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-# Functions whose backward is their forward's derivative, written out by hand (Megatron's): the gradient of the
-# traced forward is theirs (tests/test_hf_families.py compares them in float64)
-DERIVATIVE_BACKWARDS = {"transformers.models.bloom.modeling_bloom.GeLUFunction"}
+# Functions whose backward is their forward's derivative, written out by hand (Megatron's GELU, DeBERTa's masked
+# softmax and dropout in SEW-D): the gradient of the traced forward is theirs (test_hf_families.py, in float64)
+DERIVATIVE_BACKWARDS = {"transformers.models.bloom.modeling_bloom.GeLUFunction",
+                        *(f"transformers.models.sew_d.modeling_sew_d.{name}" for name in ("XSoftmax", "XDropout"))}
 # onnxruntime-training wraps torch.utils.checkpoint.checkpoint when its ortmodule is imported
 _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__file__)))
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction

@@ -267,7 +267,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         where = f" (in module {', '.join(modules)})" if modules else ""
         fix = ("; PyTorch cannot train through that operator either: rewrite that part of the model, or freeze "
                "the weights before it (utils.frozen_weights)") if missing else ""
-        linalg = sorted({str(n.target) for n in program.graph.nodes if "linalg" in str(n.target)})
+        linalg = sorted({str(n.target) for n in program.graph.nodes if "linalg" in str(n.target)
+                         and "vector_norm" not in str(n.target)})  # norms (weight norm's) differentiate
         if linalg and not missing:  # (torch's joint trace fails on them before any translation is looked up)
             fix = ". The model uses torch.linalg operators, which the export cannot differentiate or translate: "
             fix += "; ".join(f"{op} (in module {', '.join(_traced_program.modules_using(program, op))})"

@@ -27,6 +27,9 @@ over the pooled dims it is. ATen's composite computes that mean and then restrid
 where the input's layout looks channels-last, as an ``AdaptiveAvgPool1d`` of a transposed ``[batch, seq,
 channels]`` tensor does (Swin's pooler); that restriding's backward is an ``as_strided_scatter``, which
 the exporter cannot translate. In ONNX, where tensors have no strides, the mean is all that counts.
+
+An in-place change of an output its backward reads (a softmax's, inside a Function taken for its forward) is
+taken out of place (``out_of_place.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..._logging import logger
 from .eval_program import _decomposition, _inline
 from .fx_nodes import rewrite_graphs
 from .joint_onnx import _registry_and_tables
+from .out_of_place import out_of_place
 
 _aten = torch.ops.aten
 # the decompositions that write the operators out (``grid_sampler`` and ``pad``, which ``torch.export``
@@ -74,7 +78,7 @@ def decompose(program: Any) -> int:
         How many nodes were replaced.
     """
     count = (rewrite_graphs(program, _write_out) + rewrite_graphs(program, _global_pools_as_means)
-             + rewrite_graphs(program, _masked_selects_as_indexes))
+             + rewrite_graphs(program, _masked_selects_as_indexes) + rewrite_graphs(program, out_of_place))
     if count:
         logger.debug("before autograd: %d node(s) decomposed (their backward has no translation)", count)
     return count
