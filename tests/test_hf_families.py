@@ -109,7 +109,8 @@ def _batch(kind: str, step: int):
 
 @pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _sew_d, _funnel, _gpt2_reentrant_checkpointing,
                                   _bloom],
-                         ids=["bart", "mixtral", "wav2vec2", "sew_d", "funnel", "gpt2_reentrant_checkpointing", "bloom"])
+                         ids=["bart", "mixtral", "wav2vec2", "sew_d", "funnel", "gpt2_reentrant_checkpointing",
+                              "bloom"])
 def test_hugging_face_family_trains_like_eager(make):
     torch.manual_seed(0)
     model, kind = make()
