@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
+from . import onnx_schemas
 from .attention import additive_mask, retarget
 
 _aten = torch.ops.aten
@@ -137,13 +138,17 @@ def fused_attention(program: Any) -> int:
     return retarget(program, _eligible, fused)
 
 
-# each operator's ONNX inputs, outputs and attributes; T: q's dtype, U: float32
+# each operator's ONNX inputs, outputs and attributes; T: q's dtype, U: float32. Attributes: scale (float), causal,
+# layout (1: [batch, seq, heads, dim] tensors, graph/passes/attention_layout.py)
+_ATTRIBUTES = ("scale", "causal", "layout")
 _SCHEMAS = {
-    "Attention": (["q", "k", "v"], [("out", "T"), ("lse", "U")]),
-    "BiasAttention": (["q", "k", "v", "bias"], [("out", "T"), ("lse", "U")]),
-    "AttentionGrad": (["dout", "q", "k", "v", "out", ("lse", "U")], [("dq", "T"), ("dk", "T"), ("dv", "T")]),
-    "BiasAttentionGrad": (["dout", "q", "k", "v", "bias", "out", ("lse", "U")], [("dq", "T"), ("dk", "T"),
-                                                                                   ("dv", "T")]),
+    "Attention": ([("q", "T"), ("k", "T"), ("v", "T")], [("out", "T"), ("lse", "U")], _ATTRIBUTES),
+    "BiasAttention": ([("q", "T"), ("k", "T"), ("v", "T"), ("bias", "T")], [("out", "T"), ("lse", "U")],
+                      _ATTRIBUTES),
+    "AttentionGrad": ([("dout", "T"), ("q", "T"), ("k", "T"), ("v", "T"), ("out", "T"), ("lse", "U")],
+                      [("dq", "T"), ("dk", "T"), ("dv", "T")], _ATTRIBUTES),
+    "BiasAttentionGrad": ([("dout", "T"), ("q", "T"), ("k", "T"), ("v", "T"), ("bias", "T"), ("out", "T"),
+                           ("lse", "U")], [("dq", "T"), ("dk", "T"), ("dv", "T")], _ATTRIBUTES),
 }
 _TYPES = {"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "U": ["tensor(float)"]}
 
@@ -152,19 +157,8 @@ def _register_schemas() -> None:
     """ONNX schemas of the operators (what onnxscript reads to emit their nodes), once per process."""
     import onnx
 
-    schema, parameter = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter
-    for name, (inputs, outputs) in _SCHEMAS.items():
-        if onnx.defs.has(name, DOMAIN):
-            continue
-        typed = [p if isinstance(p, tuple) else (p, "T") for p in inputs]
-        schema_ = schema(name, DOMAIN, 1, doc=f"ort_trainer's torch operators: {name}",
-                         inputs=[parameter(*p) for p in typed], outputs=[parameter(*p) for p in outputs],
-                         type_constraints=[(kind, _TYPES[kind], kind) for kind in ("T", "U")],
-                         attributes=[schema.Attribute("scale", schema.AttrType.FLOAT, "scale", required=False),
-                                     schema.Attribute("causal", schema.AttrType.INT, "causal", required=False),
-                                     # 1: [batch, seq, heads, dim] tensors (graph/passes/attention_layout.py)
-                                     schema.Attribute("layout", schema.AttrType.INT, "layout", required=False)])
-        onnx.defs.register_schema(schema_)
+    onnx_schemas.register(DOMAIN, 1, "ort_trainer's torch operators", _SCHEMAS, _TYPES,
+                          {"scale": onnx.defs.OpSchema.AttrType.FLOAT})
 
 
 def register_translations(registry) -> None:

@@ -12,32 +12,21 @@ from __future__ import annotations
 
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
 from ..export import ctc
+from . import onnx_schemas
 
-_INTEGERS = ("targets", "input_lengths", "target_lengths")
-# each operator's ONNX inputs and outputs; T: log_probs' dtype, I: int64
+_INTEGERS = [(name, "I") for name in ("targets", "input_lengths", "target_lengths")]
+# each operator's ONNX inputs, outputs and attributes (ints); T: log_probs' dtype, I: int64
 _SCHEMAS = {
-    "CTCLoss": (["log_probs", *_INTEGERS], ["loss"]),
-    "CTCLossGrad": (["grad", "log_probs", *_INTEGERS], ["grad_log_probs"]),
+    "CTCLoss": ([("log_probs", "T"), *_INTEGERS], [("loss", "T")], ("blank", "zero_infinity")),
+    "CTCLossGrad": ([("grad", "T"), ("log_probs", "T"), *_INTEGERS], [("grad_log_probs", "T")],
+                    ("blank", "zero_infinity")),
 }
 _TYPES = {"T": ["tensor(float)", "tensor(double)"], "I": ["tensor(int64)"]}
 
 
 def _register_schemas() -> None:
     """ONNX schemas of the operators (what onnxscript reads to emit their nodes), once per process."""
-    import onnx
-
-    schema, parameter = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter
-    for name, (inputs, outputs) in _SCHEMAS.items():
-        if onnx.defs.has(name, DOMAIN):
-            continue
-        onnx.defs.register_schema(schema(
-            name, DOMAIN, 1, doc=f"ort_trainer's torch operators: {name}",
-            inputs=[parameter(p, "I" if p in _INTEGERS else "T") for p in inputs],
-            outputs=[parameter(p, "T") for p in outputs],
-            type_constraints=[(kind, types, kind) for kind, types in _TYPES.items()],
-            attributes=[schema.Attribute("blank", schema.AttrType.INT, "the blank class", required=False),
-                        schema.Attribute("zero_infinity", schema.AttrType.INT, "zero infinite losses' gradients",
-                                         required=False)]))
+    onnx_schemas.register(DOMAIN, 1, "ort_trainer's torch operators", _SCHEMAS, _TYPES)
 
 
 def register_translations(registry) -> None:

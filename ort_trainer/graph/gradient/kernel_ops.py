@@ -39,7 +39,6 @@ the switches on, and ``rewrite_joint`` replaces each of them afterwards.
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import onnx
@@ -47,6 +46,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...kernels import DOMAIN, OPSET
+from . import onnx_schemas
 from .fx_nodes import Builder, fill_fake_values, rewrite_graphs
 from .sparse_labels import _is_float_cast, _value, erase_unread, readers
 
@@ -376,30 +376,12 @@ _TYPES = {"T": _DTYPES, "G": _DTYPES, "I": ["tensor(int64)"], "U": ["tensor(floa
           "A": [*_DTYPES, "tensor(double)", "tensor(int64)", "tensor(int32)", "tensor(bool)"]}
 
 
-@functools.lru_cache(maxsize=1)
 def _register_schemas() -> None:
     """ONNX schemas of the kernels' operators (what onnxscript reads to emit their nodes, and onnx's checker)."""
-    schema, formal = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter
-    option = schema.FormalParameterOption
-    for name, (inputs, outputs, attributes) in _SCHEMAS.items():
-        if onnx.defs.has(name, DOMAIN):
-            continue
-        used = sorted({kind for _, kind in [*inputs, *outputs]})
-
-        def parameter(p, op=name):
-            return formal(*p, param_option=option.Variadic if (op, p[0]) in _VARIADIC else option.Single)
-
-        onnx.defs.register_schema(schema(
-            name, DOMAIN, OPSET, doc=f"ort_trainer's kernel library: {name}",
-            inputs=[parameter(p) for p in inputs], outputs=[parameter(p) for p in outputs],
-            type_constraints=[(kind, _TYPES[kind], kind) for kind in used],
-            attributes=[schema.Attribute(a, _attribute_type(a), a, required=False) for a in attributes]))
-
-
-def _attribute_type(name: str):
-    """An attribute's ONNX type in the schemas (_FLOAT_ATTRIBUTES, _INTS_ATTRIBUTES, else INT)."""
     kinds = onnx.defs.OpSchema.AttrType
-    return kinds.FLOAT if name in _FLOAT_ATTRIBUTES else kinds.INTS if name in _INTS_ATTRIBUTES else kinds.INT
+    onnx_schemas.register(DOMAIN, OPSET, "ort_trainer's kernel library", _SCHEMAS, _TYPES,
+                          {**{a: kinds.FLOAT for a in _FLOAT_ATTRIBUTES}, **{a: kinds.INTS for a in _INTS_ATTRIBUTES}},
+                          _VARIADIC)
 
 
 def register_translations(registry) -> None:
