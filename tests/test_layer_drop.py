@@ -1,12 +1,15 @@
 """Layer drop (Hugging Face's ``layerdrop``: each layer skipped in training with probability p, drawn with
-``torch.rand`` and read into Python) is decided in the graph at every step (``graph/export/layer_drop.py``).
+``torch.rand``, or NumPy in wav2vec2's adapter, and read into Python) is decided in the graph at every step
+(``graph/export/layer_drop.py``).
 
 The draws differ from PyTorch's, so the steps are compared with PyTorch given the same decisions: a layer whose
 weights a step leaves unchanged (SGD, lr > 0) was dropped, and PyTorch's ``torch.rand`` is made to return values
 that drop the same layers."""
 
+import contextlib
 import copy
 import logging
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph.export import layer_drop
 from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
 
 ROUTES = [pytest.param("torch", marks=pytest.mark.skipif(not _runtime.has_onnxscript(), reason="needs onnxscript")),
@@ -60,18 +64,34 @@ class Wav2Vec2Style(_Layers):
         return hidden_states
 
 
+class AdapterStyle(_Layers):
+    """... and wav2vec2's adapter's: a NumPy draw, the layer kept where it exceeds p."""
+
+    def forward(self, hidden_states):
+        for layer in self.layers:
+            layerdrop_prob = np.random.random()
+            if not self.training or (layerdrop_prob > self.layerdrop):
+                hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+STYLES = {"bart": BartStyle, "wav2vec2": Wav2Vec2Style, "adapter": AdapterStyle}
+
+
 class Classifier(torch.nn.Module):
     def __init__(self, p: float, style: str, layers: int = 3):
         super().__init__()
-        self.encoder = (BartStyle if style == "bart" else Wav2Vec2Style)(p, layers)
+        self.encoder = STYLES[style](p, layers)
         self.head = torch.nn.Linear(4, 3)
 
     def forward(self, x, y):
         return F.cross_entropy(self.head(self.encoder(x)), y)
 
 
-def _scripted_rand(decisions: list[bool]):
-    """A ``torch.rand`` whose scalar draws are 0 (below any p: dropped) or 0.999 (kept), in the order given."""
+@contextlib.contextmanager
+def _scripted_draws(monkeypatch, decisions: list[bool]) -> Iterator[list[bool]]:
+    """Within: ``torch.rand([])`` and ``np.random.random()`` draw 0 (below any p: dropped) or 0.999 (kept) for the
+    decisions in the order given; yields what is left of them."""
     queue, original = list(decisions), torch.rand
 
     def rand(*size, **kwargs):
@@ -79,7 +99,10 @@ def _scripted_rand(decisions: list[bool]):
             return torch.tensor(0.0 if queue.pop(0) else 0.999)
         return original(*size, **kwargs)
 
-    return rand, queue
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "rand", rand)
+        patch.setattr(np.random, "random", lambda: 0.0 if queue.pop(0) else 0.999)
+        yield queue
 
 
 def _steps_as_pytorch_with_its_decisions(model, desc, batches, layers: list[str], options: dict, monkeypatch,
@@ -99,10 +122,8 @@ def _steps_as_pytorch_with_its_decisions(model, desc, batches, layers: list[str]
         decisions = [all(torch.equal(before[k], after[k]) for k in before if k.startswith(prefix))
                      for prefix in layers]
         everything.append(decisions)
-        rand, queue = _scripted_rand(decisions)
         optimizer.zero_grad()
-        with monkeypatch.context() as patch:
-            patch.setattr(torch, "rand", rand)
+        with _scripted_draws(monkeypatch, decisions) as queue:
             want = reference(*batch)
         want = want[0] if isinstance(want, tuple) else want
         want.backward()
@@ -120,7 +141,7 @@ def _batches(steps: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("style", ["bart", "wav2vec2"])
+@pytest.mark.parametrize("style", list(STYLES))
 def test_steps_equal_pytorch_dropping_the_same_layers(route, style, monkeypatch, caplog):
     torch.manual_seed(0)
     monkeypatch.setattr(layer_drop, "_WARNED", set())  # warned once per line and process
@@ -142,9 +163,7 @@ def test_each_layer_is_dropped_with_its_probability_and_never_in_eval(route, mon
     x, y = _batches(1)[0]
     with_layer, without = [], []
     for dropped, values in ((False, with_layer), (True, without)):
-        rand, _ = _scripted_rand([dropped])
-        with monkeypatch.context() as patch:
-            patch.setattr(torch, "rand", rand)
+        with _scripted_draws(monkeypatch, [dropped]):
             values.append(float(model(x, y).detach()))
     model.eval()
     evaluated = float(model(x, y).detach())
@@ -247,3 +266,44 @@ def test_hugging_face_layer_drop_steps_equal_pytorch_dropping_the_same_layers(fa
                                                      monkeypatch, length=64)
     flat = [d for step in decisions for d in step]
     assert any(flat) and not all(flat), f"{len(decisions)} steps dropped {sum(flat)} of {len(flat)} layers"
+
+
+class _Pooled(torch.nn.Module):
+    """A speech encoder's mean hidden state, classified."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model, self.head = model, torch.nn.Linear(model.config.output_hidden_size, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.model(x).last_hidden_state.mean(1)), y)
+
+
+def _adapter(transformers, layerdrop: float):
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=layerdrop,
+        mask_time_prob=0.0, add_adapter=True, output_hidden_size=32, num_adapter_layers=2)
+    return _Pooled(transformers.Wav2Vec2Model(config))
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="needs onnxscript")
+def test_the_numpy_draws_of_wav2vec2s_adapter_train_at_layerdrop_0_and_are_refused_above():
+    """At layerdrop 0 no adapter layer is dropped (one is kept where its draw exceeds 0): 3 steps as PyTorch.
+    Above 0 a dropped adapter layer (a strided convolution) would change the sequence's length: refused, naming
+    the fix."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 400, generator=generator), torch.randint(0, 3, (2,), generator=generator))
+               for _ in range(3)]
+    desc = {"inputs": [("x", ["b", "t"]), ("y", ["b"])], "outputs": [("loss", [], True)]}
+    # the longest float32 sums: the feed-forward's 64 terms
+    sgd_steps_as_pytorch(_adapter(transformers, 0.0), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=64),
+                         {"graph": {"gradient_source": "torch"}})
+    trainer = ORTTrainer(_adapter(transformers, 0.1), desc, SGDConfig(lr=0.1),
+                         options={"graph": {"gradient_source": "torch"}})
+    with pytest.raises(Exception, match=r"layer drop at .*: the layer changes its input's shape .*adapter.* set the "
+                       r"model's layer drop probability to 0 \(config.layerdrop\)"):
+        trainer.train_step(*batches[0])

@@ -261,7 +261,7 @@ class ExportGuard(StateChanges):
         before = None if self._stop_gradients else self._state_versions()
         self._watching = True
         try:
-            with _GuardMode(self), python_draws.reporting(self._report_draw), \
+            with _GuardMode(self), python_draws.reporting(self._report_draw, layer_drop.python_draw), \
                     layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)):
                 yield
         finally:

@@ -11,19 +11,25 @@ drawn with torch and read into Python::
         if not skip_the_layer or synced_gpus:
             hidden_states = layer(hidden_states, ...)
 
-A trace would freeze the traced step's decisions. While the model is exported, such a decision (a 0-d boolean
-tensor ``draw < p`` whose truth value is read on a line of a loop over a module list of the model, the draw
-``torch.rand``, recognised from the loop's source) reads as "keep the layer", and the layer's output becomes
-``where(drop, its input, its output)`` with the draw in the graph: each layer is dropped with probability p,
-anew at every step, the dropped one passing its input on as in PyTorch. Every layer is computed, and a dropped
-layer's weights get a zero gradient where PyTorch gives them none: plain SGD leaves them as PyTorch does, while
-momentum, Adam's moments and weight decay still move them (logged once per loop, as a warning).
+A trace would freeze the traced step's decisions. While the model is exported, such a decision reads as "keep
+the layer", and the layer's output becomes ``where(drop, its input, its output)`` with the draw in the graph: each
+layer is dropped with probability p, anew at every step, the dropped one passing its input on as in PyTorch. A
+decision is a 0-d boolean tensor ``draw < p`` (drop) or ``draw > p`` (keep) whose truth value is read on an ``if``
+line of a loop over a module list (``for layer in self.layers``), ``draw`` a ``torch.rand`` in the loop, and the
+loop's code after it calls nothing but the layer: all recognised from the loop's source. wav2vec2's adapter draws
+with NumPy (``np.random.random()``, every step, whatever p): in such a loop the draw is made with torch instead.
+
+Every layer is computed, and a dropped layer's weights get a zero gradient where PyTorch gives them none: plain SGD
+leaves them as PyTorch does, while momentum, Adam's moments and weight decay still move them (logged once per
+loop, as a warning). At p = 0 nothing is dropped or blended. A layer that changes its input's shape (the
+adapter's strided convolutions) cannot be passed over in a graph of fixed shapes: refused above p = 0.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import linecache
 import threading
@@ -39,9 +45,21 @@ _STATE = threading.local()  # the export in progress on this thread (``_Drops``)
 _WARNED: set[str] = set()
 
 
-def _is_rand(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rand"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch")
+# the draws a layer drop compares with its probability: torch's, and the Python ones the trace would freeze
+# (Hugging Face's wav2vec2 adapters draw with NumPy), which are drawn with torch instead (``python_draw``)
+_TORCH_DRAWS = {"torch.rand"}
+_PYTHON_DRAWS = {"np.random.random", "numpy.random.random", "np.random.uniform", "numpy.random.uniform",
+                 "random.random"}
+
+
+def _draw(node: ast.expr) -> str | None:
+    """The name of the draw of one number in [0, 1) that ``node`` calls (``torch.rand``, ``np.random.random``)."""
+    if not isinstance(node, ast.Call):
+        return None
+    name = ast.unparse(node.func)
+    if name.endswith("uniform") and [ast.unparse(a) for a in node.args] not in ([], ["0", "1"]):
+        return None
+    return name if name in _TORCH_DRAWS | _PYTHON_DRAWS else None
 
 
 def _listed_attribute(node: ast.expr) -> tuple[str, str] | None:
@@ -53,28 +71,46 @@ def _listed_attribute(node: ast.expr) -> tuple[str, str] | None:
     return None
 
 
-def _decision_lines(loop: ast.For) -> set[int]:
-    """The lines of the ``if`` tests in ``loop`` that read a drop decision: ``draw < p`` (or ``<=``) with ``draw``
-    assigned ``torch.rand(...)`` in the loop, or a name assigned an expression holding that comparison."""
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """A loop over ``owner.attribute`` whose layers a draw drops: the lines that read a decision (each with whether
+    its truth means "drop", and the probability's expression) and the lines that draw in Python."""
+
+    owner: str
+    attribute: str
+    decisions: dict[int, tuple[bool, ast.expr]]
+    python_draws: frozenset[int]
+
+
+def _decisions(loop: ast.For) -> tuple[dict[int, tuple[bool, ast.expr]], set[int]]:
+    """The lines of the ``if`` tests in ``loop`` that read a decision, ``draw < p`` (drop; or ``<=``) or ``draw > p``
+    (keep; or ``>=``) with ``draw`` assigned a draw in the loop, or a name assigned an expression holding that
+    comparison; and the lines of the Python draws."""
     nodes = list(ast.walk(loop))
-    draws = {target.id for node in nodes if isinstance(node, ast.Assign) and _is_rand(node.value)
+    assigned = [(node, _draw(node.value)) for node in nodes if isinstance(node, ast.Assign)]
+    draws = {target.id for node, name in assigned if name for target in node.targets if isinstance(target, ast.Name)}
+    senses = {ast.Lt: True, ast.LtE: True, ast.Gt: False, ast.GtE: False}
+    tests = {node: (senses[type(node.ops[0])], node.comparators[0]) for node in nodes
+             if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id in draws
+             and len(node.ops) == 1 and type(node.ops[0]) in senses}
+    named = {target.id: tests[inner] for node in nodes if isinstance(node, ast.Assign)
+             for inner in ast.walk(node.value) if inner in tests
              for target in node.targets if isinstance(target, ast.Name)}
-    tests = [node for node in nodes if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name)
-             and node.left.id in draws and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Lt, ast.LtE))]
-    decisions = {target.id for node in nodes if isinstance(node, ast.Assign)
-                 and any(inner in tests for inner in ast.walk(node.value))
-                 for target in node.targets if isinstance(target, ast.Name)}
-    lines = set()
+    lines = {}
     for node in nodes:
-        if isinstance(node, ast.If) and any(inner in tests or isinstance(inner, ast.Name) and inner.id in decisions
-                                            for inner in ast.walk(node.test)):
-            lines.update(range(node.test.lineno, (node.test.end_lineno or node.test.lineno) + 1))
-    return lines
+        if isinstance(node, ast.If):
+            read = [tests[inner] if inner in tests else named[inner.id] for inner in ast.walk(node.test)
+                    if inner in tests or isinstance(inner, ast.Name) and inner.id in named]
+            if read:
+                lines.update(dict.fromkeys(range(node.test.lineno, (node.test.end_lineno or node.test.lineno) + 1),
+                                           read[0]))
+    return lines, {node.lineno for node, name in assigned if name in _PYTHON_DRAWS}
 
 
 @functools.lru_cache(maxsize=256)
-def _site(filename: str, lineno: int) -> tuple[str, str] | None:
-    """``(owner, X)`` where ``lineno`` reads a drop decision in the innermost loop over ``owner.X`` that holds it."""
+def _loop(filename: str, lineno: int) -> _Loop | None:
+    """The innermost loop over a list of layers around ``lineno``, where its layers are dropped by a draw and its
+    code after the first decision calls nothing but the layer."""
     tree = source_tree(filename)
     if tree is None:
         return None
@@ -83,8 +119,26 @@ def _site(filename: str, lineno: int) -> tuple[str, str] | None:
     if not loops:
         return None
     loop = max(loops, key=lambda node: node.lineno)
-    lines = _decision_lines(loop)
-    return _listed_attribute(loop.iter) if lineno in lines and _only_the_layer_after(loop, min(lines)) else None
+    decisions, python_draws = _decisions(loop)
+    if not decisions or not _only_the_layer_after(loop, min(decisions)):
+        return None
+    return _Loop(*_listed_attribute(loop.iter), decisions, frozenset(python_draws))
+
+
+def _probability(expression: ast.expr, frame: FrameType) -> float | None:
+    """The value of ``expression`` (a number, or attributes of a local: ``self.config.layerdrop``) on ``frame``."""
+    if isinstance(expression, ast.Constant):
+        return expression.value if isinstance(expression.value, (int, float)) else None
+    names = []
+    while isinstance(expression, ast.Attribute):
+        names.append(expression.attr)
+        expression = expression.value
+    if not isinstance(expression, ast.Name) or expression.id not in frame.f_locals:
+        return None
+    value = frame.f_locals[expression.id]
+    for name in reversed(names):
+        value = getattr(value, name, None)
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _only_the_layer_after(loop: ast.For, line: int) -> bool:
@@ -142,7 +196,14 @@ class _Drops:
             return None
         decision, where = self.pending.pop(key)
         blended = _blend(decision, args, kwargs, output)
-        if blended is None:
+        hidden, first = args[0] if args else kwargs.get("hidden_states"), output[0] if isinstance(output, tuple) \
+            else output
+        if blended is None and isinstance(hidden, torch.Tensor) and isinstance(first, torch.Tensor) \
+                and first.shape != hidden.shape:
+            self.report(f"layer drop at {where}: the layer changes its input's shape (a strided convolution: "
+                        "wav2vec2's adapter), so a dropped layer would change the shapes after it, which the graph "
+                        "cannot follow; set the model's layer drop probability to 0 (config.layerdrop)")
+        elif blended is None:
             self.report(f"layer drop at {where}: the layer returns more than its hidden states (a tensor shaped as "
                         "its first input, with tensors it was given), so the graph cannot pass its input on in their "
                         "place; set the model's layer drop probability "
@@ -176,19 +237,34 @@ def decided_in_the_graph(report: Callable[[str], None]) -> Iterator[None]:
 
 
 def decision(frame: FrameType | None, value: torch.Tensor) -> bool | None:
-    """False ("keep the layer") where ``value`` (whose truth value the code on ``frame``'s line reads) is a layer drop
-    decision, whose layer is then blended in; None where it is none."""
+    """The truth value that keeps the layer where ``value`` (whose truth value the code on ``frame``'s line reads)
+    is a layer drop decision, whose layer is then blended in with it; None where it is none."""
     drops = getattr(_STATE, "drops", None)
     if drops is None or frame is None or value.dim() != 0 or value.dtype != torch.bool:
         return None
     filename, lineno = frame.f_code.co_filename, frame.f_lineno
-    site = _site(filename, lineno)
-    layers = None if site is None else getattr(frame.f_locals.get(site[0]), site[1], None)
+    loop = _loop(filename, lineno)
+    if loop is None or lineno not in loop.decisions:
+        return None
+    layers = getattr(frame.f_locals.get(loop.owner), loop.attribute, None)
     if not isinstance(layers, torch.nn.ModuleList):
         return None
-    where = f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})"
-    drops.drop(layers, value, where.replace("{", "{{").replace("}", "}}"))
-    return False
+    dropping, threshold = loop.decisions[lineno]
+    probability = _probability(threshold, frame)
+    if probability is None or probability > 0:  # (a draw in [0, 1) is never below 0: no layer dropped)
+        where = f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})"
+        drops.drop(layers, value if dropping else torch.logical_not(value),
+                   where.replace("{", "{{").replace("}", "}}"))
+    return not dropping
 
 
-__all__ = ["decided_in_the_graph", "decision"]
+def python_draw(name: str, frame: FrameType) -> torch.Tensor | None:
+    """A torch draw in [0, 1) for the Python draw ``name`` (``np.random.random``) called on ``frame``'s line where
+    that line draws a layer drop (module docstring), which the graph then draws at every step; None elsewhere."""
+    loop = _loop(frame.f_code.co_filename, frame.f_lineno) if getattr(_STATE, "drops", None) else None
+    if loop is None or frame.f_lineno not in loop.python_draws or name not in _PYTHON_DRAWS:
+        return None
+    return torch.rand([])
+
+
+__all__ = ["decided_in_the_graph", "decision", "python_draw"]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import threading
-from typing import Callable, Iterator
+from types import FrameType
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -25,9 +27,11 @@ _NUMPY = ("rand", "randn", "random", "random_sample", "randint", "uniform", "nor
 
 
 @contextlib.contextmanager
-def reporting(report: Callable[[str], None]) -> Iterator[None]:
-    """Within: each call of those draws on this thread calls ``report("random.random")`` (the draw's name), then
-    draws as it would have."""
+def reporting(report: Callable[[str], None],
+              substitute: Callable[[str, FrameType], Any] = lambda name, frame: None) -> Iterator[None]:
+    """Within: each call of those draws on this thread returns ``substitute("np.random.random", the caller's
+    frame)`` where that is not None (a layer drop's draw, in torch: ``layer_drop.python_draw``), else calls
+    ``report("np.random.random")`` (the draw's name) and draws as it would have."""
     thread, swapped = threading.get_ident(), []
 
     def watched(owner, prefix: str, name: str):
@@ -35,6 +39,9 @@ def reporting(report: Callable[[str], None]) -> Iterator[None]:
 
         def draw(*args, **kwargs):
             if threading.get_ident() == thread:
+                value = substitute(f"{prefix}.{name}", sys._getframe(1))
+                if value is not None:
+                    return value
                 report(f"{prefix}.{name}")
             return original(*args, **kwargs)
 
