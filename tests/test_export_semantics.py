@@ -538,6 +538,30 @@ def test_random_draws_read_in_python_are_refused_naming_the_line(make, draw, lin
         trainer.train_step(*_batch(0))
 
 
+class SeededNumpyMask(_Base):
+    """The mask of ``NumpyMask`` drawn after seeding NumPy with a number (BigBird's way): the same at every step,
+    in PyTorch too, so the trace keeps it. Seeded from the system's entropy (``seed=None``) it is refused."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.seed = seed
+
+    def forward(self, x):
+        np.random.seed(self.seed)
+        keep = torch.from_numpy((np.random.rand(4) > 0.3).astype(np.float32))
+        return self.c(torch.tanh(self.a(x)) * keep)
+
+
+def test_python_draws_after_a_seed_with_a_number_are_traced_at_their_outcome():
+    torch.manual_seed(0)
+    _, got, expected = _train_both(SeededNumpyMask())
+    _assert_same_weights(got, expected)
+    trainer = ORTTrainer(SeededNumpyMask(seed=None), DESC, SGDConfig(lr=LR), loss_fn=F.cross_entropy,
+                         options=_options())
+    with pytest.raises(ExportError, match=r"a Python random draw \(np.random.rand\(\)\)"):
+        trainer.train_step(*_batch(0))
+
+
 class SeveralProblems(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 from ort_trainer import ORTTrainer  # noqa: E402
 from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
+from models import sgd_steps_as_pytorch  # noqa: E402
 from tolerances import check, relative_error, steps_bound  # noqa: E402
 
 VOCAB, STEPS = 64, 3
@@ -183,3 +184,24 @@ def test_the_functions_taken_for_their_forward_have_its_derivative_for_backward(
         (traced,) = torch.autograd.grad(traced_forward(x), x, grad)
         assert theirs.abs().max() > 0, f"{name}: a gradient to compare"
         check(relative_error(traced, theirs), 1e-7, f"{name}: its backward against autograd of its forward")
+
+
+def test_bigbird_block_sparse_attention_trains_like_eager(caplog):
+    """BigBird's block-sparse attention draws its random blocks with NumPy after seeding it with the layer's
+    index at every forward: the same blocks at every step, which the trace keeps (with a warning that a changing
+    seed would not be followed). Sequences of 64 tokens in blocks of 4 (block-sparse from 36 tokens on)."""
+    import logging
+
+    config = transformers.BigBirdConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, max_position_embeddings=64, block_size=4,
+                                        num_random_blocks=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = Loss(transformers.BigBirdForMaskedLM(config), "input_ids")
+    assert model.model.config.attention_type == "block_sparse"
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(3, VOCAB, (2, 64), generator=generator),) * 2 for _ in range(STEPS)]
+    desc = {"inputs": [("x", ["batch", "seq"]), ("y", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+    with caplog.at_level(logging.WARNING, logger="ort_trainer"):
+        # the longest float32 sums: the feed-forward's 64 terms
+        sgd_steps_as_pytorch(model, desc, batches, 0.1, lambda step: steps_bound(step + 1, length=64))
+    assert "np.random.seed(seed)" in caplog.text and "A seed that changes from step to step" in caplog.text
