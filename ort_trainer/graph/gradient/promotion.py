@@ -56,6 +56,7 @@ def insert_type_promotions(graph_module: torch.fx.GraphModule) -> int:
     for module in graph_module.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
+        _numbers_second(module.graph)
         # the scalar -> dtype table the pass casts Python numbers by
         nodes = _needing_promotion(module, table, type_promotion, type_utils.from_scalar_type_to_torch_dtype)
         if not nodes:
@@ -102,6 +103,36 @@ def _overloads_by_schema(type_promotion: Any) -> Iterator[None]:
         yield
     finally:
         type_promotion.find_compatible_op_overload = before
+
+
+def _numbers_second(graph: torch.fx.Graph) -> int:
+    """A Python number as the first operand of ``add``, ``mul`` or ``sub`` of an integer (or boolean) tensor (torch's
+    decomposition of ``rsub``, the ``1.0 - mask`` of an integer mask, writes ``sub.Tensor(1.0, mask)``), which the
+    pass cannot dispatch again once it has cast the tensor: ``add`` and ``mul`` with their operands swapped, ``sub``
+    as the negated tensor plus the number (``-mask + 1.0``: the same values, IEEE subtraction being the addition of
+    the negation); in place, returns how many."""
+    from torch._guards import detect_fake_mode
+
+    aten = torch.ops.aten
+    found = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor) \
+                or node.kwargs or len(node.args) != 2 or not isinstance(node.args[0], (int, float)) \
+                or not isinstance(node.args[1], torch.fx.Node):
+            continue
+        number, tensor = node.args
+        value = tensor.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
+            continue
+        if node.target is aten.sub.Tensor:
+            with graph.inserting_before(node):
+                negated = graph.call_function(aten.neg.default, (tensor,))
+            with detect_fake_mode([value]) or contextlib.nullcontext():  # (torch refuses a number minus a boolean)
+                negated.meta["val"] = torch.neg(value)
+            node.target, tensor = aten.add.Tensor, negated
+        node.args = (tensor, number)
+        found += 1
+    return found
 
 
 def _needing_promotion(module: torch.fx.GraphModule, table: Any, type_promotion: Any,
