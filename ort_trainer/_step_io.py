@@ -62,7 +62,8 @@ def capture_problems(model: onnx.ModelProto) -> list[str]:
                     "(dropout: graph_optimizations.seeded_dropout, gradient source 'torch', draws float32, float16 and "
                     "bfloat16 dropouts on the device, with ort_trainer's CUDA kernels: nvcc or "
                     "$ORT_TRAINER_KERNELS_LIBRARY; or set the model's dropout probabilities to 0 to train with "
-                    "device.cuda_graph)")
+                    "device.cuda_graph; other draws, a layer drop or SpecAugment's masks: set layerdrop, "
+                    "mask_time_prob and mask_feature_prob to 0)")
         elif node.op_type in _DATA_DEPENDENT_OPS:
             kind = "has an output whose shape depends on the batch's values, which a capture fixes"
         elif node.op_type in _CONTROL_FLOW_OPS:

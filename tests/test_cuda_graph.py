@@ -150,7 +150,8 @@ def test_a_dropout_is_refused_only_where_it_draws_a_mask(ratio, training, refuse
                             "(dropout: graph_optimizations.seeded_dropout, gradient source 'torch', draws float32, "
                             "float16 and bfloat16 dropouts on the device, with ort_trainer's CUDA kernels: nvcc or "
                             "$ORT_TRAINER_KERNELS_LIBRARY; or set the model's dropout probabilities to 0 to train with "
-                            "device.cuda_graph): drop"]
+                            "device.cuda_graph; other draws, a layer drop or SpecAugment's masks: set layerdrop, "
+                            "mask_time_prob and mask_feature_prob to 0): drop"]
 
 
 def test_every_kind_of_node_a_capture_cannot_replay_is_named_once_with_all_its_nodes():
