@@ -135,6 +135,17 @@ class _WithCummax(_WithDiff):
         self.differences = _Cummax()
 
 
+class _Mode(torch.nn.Module):
+    def forward(self, x):
+        return x * torch.mode(x.round(), dim=1)[0][:, None]
+
+
+class _WithMode(_WithDiff):
+    def __init__(self):
+        super().__init__()
+        self.differences = _Mode()
+
+
 class _Pool(torch.nn.Module):
     """Average pooling: its forward translates; its backward operator (``avg_pool2d_backward``) does only through
     ort_trainer's decomposition, which the test takes away."""
@@ -180,10 +191,10 @@ LOSS_ONLY = {"inputs": [("x", ["batch", 4])], "outputs": [("loss", [])]}
 
 
 def test_unexportable_op_names_the_op_and_the_module(capfd, source):
-    if source == "torch":  # torch.export traces aten::diff; torch's ONNX exporter has no cummax
-        trainer = ORTTrainer(_WithCummax(), LOSS_ONLY, SGDConfig(), options=_on(source))
-        with pytest.raises(ExportError, match=r"no translation for aten\.cummax\.default.*"
-                                              r"pip install .*\(in module differences \(_Cummax\)\)"):
+    if source == "torch":  # torch.export traces aten::diff; torch's ONNX exporter has no mode
+        trainer = ORTTrainer(_WithMode(), LOSS_ONLY, SGDConfig(), options=_on(source))
+        with pytest.raises(ExportError, match=r"no translation for aten\.mode\.default.*"
+                                              r"pip install .*\(in module differences \(_Mode\)\)"):
             trainer.train_step(torch.randn(2, 4))
         return
     trainer = ORTTrainer(_WithCummax(), LOSS_ONLY, SGDConfig(), options=_on(source))

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from ort_trainer import _runtime
-from ort_trainer.graph.gradient.order_statistics import kthvalue, median, median_dim, nanmedian, nanmedian_dim
+from ort_trainer.graph.gradient.order_statistics import (cummax, cummin, kthvalue, median, median_dim, nanmedian,
+                                                         nanmedian_dim)
 from models import sgd_steps_as_pytorch
-from tolerances import check, relative_error, steps_bound
+from tolerances import FLOAT64, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
                                 "onnxscript")
@@ -73,3 +74,49 @@ def test_order_statistics_train_and_evaluate_as_pytorch():
     # row 2: median NaN; kthvalue NaN only if the NaN sorts into its place (torch: NaN is the largest); nanmedian not
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want[2, 1]) and not torch.isnan(want[2, 2])
     check(relative_error(got.nan_to_num(0).numpy(), want.nan_to_num(0).numpy()), steps_bound(4), "eval rows")
+
+
+def test_the_running_maximum_and_minimum_are_torchs():
+    """300 random tensors of 1 to 3 dims of small integers (ties everywhere), some with a NaN, some int64, every
+    dim: values and indices equal to torch's kernels' (a tie: the later index; after a NaN: NaN and the last
+    NaN's index); float64 gradients equal too (the gradient goes to the index, as torch's backward scatters it)."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        shape = torch.randint(1, 5, (trial % 3 + 1,), generator=generator).tolist()
+        x = torch.randint(-3, 4, shape, generator=generator).double()
+        if trial % 4 == 0:
+            x.view(-1)[torch.randint(0, x.numel(), (1,), generator=generator)] = float("nan")
+        if trial % 7 == 0:
+            x = x.long()
+        dim = int(torch.randint(-x.dim(), x.dim(), (1,), generator=generator))
+        for ours, theirs in ((cummax, torch.cummax), (cummin, torch.cummin)):
+            (values, indices), want = ours(x, dim), theirs(x, dim)
+            assert _nan_equal(values, want.values) and values.dtype == want.values.dtype, (trial, dim)
+            assert torch.equal(indices, want.indices), (trial, dim)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=generator).round().requires_grad_()  # ties
+    weights = torch.randn(5, 6, dtype=torch.float64, generator=generator)
+    for ours, theirs in ((cummax, torch.cummax), (cummin, torch.cummin)):
+        got = torch.autograd.grad((ours(x, 1)[0] * weights).sum(), x)[0]
+        want = torch.autograd.grad((theirs(x, 1).values * weights).sum(), x)[0]
+        check(relative_error(got, want), FLOAT64, f"{ours.__name__} gradient")
+
+
+class Running(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.head = torch.nn.Linear(6, 7), torch.nn.Linear(7, 3)
+
+    def forward(self, x, y):
+        h = self.linear(x)
+        return torch.nn.functional.cross_entropy(self.head(torch.cummax(h, 1).values + torch.cummin(h, 0).values), y)
+
+
+def test_running_maxima_train_as_pytorch():
+    torch.manual_seed(44)
+    desc = {"inputs": [("x", ["b", 6]), ("y", ["b"])], "outputs": [("loss", [], True)]}
+    generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(5, 6, generator=generator), torch.randint(0, 3, (5,), generator=generator))
+               for _ in range(3)]
+    # the layers' sums of at most 7 terms in another order, carried by the weights (observed: equal)
+    sgd_steps_as_pytorch(Running(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=7),
+                         {"graph": {"gradient_source": "torch"}})
