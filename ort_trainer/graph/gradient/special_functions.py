@@ -1,4 +1,5 @@
-"""The log-gamma function and its derivatives in operators ONNX has: ``lgamma``, ``digamma`` and ``polygamma(1, ·)``.
+"""The log-gamma function and its derivatives in operators ONNX has: ``lgamma``, ``digamma`` and ``polygamma(1, ·)``;
+and the inverse error function, ``erfinv``.
 
 ONNX has no gamma function; torch's ONNX exporter translates none of the three (``torch.distributions``' Gamma,
 Beta, Dirichlet, StudentT and negative binomial log-probabilities use ``lgamma``; its gradient is ``digamma``, whose
@@ -14,6 +15,13 @@ float32 results within one rounding of the exact value away from the poles) as t
 - at 8 and above, the asymptotic (Stirling) series to the fifth term, whose next term is below 1e-13 there.
 
 At the poles (0 and the negative integers) the values are infinite or NaN, as torch's.
+
+``erfinv`` (no translation either; ``torch.nn.init.trunc_normal_``'s inverse CDF, flows' Gaussianisation) of a
+float32 or half input is Giles' approximation ("Approximating the erfinv function", GPU Computing Gems, 2011: one
+polynomial of ``w = -log(1 - x²)`` below 5, one of ``sqrt(w)`` above) evaluated in float64, within 1.3e-7 of the
+exact value, relative, then rounded: a few float32 ulps. ±1 give ±inf, |x| > 1 NaN, as torch's. Its gradient is
+torch's formula, which reads ``erfinv`` again. A float64 input is not written out (the approximation is a float32
+one, and ONNX Runtime has no float64 ``Erf`` to refine it with).
 """
 
 from __future__ import annotations
@@ -91,6 +99,35 @@ def polygamma(n: int, self: torch.Tensor) -> torch.Tensor:
     return value.to(_dtype(self))
 
 
-DECOMPOSITIONS = {aten.lgamma.default: lgamma, aten.digamma.default: digamma, aten.polygamma.default: polygamma}
+# Giles' single-precision coefficients, highest power first: of w - 2.5 where w < 5, of sqrt(w) - 3 above
+_ERFINV_CENTRAL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+                   -0.00417768164, 0.246640727, 1.50140941)
+_ERFINV_TAIL = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+                0.00943887047, 1.00167406, 2.83297682)
 
-__all__ = ["DECOMPOSITIONS", "digamma", "lgamma", "polygamma"]
+
+def _horner(coefficients: tuple, t: torch.Tensor) -> torch.Tensor:
+    value = torch.full_like(t, coefficients[0])
+    for coefficient in coefficients[1:]:
+        value = value * t + coefficient
+    return value
+
+
+def erfinv(self: torch.Tensor) -> torch.Tensor:
+    """The inverse of the error function (module docstring); float64 inputs are left to the exporter."""
+    if self.dtype == torch.float64:
+        return NotImplemented
+    x = self.to(torch.float64)
+    inside = x.abs() < 1
+    w = -torch.log(torch.where(inside, (1.0 - x) * (1.0 + x), 1.0))  # (0 outside: no infinite w)
+    central = _horner(_ERFINV_CENTRAL, w - 2.5)
+    tail = _horner(_ERFINV_TAIL, torch.sqrt(w) - 3.0)
+    value = torch.where(w < 5.0, central, tail) * x
+    edge = torch.where(x.abs() == 1, x * math.inf, math.nan)  # ±inf at ±1, NaN beyond (and for NaN)
+    return torch.where(inside, value, edge).to(_dtype(self))
+
+
+DECOMPOSITIONS = {aten.lgamma.default: lgamma, aten.digamma.default: digamma, aten.polygamma.default: polygamma,
+                  aten.erfinv.default: erfinv}
+
+__all__ = ["DECOMPOSITIONS", "digamma", "erfinv", "lgamma", "polygamma"]
