@@ -1,0 +1,99 @@
+"""Matrix inverses, solves and determinants (``torch.linalg.inv``, ``solve``, ``det``) as operators the export can
+differentiate and translate.
+
+torch's joint trace fails on ``linalg_inv`` (its ``info`` output), and the exporter has no translation for the
+LU solves that ``det``'s and ``solve``'s backwards use. On the ``torch`` route the export guard
+(``guard.ExportGuard.handle``) has each call compute the functions below instead:
+
+- ``inv(A)`` is ``ort_trainer::inverse``, translated into ONNX Runtime's ``com.microsoft`` ``Inverse`` (float32,
+  float64, float16; batched), whose registered autograd is torch's formula, ``-A⁻ᵀ G A⁻ᵀ``, on its output;
+- ``solve(A, B)`` is ``inv(A) @ B`` (``left=False``: ``B @ inv(A)``; a batch of vectors as columns): the same
+  solution, to the inverse's rounding (cond(A) · 2^-24, as an LU solve's up to a constant factor);
+- ``det(A)`` of a float32 matrix is ``ort_trainer::det``, translated into ONNX ``Det``, whose autograd is
+  ``G · det · A⁻ᵀ``; ONNX Runtime has no float64 ``Det``, so other dtypes stay refused.
+
+A singular matrix gives infinities or NaN where torch raises (``inv``, ``solve``) or takes another formula
+(``det``'s gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("ort_trainer::inverse", mutates_args=())
+def inverse_op(a: torch.Tensor) -> torch.Tensor:
+    """The inverse of each matrix of ``a`` (``[..., n, n]``)."""
+    return torch.linalg.inv(a)
+
+
+@inverse_op.register_fake
+def _inverse_fake(a):
+    return torch.empty_like(a)
+
+
+def _inverse_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _inverse_backward(ctx, grad):
+    (inverse,) = ctx.saved_tensors
+    return -(inverse.mT @ grad @ inverse.mT)
+
+
+inverse_op.register_autograd(_inverse_backward, setup_context=_inverse_setup)
+
+
+@torch.library.custom_op("ort_trainer::det", mutates_args=())
+def det_op(a: torch.Tensor) -> torch.Tensor:
+    """The determinant of each matrix of ``a`` (``[..., n, n]`` -> ``[...]``)."""
+    return torch.linalg.det(a)
+
+
+@det_op.register_fake
+def _det_fake(a):
+    return a.new_empty(a.shape[:-2])
+
+
+def _det_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _det_backward(ctx, grad):
+    a, det = ctx.saved_tensors
+    return (grad * det)[..., None, None] * torch.ops.ort_trainer.inverse(a).mT
+
+
+det_op.register_autograd(_det_backward, setup_context=_det_setup)
+INVERSE, DET = torch.ops.ort_trainer.inverse.default, torch.ops.ort_trainer.det.default
+
+
+def inv(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.linalg.inv`` (``torch.inverse``, ``Tensor.inverse``) as ``ort_trainer::inverse`` (real matrices)."""
+    if out is not None or A.is_complex():
+        return torch.linalg.inv(A, out=out)
+    return torch.ops.ort_trainer.inverse(A)
+
+
+def solve(A: torch.Tensor, B: torch.Tensor, *, left: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.linalg.solve`` as the inverse times ``B`` (module docstring); ``B`` of ``A``'s batch shape and one
+    dim fewer is a batch of vectors, as torch reads it."""
+    if out is not None or A.is_complex() or B.is_complex():
+        return torch.linalg.solve(A, B, left=left, out=out)
+    inverse = torch.ops.ort_trainer.inverse(A)
+    if B.dim() == A.dim() - 1 and B.shape == A.shape[:-1]:
+        return (inverse @ B.unsqueeze(-1)).squeeze(-1) if left else (B.unsqueeze(-2) @ inverse).squeeze(-2)
+    return inverse @ B if left else B @ inverse
+
+
+def det(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.linalg.det`` (``torch.det``, ``Tensor.det``) of float32 matrices as ``ort_trainer::det``."""
+    if out is not None or A.dtype != torch.float32:
+        return torch.linalg.det(A, out=out)
+    return torch.ops.ort_trainer.det(A)
+
+
+REPLACEMENTS = {torch.linalg.inv: inv, torch.inverse: inv, torch.Tensor.inverse: inv, torch.linalg.solve: solve,
+                torch.linalg.det: det, torch.det: det, torch.Tensor.det: det}
+
+__all__ = ["DET", "INVERSE", "REPLACEMENTS", "det", "det_op", "inv", "inverse_op", "solve"]
