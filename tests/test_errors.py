@@ -273,12 +273,13 @@ class _WithCholesky(_WithSign):
 
 @pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 def test_a_linalg_operator_autograd_fails_on_is_named_with_its_module():
-    """torch's own joint trace fails on torch.linalg's Cholesky factorisation (an IndexError of its retrace): the
-    error names it (inverses, solves and determinants train: test_linalg.py)."""
+    """torch 2.13's own joint trace fails on torch.linalg's Cholesky factorisation (an IndexError of its retrace),
+    torch 2.11's exporter has no translation for it: either way the error names it and its module (inverses,
+    solves and determinants train: test_linalg.py)."""
     trainer = ORTTrainer(_WithCholesky(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
-    with pytest.raises(ExportError, match=r"torch\.linalg operators, which the export cannot differentiate or "
-                                          r"translate: aten\.linalg_cholesky\.default \(in module signs "
-                                          r"\(_Cholesky\)\)"):
+    with pytest.raises(ExportError, match=r"(torch\.linalg operators, which the export cannot differentiate or "
+                                          r"translate: |no translation for )aten\.linalg_cholesky(_ex)?\.default.*"
+                                          r"\(in module signs \(_Cholesky\)\)"):
         trainer.train_step(torch.randn(6, 4))
 
 
