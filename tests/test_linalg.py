@@ -1,4 +1,5 @@
-"""``torch.linalg.inv``, ``solve`` and ``det`` train on the ``torch`` route (``graph/export/linalg.py``): the
+"""``torch.linalg.inv``, ``solve``, ``det``, ``slogdet`` and ``logdet`` train on the ``torch``
+route (``graph/export/linalg.py``): the
 inverse as ONNX Runtime's ``Inverse`` with torch's gradient formula, a solve as the inverse times the right-hand
 side, the float32 determinant as ONNX ``Det``. Gradients against float64 PyTorch (which runs LU factorisations),
 training, evaluation and the saved model against PyTorch."""
@@ -15,12 +16,13 @@ from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
 from ort_trainer.graph.gradient.autograd import export_joint  # noqa: E402
 from models import sgd_steps_as_pytorch  # noqa: E402
 from test_torch_autograd import assert_grads_match, desc, feeds_for, reference, run  # noqa: E402
-from tolerances import check, relative_error, steps_bound  # noqa: E402
+from tolerances import FLOAT32, check, relative_error, steps_bound  # noqa: E402
 
 
 class Matrices(torch.nn.Module):
     """Features through learned matrices: multiplied by an inverse (one and a batch of two), solved for (a matrix
-    right-hand side, a vector, from the right), and scaled by a determinant."""
+    right-hand side, a vector, from the right), scaled by a determinant and its sign, shifted by log-determinants
+    (``slogdet`` of a batch, ``logdet``)."""
 
     def __init__(self):
         super().__init__()
@@ -32,7 +34,8 @@ class Matrices(torch.nn.Module):
         h = x @ torch.linalg.inv(self.a) + (x @ self.b.inverse()).mean(0)
         h = h + torch.linalg.solve(self.a, x.T).T + torch.linalg.solve(self.b[0], x, left=False)
         h = h + torch.linalg.solve(self.b[1], x[0]) * torch.linalg.det(self.a)
-        return self.head(h)
+        h = h + 0.1 * torch.linalg.slogdet(self.b).logabsdet.sum() + 0.1 * torch.logdet(self.a @ self.a.T)
+        return self.head(h * torch.slogdet(self.a)[0])
 
 
 DESC = {"inputs": [("x", ["batch", 4]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 3])]}
@@ -99,3 +102,19 @@ def test_a_float64_determinant_is_refused_naming_the_operator():
                          options={"graph": {"gradient_source": "torch"}})
     with pytest.raises(ExportError, match=r"no translation for aten\.linalg_lu_solve"):
         trainer.train_step(torch.randn(2, 3))
+
+
+def test_log_determinants_and_signs_are_torchs():
+    """float32 matrices of either sign of determinant, a batch: signs equal, log-determinants within 10·2^-24 of
+    torch's relative to max(1, |value|) (Det's LU and torch's add ~n roundings, n = 4); logdet NaN where the
+    determinant is negative; the named fields as torch's."""
+    from ort_trainer.graph.export.linalg import linalg_slogdet, logdet, slogdet
+
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 4, 4, generator=generator)
+    ours, theirs = linalg_slogdet(a), torch.linalg.slogdet(a)
+    assert type(ours) is type(theirs) and torch.equal(ours.sign, theirs.sign) and (theirs.sign < 0).any()
+    check(float(((ours.logabsdet - theirs.logabsdet).abs() / theirs.logabsdet.abs().clamp(min=1)).max()),
+          10 * FLOAT32, "logabsdet")
+    assert type(slogdet(a)) is type(torch.slogdet(a))
+    assert torch.equal(logdet(a).isnan(), torch.logdet(a).isnan())

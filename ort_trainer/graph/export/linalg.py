@@ -1,5 +1,5 @@
-"""Matrix inverses, solves and determinants (``torch.linalg.inv``, ``solve``, ``det``) as operators the export can
-differentiate and translate.
+"""Matrix inverses, solves and determinants (``torch.linalg.inv``, ``solve``, ``det``, ``slogdet``) as operators the
+export can differentiate and translate.
 
 torch's joint trace fails on ``linalg_inv`` (its ``info`` output), and the exporter has no translation for the
 LU solves that ``det``'s and ``solve``'s backwards use. On the ``torch`` route the export guard
@@ -10,7 +10,11 @@ LU solves that ``det``'s and ``solve``'s backwards use. On the ``torch`` route t
 - ``solve(A, B)`` is ``inv(A) @ B`` (``left=False``: ``B @ inv(A)``; a batch of vectors as columns): the same
   solution, to the inverse's rounding (cond(A) · 2^-24, as an LU solve's up to a constant factor);
 - ``det(A)`` of a float32 matrix is ``ort_trainer::det``, translated into ONNX ``Det``, whose autograd is
-  ``G · det · A⁻ᵀ``; ONNX Runtime has no float64 ``Det``, so other dtypes stay refused.
+  ``G · det · A⁻ᵀ``; ONNX Runtime has no float64 ``Det``, so other dtypes stay refused;
+- ``slogdet(A)`` / ``logdet(A)`` of a float32 matrix: the sign of ``Det`` (no gradient) and
+  ``ort_trainer::logabsdet``, ``log |Det(A)|``, whose autograd is ``G · A⁻ᵀ``. It is computed from the
+  determinant itself, so a determinant past float32's range (about 1e±38) gives an infinite logarithm where
+  torch's LU-based one does not; its gradient does not read the determinant.
 
 A singular matrix gives infinities or NaN where torch raises (``inv``, ``solve``) or takes another formula
 (``det``'s gradient).
@@ -65,7 +69,31 @@ def _det_backward(ctx, grad):
 
 
 det_op.register_autograd(_det_backward, setup_context=_det_setup)
+
+
+@torch.library.custom_op("ort_trainer::logabsdet", mutates_args=())
+def logabsdet_op(a: torch.Tensor) -> torch.Tensor:
+    """The logarithm of the absolute determinant of each matrix of ``a`` (``[..., n, n]`` -> ``[...]``)."""
+    return torch.linalg.slogdet(a)[1]
+
+
+@logabsdet_op.register_fake
+def _logabsdet_fake(a):
+    return a.new_empty(a.shape[:-2])
+
+
+def _logabsdet_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _logabsdet_backward(ctx, grad):
+    (a,) = ctx.saved_tensors
+    return grad[..., None, None] * torch.ops.ort_trainer.inverse(a).mT
+
+
+logabsdet_op.register_autograd(_logabsdet_backward, setup_context=_logabsdet_setup)
 INVERSE, DET = torch.ops.ort_trainer.inverse.default, torch.ops.ort_trainer.det.default
+LOGABSDET = torch.ops.ort_trainer.logabsdet.default
 
 
 def inv(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,7 +121,40 @@ def det(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.ort_trainer.det(A)
 
 
-REPLACEMENTS = {torch.linalg.inv: inv, torch.inverse: inv, torch.Tensor.inverse: inv, torch.linalg.solve: solve,
-                torch.linalg.det: det, torch.det: det, torch.Tensor.det: det}
+def _slogdet(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sign and log-absolute-determinant of float32 matrices (``ort_trainer::det``'s sign, without gradient,
+    and ``ort_trainer::logabsdet``); None for other dtypes."""
+    if A.dtype != torch.float32:
+        return None
+    return torch.sign(torch.ops.ort_trainer.det(A)).detach(), torch.ops.ort_trainer.logabsdet(A)
 
-__all__ = ["DET", "INVERSE", "REPLACEMENTS", "det", "det_op", "inv", "inverse_op", "solve"]
+
+def linalg_slogdet(A: torch.Tensor, *, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.slogdet`` of float32 matrices (module docstring)."""
+    found = None if out is not None else _slogdet(A)
+    return torch.linalg.slogdet(A, out=out) if found is None else torch.return_types.linalg_slogdet(found)
+
+
+def slogdet(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.slogdet`` / ``Tensor.slogdet`` of float32 matrices (module docstring)."""
+    found = _slogdet(A)
+    return torch.slogdet(A) if found is None else torch.return_types.slogdet(found)
+
+
+def logdet(A: torch.Tensor) -> torch.Tensor:
+    """``torch.logdet`` / ``Tensor.logdet`` of float32 matrices: the log-absolute-determinant, NaN where the
+    determinant is negative (as torch's)."""
+    found = _slogdet(A)
+    if found is None:
+        return torch.logdet(A)
+    sign, value = found
+    return torch.where(sign < 0, torch.full_like(value, float("nan")), value)
+
+
+REPLACEMENTS = {torch.linalg.inv: inv, torch.inverse: inv, torch.Tensor.inverse: inv, torch.linalg.solve: solve,
+                torch.linalg.det: det, torch.det: det, torch.Tensor.det: det, torch.linalg.slogdet: linalg_slogdet,
+                torch.slogdet: slogdet, torch.Tensor.slogdet: slogdet, torch.logdet: logdet,
+                torch.Tensor.logdet: logdet}
+
+__all__ = ["DET", "INVERSE", "LOGABSDET", "REPLACEMENTS", "det", "det_op", "inv", "inverse_op", "linalg_slogdet",
+           "logabsdet_op", "logdet", "slogdet", "solve"]

@@ -1,6 +1,6 @@
 """The ONNX translations of the matrix operators (``export/linalg.py``): ``ort_trainer::inverse`` as ONNX Runtime's
-``com.microsoft`` ``Inverse`` (float32, float64, float16, batched; CPU and CUDA) and ``ort_trainer::det`` as the
-standard ``Det``."""
+``com.microsoft`` ``Inverse`` (float32, float64, float16, batched; CPU and CUDA), ``ort_trainer::det`` as the
+standard ``Det`` and ``ort_trainer::logabsdet`` as the logarithm of its absolute value."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ _TYPES = {"T": ["tensor(float)", "tensor(double)", "tensor(float16)"]}
 
 
 def register_translations(registry) -> None:
-    """Add the translations of ``inverse`` and ``det`` to the exporter's registry (``joint_onnx``)."""
+    """Add the translations of ``inverse``, ``det`` and ``logabsdet`` to the exporter's registry (``joint_onnx``)."""
     import onnxscript
     from onnxscript import opset18
 
@@ -27,8 +27,12 @@ def register_translations(registry) -> None:
     def det_onnx(a):
         return opset18.Det(a)
 
+    def logabsdet_onnx(a):
+        return opset18.Log(opset18.Abs(opset18.Det(a)))
+
     registry.register_op(linalg.INVERSE, inverse_onnx)
     registry.register_op(linalg.DET, det_onnx)
+    registry.register_op(linalg.LOGABSDET, logabsdet_onnx)
 
 
 __all__ = ["register_translations"]
