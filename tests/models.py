@@ -246,6 +246,18 @@ def assert_float32_untouched(model, desc, batch, switch: str, loss_fn=None) -> N
         np.testing.assert_array_equal(grad, grads[1][name])
 
 
+class OwnLoss(torch.nn.Module):
+    """A Hugging Face model's own loss of ``(x, y)``: ``x`` passed by the name its forward takes the input by
+    (``input_ids``, ``input_values``), ``y`` as its labels."""
+
+    def __init__(self, model: torch.nn.Module, input_name: str):
+        super().__init__()
+        self.model, self.input_name = model, input_name
+
+    def forward(self, x, y):
+        return self.model(**{self.input_name: x, "labels": y}).loss
+
+
 def sgd_steps_as_pytorch(model: torch.nn.Module, desc: dict, batches, lr: float, bound, options: dict | None = None):
     """SGD steps of ``model`` in ORTTrainer (``options``) and of a copy in eager PyTorch, one per batch of
     ``batches`` (an iterable, read as the steps run): each step's loss (the first output where the model returns

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 from ort_trainer import ORTTrainer  # noqa: E402
 from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
 from ort_trainer.optim import SGDConfig  # noqa: E402
-from models import sgd_steps_as_pytorch  # noqa: E402
+from models import OwnLoss, sgd_steps_as_pytorch  # noqa: E402
 from tolerances import check, relative_error, steps_bound  # noqa: E402
 
 VOCAB, STEPS = 64, 3
@@ -28,23 +28,12 @@ VOCAB, STEPS = 64, 3
 LOSS_BOUND = steps_bound(STEPS, length=128)
 
 
-class Loss(torch.nn.Module):
-    """The model's own loss of ``(x, y)``, by the name its forward takes the input by."""
-
-    def __init__(self, model: torch.nn.Module, input_name: str):
-        super().__init__()
-        self.model, self.input_name = model, input_name
-
-    def forward(self, x, y):
-        return self.model(**{self.input_name: x, "labels": y}).loss
-
-
 def _bart():
     config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
                                      decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
                                      attention_dropout=0.0, activation_dropout=0.0)
-    return Loss(transformers.BartForConditionalGeneration(config), "input_ids"), "tokens"
+    return OwnLoss(transformers.BartForConditionalGeneration(config), "input_ids"), "tokens"
 
 
 def _mixtral(experts: str = "batched_mm"):
@@ -53,7 +42,7 @@ def _mixtral(experts: str = "batched_mm"):
                                         num_key_value_heads=1, max_position_embeddings=32)
     model = transformers.MixtralForCausalLM(config)
     model.set_experts_implementation(experts)
-    return Loss(model, "input_ids"), "tokens"
+    return OwnLoss(model, "input_ids"), "tokens"
 
 
 def _wav2vec2():
@@ -63,7 +52,7 @@ def _wav2vec2():
                                          num_conv_pos_embedding_groups=4, num_labels=3, hidden_dropout=0.0,
                                          attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
                                          final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
-    return Loss(transformers.Wav2Vec2ForSequenceClassification(config), "input_values"), "audio"
+    return OwnLoss(transformers.Wav2Vec2ForSequenceClassification(config), "input_values"), "audio"
 
 
 def _sew_d():
@@ -74,14 +63,14 @@ def _sew_d():
                                      num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, position_buckets=8,
                                      num_labels=3, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                                      feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0)
-    return Loss(transformers.SEWDForSequenceClassification(config), "input_values"), "audio"
+    return OwnLoss(transformers.SEWDForSequenceClassification(config), "input_values"), "audio"
 
 
 def _funnel():
     config = transformers.FunnelConfig(vocab_size=VOCAB, d_model=32, n_head=2, d_head=16, d_inner=64,
                                        block_sizes=[1, 1, 1], num_labels=3, hidden_dropout=0.0,
                                        attention_dropout=0.0, activation_dropout=0.0)
-    return Loss(transformers.FunnelForSequenceClassification(config), "input_ids"), "classes"
+    return OwnLoss(transformers.FunnelForSequenceClassification(config), "input_ids"), "classes"
 
 
 def _gpt2_reentrant_checkpointing():
@@ -89,13 +78,13 @@ def _gpt2_reentrant_checkpointing():
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    return Loss(model, "input_ids"), "tokens"
+    return OwnLoss(model, "input_ids"), "tokens"
 
 
 def _bloom():
     config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.0,
                                       attention_dropout=0.0)
-    return Loss(transformers.BloomForCausalLM(config), "input_ids"), "tokens"
+    return OwnLoss(transformers.BloomForCausalLM(config), "input_ids"), "tokens"
 
 
 def _batch(kind: str, step: int):
@@ -196,7 +185,7 @@ def test_bigbird_block_sparse_attention_trains_like_eager(caplog):
                                         intermediate_size=64, max_position_embeddings=64, block_size=4,
                                         num_random_blocks=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    model = Loss(transformers.BigBirdForMaskedLM(config), "input_ids")
+    model = OwnLoss(transformers.BigBirdForMaskedLM(config), "input_ids")
     assert model.model.config.attention_type == "block_sparse"
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randint(3, VOCAB, (2, 64), generator=generator),) * 2 for _ in range(STEPS)]

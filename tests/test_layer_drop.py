@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph.export import layer_drop
 from ort_trainer.optim import SGDConfig
-from models import sgd_steps_as_pytorch
+from models import OwnLoss, sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
 
 ROUTES = [pytest.param("torch", marks=pytest.mark.skipif(not _runtime.has_onnxscript(), reason="needs onnxscript")),
@@ -213,15 +213,6 @@ def test_a_layer_returning_other_tensors_is_refused_with_the_fix():
         trainer.train_step(*_batches(1)[0])
 
 
-class _Loss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, input_name: str):
-        super().__init__()
-        self.model, self.input_name = model, input_name
-
-    def forward(self, x, y):
-        return self.model(**{self.input_name: x, "labels": y}).loss
-
-
 def _speech(transformers, family: str):
     """wav2vec2 (every layer drawn for) or WavLM (not the first: it holds the position bias), 3 layers at 0.5."""
     config = getattr(transformers, f"{family}Config")(
@@ -231,7 +222,7 @@ def _speech(transformers, family: str):
         final_dropout=0.0, layerdrop=0.5, mask_time_prob=0.0, num_buckets=8, max_bucket_distance=16)
     model = getattr(transformers, f"{family}ForSequenceClassification")(config)
     first = 1 if family == "WavLM" else 0
-    return _Loss(model, "input_values"), [f"model.{family.lower()}.encoder.layers.{i}." for i in range(first, 3)]
+    return OwnLoss(model, "input_values"), [f"model.{family.lower()}.encoder.layers.{i}." for i in range(first, 3)]
 
 
 def _bart(transformers):
@@ -240,7 +231,7 @@ def _bart(transformers):
                                      decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
                                      attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.5,
                                      decoder_layerdrop=0.5)
-    return (_Loss(transformers.BartForConditionalGeneration(config), "input_ids"),
+    return (OwnLoss(transformers.BartForConditionalGeneration(config), "input_ids"),
             [f"model.model.{part}.layers.{i}." for part in ("encoder", "decoder") for i in range(2)])
 
 

@@ -10,7 +10,7 @@ import torch
 from ort_trainer import ORTTrainer, _runtime
 from ort_trainer.graph.export.spec_augment import span_mask
 from ort_trainer.optim import SGDConfig
-from models import sgd_steps_as_pytorch
+from models import OwnLoss, sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -72,15 +72,6 @@ def _wav2vec2(mask_time_prob: float, mask_feature_prob: float = 0.0):
     return transformers.Wav2Vec2ForCTC(config).train()
 
 
-class _CTC(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, audio, labels):
-        return self.model(input_values=audio, labels=labels).loss
-
-
 def _batch():
     g = torch.Generator().manual_seed(3)
     return torch.randn(2, 1600, generator=g), torch.randint(1, 12, (2, 5), generator=g)
@@ -93,7 +84,7 @@ def test_wav2vec2_draws_new_masks_every_step():
     """At a learning rate of 0 the same batch gives another loss at each step (the masks are drawn anew), and the
     model in eval mode, which masks nothing, evaluates as PyTorch."""
     torch.manual_seed(19)
-    model = _CTC(_wav2vec2(0.5, 0.2))
+    model = OwnLoss(_wav2vec2(0.5, 0.2), "input_values")
     reference = copy.deepcopy(model).eval()
     trainer = ORTTrainer(model, DESC, SGDConfig(lr=0.0), options=TORCH)
     losses = {round(float(trainer.train_step(*_batch())), 6) for _ in range(4)}
