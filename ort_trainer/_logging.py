@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Hashable
 
 import onnxruntime as ort  # first imported by _runtime, which keeps the root logger clean
 
@@ -16,6 +17,16 @@ LOGGER_NAME = "ort_trainer"
 logger = logging.getLogger(LOGGER_NAME)
 
 # ONNX Runtime severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
+
+_LOGGED: set = set()  # the keys ``warn_once`` has logged in this process
+
+
+def warn_once(key: Hashable, message: str, *args: Any) -> None:
+    """Log ``message % args`` as a warning the first time this process meets ``key`` (what a model does, named by
+    its kind and source line: said once, not at every export of it)."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.warning(message, *args)
 
 
 def _configure_from_env() -> None:

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph.export import validations
+from ort_trainer import ORTTrainer, _logging, _runtime
 from ort_trainer.graph.export.torchscript import ExportError
 from ort_trainer.optim import SGDConfig
 from models import sgd_steps_as_pytorch
@@ -49,7 +48,7 @@ class Checked(torch.nn.Module):
 
 @pytest.mark.parametrize("source", ["torch", "onnxruntime"])
 def test_checks_that_raise_are_traced_where_they_pass_and_logged(source, caplog, monkeypatch):
-    monkeypatch.setattr(validations, "_WARNED", set())  # (each check is logged once per process)
+    monkeypatch.setattr(_logging, "_LOGGED", set())  # (each check is logged once per process)
     if source == "onnxruntime" and not _runtime.has_training_build():
         pytest.skip("the 'onnxruntime' gradient source needs the onnxruntime-training 1.19.2 build")
     torch.manual_seed(11)
@@ -106,7 +105,7 @@ class GaussianHead(torch.nn.Module):
 @pytest.mark.parametrize("per_row, full, reduction", [(False, False, "mean"), (True, True, "sum"),
                                                       (False, True, "none")])
 def test_gaussian_nll_loss_trains_as_pytorch(per_row, full, reduction, caplog, monkeypatch):
-    monkeypatch.setattr(validations, "_WARNED", set())  # (logged once per process)
+    monkeypatch.setattr(_logging, "_LOGGED", set())  # (logged once per process)
     torch.manual_seed(17)
     batches = [(torch.randn(5, 4), torch.randn(5, 3)) for _ in range(3)]
     desc = {"inputs": [("x", ["b", 4]), ("y", ["b", 3])], "outputs": [("loss", [], True)]}

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer, _runtime
-from ort_trainer.graph.export import layer_drop
+from ort_trainer import ORTTrainer, _logging, _runtime
 from ort_trainer.optim import SGDConfig
 from models import OwnLoss, sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
@@ -144,7 +143,7 @@ def _batches(steps: int, seed: int = 0):
 @pytest.mark.parametrize("style", list(STYLES))
 def test_steps_equal_pytorch_dropping_the_same_layers(route, style, monkeypatch, caplog):
     torch.manual_seed(0)
-    monkeypatch.setattr(layer_drop, "_WARNED", set())  # warned once per line and process
+    monkeypatch.setattr(_logging, "_LOGGED", set())  # warned once per line and process
     with caplog.at_level(logging.WARNING, logger="ort_trainer"):
         decisions = _steps_as_pytorch_with_its_decisions(Classifier(0.5, style), DESC, _batches(8), LAYERS,
                                                          {"graph": {"gradient_source": route}}, monkeypatch)

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .validations import warn_once
+from .validations import warn_traced_check
 
 
 def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tensor | float, full: bool = False,
@@ -27,7 +27,7 @@ def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tens
             raise ValueError("var has negative entry/entries")
         var = torch.full_like(input, var)
     else:
-        warn_once("F.gaussian_nll_loss checks that no variance is negative")
+        warn_traced_check("F.gaussian_nll_loss checks that no variance is negative")
     if var.size() != input.size():
         if input.size()[:-1] == var.size():
             var = var.unsqueeze(-1)

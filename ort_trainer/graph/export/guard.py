@@ -41,7 +41,6 @@ Every problem found in the one traced forward is collected, with the module (as 
 from __future__ import annotations
 
 import contextlib
-import linecache
 import logging
 import os
 import sys
@@ -465,11 +464,7 @@ def _user_source_line(outside_torch: bool = False) -> str:
     helpers apply on the user's behalf: checkpointing, autograd calls, hooks).
     """
     frame = _user_frame(outside_torch)
-    if frame is None:
-        return "<unknown line>"
-    filename, lineno = frame.f_code.co_filename, frame.f_lineno
-    code = linecache.getline(filename, lineno).strip()
-    return f"{filename}:{lineno} ({code})" if code else f"{filename}:{lineno}"
+    return "<unknown line>" if frame is None else validations.source_line(frame.f_code.co_filename, frame.f_lineno)
 
 
 @contextlib.contextmanager

@@ -31,18 +31,16 @@ import ast
 import contextlib
 import dataclasses
 import functools
-import linecache
 import threading
 from types import FrameType
 from typing import Any, Callable, Iterator
 
 import torch
 
-from ..._logging import logger
-from .validations import source_tree
+from ..._logging import warn_once
+from .validations import source_line, source_tree
 
 _STATE = threading.local()  # the export in progress on this thread (``_Drops``), if any
-_WARNED: set[str] = set()
 
 
 # the draws a layer drop compares with its probability: torch's, and the Python ones the trace would freeze
@@ -151,11 +149,10 @@ def _only_the_layer_after(loop: ast.For, line: int) -> bool:
                for node in ast.walk(loop) if isinstance(node, ast.Call) and node.lineno > line)
 
 
-def _blend(drop: torch.Tensor, args: tuple, kwargs: dict, output: Any) -> Any:
-    """The layer's ``output`` with its hidden states replaced by its input where ``drop``: the input is the first
-    argument (or ``hidden_states=``), the output a tensor shaped as it, or a tuple of one first and tensors the
-    call was given (WavLM's position bias) or other values; None where the output is not such."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
+def _blend(drop: torch.Tensor, hidden: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """The layer's ``output`` with its hidden states replaced by its input ``hidden`` where ``drop``: the output a
+    tensor shaped as the input, or a tuple of one first and tensors the call was given (WavLM's position bias) or
+    other values; None where the output is not such."""
     if not isinstance(hidden, torch.Tensor):
         return None
     if isinstance(output, torch.Tensor) and output.shape == hidden.shape:
@@ -185,19 +182,17 @@ class _Drops:
                                                                 with_kwargs=True))
         self._left_over(id(layers))
         self.pending[id(layers)] = (decision, where)
-        if where not in _WARNED:
-            _WARNED.add(where)
-            logger.warning("%s: layer drop, drawn in the graph at every step. Every layer is computed and a dropped "
-                           "one passes its input on, as in PyTorch; its weights get a zero gradient where PyTorch "
-                           "gives them none, so momentum, Adam's moments and weight decay still move them", where)
+        warn_once(("layer drop", where), "%s: layer drop, drawn in the graph at every step. Every layer is computed "
+                  "and a dropped one passes its input on, as in PyTorch; its weights get a zero gradient where PyTorch "
+                  "gives them none, so momentum, Adam's moments and weight decay still move them", where)
 
     def _blend(self, key: int, _module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         if key not in self.pending:
             return None
         decision, where = self.pending.pop(key)
-        blended = _blend(decision, args, kwargs, output)
-        hidden, first = args[0] if args else kwargs.get("hidden_states"), output[0] if isinstance(output, tuple) \
-            else output
+        hidden = args[0] if args else kwargs.get("hidden_states")  # the layer's input: the first argument
+        blended = _blend(decision, hidden, args, kwargs, output)
+        first = output[0] if isinstance(output, tuple) and output else output
         if blended is None and isinstance(hidden, torch.Tensor) and isinstance(first, torch.Tensor) \
                 and first.shape != hidden.shape:
             self.report(f"layer drop at {where}: the layer changes its input's shape (a strided convolution: "
@@ -252,9 +247,8 @@ def decision(frame: FrameType | None, value: torch.Tensor) -> bool | None:
     dropping, threshold = loop.decisions[lineno]
     probability = _probability(threshold, frame)
     if probability is None or probability > 0:  # (a draw in [0, 1) is never below 0: no layer dropped)
-        where = f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})"
         drops.drop(layers, value if dropping else torch.logical_not(value),
-                   where.replace("{", "{{").replace("}", "}}"))
+                   source_line(filename, lineno).replace("{", "{{").replace("}", "}}"))
     return not dropping
 
 

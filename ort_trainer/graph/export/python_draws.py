@@ -14,7 +14,6 @@ random attention blocks), so the trace keeps it, with a warning that a changing 
 from __future__ import annotations
 
 import contextlib
-import linecache
 import numbers
 import random
 import sys
@@ -24,23 +23,21 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..._logging import logger
+from ..._logging import warn_once
+from .validations import source_line
 
 # the module-level draws of Python's ``random`` and of NumPy's legacy global generator
 _PYTHON = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
            "normalvariate", "betavariate", "expovariate", "triangular", "getrandbits")
 _NUMPY = ("rand", "randn", "random", "random_sample", "randint", "uniform", "normal", "choice", "permutation",
           "shuffle", "binomial", "poisson", "exponential", "beta", "integers")
-_WARNED: set[str] = set()  # the seeding lines already logged
 
 
 def _warn_seeded(where: str) -> None:
-    if where not in _WARNED:
-        _WARNED.add(where)
-        logger.warning("%s: the forward seeds a Python random generator with a number, then draws from it: those "
-                       "draws are traced at their outcome, the same at every step, as PyTorch's are while the seed "
-                       "stays the same (Hugging Face's BigBird seeds each layer's random attention blocks so). A seed "
-                       "that changes from step to step would not be followed: draw with torch instead", where)
+    warn_once(("seeded draw", where), "%s: the forward seeds a Python random generator with a number, then draws "
+              "from it: those draws are traced at their outcome, the same at every step, as PyTorch's are while the "
+              "seed stays the same (Hugging Face's BigBird seeds each layer's random attention blocks so). A seed that "
+              "changes from step to step would not be followed: draw with torch instead", where)
 
 
 @contextlib.contextmanager
@@ -70,8 +67,7 @@ def reporting(report: Callable[[str], None],
             if threading.get_ident() == thread:
                 value = args[0] if args else next(iter(kwargs.values()), None)
                 if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-                    filename, lineno = sys._getframe(1).f_code.co_filename, sys._getframe(1).f_lineno
-                    seeded[prefix] = f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})"
+                    seeded[prefix] = source_line(sys._getframe(1).f_code.co_filename, sys._getframe(1).f_lineno)
                 else:  # seeded from the system's entropy, or with a value the trace would freeze
                     seeded.pop(prefix, None)
             return original(*args, **kwargs)

@@ -20,19 +20,21 @@ import functools
 import linecache
 from types import FrameType
 
-from ..._logging import logger
-
-_WARNED: set[str] = set()  # the checks already logged
+from ..._logging import warn_once
 
 
-def warn_once(what: str) -> None:
+def source_line(filename: str, lineno: int) -> str:
+    """``file:line (code)`` (``file:line`` where the source is not at hand), as problems and warnings name a line."""
+    code = linecache.getline(filename, lineno).strip()
+    return f"{filename}:{lineno} ({code})" if code else f"{filename}:{lineno}"
+
+
+def warn_traced_check(what: str) -> None:
     """Log, the first time for ``what`` (a check named by its line, or a torch function's check), that the graph does
     not make that check for each batch."""
-    if what not in _WARNED:
-        _WARNED.add(what)
-        logger.warning("%s: a check that raises, on values of the batch or the weights. PyTorch makes it on every "
-                       "batch; the exported graph cannot raise, so it is traced where the check passes and does not "
-                       "make it: validate the data before train_step where it matters", what)
+    warn_once(("check", what), "%s: a check that raises, on values of the batch or the weights. PyTorch makes it on "
+              "every batch; the exported graph cannot raise, so it is traced where the check passes and does not make "
+              "it: validate the data before train_step where it matters", what)
 
 
 @functools.lru_cache(maxsize=16)
@@ -82,8 +84,8 @@ def passing_value(frame: FrameType | None) -> bool | None:
     negated = None if statement is None else _negated(statement.test)
     if negated is None:
         return None
-    warn_once(f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})")
+    warn_traced_check(source_line(filename, lineno))
     return negated if isinstance(statement, ast.If) else not negated
 
 
-__all__ = ["passing_value", "source_tree", "warn_once"]
+__all__ = ["passing_value", "source_line", "source_tree", "warn_traced_check"]

@@ -5,7 +5,6 @@ with the guard that refuses what a graph cannot hold (``export/guard.py``)."""
 from __future__ import annotations
 
 import contextlib
-import linecache
 import os
 import re
 import traceback
@@ -16,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
 from ..export.guard import ExportGuard, _CONVERSION_FIX
+from ..export.validations import source_line
 from ..export.torchscript import ExportError, _ModelWithLoss
 
 
@@ -182,8 +182,7 @@ def _user_frame(exc: BaseException, guard: ExportGuard) -> str:
     frame, lineno = found
     label = guard.module_label(frame.f_locals.get("self"))
     module = f"in module {label} " if label else ""
-    code = linecache.getline(frame.f_code.co_filename, lineno).strip()
-    return f"{module}at {frame.f_code.co_filename}:{lineno}" + (f" ({code})" if code else "")
+    return f"{module}at {source_line(frame.f_code.co_filename, lineno)}"
 
 
 def _first_line(exc: BaseException) -> str:
