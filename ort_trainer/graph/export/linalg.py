@@ -54,9 +54,12 @@ def det_op(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.det(a)
 
 
-@det_op.register_fake
-def _det_fake(a):
+def _one_per_matrix(a):
+    """The fake result of ``det`` and ``logabsdet``: one value per matrix of ``a``."""
     return a.new_empty(a.shape[:-2])
+
+
+det_op.register_fake(_one_per_matrix)
 
 
 def _det_setup(ctx, inputs, output):
@@ -77,9 +80,7 @@ def logabsdet_op(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.slogdet(a)[1]
 
 
-@logabsdet_op.register_fake
-def _logabsdet_fake(a):
-    return a.new_empty(a.shape[:-2])
+logabsdet_op.register_fake(_one_per_matrix)
 
 
 def _logabsdet_setup(ctx, inputs, output):
