@@ -177,6 +177,29 @@ def test_each_layer_is_dropped_with_its_probability_and_never_in_eval(route, mon
     check(relative_error(float(trainer.eval_step(x, y)), evaluated), bound, "eval, no layer dropped")
 
 
+def test_a_python_draw_never_reuses_the_graph_of_a_model_that_made_no_draw(monkeypatch, tmp_path):
+    """A record of one eager forward cannot key a forward that draws in Python: at p 0.5 a record that drew "keep"
+    for every layer equals the record at p 0 (the comparison happens in Python), and the cached p-0 graph, which
+    never drops, was reused. 20 steps of 3 layers at p 0.5 keep all 60 with probability 2^-60."""
+    if not _runtime.has_onnxscript():
+        pytest.skip("needs onnxscript")
+    monkeypatch.setenv("ORT_TRAINER_CACHE_DIR", str(tmp_path))
+    options = {"graph": {"gradient_source": "torch"}}
+    batches = _batches(20)
+    torch.manual_seed(0)
+    ORTTrainer(Classifier(0.0, "adapter"), DESC, SGDConfig(lr=0.1), options=options).train_step(*batches[0])
+    monkeypatch.setattr(np.random, "random", lambda: 0.999)  # the record's eager forward keeps every layer
+    trainer = ORTTrainer(Classifier(0.5, "adapter"), DESC, SGDConfig(lr=0.1), options=options)
+    dropped = 0
+    for batch in batches:
+        before = trainer.state_dict(pytorch_format=True)
+        trainer.train_step(*batch)
+        after = trainer.state_dict(pytorch_format=True)
+        dropped += sum(all(torch.equal(before[k], after[k]) for k in before if k.startswith(prefix))
+                       for prefix in LAYERS)
+    assert dropped, "60 layer steps at p 0.5 dropped none: the graph of p 0 was reused"
+
+
 class _WithNorm(torch.nn.Module):
     """A layer that returns its hidden states and a tensor it computes (its weight's norm)."""
 

@@ -8,6 +8,7 @@ trace. The integration tests run the ``torch`` gradient source with a fresh cach
 import functools
 import hashlib
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -186,6 +187,27 @@ class _Counts(MLP):
         return super().forward(x)
 
 
+class _PythonDraw(MLP):
+    """A layer kept where a Python draw says so: one forward shows one of its outcomes."""
+
+    def __init__(self, seed=None):
+        super().__init__()
+        self.seed = seed
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.seed is not None:
+            np.random.seed(self.seed)
+        if np.random.random() >= 0.0:  # always kept: the record alone cannot tell it from an unconditional relu
+            h = torch.relu(h)
+        return self.fc2(h)
+
+
+class _RandomModuleDraw(MLP):
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) * (1.0 if random.random() < 2.0 else 0.0))
+
+
 # ---- 1. same code: same key, also in another process ----------------------------------------------
 def test_other_weight_values_give_the_same_key(on_fake):
     first, second = _seeded(MLP), MLP()
@@ -361,6 +383,8 @@ DECLINED = {
     "custom autograd.Function": _CustomFunction,
     ".item() in forward": _ReadsItem,
     "forward changes an attribute": _Counts,
+    "NumPy draw": _PythonDraw,
+    "Python random draw": _RandomModuleDraw,
 }
 
 
@@ -368,6 +392,11 @@ DECLINED = {
 def test_what_a_record_cannot_see_gives_no_key(factory, on_fake):
     assert _key(_seeded(MLP)) is not None
     assert _key(_seeded(factory)) is None
+
+
+def test_draws_after_a_seed_with_a_number_are_keyed_by_their_outcome(on_fake):
+    """They are the same at every forward (Hugging Face's BigBird seeds NumPy before drawing its blocks)."""
+    assert _key(_seeded(_PythonDraw, seed=0)) == _key(_seeded(_PythonDraw, seed=0)) is not None
 
 
 def _options(**debug):

@@ -33,8 +33,11 @@ not traced from code producing that record.
 What one eager forward cannot show makes the record decline (None), and the build then takes
 the export path, whose guard handles it: module, parameter or tensor hooks (they run in the
 backward), custom ``autograd.Function``s and custom operators (their backward is Python code),
-a value read into Python (``.item()``: control flow may depend on the batch), and Python
-attributes the forward changes.
+a value read into Python (``.item()``: control flow may depend on the batch), a random draw in
+Python (``random``, NumPy's global generator: ``python_draws``; one forward shows one outcome of it,
+and a layer dropped with probability p that drew "keep" records what p 0 records), and Python
+attributes the forward changes. Draws that follow a seed with a number are the same at every
+forward: the record keys their outcome.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..._logging import logger
 from ...model_desc import ModelDescription
 from ..job import OpRecord
+from . import python_draws
 from .guard import _model_left_untouched
 from .torchscript import _ModelWithLoss, export_order
 
@@ -235,7 +239,7 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
         if on_fake is None:
             on_fake = sum(t.numel() for t in wrapper.state_dict(keep_vars=True).values()) >= FAKE_ABOVE
         fake = (lambda: FakeTensorMode(allow_non_fake_inputs=True)) if on_fake else contextlib.nullcontext
-        modes = []
+        modes, draws = [], []
         with _model_left_untouched(wrapper):
             for training in (True, False):
                 wrapper.train_as_traced() if training else wrapper.train(False)
@@ -245,13 +249,16 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                 try:
                     with contextlib.ExitStack() as stack:
                         for context in (torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(),
-                                        sdpa_kernel([SDPBackend.MATH]), fake(), *recorders):
+                                        python_draws.reporting(draws.append), sdpa_kernel([SDPBackend.MATH]),
+                                        fake(), *recorders):
                             stack.enter_context(context)
                         outputs = wrapper(*inputs)
                 except _Declined:
                     raise
                 except Exception as exc:  # the trace reports what is wrong, in its own words
                     raise _Declined(f"the forward failed ({type(exc).__name__})") from exc
+                if draws:  # this forward's outcome is one of several: its record keys none of them
+                    raise _Declined(f"the forward draws random numbers in Python ({draws[0]}())")
                 if training:
                     _refuse_custom_functions(outputs)
                     without_dropout = None if recorders[1].unsure else recorders[1].finish()
