@@ -260,26 +260,26 @@ def test_an_operator_whose_output_is_sized_by_its_values_is_named_with_its_line_
         trainer.train_step(torch.randn(6, 4))
 
 
-class _Cholesky(torch.nn.Module):
+class _LUFactor(torch.nn.Module):
     def forward(self, x):
-        return torch.linalg.cholesky(x[:4, :4] @ x[:4, :4].T + 4 * torch.eye(4)).sum()
+        return torch.linalg.lu_factor(x[:4, :4] @ x[:4, :4].T + 4 * torch.eye(4)).LU.sum()
 
 
-class _WithCholesky(_WithSign):
+class _WithLUFactor(_WithSign):
     def __init__(self):
         super().__init__()
-        self.signs = _Cholesky()
+        self.signs = _LUFactor()
 
 
 @pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 def test_a_linalg_operator_autograd_fails_on_is_named_with_its_module():
-    """torch 2.13's own joint trace fails on torch.linalg's Cholesky factorisation (an IndexError of its retrace),
-    torch 2.11's exporter has no translation for it: either way the error names it and its module (inverses,
-    solves and determinants train: test_linalg.py)."""
-    trainer = ORTTrainer(_WithCholesky(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
+    """torch's own joint trace fails on torch.linalg's LU factorisation (an IndexError of its retrace): the error
+    names it and its module (inverses, solves, determinants: test_linalg.py, and Cholesky factorisations and
+    triangular solves: test_cholesky.py, train)."""
+    trainer = ORTTrainer(_WithLUFactor(), LOSS_ONLY, SGDConfig(), options=_on("torch"))
     with pytest.raises(ExportError, match=r"(torch\.linalg operators, which the export cannot differentiate or "
-                                          r"translate: |no translation for )aten\.linalg_cholesky(_ex)?\.default.*"
-                                          r"\(in module signs \(_Cholesky\)\)"):
+                                          r"translate: |no translation for )aten\.linalg_lu_factor(_ex)?\.default.*"
+                                          r"\(in module signs \(_LUFactor\)\)"):
         trainer.train_step(torch.randn(6, 4))
 
 

@@ -56,7 +56,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import checked_losses, ctc, layer_drop, linalg, python_draws, spec_augment, validations
+from . import (checked_losses, cholesky, ctc, distribution_checks, fill_diagonal, layer_drop, linalg, python_draws,
+               spec_augment, validations)
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -72,7 +73,8 @@ DERIVATIVE_BACKWARDS = {"transformers.models.bloom.modeling_bloom.GeLUFunction",
 _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__file__)))
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 # what the torch.export route computes instead of these functions
-_REPLACEMENTS = {**{f: ctc.ctc_loss for f in ctc.FUNCTIONS}, **checked_losses.REPLACEMENTS, **linalg.REPLACEMENTS}
+_REPLACEMENTS = {**{f: ctc.ctc_loss for f in ctc.FUNCTIONS}, **checked_losses.REPLACEMENTS, **linalg.REPLACEMENTS,
+                 **cholesky.REPLACEMENTS, **fill_diagonal.REPLACEMENTS}
 _TRUTH_TESTS = (torch._is_all_true, torch._is_any_true)  # a bool tensor torch.export reads into Python
 _OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.library makes of ort_trainer's operators
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
@@ -261,7 +263,8 @@ class ExportGuard(StateChanges):
         self._watching = True
         try:
             with _GuardMode(self), python_draws.reporting(self._report_draw, layer_drop.python_draw), \
-                    layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)):
+                    layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)), \
+                    distribution_checks.without_branches():  # torch.distributions' matrix checks, no branch
                 yield
         finally:
             if before is not None:

@@ -1,0 +1,59 @@
+"""``torch.distributions``' matrix constraints checked without a Python branch on tensor values.
+
+A distribution validates its arguments by default (``Distribution(validate_args=None)``): ``MultivariateNormal``
+with a ``covariance_matrix`` or ``precision_matrix`` checks ``constraints.positive_definite``, whose ``check``
+first asks ``if not sym_check.all(): return sym_check`` (``_Symmetric.check`` asks the same of its squareness).
+That ``if`` reads a tensor's value into Python, which ``torch.export`` cannot trace. Its only use is the
+distribution's ``if not torch._is_all_true(valid): raise`` (traced where it passes, ``validations.py``), which
+raises where any element is False, so the branch can be an ``&``: False where the matrix is not symmetric (torch's
+result there), else Cholesky's verdict (``torch.linalg.cholesky_ex(value).info == 0``, ``cholesky.py``) or the
+eigenvalues' (positive semidefinite). Squareness comes from the shapes, which Python may read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch.distributions import constraints
+
+
+def _symmetric(self, value: torch.Tensor) -> torch.Tensor:
+    if value.shape[-2] != value.shape[-1]:
+        return constraints._Square.check(self, value)
+    return torch.isclose(value, value.mT, atol=1e-6).all(-2).all(-1)
+
+
+def _positive_definite(self, value: torch.Tensor) -> torch.Tensor:
+    symmetric = _symmetric(self, value)
+    if value.shape[-2] != value.shape[-1]:
+        return symmetric
+    return symmetric & torch.linalg.cholesky_ex(value).info.eq(0)
+
+
+def _positive_semidefinite(self, value: torch.Tensor) -> torch.Tensor:
+    symmetric = _symmetric(self, value)
+    if value.shape[-2] != value.shape[-1]:
+        return symmetric
+    return symmetric & torch.linalg.eigvalsh(value).ge(0).all(-1)
+
+
+_CHECKS = {constraints._Symmetric: _symmetric, constraints._PositiveDefinite: _positive_definite,
+           constraints._PositiveSemidefinite: _positive_semidefinite}
+
+
+@contextlib.contextmanager
+def without_branches() -> Iterator[None]:
+    """Within: the constraints' ``check`` methods are the branch-free ones above (module docstring)."""
+    originals = {cls: cls.__dict__["check"] for cls in _CHECKS}
+    try:
+        for cls, check in _CHECKS.items():
+            cls.check = check
+        yield
+    finally:
+        for cls, check in originals.items():
+            cls.check = check
+
+
+__all__ = ["without_branches"]
