@@ -7,6 +7,7 @@ evaluation and the saved model against PyTorch."""
 import logging
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.distributions import LowRankMultivariateNormal, MultivariateNormal
 pytest.importorskip("onnxscript", reason="torch's ONNX exporter needs onnxscript: pip install onnxscript")
 
 from ort_trainer import ORTTrainer, _logging  # noqa: E402
+from ort_trainer.amp.kernels import MissingKernelError  # noqa: E402
 from ort_trainer.graph.export import cholesky  # noqa: E402
 from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
 from ort_trainer.graph.gradient.autograd import export_joint  # noqa: E402
@@ -194,3 +196,50 @@ def test_a_matrix_past_the_size_limit_is_refused_naming_the_operator_and_the_lim
             pytest.raises(ExportError, match=r"linalg_cholesky(_ex)?\.default"):
         trainer.train_step(torch.randn(2, 4))
     assert "matrices of 4 rows" in caplog.text and "at most 3 rows" in caplog.text
+
+
+class GaussianProcess(torch.nn.Module):
+    """A Gaussian process's negative log marginal likelihood of 40 learned points (a kernel of condition ~250)."""
+
+    def __init__(self):
+        super().__init__()
+        self.points = torch.nn.Parameter(torch.linspace(-1, 1, 40)[:, None] + 0.05 * torch.randn(40, 1))
+        self.scale = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        kernel = torch.exp(-torch.cdist(self.points, self.points) ** 2) + 0.1 * torch.eye(40)
+        factor = torch.linalg.cholesky(kernel)
+        targets = torch.sin(3 * self.points) * self.scale(x).mean()
+        return 0.5 * (targets * torch.cholesky_solve(targets, factor)).sum() + torch.log(torch.diagonal(factor)).sum()
+
+
+def test_mixed_precision_computes_them_in_float32_as_autocast_does(tmp_path):
+    """autocast computes torch's factorisations and solves in float32, so are these, their products included (in
+    half they would round the kernel's entries to 2^-11, ~250 times that in the factor of a condition-250 matrix;
+    ONNX Runtime's Inverse has no bfloat16 kernel). float16: one step's loss within float32's steps_bound of eager
+    autocast's. bfloat16 (whose products ONNX Runtime's CPU provider cannot run, so the graph is only built):
+    every Inverse and matrix product of the factorisation and the solves reads float32."""
+    torch.manual_seed(2)
+    model = GaussianProcess()
+    x = torch.randn(6, 3)
+    with torch.autocast("cpu", dtype=torch.float16):
+        want = float(model(x))
+    desc = {"inputs": [("x", ["batch", 3])], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(model, desc, SGDConfig(), options={"graph": {"gradient_source": "torch"},
+                                                            "mixed_precision": {"enabled": True}})
+    check(relative_error(float(trainer.train_step(x)), want), steps_bound(1, length=BOUND_LENGTH), "loss")
+    path = tmp_path / "gradient.onnx"
+    trainer = ORTTrainer(model, desc, SGDConfig(), options={
+        "graph": {"gradient_source": "torch"}, "mixed_precision": {"enabled": True, "dtype": "bfloat16"},
+        "debug": {"graph_save_paths": {"model_with_gradient_graph_path": str(path)}}})
+    with pytest.raises(MissingKernelError, match=r"no bfloat16 kernel for \w+"):
+        trainer.train_step(x)
+    graph = onnx.shape_inference.infer_shapes(onnx.load(str(path))).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+    inverses = [node.input[0] for node in graph.node if node.op_type == "Inverse"]
+    assert inverses and all(types.get(name) == onnx.TensorProto.FLOAT for name in inverses)
+    # the products in bfloat16 are the model's Linear's forward and its weight's gradient; none of the dozens the
+    # factorisation, the solves and their gradients compute
+    half = [node.name for node in graph.node if node.op_type in ("MatMul", "Gemm")
+            and any(types.get(name) == onnx.TensorProto.BFLOAT16 for name in node.input)]
+    assert len(half) == 2, half

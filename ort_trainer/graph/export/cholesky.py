@@ -130,22 +130,25 @@ def _factor(A: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return (factor.mT if upper else factor), info
 
 
+@linalg.in_float32
 def cholesky(A: torch.Tensor, *, upper: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.linalg.cholesky`` unrolled (module docstring)."""
+    """``torch.linalg.cholesky`` (module docstring)."""
     if out is not None or _rows(A) is None:
         return torch.linalg.cholesky(A, upper=upper, out=out)
     return _factor(A, upper)[0]
 
 
+@linalg.in_float32
 def cholesky_ex(A: torch.Tensor, *, upper: bool = False, check_errors: bool = False,
                 out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.linalg.cholesky_ex`` unrolled, with torch's ``info``; ``check_errors`` cannot raise in a graph: the
+    """``torch.linalg.cholesky_ex``, with torch's ``info``; ``check_errors`` cannot raise in a graph: the
     factor is computed as where it would pass."""
     if out is not None or _rows(A) is None:
         return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors, out=out)
     return torch.return_types.linalg_cholesky_ex(_factor(A, upper))
 
 
+@linalg.in_float32
 def cholesky_deprecated(A: torch.Tensor, upper: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.cholesky`` / ``Tensor.cholesky`` (``upper`` positional)."""
     if out is not None or _rows(A) is None:
@@ -162,9 +165,10 @@ def _substitute(T: torch.Tensor, B: torch.Tensor, upper: bool, unitriangular: bo
     return _inverse(triangle) @ B
 
 
+@linalg.in_float32
 def solve_triangular(A: torch.Tensor, B: torch.Tensor, *, upper: bool, left: bool = True,
                      unitriangular: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.linalg.solve_triangular`` unrolled (module docstring)."""
+    """``torch.linalg.solve_triangular`` (module docstring)."""
     if out is not None or _rows(A) is None or B.is_complex() or B.dim() < 2:
         return torch.linalg.solve_triangular(A, B, upper=upper, left=left, unitriangular=unitriangular, out=out)
     if left:
@@ -173,6 +177,7 @@ def solve_triangular(A: torch.Tensor, B: torch.Tensor, *, upper: bool, left: boo
     return _substitute(A.mT, B.mT, not upper, unitriangular).mT
 
 
+@linalg.in_float32
 def triangular_solve(b: torch.Tensor, A: torch.Tensor, upper: bool = True, transpose: bool = False,
                      unitriangular: bool = False, *, out: tuple | None = None):
     """The deprecated ``torch.triangular_solve`` (``b`` first): the solution and a copy of ``A``."""
@@ -183,6 +188,7 @@ def triangular_solve(b: torch.Tensor, A: torch.Tensor, upper: bool = True, trans
     return torch.return_types.triangular_solve((solution, A.clone()))
 
 
+@linalg.in_float32
 def cholesky_solve(B: torch.Tensor, L: torch.Tensor, upper: bool = False, *,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.cholesky_solve``: ``X`` with ``L Lᵀ X = B`` (``upper``: ``Uᵀ U X = B``), two substitutions."""
@@ -192,6 +198,7 @@ def cholesky_solve(B: torch.Tensor, L: torch.Tensor, upper: bool = False, *,
     return _substitute(lower.mT, _substitute(lower, B, False, False), True, False)
 
 
+@linalg.in_float32
 def cholesky_inverse(L: torch.Tensor, upper: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.cholesky_inverse``: ``(L Lᵀ)⁻¹`` as ``cholesky_solve`` of the identity."""
     if out is not None or _rows(L) is None:

@@ -22,7 +22,26 @@ A singular matrix gives infinities or NaN where torch raises (``inv``, ``solve``
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
+
+
+def in_float32(function: Callable) -> Callable:
+    """``function`` computed as autocast computes torch's matrix functions (its float32 list: inverses,
+    factorisations, solves, determinants): under autocast (the trace's mixed precision), on float32 copies of its
+    half tensors with autocast off, so that its products are not rounded to half and ONNX Runtime's ``Inverse``
+    (no bfloat16 kernel) gets float32."""
+    @functools.wraps(function)
+    def computed(*args, **kwargs):
+        if not torch.is_autocast_enabled("cpu"):
+            return function(*args, **kwargs)
+        widen = lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype in (  # noqa: E731
+            torch.float16, torch.bfloat16) else value
+        with torch.autocast("cpu", enabled=False):
+            return function(*map(widen, args), **{key: widen(value) for key, value in kwargs.items()})
+    return computed
 
 
 @torch.library.custom_op("ort_trainer::inverse", mutates_args=())
@@ -97,6 +116,7 @@ INVERSE, DET = torch.ops.ort_trainer.inverse.default, torch.ops.ort_trainer.det.
 LOGABSDET = torch.ops.ort_trainer.logabsdet.default
 
 
+@in_float32
 def inv(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.linalg.inv`` (``torch.inverse``, ``Tensor.inverse``) as ``ort_trainer::inverse`` (real matrices)."""
     if out is not None or A.is_complex():
@@ -104,6 +124,7 @@ def inv(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.ort_trainer.inverse(A)
 
 
+@in_float32
 def solve(A: torch.Tensor, B: torch.Tensor, *, left: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.linalg.solve`` as the inverse times ``B`` (module docstring); ``B`` of ``A``'s batch shape and one
     dim fewer is a batch of vectors, as torch reads it."""
@@ -115,6 +136,7 @@ def solve(A: torch.Tensor, B: torch.Tensor, *, left: bool = True, out: torch.Ten
     return inverse @ B if left else B @ inverse
 
 
+@in_float32
 def det(A: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.linalg.det`` (``torch.det``, ``Tensor.det``) of float32 matrices as ``ort_trainer::det``."""
     if out is not None or A.dtype != torch.float32:
@@ -130,18 +152,21 @@ def _slogdet(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return torch.sign(torch.ops.ort_trainer.det(A)).detach(), torch.ops.ort_trainer.logabsdet(A)
 
 
+@in_float32
 def linalg_slogdet(A: torch.Tensor, *, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.linalg.slogdet`` of float32 matrices (module docstring)."""
     found = None if out is not None else _slogdet(A)
     return torch.linalg.slogdet(A, out=out) if found is None else torch.return_types.linalg_slogdet(found)
 
 
+@in_float32
 def slogdet(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.slogdet`` / ``Tensor.slogdet`` of float32 matrices (module docstring)."""
     found = _slogdet(A)
     return torch.slogdet(A) if found is None else torch.return_types.slogdet(found)
 
 
+@in_float32
 def logdet(A: torch.Tensor) -> torch.Tensor:
     """``torch.logdet`` / ``Tensor.logdet`` of float32 matrices: the log-absolute-determinant, NaN where the
     determinant is negative (as torch's)."""
