@@ -407,12 +407,15 @@ def test_tied_embedding_gradient_accumulates_in_the_buffer(tied_pass):
     assert trainer._engine.accumulated_flat is trainer._engine.grads_flat
 
 
-def test_small_table_gradients_unit():
+@pytest.mark.parametrize("index_type", [np.int64, np.int32])
+def test_small_table_gradients_unit(index_type):
     """Hand-made graph: a non-zero table (the product is added to it), negative and repeated
-    indices, against numpy's unbuffered add; a table of more rows than SMALL_TABLE_ROWS is left."""
+    indices, against numpy's unbuffered add; a table of more rows than SMALL_TABLE_ROWS is left.
+    int32 indices (the gradient of ``Tensor.unfold``'s windows) are widened for ONNX Runtime's CPU
+    OneHot, which has no int32-index, int64-depth kernel."""
     rng = np.random.default_rng(0)
     rows = embedding.SMALL_TABLE_ROWS
-    index = np.array([[0], [2], [-1], [0], [2]], np.int64)
+    index = np.array([[0], [2], [-1], [0], [2]], index_type)
     updates = rng.standard_normal((5, 4)).astype(np.float32)
     nodes, outputs, inits = [], [], []
     for name, table_rows in (("small", 3), ("large", rows + 1)):
@@ -423,7 +426,8 @@ def test_small_table_gradients_unit():
                                    axis=0, reduction="add")]
         outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [table_rows, 4]))
     inits.append(numpy_helper.from_array(np.array([5, 4], np.int64), "update_shape"))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("index", TensorProto.INT64, [5, 1]),
+    index_proto = helper.np_dtype_to_tensor_dtype(np.dtype(index_type))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("index", index_proto, [5, 1]),
                                            helper.make_tensor_value_info("updates", TensorProto.FLOAT, [5, 4])],
                               outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -440,6 +444,39 @@ def test_small_table_gradients_unit():
     small, large = session.run(None, {"index": index, "updates": updates})
     np.testing.assert_allclose(small, expected["small"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(large, expected["large"], rtol=1e-6, atol=1e-6)
+
+
+class _Windows(torch.nn.Module):
+    """A learned filter bank applied to a signal's sliding windows (``Tensor.unfold``), as a framing front end does;
+    the windows of the filters themselves are penalised, so the gradient of ``unfold`` reaches a weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.filters = torch.nn.Parameter(torch.randn(4, 8) / 8 ** 0.5)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, signal, y):
+        frames = signal.unfold(-1, 8, 4)  # [batch, frames, 8]
+        features = torch.tanh(frames @ self.filters.T).mean(1)
+        smooth = self.filters.unfold(1, 2, 1).diff(dim=-1).pow(2).sum()
+        return F.cross_entropy(self.head(features), y) + 0.01 * smooth
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the torch route exports with onnxscript")
+def test_the_gradient_of_tensor_unfold_trains_as_pytorch():
+    """unfold's backward scatters with int32 indices into a table small enough for small_table_gradients, whose
+    OneHot then had no ONNX Runtime CPU kernel (int32 index, int64 depth): the session was refused."""
+    from models import sgd_steps_as_pytorch
+    from tolerances import steps_bound
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 32, generator=generator), torch.randint(0, 3, (5,), generator=generator))
+               for _ in range(3)]
+    desc = {"inputs": [("signal", ["batch", 32]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
+    # float32 sums of at most 8 terms (a window's product), carried through the weights
+    sgd_steps_as_pytorch(_Windows(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=8),
+                         {"graph": {"gradient_source": "torch"}})
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "symbolic"])

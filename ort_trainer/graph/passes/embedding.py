@@ -53,9 +53,14 @@ def small_table_gradients(model: onnx.ModelProto) -> int:
         zero = g.fill_value(data) == 0.0
         product = node.output[0] if zero else prefix + "/product"
         nodes = [helper.make_node("Reshape", [expand.input[0], names["flat"]], [prefix + "/index"],
-                                  name=prefix + "/Reshape"),
-                 helper.make_node("OneHot", [prefix + "/index", names["depth"], names["values"]], [prefix + "/onehot"],
-                                  name=prefix + "/OneHot", axis=-1),
+                                  name=prefix + "/Reshape")]
+        index = prefix + "/index"
+        if types.get(expand.input[0]) != TensorProto.INT64:  # CPU OneHot: no int32 index with an int64 depth
+            nodes.append(helper.make_node("Cast", [index], [prefix + "/index64"], name=prefix + "/Cast",
+                                          to=TensorProto.INT64))
+            index = prefix + "/index64"
+        nodes += [helper.make_node("OneHot", [index, names["depth"], names["values"]], [prefix + "/onehot"],
+                                   name=prefix + "/OneHot", axis=-1),
                  helper.make_node("Gemm", [prefix + "/onehot", updates], [product], name=prefix + "/Gemm", transA=1)]
         if not zero:
             nodes.append(helper.make_node("Add", [data, product], [node.output[0]], name=prefix + "/Add"))
