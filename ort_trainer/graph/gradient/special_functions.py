@@ -1,5 +1,5 @@
 """The log-gamma function and its derivatives in operators ONNX has: ``lgamma``, ``digamma`` and ``polygamma(1, ·)``;
-and the inverse error function, ``erfinv``.
+the inverse error function, ``erfinv``; and ``hypot``.
 
 ONNX has no gamma function; torch's ONNX exporter translates none of the three (``torch.distributions``' Gamma,
 Beta, Dirichlet, StudentT and negative binomial log-probabilities use ``lgamma``; its gradient is ``digamma``, whose
@@ -22,6 +22,9 @@ polynomial of ``w = -log(1 - x²)`` below 5, one of ``sqrt(w)`` above) evaluated
 exact value, relative, then rounded: a few float32 ulps. ±1 give ±inf, |x| > 1 NaN, as torch's. Its gradient is
 torch's formula, which reads ``erfinv`` again. A float64 input is not written out (the approximation is a float32
 one, and ONNX Runtime has no float64 ``Erf`` to refine it with).
+
+``hypot`` (``prims.hypot``, no translation) avoids the squares' overflow as torch's kernel does: float32 and half
+computed in float64 and rounded once, float64 scaled by the larger magnitude.
 """
 
 from __future__ import annotations
@@ -127,7 +130,24 @@ def erfinv(self: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, value, edge).to(_dtype(self))
 
 
-DECOMPOSITIONS = {aten.lgamma.default: lgamma, aten.digamma.default: digamma, aten.polygamma.default: polygamma,
-                  aten.erfinv.default: erfinv}
+def hypot(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``sqrt(self² + other²)`` without overflow or underflow of the squares: float32 and half in float64 (then
+    rounded once, as torch's kernel), float64 scaled by the larger magnitude. inf where either is infinite (NaN
+    or not), as torch's."""
+    dtype = torch.promote_types(self.dtype, other.dtype) if self.is_floating_point() or other.is_floating_point() \
+        else torch.float32
+    a, b = self.to(torch.float64).abs(), other.to(torch.float64).abs()
+    if dtype != torch.float64:
+        value = torch.sqrt(a * a + b * b)
+    else:
+        larger, smaller = torch.maximum(a, b), torch.minimum(a, b)
+        ratio = smaller / torch.where(larger == 0, 1.0, larger)
+        value = larger * torch.sqrt(1.0 + ratio * ratio)
+    value = torch.where(a.isinf() | b.isinf(), math.inf, value)
+    return value.to(dtype)
 
-__all__ = ["DECOMPOSITIONS", "digamma", "erfinv", "lgamma", "polygamma"]
+
+DECOMPOSITIONS = {aten.lgamma.default: lgamma, aten.digamma.default: digamma, aten.polygamma.default: polygamma,
+                  aten.erfinv.default: erfinv, aten.hypot.default: hypot}
+
+__all__ = ["DECOMPOSITIONS", "digamma", "erfinv", "hypot", "lgamma", "polygamma"]
