@@ -1,7 +1,7 @@
 """Diagonals train: the gradient of ``torch.diagonal`` (``torch.diag``, ``Tensor.diagonal``) and writes into a
 diagonal (``x.diagonal().add_(...)``, ``torch.diagonal_scatter``, ``fill_diagonal_``), which stopped the ``torch``
 route's joint trace (torch's reference of ``diagonal_scatter`` writes into a view) or its translation
-(``fill_diagonal_``'s ``as_strided_scatter``): ``graph/gradient/diagonals.py``, ``graph/export/fill_diagonal.py``.
+(``fill_diagonal_``'s ``as_strided_scatter``): ``graph/gradient/diagonals.py``, ``graph/export/rewritten_functions.py``.
 The rewrites against torch's own functions (exactly: they move values, no arithmetic), and self-supervised losses
 built on diagonals trained against PyTorch."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ort_trainer import _runtime
-from ort_trainer.graph.export.fill_diagonal import fill_diagonal_
+from ort_trainer.graph.export.rewritten_functions import fill_diagonal_
 from ort_trainer.graph.gradient.diagonals import diagonal_backward, diagonal_scatter
 from models import sgd_steps_as_pytorch
 from tolerances import steps_bound

@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (checked_losses, cholesky, ctc, distribution_checks, fill_diagonal, layer_drop, linalg, python_draws,
+from . import (checked_losses, cholesky, ctc, distribution_checks, layer_drop, linalg, python_draws, rewritten_functions,
                spec_augment, validations)
 from .guard_state import StateChanges
 
@@ -74,7 +74,7 @@ _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__fil
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 # what the torch.export route computes instead of these functions
 _REPLACEMENTS = {**{f: ctc.ctc_loss for f in ctc.FUNCTIONS}, **checked_losses.REPLACEMENTS, **linalg.REPLACEMENTS,
-                 **cholesky.REPLACEMENTS, **fill_diagonal.REPLACEMENTS}
+                 **cholesky.REPLACEMENTS, **rewritten_functions.REPLACEMENTS}
 _TRUTH_TESTS = (torch._is_all_true, torch._is_any_true)  # a bool tensor torch.export reads into Python
 _OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.library makes of ort_trainer's operators
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.

@@ -1,0 +1,46 @@
+"""torch functions whose own forms the export cannot translate, computed with ones it can (the export guard calls
+these in their place, ``guard.ExportGuard.handle``).
+
+- ``Tensor.fill_diagonal_`` writes through a strided view of the tensor (``as_strided``), which functionalisation
+  turns into ``as_strided_scatter``, an operator torch's ONNX exporter cannot translate. A contrastive loss that
+  masks each sample's similarity with itself (``similarity.fill_diagonal_(-inf)``) stopped the export there. The
+  same positions are a constant mask of the shape: for a matrix, where row equals column, or, with ``wrap=True``,
+  every ``columns + 1``-th element in memory order (a tall matrix's diagonal restarting below itself, as torch's
+  does); for more dims (all of one size), where every index is equal. ``masked_fill_`` of that mask changes the
+  tensor in place, as torch's does.
+- ``F.bilinear`` (``nn.Bilinear``, ``torch.bilinear``) is ATen's ``_trilinear``, which the exporter cannot translate
+  either: here the ``einsum`` it is, ``y[..., o] = Σ x1[..., i] W[o, i, j] x2[..., j] + b[o]``, which contracts
+  through matrix products (torch's kernel does too), never a ``[..., o, i, j]`` product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fill_diagonal_(tensor: torch.Tensor, fill_value: float, wrap: bool = False) -> torch.Tensor:
+    """``tensor.fill_diagonal_(fill_value, wrap)`` (module docstring); other shapes left to torch's (its error)."""
+    shape = tensor.shape
+    if tensor.dim() < 2 or not all(isinstance(size, int) for size in shape) or \
+            (tensor.dim() > 2 and len(set(shape)) != 1):
+        return torch.Tensor.fill_diagonal_(tensor, fill_value, wrap)
+    indices = [torch.arange(size, device=tensor.device) for size in shape]
+    if tensor.dim() == 2:
+        rows, columns = indices[0][:, None], indices[1][None, :]
+        mask = (rows * shape[1] + columns) % (shape[1] + 1) == 0 if wrap else rows == columns
+    else:
+        grids = torch.meshgrid(*indices, indexing="ij")
+        mask = torch.stack([grid == grids[0] for grid in grids[1:]]).all(0)
+    return tensor.masked_fill_(mask, fill_value)
+
+
+def bilinear(input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.bilinear`` as an ``einsum`` (module docstring)."""
+    out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
+    return out if bias is None else out + bias
+
+
+REPLACEMENTS = {torch.Tensor.fill_diagonal_: fill_diagonal_, torch.bilinear: bilinear}
+
+__all__ = ["REPLACEMENTS", "bilinear", "fill_diagonal_"]

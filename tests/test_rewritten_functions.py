@@ -1,0 +1,55 @@
+"""torch functions the export computes with other operators (``graph/export/rewritten_functions.py``): ``F.bilinear``
+(``nn.Bilinear``, ATen's ``_trilinear``, which torch's exporter cannot translate) as an ``einsum``. (``fill_diagonal_``
+is tested with the other diagonals, ``test_diagonals.py``.)"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_trainer import _runtime
+from ort_trainer.graph.export.rewritten_functions import bilinear
+from models import sgd_steps_as_pytorch
+from tolerances import FLOAT64, check, relative_error, steps_bound
+
+
+@pytest.mark.parametrize("batch", [(), (5,), (2, 3)], ids=["unbatched", "batch", "two batch dims"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bilinear_values_and_gradients_are_torchs_in_float64(batch, bias):
+    """Sums of in1 · in2 = 12 products each way, in another order: 12 · 2^-53 of the terms' magnitude, x10."""
+    generator = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=generator)  # noqa: E731
+    inputs = [make(*batch, 3), make(*batch, 4), make(2, 3, 4), make(2) if bias else None]
+    ours = [t.clone().requires_grad_() if t is not None else None for t in inputs]
+    theirs = [t.clone().requires_grad_() if t is not None else None for t in inputs]
+    got, want = bilinear(*ours), F.bilinear(*theirs)
+    weights = make(*want.shape)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    check(relative_error(got.detach(), want.detach()), 10 * 12 * FLOAT64, "values")
+    for mine, torchs, name in zip(ours, theirs, ("input1", "input2", "weight", "bias")):
+        if mine is not None:
+            check(relative_error(mine.grad, torchs.grad), 10 * 12 * FLOAT64, f"gradient of {name}")
+
+
+class Biaffine(torch.nn.Module):
+    """A biaffine scorer (dependency parsers, link prediction): nn.Bilinear of two projections of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.head, self.dependent = torch.nn.Linear(6, 5), torch.nn.Linear(6, 4)
+        self.score = torch.nn.Bilinear(5, 4, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.score(torch.tanh(self.head(x)), torch.tanh(self.dependent(x))), y)
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the torch route exports with onnxscript")
+def test_nn_bilinear_trains_as_pytorch():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 6, generator=generator), torch.randint(0, 3, (6,), generator=generator))
+               for _ in range(3)]
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
+    # float32 sums of at most 20 terms (the bilinear form's 5 · 4 products), carried through the weights
+    sgd_steps_as_pytorch(Biaffine(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=20),
+                         {"graph": {"gradient_source": "torch"}})
