@@ -10,12 +10,12 @@ decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is 
 ``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes; the 3-d pools'
 backwards as the 2-d ones; adaptive average pools whose windows overlap or differ in size (and the
 3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
-And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's
-bool ``max``), whose reference uses ``prims.prod``, RReLU's forward, the gamma function's logarithm and
-derivatives (``special_functions.py``), the k-th value and medians (``order_statistics.py``), ``cdist``'s kernel
-and its backward (``distances.py``), a write into a diagonal and ``torch.diagonal``'s backward
-(``diagonals.py``). Used during
-the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode graph's too.
+And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's bool ``max``),
+whose reference uses ``prims.prod``, RReLU's forward, ``uniform_``'s draw, the gamma function's logarithm and
+derivatives (``special_functions.py``), the k-th value and medians (``order_statistics.py``), ``cdist``'s
+kernel and its backward (``distances.py``), a write into a diagonal and ``torch.diagonal``'s backward
+(``diagonals.py``). Used during the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode
+graph's too.
 """
 
 from __future__ import annotations
@@ -294,7 +294,15 @@ def rrelu_with_noise_functional(self: torch.Tensor, noise: torch.Tensor, lower=0
     return self * slopes, slopes
 
 
+def uniform(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, generator=None) -> torch.Tensor:
+    """``Tensor.uniform_(a, b)`` (functionalised: ``aten.uniform``; ``torch.distributions.Laplace.rsample``, noise
+    drawn into a new tensor), whose reference ``prims.uniform`` the exporter cannot translate: a uniform draw of the
+    graph in [0, 1) scaled to [a, b), anew at each step, as torch's kernel scales its draw."""
+    return torch.rand_like(self) * (to - from_) + from_
+
+
 DECOMPOSITIONS = {
+    aten.uniform.default: uniform,
     aten.cumprod.default: cumprod,
     aten.max.dim: max_dim,
     aten.empty_permuted.default: empty_permuted,
@@ -313,7 +321,8 @@ DECOMPOSITIONS = {
     **diagonals.DECOMPOSITIONS,  # diagonal_scatter (a write into a diagonal) and torch.diagonal's backward
 }
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
-FORWARD = (aten.cumprod.default, aten._adaptive_avg_pool3d.default, aten.rrelu_with_noise_functional.default,
+FORWARD = (aten.uniform.default, aten.cumprod.default, aten._adaptive_avg_pool3d.default,
+           aten.rrelu_with_noise_functional.default,
            *special_functions.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS, aten._cdist_forward.default,
            aten._pdist_forward.default, aten.diagonal_scatter.default)
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
