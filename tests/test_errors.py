@@ -260,6 +260,27 @@ def test_an_operator_whose_output_is_sized_by_its_values_is_named_with_its_line_
         trainer.train_step(torch.randn(6, 4))
 
 
+class _Packed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 3, batch_first=True)
+
+    def forward(self, x):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([3, 2]), batch_first=True)
+        return self.rnn(packed)[1][0].sum()
+
+
+def test_a_packed_sequence_is_refused_naming_the_line_and_the_fix(source):
+    """torch.export stopped inside torch with "zeros(): argument 'size' failed to unpack ... FakeTensor", the
+    TorchScript exporter with "vector::_M_range_check"."""
+    trainer = ORTTrainer(_Packed(), {"inputs": [("x", [2, 3, 4])], "outputs": [("loss", [])]}, SGDConfig(),
+                         options=_on(source))
+    with pytest.raises(ExportError, match=r"nn\.utils\.rnn\.pack_padded_sequence in module <top-level forward> "
+                                          r"\(_Packed\) at .*test_errors\.py:\d+ \(packed = .*\): .*the sum of "
+                                          r"the lengths' values.*padded batch.*lengths - 1"):
+        trainer.train_step(torch.randn(2, 3, 4))
+
+
 class _LUFactor(torch.nn.Module):
     def forward(self, x):
         return torch.linalg.lu_factor(x[:4, :4] @ x[:4, :4].T + 4 * torch.eye(4)).LU.sum()

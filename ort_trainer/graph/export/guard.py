@@ -292,6 +292,11 @@ class ExportGuard(StateChanges):
                          f"{{modules}} at {{where}}: {self._builder}, so the pack/unpack hooks would never run and "
                          "the backward would use the values PyTorch's hooks replace; remove the hooks (torch's own, "
                          "torch.utils.checkpoint and save_on_cpu, are fine)")
+        elif name == "_pack_padded_sequence":  # a size from the lengths' values: neither exporter follows it
+            self._report(("packed",), "nn.utils.rnn.pack_padded_sequence in module {modules} at {where}: a packed "
+                         "batch's size is the sum of the lengths' values, which the trace cannot follow; run the RNN "
+                         "on the padded batch and take each sequence's output at lengths - 1 (torch.gather; a "
+                         "bidirectional RNN: reverse each sequence within its length first)")
         elif name in ("register_hook", "register_post_accumulate_grad_hook") and args[0].requires_grad:
             self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: {self._builder}, so "
                          "a gradient hook would never run; remove the hook, or express its effect in the forward or "
@@ -435,7 +440,7 @@ class ExportGuard(StateChanges):
         return ref is not None and ref() is tensor
 
     def _report(self, kind: Any, text: str, module: str | None = None) -> None:
-        where = _user_source_line(outside_torch=kind[0] in ("function", "autograd", "hook"))
+        where = _user_source_line(outside_torch=kind[0] in ("function", "autograd", "hook", "packed"))
         module = module or (self._stack[-1] if self._stack else self._outside_model)
         entry = self._problems.setdefault((kind, where), (text, []))
         if module not in entry[1]:
