@@ -120,3 +120,37 @@ def test_running_maxima_train_as_pytorch():
     # the layers' sums of at most 7 terms in another order, carried by the weights (observed: equal)
     sgd_steps_as_pytorch(Running(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=7),
                          {"graph": {"gradient_source": "torch"}})
+
+
+class StableRanks(torch.nn.Module):
+    """Scores rounded to a few levels (many ties), sorted stably both ways; the sorted values weighted by rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(40))
+
+    def forward(self, x):
+        scores = x.round() * self.scale
+        ascending = torch.sort(scores, dim=1, stable=True)
+        descending = torch.sort(scores, dim=1, stable=True, descending=True)
+        ranks = torch.arange(40, dtype=x.dtype)
+        loss = (ascending.values * ranks).sum() + 0.5 * (descending.values * ranks).sum()
+        return loss, ascending.indices, descending.indices
+
+
+def test_a_stable_sort_gives_torchs_order_among_ties():
+    """``aten.sort.stable`` (no translation) is ONNX TopK, whose ties go to the lower index as a stable sort's do:
+    the indices of 6 rows of 40 values on ~9 levels equal torch's, ascending and descending; the loss (sums of 40
+    terms) within float32's bound of torch's."""
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import SGDConfig
+
+    x = 2 * torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    desc = {"inputs": [("x", [6, 40])], "outputs": [("loss", [], True), ("ascending", [6, 40]),
+                                                    ("descending", [6, 40])]}
+    trainer = ORTTrainer(StableRanks(), desc, SGDConfig(lr=0.0), options={"graph": {"gradient_source": "torch"}})
+    loss, ascending, descending = trainer.train_step(x)
+    want, want_ascending, want_descending = StableRanks()(x)
+    assert torch.equal(torch.as_tensor(np.asarray(ascending)), want_ascending)
+    assert torch.equal(torch.as_tensor(np.asarray(descending)), want_descending)
+    check(relative_error(float(loss), float(want.detach())), steps_bound(1, length=40), "loss")

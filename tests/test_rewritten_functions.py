@@ -1,6 +1,7 @@
 """torch functions the export computes with other operators (``graph/export/rewritten_functions.py``): ``F.bilinear``
-(``nn.Bilinear``, ATen's ``_trilinear``, which torch's exporter cannot translate) as an ``einsum``. (``fill_diagonal_``
-is tested with the other diagonals, ``test_diagonals.py``.)"""
+(``nn.Bilinear``, ATen's ``_trilinear``, which torch's exporter cannot translate) as an ``einsum``, and
+``F.embedding(sparse=True)`` with a dense gradient. (``fill_diagonal_`` is tested with the other diagonals,
+``test_diagonals.py``.)"""
 
 import pytest
 import torch
@@ -52,4 +53,31 @@ def test_nn_bilinear_trains_as_pytorch():
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
     # float32 sums of at most 20 terms (the bilinear form's 5 · 4 products), carried through the weights
     sgd_steps_as_pytorch(Biaffine(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=20),
+                         {"graph": {"gradient_source": "torch"}})
+
+
+class SparseBag(torch.nn.Module):
+    """A recommender's tables with sparse gradients (``nn.Embedding(sparse=True)``; one with a padding row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.users = torch.nn.Embedding(10, 4, sparse=True)
+        self.items = torch.nn.Embedding(12, 4, padding_idx=0, sparse=True)
+
+    def forward(self, user, item, rating):
+        return F.mse_loss((self.users(user) * self.items(item)).sum(-1), rating)
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the torch route exports with onnxscript")
+def test_sparse_embedding_gradients_train_as_pytorchs_sparse_sgd():
+    """The graph's gradient is dense: torch.optim.SGD's sparse step moves the same rows by the same amounts.
+    (torch's own sparse gradient stopped the export: no translation for aten._sparse_coo_tensor_with_dims...)"""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 10, (8,), generator=generator), torch.randint(0, 12, (8,), generator=generator),
+                torch.rand(8, generator=generator)) for _ in range(3)]
+    desc = {"inputs": [("user", ["batch"]), ("item", ["batch"]), ("rating", ["batch"])],
+            "outputs": [("loss", [], True)]}
+    # float32 sums of at most 8 terms (the batch's mean; a row's gradient sums its repeats), through the weights
+    sgd_steps_as_pytorch(SparseBag(), desc, batches, 0.5, lambda step: steps_bound(step + 1, length=8),
                          {"graph": {"gradient_source": "torch"}})

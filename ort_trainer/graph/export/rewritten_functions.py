@@ -8,6 +8,9 @@ these in their place, ``guard.ExportGuard.handle``).
   every ``columns + 1``-th element in memory order (a tall matrix's diagonal restarting below itself, as torch's
   does); for more dims (all of one size), where every index is equal. ``masked_fill_`` of that mask changes the
   tensor in place, as torch's does.
+- ``F.embedding(..., sparse=True)`` (``nn.Embedding(sparse=True)``) asks autograd for a sparse gradient of the
+  table, a sparse tensor the exporter cannot translate: the graph's gradient is dense, the same values (the
+  trainer's optimizers update dense weights; with ``torch.optim.SGD`` a sparse step moves the same rows).
 - ``F.bilinear`` (``nn.Bilinear``, ``torch.bilinear``) is ATen's ``_trilinear``, which the exporter cannot translate
   either: here the ``einsum`` it is, ``y[..., o] = Σ x1[..., i] W[o, i, j] x2[..., j] + b[o]``, which contracts
   through matrix products (torch's kernel does too), never a ``[..., o, i, j]`` product.
@@ -16,6 +19,7 @@ these in their place, ``guard.ExportGuard.handle``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def fill_diagonal_(tensor: torch.Tensor, fill_value: float, wrap: bool = False) -> torch.Tensor:
@@ -41,6 +45,12 @@ def bilinear(input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor,
     return out if bias is None else out + bias
 
 
-REPLACEMENTS = {torch.Tensor.fill_diagonal_: fill_diagonal_, torch.bilinear: bilinear}
+def embedding(input: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None, max_norm: float | None = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    """``F.embedding`` with a dense gradient (module docstring)."""
+    return F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, False)
 
-__all__ = ["REPLACEMENTS", "bilinear", "fill_diagonal_"]
+
+REPLACEMENTS = {torch.Tensor.fill_diagonal_: fill_diagonal_, torch.bilinear: bilinear, F.embedding: embedding}
+
+__all__ = ["REPLACEMENTS", "bilinear", "embedding", "fill_diagonal_"]

@@ -11,11 +11,11 @@ decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is 
 backwards as the 2-d ones; adaptive average pools whose windows overlap or differ in size (and the
 3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
 And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's bool ``max``),
-whose reference uses ``prims.prod``, RReLU's forward, ``uniform_``'s draw, the gamma function's logarithm and
-derivatives (``special_functions.py``), the k-th value and medians (``order_statistics.py``), ``cdist``'s
-kernel and its backward (``distances.py``), a write into a diagonal and ``torch.diagonal``'s backward
-(``diagonals.py``). Used during the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the eval-mode
-graph's too.
+whose reference uses ``prims.prod``, RReLU's forward, ``uniform_``'s draw, a stable sort, the gamma function's
+logarithm and derivatives (``special_functions.py``), the k-th value and medians (``order_statistics.py``),
+``cdist``'s kernel and its backward (``distances.py``), a write into a diagonal and ``torch.diagonal``'s
+backward (``diagonals.py``). Used during the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the
+eval-mode graph's too.
 """
 
 from __future__ import annotations
@@ -301,7 +301,16 @@ def uniform(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, generator=N
     return torch.rand_like(self) * (to - from_) + from_
 
 
+def sort_stable(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1,
+                descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(stable=True)`` (``aten.sort.stable``, no translation) as ``aten.sort``, which the exporter writes
+    as ONNX ``TopK``: the ONNX specification breaks its ties by the lower index, which is what a stable sort
+    keeps, ascending or descending."""
+    return aten.sort.default(self, dim, descending)
+
+
 DECOMPOSITIONS = {
+    aten.sort.stable: sort_stable,
     aten.uniform.default: uniform,
     aten.cumprod.default: cumprod,
     aten.max.dim: max_dim,
@@ -321,7 +330,7 @@ DECOMPOSITIONS = {
     **diagonals.DECOMPOSITIONS,  # diagonal_scatter (a write into a diagonal) and torch.diagonal's backward
 }
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
-FORWARD = (aten.uniform.default, aten.cumprod.default, aten._adaptive_avg_pool3d.default,
+FORWARD = (aten.sort.stable, aten.uniform.default, aten.cumprod.default, aten._adaptive_avg_pool3d.default,
            aten.rrelu_with_noise_functional.default,
            *special_functions.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS, aten._cdist_forward.default,
            aten._pdist_forward.default, aten.diagonal_scatter.default)
