@@ -124,6 +124,14 @@ def mlp_batch(generator: torch.Generator, batch: int = 8):
     return x, (x @ _TEACHER).argmax(dim=1)
 
 
+def classified_batches(count: int, rows: int, features: int, seed: int, classes: int = 3) -> list:
+    """``count`` batches of ``rows`` standard normal feature vectors and class labels below ``classes``, drawn in
+    turn from one generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, features, generator=generator),
+             torch.randint(0, classes, (rows,), generator=generator)) for _ in range(count)]
+
+
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     """An independent copy with identical initial weights."""
     return copy.deepcopy(model)

@@ -466,13 +466,11 @@ class _Windows(torch.nn.Module):
 def test_the_gradient_of_tensor_unfold_trains_as_pytorch():
     """unfold's backward scatters with int32 indices into a table small enough for small_table_gradients, whose
     OneHot then had no ONNX Runtime CPU kernel (int32 index, int64 depth): the session was refused."""
-    from models import sgd_steps_as_pytorch
+    from models import classified_batches, sgd_steps_as_pytorch
     from tolerances import steps_bound
 
     torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(5, 32, generator=generator), torch.randint(0, 3, (5,), generator=generator))
-               for _ in range(3)]
+    batches = classified_batches(3, rows=5, features=32, seed=1)
     desc = {"inputs": [("signal", ["batch", 32]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
     # float32 sums of at most 8 terms (a window's product), carried through the weights
     sgd_steps_as_pytorch(_Windows(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=8),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, _logging, _runtime
 from ort_trainer.optim import SGDConfig
-from models import OwnLoss, sgd_steps_as_pytorch
+from models import OwnLoss, classified_batches, sgd_steps_as_pytorch
 from tolerances import check, relative_error, steps_bound
 
 ROUTES = [pytest.param("torch", marks=pytest.mark.skipif(not _runtime.has_onnxscript(), reason="needs onnxscript")),
@@ -134,9 +134,7 @@ def _steps_as_pytorch_with_its_decisions(model, desc, batches, layers: list[str]
 
 
 def _batches(steps: int, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator))
-            for _ in range(steps)]
+    return classified_batches(steps, rows=6, features=4, seed=seed)
 
 
 @pytest.mark.parametrize("route", ROUTES)

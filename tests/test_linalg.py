@@ -14,7 +14,7 @@ pytest.importorskip("onnxscript", reason="torch's ONNX exporter needs onnxscript
 
 from ort_trainer.graph.export.torchscript import ExportError  # noqa: E402
 from ort_trainer.graph.gradient.autograd import export_joint  # noqa: E402
-from models import sgd_steps_as_pytorch  # noqa: E402
+from models import classified_batches, sgd_steps_as_pytorch  # noqa: E402
 from test_torch_autograd import assert_grads_match, desc, feeds_for, reference, run  # noqa: E402
 from tolerances import FLOAT32, check, relative_error, steps_bound  # noqa: E402
 
@@ -65,9 +65,7 @@ class _Loss(torch.nn.Module):
 
 def test_trains_evaluates_and_saves_as_pytorch(tmp_path):
     torch.manual_seed(1)
-    generator = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator))
-               for _ in range(3)]
+    batches = classified_batches(3, rows=6, features=4, seed=2)
     # float32 sums of at most 8 terms a step (the inverses' own roundings included), carried through the weights
     trainer, pytorch = sgd_steps_as_pytorch(_Loss(Matrices()), DESC, batches, 0.1,
                                             lambda step: steps_bound(step + 1, length=8),

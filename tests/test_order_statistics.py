@@ -11,7 +11,7 @@ import torch
 from ort_trainer import _runtime
 from ort_trainer.graph.gradient.order_statistics import (cummax, cummin, kthvalue, median, median_dim, nanmedian,
                                                          nanmedian_dim)
-from models import sgd_steps_as_pytorch
+from models import classified_batches, sgd_steps_as_pytorch
 from tolerances import FLOAT64, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
@@ -114,9 +114,7 @@ class Running(torch.nn.Module):
 def test_running_maxima_train_as_pytorch():
     torch.manual_seed(44)
     desc = {"inputs": [("x", ["b", 6]), ("y", ["b"])], "outputs": [("loss", [], True)]}
-    generator = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(5, 6, generator=generator), torch.randint(0, 3, (5,), generator=generator))
-               for _ in range(3)]
+    batches = classified_batches(3, rows=5, features=6, seed=5)
     # the layers' sums of at most 7 terms in another order, carried by the weights (observed: equal)
     sgd_steps_as_pytorch(Running(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=7),
                          {"graph": {"gradient_source": "torch"}})

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ort_trainer import _runtime
 from ort_trainer.graph.export.rewritten_functions import bilinear
-from models import sgd_steps_as_pytorch
+from models import classified_batches, sgd_steps_as_pytorch
 from tolerances import FLOAT64, check, relative_error, steps_bound
 
 
@@ -47,9 +47,7 @@ class Biaffine(torch.nn.Module):
 @pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the torch route exports with onnxscript")
 def test_nn_bilinear_trains_as_pytorch():
     torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(6, 6, generator=generator), torch.randint(0, 3, (6,), generator=generator))
-               for _ in range(3)]
+    batches = classified_batches(3, rows=6, features=6, seed=1)
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
     # float32 sums of at most 20 terms (the bilinear form's 5 · 4 products), carried through the weights
     sgd_steps_as_pytorch(Biaffine(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=20),

@@ -13,7 +13,7 @@ from torch import distributions as D
 
 from ort_trainer import _runtime
 from ort_trainer.graph.gradient.special_functions import digamma, erfinv, lgamma, polygamma
-from models import sgd_steps_as_pytorch
+from models import classified_batches, sgd_steps_as_pytorch
 from tolerances import FLOAT32, FLOAT64, check, steps_bound
 
 pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the 'torch' gradient source exports with "
@@ -112,9 +112,7 @@ class Gaussianised(torch.nn.Module):
 def test_erfinv_trains_as_pytorch():
     torch.manual_seed(6)
     desc = {"inputs": [("x", ["b", 4]), ("y", ["b"])], "outputs": [("loss", [], True)]}
-    generator = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator))
-               for _ in range(3)]
+    batches = classified_batches(3, rows=6, features=4, seed=7)
     # sums of at most 6 terms and erfinv's 4 ulps (against torch's kernel's 1) in the forward and its gradient's
     # exp(erfinv²): 16 units a step, carried through the weights
     sgd_steps_as_pytorch(Gaussianised(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=16),
@@ -158,9 +156,7 @@ class Polar(torch.nn.Module):
 def test_hypot_trains_as_pytorch():
     torch.manual_seed(9)
     desc = {"inputs": [("x", ["b", 4]), ("y", ["b"])], "outputs": [("loss", [], True)]}
-    generator = torch.Generator().manual_seed(10)
-    batches = [(torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator))
-               for _ in range(3)]
+    batches = classified_batches(3, rows=6, features=4, seed=10)
     # sums of at most 6 terms and hypot's one rounding (its gradient's division another) a step
     sgd_steps_as_pytorch(Polar(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=8),
                          {"graph": {"gradient_source": "torch"}})

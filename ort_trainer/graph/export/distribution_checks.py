@@ -13,7 +13,7 @@ eigenvalues' (positive semidefinite). Squareness comes from the shapes, which Py
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.distributions import constraints
@@ -25,18 +25,18 @@ def _symmetric(self, value: torch.Tensor) -> torch.Tensor:
     return torch.isclose(value, value.mT, atol=1e-6).all(-2).all(-1)
 
 
-def _positive_definite(self, value: torch.Tensor) -> torch.Tensor:
+def _symmetric_and(self, value: torch.Tensor, verdict: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """False where ``value`` is not symmetric (or not square), else ``verdict(value)``."""
     symmetric = _symmetric(self, value)
-    if value.shape[-2] != value.shape[-1]:
-        return symmetric
-    return symmetric & torch.linalg.cholesky_ex(value).info.eq(0)
+    return symmetric if value.shape[-2] != value.shape[-1] else symmetric & verdict(value)
+
+
+def _positive_definite(self, value: torch.Tensor) -> torch.Tensor:
+    return _symmetric_and(self, value, lambda matrix: torch.linalg.cholesky_ex(matrix).info.eq(0))
 
 
 def _positive_semidefinite(self, value: torch.Tensor) -> torch.Tensor:
-    symmetric = _symmetric(self, value)
-    if value.shape[-2] != value.shape[-1]:
-        return symmetric
-    return symmetric & torch.linalg.eigvalsh(value).ge(0).all(-1)
+    return _symmetric_and(self, value, lambda matrix: torch.linalg.eigvalsh(matrix).ge(0).all(-1))
 
 
 _CHECKS = {constraints._Symmetric: _symmetric, constraints._PositiveDefinite: _positive_definite,

@@ -280,6 +280,13 @@ def max_dim(input, dim, keepdim=False):
     return values.to(torch.bool), indices
 
 
+def uniform(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, generator=None) -> torch.Tensor:
+    """``Tensor.uniform_(a, b)`` (functionalised: ``aten.uniform``; ``torch.distributions.Laplace.rsample``, noise
+    drawn into a new tensor), whose reference ``prims.uniform`` the exporter cannot translate: a uniform draw of the
+    graph in [0, 1) scaled to [a, b), anew at each step, as torch's kernel scales its draw."""
+    return torch.rand_like(self) * (to - from_) + from_
+
+
 def rrelu_with_noise_functional(self: torch.Tensor, noise: torch.Tensor, lower=0.125, upper=1.0 / 3.0,
                                 training: bool = False, generator=None):
     """RReLU (``nn.RReLU``, ``F.rrelu``), which the exporter has no translation for, as torch's kernel computes it:
@@ -289,16 +296,9 @@ def rrelu_with_noise_functional(self: torch.Tensor, noise: torch.Tensor, lower=0
     (lower + upper) / 2, ``noise`` unchanged."""
     if not training:
         return aten.leaky_relu(self, (lower + upper) / 2), noise
-    slopes = torch.rand_like(self) * (upper - lower) + lower
+    slopes = uniform(self, lower, upper)
     slopes = torch.where(self <= 0, slopes, torch.ones((), dtype=self.dtype, device=self.device))
     return self * slopes, slopes
-
-
-def uniform(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, generator=None) -> torch.Tensor:
-    """``Tensor.uniform_(a, b)`` (functionalised: ``aten.uniform``; ``torch.distributions.Laplace.rsample``, noise
-    drawn into a new tensor), whose reference ``prims.uniform`` the exporter cannot translate: a uniform draw of the
-    graph in [0, 1) scaled to [a, b), anew at each step, as torch's kernel scales its draw."""
-    return torch.rand_like(self) * (to - from_) + from_
 
 
 def sort_stable(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1,
