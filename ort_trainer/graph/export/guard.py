@@ -56,8 +56,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (checked_losses, cholesky, ctc, distribution_checks, layer_drop, linalg, python_draws, rewritten_functions,
-               spec_augment, validations)
+from . import (checked_losses, cholesky, ctc, distribution_checks, layer_drop, linalg, packed_sequences, python_draws,
+               rewritten_functions, spec_augment, validations)
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -74,7 +74,7 @@ _LIBRARY_DIRS = tuple(d + os.sep for d in (_TORCH_DIR, os.path.dirname(ort.__fil
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 # what the torch.export route computes instead of these functions
 _REPLACEMENTS = {**{f: ctc.ctc_loss for f in ctc.FUNCTIONS}, **checked_losses.REPLACEMENTS, **linalg.REPLACEMENTS,
-                 **cholesky.REPLACEMENTS, **rewritten_functions.REPLACEMENTS}
+                 **cholesky.REPLACEMENTS, **rewritten_functions.REPLACEMENTS, **packed_sequences.REPLACEMENTS}
 _TRUTH_TESTS = (torch._is_all_true, torch._is_any_true)  # a bool tensor torch.export reads into Python
 _OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.library makes of ort_trainer's operators
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
@@ -264,7 +264,8 @@ class ExportGuard(StateChanges):
         try:
             with _GuardMode(self), python_draws.reporting(self._report_draw, layer_drop.python_draw), \
                     layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)), \
-                    distribution_checks.without_branches():  # torch.distributions' matrix checks, no branch
+                    distribution_checks.without_branches(), \
+                    (contextlib.nullcontext() if self._stop_gradients else packed_sequences.masked_recurrences()):
                 yield
         finally:
             if before is not None:
@@ -292,11 +293,13 @@ class ExportGuard(StateChanges):
                          f"{{modules}} at {{where}}: {self._builder}, so the pack/unpack hooks would never run and "
                          "the backward would use the values PyTorch's hooks replace; remove the hooks (torch's own, "
                          "torch.utils.checkpoint and save_on_cpu, are fine)")
-        elif name == "_pack_padded_sequence":  # a size from the lengths' values: neither exporter follows it
+        elif name == "_pack_padded_sequence" and self._stop_gradients:  # the torch route masks (packed_sequences)
             self._report(("packed",), "nn.utils.rnn.pack_padded_sequence in module {modules} at {where}: a packed "
-                         "batch's size is the sum of the lengths' values, which the trace cannot follow; run the RNN "
-                         "on the padded batch and take each sequence's output at lengths - 1 (torch.gather; a "
-                         "bidirectional RNN: reverse each sequence within its length first)")
+                         "batch's size is the sum of the lengths' values, which the TorchScript trace cannot follow; "
+                         "set graph.gradient_source='torch', which runs it as a padded batch masked by the lengths")
+        elif not self._stop_gradients and (text := packed_sequences.data_use(name, tensors)) and \
+                _user_frame().f_code.co_filename not in packed_sequences.READERS:
+            self._report(("packed data", name), text)
         elif name in ("register_hook", "register_post_accumulate_grad_hook") and args[0].requires_grad:
             self._report(("hook", name), f"Tensor.{name}() in module {{modules}} at {{where}}: {self._builder}, so "
                          "a gradient hook would never run; remove the hook, or express its effect in the forward or "
@@ -440,7 +443,7 @@ class ExportGuard(StateChanges):
         return ref is not None and ref() is tensor
 
     def _report(self, kind: Any, text: str, module: str | None = None) -> None:
-        where = _user_source_line(outside_torch=kind[0] in ("function", "autograd", "hook", "packed"))
+        where = _user_source_line(outside_torch=kind[0] in ("function", "autograd", "hook", "packed", "packed data"))
         module = module or (self._stack[-1] if self._stack else self._outside_model)
         entry = self._problems.setdefault((kind, where), (text, []))
         if module not in entry[1]:

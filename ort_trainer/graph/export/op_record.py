@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..._logging import logger
 from ...model_desc import ModelDescription
 from ..job import OpRecord
-from . import python_draws
+from . import packed_sequences, python_draws
 from .guard import _model_left_untouched
 from .torchscript import _ModelWithLoss, export_order
 
@@ -249,6 +249,7 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                 try:
                     with contextlib.ExitStack() as stack:
                         for context in (torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(),
+                                        packed_sequences.masked_recurrences(),
                                         python_draws.reporting(draws.append), sdpa_kernel([SDPBackend.MATH]),
                                         fake(), *recorders):
                             stack.enter_context(context)
@@ -320,7 +321,8 @@ def _weight_labels(wrapper: torch.nn.Module) -> dict[int, str]:
 
 class _HookWatch(TorchFunctionMode):
     """Declines when the forward registers a hook on a tensor or runs under saved-tensor hooks of
-    its own (they would run in the backward)."""
+    its own (they would run in the backward). Packs and unpacks packed sequences as the trace does
+    (``packed_sequences``: the padded batch, no size read from the lengths)."""
 
     _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
@@ -330,7 +332,7 @@ class _HookWatch(TorchFunctionMode):
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if hooks is not None and hooks[0] is not _drop:  # the record's own (``_nothing_saved``) aside
             raise _Declined("the forward runs under saved-tensor hooks")
-        return func(*args, **(kwargs or {}))
+        return packed_sequences.REPLACEMENTS.get(func, func)(*args, **(kwargs or {}))
 
 
 def _value_hash(tensor: torch.Tensor) -> str:
