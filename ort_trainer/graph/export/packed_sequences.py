@@ -161,17 +161,19 @@ def _direction(module: torch.nn.RNNBase, layer: int, direction: int, x: torch.Te
     # every step's input term in one product, split by unbind (whose gradient is one stack: indexing each step's
     # would add a zero-padded copy of the whole sequence per step)
     inputs = F.linear(x, weight("weight_ih"), weight("bias_ih")).unbind(0)
-    w_hh, b_hh, w_hr = weight("weight_hh"), weight("bias_hh"), weight("weight_hr")
+    # transposed once: F.linear at every step would add a transpose, and one of its gradient, per step
+    w_hh, b_hh, w_hr = weight("weight_hh").t(), weight("bias_hh"), weight("weight_hr")
+    w_hr = None if w_hr is None else w_hr.t()
     outputs: list[torch.Tensor | None] = [None] * len(inputs)
     running = running.unbind(0)
     for step in (reversed(range(len(inputs))) if direction else range(len(inputs))):
-        recurrent = F.linear(h, w_hh, b_hh)
+        recurrent = h @ w_hh if b_hh is None else torch.addmm(b_hh, h, w_hh)
         if module.mode == "LSTM":
             i, f, g, o = (inputs[step] + recurrent).chunk(4, -1)
             c_next = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
             h_next = torch.sigmoid(o) * torch.tanh(c_next)
             if w_hr is not None:
-                h_next = F.linear(h_next, w_hr)
+                h_next = h_next @ w_hr
         elif module.mode == "GRU":
             x_r, x_z, x_n = inputs[step].chunk(3, -1)
             h_r, h_z, h_n = recurrent.chunk(3, -1)
