@@ -55,9 +55,9 @@ def _packed_masked(rnn, x, lengths, batch_first, enforce_sorted, hx):
 
 
 @pytest.mark.parametrize("layer, options", [(torch.nn.LSTM, {}), (torch.nn.LSTM, {"proj_size": 3}),
-                                            (torch.nn.GRU, {}), (torch.nn.RNN, {}),
+                                            (torch.nn.GRU, {}), (torch.nn.GRU, {"bias": False}), (torch.nn.RNN, {}),
                                             (torch.nn.RNN, {"nonlinearity": "relu"})],
-                         ids=["lstm", "lstm-projected", "gru", "rnn-tanh", "rnn-relu"])
+                         ids=["lstm", "lstm-projected", "gru", "gru-without-biases", "rnn-tanh", "rnn-relu"])
 def test_the_masked_recurrence_is_pytorchs_packed_kernel_in_float64(layer, options):
     """Outputs, final states and the gradients of all of them, for 1 and 2 layers, one and two directions, batch
     first or not, sorted or not, with and without initial states: a length of 1 and sequences ending before the
