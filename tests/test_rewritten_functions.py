@@ -1,6 +1,6 @@
 """torch functions the export computes with other operators (``graph/export/rewritten_functions.py``): ``F.bilinear``
 (``nn.Bilinear``, ATen's ``_trilinear``, which torch's exporter cannot translate) as an ``einsum``, and
-``F.embedding(sparse=True)`` with a dense gradient. (``fill_diagonal_`` is tested with the other diagonals,
+``F.embedding(sparse=True)`` with a dense gradient, ``torch.combinations`` as a gather. (``fill_diagonal_`` is tested with the other diagonals,
 ``test_diagonals.py``.)"""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ort_trainer import _runtime
-from ort_trainer.graph.export.rewritten_functions import bilinear
+from ort_trainer.graph.export.rewritten_functions import bilinear, combinations
 from models import classified_batches, sgd_steps_as_pytorch
 from tolerances import FLOAT64, check, relative_error, steps_bound
 
@@ -78,4 +78,38 @@ def test_sparse_embedding_gradients_train_as_pytorchs_sparse_sgd():
             "outputs": [("loss", [], True)]}
     # float32 sums of at most 8 terms (the batch's mean; a row's gradient sums its repeats), through the weights
     sgd_steps_as_pytorch(SparseBag(), desc, batches, 0.5, lambda step: steps_bound(step + 1, length=8),
+                         {"graph": {"gradient_source": "torch"}})
+
+
+@pytest.mark.parametrize("size, r", [(5, 2), (4, 3), (3, 1), (2, 3), (1, 2), (4, 4)])
+@pytest.mark.parametrize("with_replacement", [False, True])
+def test_combinations_are_torchs_in_order(size, r, with_replacement):
+    values = torch.arange(10.0, 10.0 + size)
+    expected = torch.combinations(values, r, with_replacement)
+    got = combinations(values, r, with_replacement)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+class PairwiseInteractions(torch.nn.Module):
+    """A factorisation machine's pairwise feature interactions: every pair of 5 fields' embeddings, dotted."""
+
+    def __init__(self):
+        super().__init__()
+        self.fields = torch.nn.Linear(4, 5 * 3)
+        self.head = torch.nn.Linear(10, 3)
+
+    def forward(self, x, y):
+        fields = self.fields(x).view(-1, 5, 3)
+        pairs = torch.combinations(torch.arange(5), 2)
+        return F.cross_entropy(self.head((fields[:, pairs[:, 0]] * fields[:, pairs[:, 1]]).sum(-1)), y)
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the torch route exports with onnxscript")
+def test_pairwise_interactions_from_combinations_train_as_pytorch():
+    """torch's own combinations stopped the export ("Pending unbacked symbols": masked_select of a triangle)."""
+    torch.manual_seed(0)
+    batches = classified_batches(3, rows=6, features=4, seed=2)
+    desc = {"inputs": [("x", ["batch", 4]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
+    # float32 sums of at most 10 terms (the head's 10 interactions), carried through the weights
+    sgd_steps_as_pytorch(PairwiseInteractions(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=10),
                          {"graph": {"gradient_source": "torch"}})

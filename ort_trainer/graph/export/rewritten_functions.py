@@ -14,9 +14,16 @@ these in their place, ``guard.ExportGuard.handle``).
 - ``F.bilinear`` (``nn.Bilinear``, ``torch.bilinear``) is ATen's ``_trilinear``, which the exporter cannot translate
   either: here the ``einsum`` it is, ``y[..., o] = Σ x1[..., i] W[o, i, j] x2[..., j] + b[o]``, which contracts
   through matrix products (torch's kernel does too), never a ``[..., o, i, j]`` product.
+- ``torch.combinations`` selects from a triangle mask with ``masked_select``, whose size the trace takes from the
+  mask's values (it stopped with "Pending unbacked symbols"); the size is ``C(n, r)`` (with replacement
+  ``C(n + r - 1, r)``) for a 1-d tensor of ``n`` elements: the index of every combination is a constant, in torch's
+  (lexicographic) order, and the result the input gathered at it (DLRM- and factorisation-machine-style pairwise
+  feature interactions).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +58,18 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, padding_idx: int | None
     return F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, False)
 
 
-REPLACEMENTS = {torch.Tensor.fill_diagonal_: fill_diagonal_, torch.bilinear: bilinear, F.embedding: embedding}
+def combinations(input: torch.Tensor, r: int = 2, with_replacement: bool = False) -> torch.Tensor:
+    """``torch.combinations`` as a gather at constant indices (module docstring); other cases left to torch's."""
+    if input.dim() != 1 or not isinstance(input.shape[0], int) or r < 1:
+        return torch.combinations(input, r, with_replacement)
+    pick = itertools.combinations_with_replacement if with_replacement else itertools.combinations
+    rows = list(pick(range(input.shape[0]), r))
+    if not rows:
+        return input.new_empty((0, r))
+    return input[torch.tensor(rows, device=input.device)]
 
-__all__ = ["REPLACEMENTS", "bilinear", "embedding", "fill_diagonal_"]
+
+REPLACEMENTS = {torch.Tensor.fill_diagonal_: fill_diagonal_, torch.bilinear: bilinear, F.embedding: embedding,
+                torch.combinations: combinations}
+
+__all__ = ["REPLACEMENTS", "bilinear", "combinations", "embedding", "fill_diagonal_"]
