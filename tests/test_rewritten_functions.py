@@ -1,7 +1,7 @@
 """torch functions the export computes with other operators (``graph/export/rewritten_functions.py``): ``F.bilinear``
-(``nn.Bilinear``, ATen's ``_trilinear``, which torch's exporter cannot translate) as an ``einsum``, and
-``F.embedding(sparse=True)`` with a dense gradient, ``torch.combinations`` as a gather. (``fill_diagonal_`` is tested with the other diagonals,
-``test_diagonals.py``.)"""
+(``nn.Bilinear``, ATen's ``_trilinear``, which torch's exporter cannot translate) as an ``einsum``,
+``F.embedding(sparse=True)`` with a dense gradient, and ``torch.combinations`` as a gather. (``fill_diagonal_`` is
+tested with the other diagonals, ``test_diagonals.py``.)"""
 
 import pytest
 import torch

@@ -56,8 +56,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (checked_losses, cholesky, ctc, distribution_checks, layer_drop, linalg, packed_sequences, python_draws,
-               rewritten_functions, spec_augment, validations)
+from . import (adaptive_softmax, checked_losses, cholesky, ctc, distribution_checks, layer_drop, linalg,
+               packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
 from .guard_state import StateChanges
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
@@ -264,7 +264,7 @@ class ExportGuard(StateChanges):
         try:
             with _GuardMode(self), python_draws.reporting(self._report_draw, layer_drop.python_draw), \
                     layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)), \
-                    distribution_checks.without_branches(), \
+                    distribution_checks.without_branches(), adaptive_softmax.without_branches(), \
                     (contextlib.nullcontext() if self._stop_gradients else packed_sequences.masked_recurrences()):
                 yield
         finally:
