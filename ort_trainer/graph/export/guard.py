@@ -56,9 +56,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (adaptive_softmax, checked_losses, cholesky, ctc, distribution_checks, layer_drop, linalg,
+from . import (adaptive_softmax, checked_losses, cholesky, ctc, data_sizes, distribution_checks, layer_drop, linalg,
                packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
 from .guard_state import StateChanges
+from .guard_tables import CONVERSIONS, DRAWS, METADATA, PLACEHOLDERS
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
 STOP_GRADIENT_DOMAIN = "ort_trainer"
@@ -79,44 +80,11 @@ _TRUTH_TESTS = (torch._is_all_true, torch._is_any_true)  # a bool tensor torch.e
 _OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.library makes of ort_trainer's operators
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
 _DISPATCH_FILES = (
-    GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"), python_draws.__file__,
+    GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"), python_draws.__file__, data_sizes.__file__,
     *(os.path.join(_TORCH_DIR, *p) for p in [("overrides.py",), ("_tensor.py",), ("autograd", "function.py"),
                                            ("utils", "_contextlib.py"), ("autograd", "grad_mode.py")]),
 )
 
-# torch's random draws: a value read from one into Python (a layer dropped when torch.rand(()) < p) is one draw
-_DRAWS = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli", "multinomial",
-          "normal", "poisson", "uniform_", "normal_", "bernoulli_", "exponential_", "random_", "cauchy_",
-          "geometric_", "log_normal_"}
-# Queries about a tensor's metadata, not its values: their results depend on shapes only.
-_METADATA = {
-    "size", "shape", "dim", "ndim", "ndimension", "numel", "nelement", "__len__", "stride", "dtype",
-    "device", "layout", "element_size", "itemsize", "nbytes", "names", "requires_grad", "is_leaf",
-    "grad_fn", "data_ptr", "storage_offset", "get_device", "__hash__", "__format__", "__repr__", "__str__",
-    "__dir__", "__reduce_ex__", "__deepcopy__", "type",
-    "__eq__", "__ne__",  # a Python bool from these means the other side was not a tensor or number
-}
-_CONVERSIONS = {
-    "__bool__": "a tensor's value used as a Python bool (if/while/and/or/not on a tensor, bool(tensor))",
-    "item": "Tensor.item()",
-    "__float__": "float(tensor)",
-    "__int__": "int(tensor)",
-    "__index__": "a tensor used as a Python int (range(tensor), slicing or an int argument)",
-    "__complex__": "complex(tensor)",
-    "tolist": "Tensor.tolist()",
-    "numpy": "Tensor.numpy()",
-    "__array__": "numpy.asarray(tensor)",
-    "__contains__": "`value in tensor`",
-}
-# Stand-ins for a data-dependent Python value on the torch.export route (see ``handle``).
-_PLACEHOLDERS = {
-    "__bool__": lambda t: True,
-    "item": lambda t: True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1,
-    "__float__": lambda t: 1.0,
-    "__int__": lambda t: 1,
-    "__index__": lambda t: 1,
-    "__complex__": lambda t: 1 + 0j,
-}
 _AUTOGRAD_CALLS = {torch.autograd.grad: "torch.autograd.grad()", torch.autograd.backward: "torch.autograd.backward()",
                    torch.Tensor.backward: "Tensor.backward()"}
 _CONVERSION_FIX = ("compute it with tensor operations instead (torch.where, masks, clamp, arithmetic), so it "
@@ -164,7 +132,7 @@ def _is_in_place(name: str) -> bool:
 
 
 def _is_metadata(name: str) -> bool:
-    return name in _METADATA or (name.startswith(("is_", "_is")) and name != "is_nonzero")
+    return name in METADATA or (name.startswith(("is_", "_is")) and name != "is_nonzero")
 
 
 def _is_python_value(value: Any) -> bool:
@@ -198,6 +166,7 @@ class ExportGuard(StateChanges):
         self._tainted: dict[int, weakref.ref] = {}
         self._problems: dict[tuple, tuple[str, list[str]]] = {}
         self._watching = False
+        self._sizes = data_sizes.DataSizes()  # the TorchScript route's tensors sized by the data
         self.functions: list[str] = []  # custom autograd Functions the forward applied, as "Class in module M"
 
     def module_label(self, module: Any) -> str | None:
@@ -283,7 +252,7 @@ class ExportGuard(StateChanges):
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = _func_name(func)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        tainted = name in _DRAWS or any(self._is_tainted(t) for t in tensors)
+        tainted = name in DRAWS or any(self._is_tainted(t) for t in tensors)
         if func in _AUTOGRAD_CALLS:
             self._report(("autograd", name), f"{_AUTOGRAD_CALLS[func]} inside the forward, in module {{modules}} at "
                          "{where}: the exported graph has no autograd, so the gradients it computes would be "
@@ -297,6 +266,8 @@ class ExportGuard(StateChanges):
             self._report(("packed",), "nn.utils.rnn.pack_padded_sequence in module {modules} at {where}: a packed "
                          "batch's size is the sum of the lengths' values, which the TorchScript trace cannot follow; "
                          "set graph.gradient_source='torch', which runs it as a padded batch masked by the lengths")
+        elif self._stop_gradients and self._sizes.branch_on_size(name, tensors, _user_frame):
+            self._report(("data size",), data_sizes.TEXT)
         elif not self._stop_gradients and (text := packed_sequences.data_use(name, tensors)) and \
                 _user_frame().f_code.co_filename not in packed_sequences.READERS:
             self._report(("packed data", name), text)
@@ -311,14 +282,14 @@ class ExportGuard(StateChanges):
                          "detach a tensor in place; write x = x.detach()")
             out = func(*args, **kwargs)
         elif not self._stop_gradients:
-            if tainted and name in _PLACEHOLDERS:
+            if tainted and name in PLACEHOLDERS:
                 passing = validations.passing_value(_user_frame()) if name == "__bool__" else None
                 if passing is not None:  # a check that raises: traced where it passes
                     return passing
                 # torch.export cannot produce the value (it stops tracing there): the export is refused
                 # anyway, so a stand-in lets the trace go on and find every other problem
                 self._report_conversion(name)
-                return _PLACEHOLDERS[name](args[0])
+                return PLACEHOLDERS[name](args[0])
             if func in _TRUTH_TESTS:  # torch.distributions' `if not torch._is_all_true(valid): raise` (constants too)
                 passing = validations.passing_value(_user_frame())
                 if passing is not None:
@@ -333,15 +304,17 @@ class ExportGuard(StateChanges):
             out = self._call_without_gradient(func, name, args, kwargs)
         else:
             out = func(*args, **kwargs)
+        if self._stop_gradients:
+            self._sizes.note(name, args, tensors, out)
         if name == "__iter__":  # the rows come from one call the mode does not see: taint them here
             out = list(out)
             if tainted:
                 for row in out:
                     self._taint(row)
             return iter(out)
-        if not tainted and name in _CONVERSIONS and logger.isEnabledFor(logging.DEBUG):
+        if not tainted and name in CONVERSIONS and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s of a value computed from shapes only, in module %s at %s: the tracer records it",
-                         _CONVERSIONS[name], self._stack[-1] if self._stack else self._outside_model,
+                         CONVERSIONS[name], self._stack[-1] if self._stack else self._outside_model,
                          _user_source_line())
         if tainted and not _is_metadata(name):
             if _is_python_value(out):
@@ -363,7 +336,7 @@ class ExportGuard(StateChanges):
                      "or turn the feature off")
 
     def _report_conversion(self, name: str) -> None:
-        construct = _CONVERSIONS.get(name, f"{name}() returning a Python value")
+        construct = CONVERSIONS.get(name, f"{name}() returning a Python value")
         self._report(("convert", name), f"{construct} in module {{modules}} at {{where}}: the value comes from the "
                      "batch, the weights, the buffers or a random draw, and the export would freeze it at its value "
                      f"for the traced batch; {_CONVERSION_FIX}")
