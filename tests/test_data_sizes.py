@@ -38,16 +38,21 @@ class _BranchOnCount(torch.nn.Module):
             return selected.pow(2).mean()
         if self.form == "conditional":
             return out.sum() * 0 if len(selected) == 0 else selected.pow(2).mean()
+        if self.form == "named":
+            count = len(selected)
+            if count == 0:
+                return out.sum() * 0
+            return selected.pow(2).sum() / count
         count = selected.numel()  # read on its own line: the division keeps the traced count in the graph
         return selected.pow(2).sum() / count
 
 
-@pytest.mark.parametrize("form", ["if", "conditional"])
+@pytest.mark.parametrize("form", ["if", "conditional", "named"])
 def test_a_branch_on_a_selections_size_is_refused_naming_the_line(form):
     trainer = ORTTrainer(_BranchOnCount(form), _DESC, SGDConfig(), options=_ROUTE)
     with pytest.raises(ExportError, match=r"a branch on the size of a tensor sized by the data .* in module "
                                           r"<top-level forward> \(_BranchOnCount\) at .*test_data_sizes\.py:\d+ "
-                                          r"\((if selected|return out).*torch\.count_nonzero"):
+                                          r"\((if selected|return out|count = len).*torch\.count_nonzero"):
         trainer.train_step(torch.randn(6, 3), torch.zeros(6, dtype=torch.int64))
 
 

@@ -7,7 +7,8 @@ keeps arithmetic on such a size in the graph (``sel.sum() / sel.shape[0]`` divid
 a branch on it runs once, at the traced batch: ``if sel.shape[0] == 0: return zero`` then returns zero at every
 step, or never does (checked: a loss of 0.0 where PyTorch's was 0.093). The comparison happens on Python ints,
 which no torch mode sees, so the guard refuses a size of such a tensor read on the line of an ``if``, ``elif``,
-``while``, ``assert`` or conditional expression (``ExportGuard.handle``). ``torch.export`` (the ``torch`` route)
+``while``, ``assert`` or conditional expression, or assigned to a name such a test further down the same function
+reads (``ExportGuard.handle``). ``torch.export`` (the ``torch`` route)
 refuses these branches itself ("Could not guard on data-dependent expression").
 """
 
@@ -65,11 +66,27 @@ class DataSizes:
 @functools.lru_cache(maxsize=256)
 def _is_branch(filename: str, lineno: int) -> bool:
     """Whether ``lineno`` is within the test of an ``if``/``elif``/``while``/``assert`` or a conditional
-    expression."""
+    expression, or assigns a name that such a test further down the same function reads (``n = len(selected)``,
+    then ``if n == 0:``)."""
     tree = validations.source_tree(filename)
-    return tree is not None and any(
-        isinstance(node, _BRANCHES) and node.test.lineno <= lineno <= (node.test.end_lineno or 0)
-        for node in ast.walk(tree))
+    if tree is None:
+        return False
+    if any(isinstance(node, _BRANCHES) and node.test.lineno <= lineno <= (node.test.end_lineno or 0)
+           for node in ast.walk(tree)):
+        return True
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and node.lineno <= lineno <= (node.end_lineno or 0)]
+    if not functions:
+        return False
+    function = max(functions, key=lambda node: node.lineno)  # the innermost
+    assigned = {target.id for node in ast.walk(function) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                and node.lineno <= lineno <= (node.end_lineno or 0)
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(target, ast.Name)}
+    return bool(assigned) and any(
+        isinstance(node, _BRANCHES) and node.test.lineno > lineno and
+        any(isinstance(name, ast.Name) and name.id in assigned for name in ast.walk(node.test))
+        for node in ast.walk(function))
 
 
 __all__ = ["DataSizes", "TEXT"]
