@@ -18,12 +18,13 @@ range).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.adaptive import _ASMoutput
+
+from .trace_tools import methods_replaced
 
 
 def forward(module: torch.nn.AdaptiveLogSoftmaxWithLoss, input_: torch.Tensor, target_: torch.Tensor) -> _ASMoutput:
@@ -50,17 +51,8 @@ def forward(module: torch.nn.AdaptiveLogSoftmaxWithLoss, input_: torch.Tensor, t
 @contextlib.contextmanager
 def without_branches() -> Iterator[None]:
     """Around one trace: ``nn.AdaptiveLogSoftmaxWithLoss`` computes ``forward`` (on the tracing thread)."""
-    cls, thread = torch.nn.AdaptiveLogSoftmaxWithLoss, threading.get_ident()
-    original = cls.__dict__["forward"]
-
-    def patched(module, input_, target_):
-        return (forward if threading.get_ident() == thread else original)(module, input_, target_)
-
-    cls.forward = patched
-    try:
+    with methods_replaced({torch.nn.AdaptiveLogSoftmaxWithLoss: {"forward": lambda _, *args: forward(*args)}}):
         yield
-    finally:
-        cls.forward = original
 
 
 __all__ = ["forward", "without_branches"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import weakref
 from types import FrameType
 from typing import Any, Callable
 
@@ -24,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import validations
+from .trace_tools import TensorSet
 
 # operators whose output's size comes from their inputs' values
 _SIZED_BY_VALUES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
@@ -40,24 +40,19 @@ class DataSizes:
     """The tensors of one trace whose sizes come from the data."""
 
     def __init__(self) -> None:
-        self._ids: dict[int, weakref.ref] = {}
-
-    def _has(self, tensor: torch.Tensor) -> bool:
-        ref = self._ids.get(id(tensor))
-        return ref is not None and ref() is tensor
+        self._ids = TensorSet()
 
     def note(self, name: str, args: tuple, tensors: list[torch.Tensor], out: Any) -> None:
         """After an operator: its outputs are sized by the data where it sizes them so, or an input is."""
         boolean_index = name == "__getitem__" and any(t.dtype == torch.bool for t in tensors[1:])
-        if name in _SIZED_BY_VALUES or boolean_index or (self._ids and any(self._has(t) for t in tensors)):
+        if name in _SIZED_BY_VALUES or boolean_index or self._ids.any_of(tensors):
             for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor):
-                    self._ids[id(value)] = weakref.ref(value)
+                self._ids.add(value)
 
     def branch_on_size(self, name: str, tensors: list[torch.Tensor], frame: Callable[[], FrameType | None]) -> bool:
         """Whether ``name`` reads the size of a tensor sized by the data on a branch's line (``frame()``: the
         calling frame, looked up only then)."""
-        if name not in _SIZE_QUERIES or not self._ids or not any(self._has(t) for t in tensors[:1]):
+        if name not in _SIZE_QUERIES or not self._ids.any_of(tensors[:1]):
             return False
         caller = frame()
         return caller is not None and _is_branch(caller.f_code.co_filename, caller.f_lineno)

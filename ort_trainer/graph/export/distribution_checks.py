@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 import torch
 from torch.distributions import constraints
 
+from .trace_tools import methods_replaced
+
 
 def _symmetric(self, value: torch.Tensor) -> torch.Tensor:
     if value.shape[-2] != value.shape[-1]:
@@ -45,15 +47,11 @@ _CHECKS = {constraints._Symmetric: _symmetric, constraints._PositiveDefinite: _p
 
 @contextlib.contextmanager
 def without_branches() -> Iterator[None]:
-    """Within: the constraints' ``check`` methods are the branch-free ones above (module docstring)."""
-    originals = {cls: cls.__dict__["check"] for cls in _CHECKS}
-    try:
-        for cls, check in _CHECKS.items():
-            cls.check = check
+    """Within, on the calling thread: the constraints' ``check`` methods are the branch-free ones above (module
+    docstring)."""
+    replacements = {cls: {"check": lambda _, *args, check=check: check(*args)} for cls, check in _CHECKS.items()}
+    with methods_replaced(replacements):
         yield
-    finally:
-        for cls, check in originals.items():
-            cls.check = check
 
 
 __all__ = ["without_branches"]

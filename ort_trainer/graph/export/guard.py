@@ -45,7 +45,6 @@ import logging
 import os
 import sys
 import threading
-import weakref
 from typing import Any, Iterator
 
 import numpy as np
@@ -60,6 +59,7 @@ from . import (adaptive_softmax, checked_losses, cholesky, ctc, data_sizes, dist
                packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
 from .guard_state import StateChanges
 from .guard_tables import CONVERSIONS, DRAWS, METADATA, PLACEHOLDERS
+from .trace_tools import TensorSet
 
 GUARD_FILE = os.path.abspath(__file__)  # tracer warnings raised from here are conversions already handled
 STOP_GRADIENT_DOMAIN = "ort_trainer"
@@ -163,7 +163,7 @@ class ExportGuard(StateChanges):
             elif name.startswith("model."):
                 self._labels.setdefault(id(module), f"{name[len('model.'):]} ({type(module).__name__})")
         self._stack: list[str] = []
-        self._tainted: dict[int, weakref.ref] = {}
+        self._tainted = TensorSet()
         self._problems: dict[tuple, tuple[str, list[str]]] = {}
         self._watching = False
         self._sizes = data_sizes.DataSizes()  # the TorchScript route's tensors sized by the data
@@ -217,7 +217,7 @@ class ExportGuard(StateChanges):
     def watching(self, inputs: tuple) -> Iterator[None]:
         """Active around the wrapper's forward during the trace."""
         for tensor in [*inputs, *self._wrapper.parameters(), *self._wrapper.buffers()]:
-            self._taint(tensor)
+            self._tainted.add(tensor)
         handles = []
         for module in self._wrapper.modules():
             label = self._labels.get(id(module))
@@ -252,7 +252,7 @@ class ExportGuard(StateChanges):
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = _func_name(func)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        tainted = name in DRAWS or any(self._is_tainted(t) for t in tensors)
+        tainted = name in DRAWS or self._tainted.any_of(tensors)
         if func in _AUTOGRAD_CALLS:
             self._report(("autograd", name), f"{_AUTOGRAD_CALLS[func]} inside the forward, in module {{modules}} at "
                          "{where}: the exported graph has no autograd, so the gradients it computes would be "
@@ -310,7 +310,7 @@ class ExportGuard(StateChanges):
             out = list(out)
             if tainted:
                 for row in out:
-                    self._taint(row)
+                    self._tainted.add(row)
             return iter(out)
         if not tainted and name in CONVERSIONS and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s of a value computed from shapes only, in module %s at %s: the tracer records it",
@@ -323,9 +323,9 @@ class ExportGuard(StateChanges):
             else:
                 for value in tree_flatten(out)[0]:
                     if isinstance(value, torch.Tensor):
-                        self._taint(value)
+                        self._tainted.add(value)
                 if _is_in_place(name) and args and isinstance(args[0], torch.Tensor):
-                    self._taint(args[0])
+                    self._tainted.add(args[0])
         return out
 
     def _report_draw(self, name: str) -> None:
@@ -354,8 +354,8 @@ class ExportGuard(StateChanges):
         def stop(value):
             if isinstance(value, torch.Tensor) and value.requires_grad and value is not mutated:
                 stopped = StopGradient.apply(value)
-                if self._is_tainted(value):
-                    self._taint(stopped)
+                if value in self._tainted:
+                    self._tainted.add(stopped)
                 return stopped
             return value
 
@@ -407,14 +407,6 @@ class ExportGuard(StateChanges):
                          "(utils.frozen_weights)")
 
     # ---- bookkeeping --------------------------------------------------------------------------
-    def _taint(self, tensor: Any) -> None:
-        if isinstance(tensor, torch.Tensor):
-            self._tainted[id(tensor)] = weakref.ref(tensor)
-
-    def _is_tainted(self, tensor: torch.Tensor) -> bool:
-        ref = self._tainted.get(id(tensor))
-        return ref is not None and ref() is tensor
-
     def _report(self, kind: Any, text: str, module: str | None = None) -> None:
         where = _user_source_line(outside_torch=kind[0] in ("function", "autograd", "hook", "packed", "packed data"))
         module = module or (self._stack[-1] if self._stack else self._outside_model)
@@ -434,11 +426,8 @@ class _GuardMode(TorchFunctionMode):
 
 def _user_frame(outside_torch: bool = False) -> Any:
     """The innermost frame outside torch's dispatch and this package's export code (``_user_source_line``)."""
-    frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename in _DISPATCH_FILES or (
-            outside_torch and frame.f_code.co_filename.startswith(_LIBRARY_DIRS))):
-        frame = frame.f_back
-    return frame
+    return validations.caller_outside(lambda filename: filename in _DISPATCH_FILES or (
+        outside_torch and filename.startswith(_LIBRARY_DIRS)))
 
 
 def _user_source_line(outside_torch: bool = False) -> str:
@@ -447,8 +436,7 @@ def _user_source_line(outside_torch: bool = False) -> str:
     With ``outside_torch``, the innermost caller outside torch altogether (for what torch's own
     helpers apply on the user's behalf: checkpointing, autograd calls, hooks).
     """
-    frame = _user_frame(outside_torch)
-    return "<unknown line>" if frame is None else validations.source_line(frame.f_code.co_filename, frame.f_lineno)
+    return validations.frame_line(_user_frame(outside_torch))
 
 
 @contextlib.contextmanager

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import weakref
 from typing import Any, Iterator
 
@@ -36,22 +35,19 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..._logging import warn_once
 from . import validations
+from .trace_tools import TensorSet, methods_replaced
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SKIPPED_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__))  # not the user's frames
 _RNN_FILE = os.path.abspath(sys.modules[PackedSequence.__module__].__file__)
 READERS = (_RNN_FILE, os.path.abspath(__file__))  # code that may read a packed batch's rows: torch's, this module
 _MASKS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(batch_sizes) -> (batch_sizes, the [T, B] mask)
-_DATA: dict[int, weakref.ref] = {}  # the packed batches' data: padding rows included
+_DATA = TensorSet()  # the packed batches' data: padding rows included
 _CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 
 
 def _mask_of(batch_sizes: Any) -> torch.Tensor | None:
     entry = _MASKS.get(id(batch_sizes))
     return entry[1] if entry is not None and entry[0]() is batch_sizes else None
-
-
-def _keep_data(data: torch.Tensor) -> None:
-    _DATA[id(data)] = weakref.ref(data)
 
 
 def pack(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +58,7 @@ def pack(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> tuple
     batch_sizes = running.sum(1)
     data = padded.reshape(steps * batch, *padded.shape[2:])
     _MASKS[id(batch_sizes)] = (weakref.ref(batch_sizes), running.to(padded.device))
-    _keep_data(data)
+    _DATA.add(data)
     return data, batch_sizes
 
 
@@ -78,35 +74,27 @@ def pad(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, paddin
     if total_length > steps:
         padded = torch.cat([padded, padded.new_full((total_length - steps, *padded.shape[1:]), padding_value)])
     if _caller_total_length() is None:
-        warn_once(("pad_packed_sequence", _user_line()),
+        line = _user_line()
+        warn_once(("pad_packed_sequence", line),
                   "pad_packed_sequence without total_length at %s: the output has the padded input's %d steps; "
                   "PyTorch's has max(lengths) steps, which is the same only where each batch is padded to its longest "
                   "sequence (pad_sequence does that); pass total_length to have the same shape either way",
-                  _user_line(), steps)
+                  line, steps)
     return (padded.transpose(0, 1) if batch_first else padded), running.sum(0).cpu()
 
 
 @contextlib.contextmanager
 def masked_recurrences() -> Iterator[None]:
     """Around one trace: ``nn.RNN``/``nn.LSTM``/``nn.GRU`` run a packed batch of ``pack`` as a masked recurrence."""
-    thread = threading.get_ident()
-    originals = {cls: cls.__dict__["forward"] for cls in _CLASSES}
+    def forward(original, module, input, hx=None):
+        if isinstance(input, PackedSequence) and _mask_of(input.batch_sizes) is not None:
+            return _packed_forward(module, input, hx)
+        return original(module, input, hx)
 
-    def patched(original):
-        def forward(module, input, hx=None):
-            if threading.get_ident() == thread and isinstance(input, PackedSequence) and \
-                    _mask_of(input.batch_sizes) is not None:
-                return _packed_forward(module, input, hx)
-            return original(module, input, hx)
-        return forward
-
-    for cls, original in originals.items():
-        cls.forward = patched(original)
     try:
-        yield
+        with methods_replaced({cls: {"forward": forward} for cls in _CLASSES}):
+            yield
     finally:
-        for cls, original in originals.items():
-            cls.forward = original
         _MASKS.clear()
         _DATA.clear()
 
@@ -114,7 +102,7 @@ def masked_recurrences() -> Iterator[None]:
 def data_use(name: str, tensors: list[torch.Tensor]) -> str | None:
     """The problem where ``name`` reads a packed batch's ``.data``, padding rows included (unless called from one of
     ``READERS``: the caller checks)."""
-    if not _DATA or not any((ref := _DATA.get(id(t))) is not None and ref() is t for t in tensors):
+    if not _DATA.any_of(tensors):
         return None
     return (f"{name}() on a PackedSequence's .data in module {{modules}} at {{where}}: packed batches train as padded "
             "batches masked by their lengths, so .data holds the padding rows too; unpack it first "
@@ -148,7 +136,7 @@ def _packed_forward(module: torch.nn.RNNBase, packed: PackedSequence, hx: Any) -
             x = F.dropout(x, module.dropout, True)
     hidden = (torch.stack(finals_h), torch.stack(finals_c)) if lstm else torch.stack(finals_h)
     data = x.reshape(steps * batch, -1)
-    _keep_data(data)
+    _DATA.add(data)
     output = PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
     return output, module.permute_hidden(hidden, packed.unsorted_indices)
 
@@ -201,10 +189,7 @@ def _caller_total_length() -> Any:
 
 
 def _user_line() -> str:
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, os.path.dirname(__file__))):
-        frame = frame.f_back
-    return "<unknown line>" if frame is None else validations.source_line(frame.f_code.co_filename, frame.f_lineno)
+    return validations.frame_line(validations.caller_outside(lambda filename: filename.startswith(_SKIPPED_DIRS)))
 
 
 REPLACEMENTS = {torch._pack_padded_sequence: pack, torch._pad_packed_sequence: pad}

@@ -18,7 +18,9 @@ from __future__ import annotations
 import ast
 import functools
 import linecache
+import sys
 from types import FrameType
+from typing import Callable
 
 from ..._logging import warn_once
 
@@ -27,6 +29,20 @@ def source_line(filename: str, lineno: int) -> str:
     """``file:line (code)`` (``file:line`` where the source is not at hand), as problems and warnings name a line."""
     code = linecache.getline(filename, lineno).strip()
     return f"{filename}:{lineno} ({code})" if code else f"{filename}:{lineno}"
+
+
+def caller_outside(skipped: Callable[[str], bool]) -> FrameType | None:
+    """The innermost frame of this call's stack whose file ``skipped`` does not take (the caller's own file is
+    tested too: skip it where it is not the user's)."""
+    frame = sys._getframe(1)
+    while frame is not None and skipped(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def frame_line(frame: FrameType | None) -> str:
+    """``source_line`` of ``frame``'s current line (``<unknown line>`` for None)."""
+    return "<unknown line>" if frame is None else source_line(frame.f_code.co_filename, frame.f_lineno)
 
 
 def warn_traced_check(what: str) -> None:
