@@ -59,6 +59,10 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
     "graph_optimizations.fused_cross_entropy": _Field(_BOOL, False, "a cross-entropy as two kernels, no float32 copy"),
     "graph_optimizations.fused_attention": _Field(
         _BOOL, False, "each scaled_dot_product_attention as torch's fused attention kernels, forward and backward"),
+    "graph_optimizations.fused_lstm": _Field(
+        _BOOL, True, "on the CPU, with the 'torch' source: each nn.LSTM layer and direction (a padded float32 batch, "
+        "no projections) as one operator running oneDNN's LSTM kernels as eager PyTorch does, forward and backward, "
+        "instead of the recurrence unrolled over the sequence, which also lets the sequence length stay symbolic"),
     "graph_optimizations.packed_attention": _Field(
         _BOOL, False, "with fused_attention: q, k and v that one projection packed (GPT-2's) read and their "
         "gradients written where they lie, no Split and Concat copies"),

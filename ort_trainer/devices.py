@@ -176,6 +176,8 @@ class Device:
     #: whether a training graph whose step must draw repeatable masks (a captured step, layer_recompute's copies)
     #: draws them with ort_trainer's SeededDropout kernel (``graph_optimizations.seeded_dropout``)
     seeded_dropout = False
+    #: whether nn.LSTM is traced as oneDNN's LSTM layers, the CPU's kernels (``graph_optimizations.fused_lstm``)
+    fused_lstm = False
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -247,6 +249,9 @@ class Device:
         options.enable_mem_pattern = False
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 
+    def configure_torch_kernel_session(self, options: ort.SessionOptions) -> None:
+        """Settings, on top of ``configure_session``'s, for graphs with nodes of torch's kernels: none here."""
+
     def disabled_optimizers(self, unfused_skip_layer_norm: bool) -> list[str]:
         """ONNX Runtime graph optimizers that every session turns off (``disabled_optimizers``).
 
@@ -294,6 +299,7 @@ class CPUDevice(Device):
     provider = "CPUExecutionProvider"
     #: ONNX Runtime's CPU Dropout draws 4.6 ns per element on one thread, NumPy ~1.5 (dropout_masks.py)
     host_dropout_masks = True
+    fused_lstm = True
     #: the CPU provider's optimized graphs load back with optimizations off and run bit-equal
     #: (tests/test_optimized_graphs.py)
     reuses_optimized_graphs = True
@@ -303,10 +309,14 @@ class CPUDevice(Device):
         return [("CPUExecutionProvider", dict(provider_options or {}))]
 
     def configure_session(self, options: ort.SessionOptions) -> None:
-        """Every device's settings (``Device.configure_session``) and the shared arena
-        (``_host_arena.use_shared_arena``)."""
+        """Every device's settings (``Device.configure_session``) and the shared arena (``_host_arena``)."""
         super().configure_session(options)
         use_shared_arena(options)
+
+    def configure_torch_kernel_session(self, options: ort.SessionOptions) -> None:
+        """No spinning intra-op threads in a graph with torch's kernels, which run on torch's own threads (OpenMP),
+        whose cores spinning workers take: an LSTM's step (docs/performance.md, "LSTMs") 490-529 -> 325-342 ms."""
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
 
     def release_idle_memory(self) -> None:
         """The shared arena's free regions, back to the system (``_host_arena.shrink_shared_arena``)."""

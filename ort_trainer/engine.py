@@ -137,19 +137,29 @@ class Engine:
         self.placement: Device = make_device(device)
         self.device = self.placement.torch_device
         self._providers = self.placement.providers(provider_options, mem_limit, deterministic, torch_allocator)
-        self._session_options = session_options or ort.SessionOptions()
-        self._session_options.log_severity_level = ort_severity()
-        if session_options is None:  # the user's own session options are used as given
-            self.placement.configure_session(self._session_options)
+
+        def engine_options(torch_kernels: bool = False) -> ort.SessionOptions:
+            options = ort.SessionOptions()  # the user's own session options are used as given
+            options.log_severity_level = ort_severity()
+            self.placement.configure_session(options)
+            if torch_kernels:
+                self.placement.configure_torch_kernel_session(options)
             if intra_op_threads:
-                self._session_options.intra_op_num_threads = intra_op_threads
-        if deterministic:
-            self._session_options.use_deterministic_compute = True
+                options.intra_op_num_threads = intra_op_threads
+            options.use_deterministic_compute = deterministic
+            return options
+
+        if session_options is not None:
+            session_options.log_severity_level = ort_severity()
+            if deterministic:
+                session_options.use_deterministic_compute = True
+        self._session_options = session_options or engine_options()
         # ONNX Runtime's optimized graphs reused across processes: with the engine's own session options only
         optimized_root = cache_dir() if session_options is None and self.placement.reuses_optimized_graphs else None
         self.sessions = Sessions(self.placement, self._session_options, self._providers,
                                  self.placement.disabled_optimizers(unfused_skip_layer_norm),
-                                 OptimizedGraphs(optimized_root / ".optimized") if optimized_root else None)
+                                 OptimizedGraphs(optimized_root / ".optimized") if optimized_root else None,
+                                 None if session_options is not None else lambda: engine_options(torch_kernels=True))
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)

@@ -8,6 +8,8 @@ binding time.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import onnx
 import onnxruntime as ort
 import torch
@@ -25,18 +27,23 @@ class Sessions:
 
     Args:
         placement: the engine's device (``devices.Device``).
-        options: the session options every session gets.
+        options: the session options every session gets (but those below).
         providers: the execution providers and their options.
         disabled_optimizers: ONNX Runtime graph optimizers turned off.
         optimized: where sessions find the optimized graphs earlier processes saved, and save theirs
             (``_optimized_graphs.py``); None: every session optimizes its graph.
+        torch_kernel_options: makes the session options of graphs with nodes of torch's kernels
+            (``Device.configure_torch_kernel_session``), once; None: ``options`` for them too (the user's).
     """
 
     def __init__(self, placement: Device, options: ort.SessionOptions, providers: list,
-                 disabled_optimizers: list[str], optimized: OptimizedGraphs | None = None):
+                 disabled_optimizers: list[str], optimized: OptimizedGraphs | None = None,
+                 torch_kernel_options: Callable[[], ort.SessionOptions] | None = None):
         self.placement = placement
         self._optimized = optimized
         self.options = options
+        self._torch_kernel_options = torch_kernel_options
+        self._made_torch_kernel_options: ort.SessionOptions | None = None
         self._providers = providers
         self._disabled_optimizers = disabled_optimizers
         self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see bind_buffer
@@ -54,20 +61,31 @@ class Sessions:
         device has found nothing in the graph it cannot run (``Device.check_graph``); ``capture``:
         its runs are captured as a graph and replayed where the device can (``Device.capture_providers``)."""
         self.placement.check_graph(model)
+        options = self.options
+        if torch_ops.uses_torch_ops(model):  # torch's kernels (fused_attention, torch_products, fused_lstm, CTC)
+            options = self._options_for_torch_kernels()
+            torch_ops.register(options, cuda=self.placement.kind == "cuda")
         if kernels.uses_kernels(model):  # nodes of ort_trainer's own kernel library
-            kernels.register(self.options, cuda=self.placement.kind == "cuda")
-        if torch_ops.uses_torch_ops(model):  # torch's kernels (graph_optimizations.fused_attention, torch_products)
-            torch_ops.register(self.options, cuda=self.placement.kind == "cuda")
+            kernels.register(options, cuda=self.placement.kind == "cuda")
         data = model.SerializeToString()
         providers = self.placement.capture_providers(self._providers) if capture else self._providers
         if self._optimized is not None:
-            session = self._optimized.session(data, self.options, providers, self._disabled_optimizers)
+            session = self._optimized.session(data, options, providers, self._disabled_optimizers)
         else:
-            session = ort.InferenceSession(data, self.options, providers=providers,
+            session = ort.InferenceSession(data, options, providers=providers,
                                            disabled_optimizers=self._disabled_optimizers)
         self._models[id(session)] = model
         self.check_placement(session, model)
         return session
+
+    def _options_for_torch_kernels(self) -> ort.SessionOptions:
+        """The session options of a graph with nodes of torch's kernels: the engine's own made with
+        ``Device.configure_torch_kernel_session`` too (once), or the user's as given."""
+        if self._torch_kernel_options is None:
+            return self.options
+        if self._made_torch_kernel_options is None:
+            self._made_torch_kernel_options = self._torch_kernel_options()
+        return self._made_torch_kernel_options
 
     def check_placement(self, session: ort.InferenceSession, model: onnx.ModelProto) -> None:
         """Warn about what ONNX Runtime placed off the device's provider (``Device.provider``) in ``session``, and

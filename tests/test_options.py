@@ -40,7 +40,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.fused_gelu_gradient", "graph_optimizations.fused_layer_norm_gradient",
     "graph_optimizations.fused_layer_norm",
     "graph_optimizations.fused_softmax_gradient", "graph_optimizations.fused_safe_softmax",
-    "graph_optimizations.fused_cross_entropy", "graph_optimizations.fused_attention",
+    "graph_optimizations.fused_cross_entropy", "graph_optimizations.fused_attention", "graph_optimizations.fused_lstm",
     "graph_optimizations.packed_attention", "graph_optimizations.causal_attention", "graph_optimizations.integer_pads",
     "graph_optimizations.weight_casts",
     "graph_optimizations.torch_attention_choice",

@@ -31,7 +31,8 @@ GRAPH_MAY_IMPORT = {"ort_trainer._logging", "ort_trainer._temporaries", "ort_tra
                     "ort_trainer.model_desc", "ort_trainer.optim.config",
                     "ort_trainer._cache_root",
                     "ort_trainer.kernels",  # (the kernel library, below everything: _logging and _cache_root only)
-                    "ort_trainer.kernels.standard_ctc"}  # (its CTC operator in standard ONNX operators: onnx only)
+                    "ort_trainer.kernels.standard_ctc",  # (its CTC operator in standard ONNX operators: onnx only)
+                    "ort_trainer.kernels.standard_lstm"}  # (its LSTM layers as ONNX's LSTM: onnx only)
 # Outside the graph package: module -> modules it must not import (directly).
 FORBIDDEN = {
     "ort_trainer.sessions": {"ort_trainer.engine", "ort_trainer.update", "ort_trainer.trainer"},

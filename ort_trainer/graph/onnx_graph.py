@@ -12,6 +12,7 @@ from onnx import helper
 from ..kernels import DOMAIN as KERNELS_DOMAIN
 from ..kernels import TORCH_OPS_DOMAIN
 from ..kernels.standard_ctc import standard_ctc
+from ..kernels.standard_lstm import standard_lstm
 from .names import KEEPER_SUFFIX
 
 #: nodes that may draw from ONNX Runtime's random generator: a replayed CUDA graph would draw what its capture
@@ -292,6 +293,9 @@ def build_inference_graph(
             node.output.pop()
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
     live = standard_ctc(live, types)  # (a stock InferenceSession has no ort_trainer operators)
+    shapes = {v.name: _shape(v.type.tensor_type) for v in [*graph.input, *graph.value_info, *graph.output]}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+    live = standard_lstm(live, shapes, opset)
     del graph.node[:]
     graph.node.extend(live)
     used = {node.domain for node in live}

@@ -12,7 +12,8 @@ CUDA, its flash attention for the CPU on the CPU. Neither keeps a ``[seq_q, seq_
 recomputes the probabilities from the forward's per-row log-sum-exp. ``Gemm``, ``BiasGemm`` and ``MatMul`` run a graph's
 products by torch's BLAS (``torch_products``: on a GPU cuBLAS, which adds a bias vector in the product's epilogue).
 ``CTCLoss`` and ``CTCLossGrad`` run torch's CTC kernels (``graph/export/ctc.py``: ``torch.export`` cannot trace
-``F.ctc_loss`` itself, and ONNX has no CTC operator).
+``F.ctc_loss`` itself, and ONNX has no CTC operator). ``LSTMLayer`` and ``LSTMLayerGrad`` run oneDNN's LSTM
+kernels as torch does on the CPU (``graph/export/fused_lstm.py``, ``graph_optimizations.fused_lstm``).
 
 The library is built on first use against the torch that runs (its headers and libraries; with a CUDA build of
 torch, CUDA kernels too) into ``$ORT_TRAINER_CACHE_DIR/kernels/torch_ops/<hash>/`` (about a minute with the C++
@@ -30,9 +31,9 @@ from . import TORCH_OPS_DOMAIN as DOMAIN  # the operators' ONNX domain
 from . import KernelsUnavailable, _built, _compilers, _root
 from .torch_allocator import cuda_include_dir
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cc"
-_HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("ort_abi.h", "ort_io.h")]
+_HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("ort_abi.h", "ort_io.h", "torch_rnn.h")]
 _NAME = "libort_trainer_torch_ops.so"
-_SWITCHES = "graph_optimizations.fused_attention and torch_products, and a CTC loss (F.ctc_loss),"
+_SWITCHES = "graph_optimizations.fused_attention, torch_products and fused_lstm, and a CTC loss (F.ctc_loss),"
 _FIX = "or turn those options off (a CTC loss has no other implementation)"
 
 
@@ -81,7 +82,7 @@ def build() -> Path:
                             + " ".join([*command, torch.__version__]).encode())
     path = _root() / "torch_ops" / digest.hexdigest()[:16] / _NAME
     return _built(path, lambda output: _command(cxx, output, torch_root, abi, cuda_include),
-                  "ort_trainer's torch operators (fused attention, torch's products, CTC loss)", _FIX)
+                  "ort_trainer's torch operators (fused attention, torch's products, CTC loss, LSTM layers)", _FIX)
 
 
 @functools.lru_cache(maxsize=None)

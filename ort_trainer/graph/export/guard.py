@@ -55,8 +55,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (adaptive_softmax, checked_losses, cholesky, ctc, data_sizes, distribution_checks, layer_drop, linalg,
-               packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
+from . import (adaptive_softmax, checked_losses, cholesky, ctc, data_sizes, distribution_checks, fused_lstm, layer_drop,
+               linalg, packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
 from .guard_state import StateChanges
 from .guard_tables import CONVERSIONS, DRAWS, METADATA, PLACEHOLDERS
 from .trace_tools import TensorSet
@@ -148,11 +148,16 @@ class ExportGuard(StateChanges):
         has_loss_fn: whether code outside the model is the user's loss function.
         stop_gradients: True for the TorchScript route (gradient stops become ``StopGradient``
             markers); False for ``torch.export``, whose autograd honours them itself.
+        lstm_layers: ``torch.lstm`` as oneDNN's LSTM layers where it applies (``fused_lstm.py``; the
+            ``torch.export`` route): ``"training"`` (the training program's trace) or ``"eval"``; None: torch's.
     """
 
-    def __init__(self, wrapper: torch.nn.Module, has_loss_fn: bool, stop_gradients: bool = True):
+    def __init__(self, wrapper: torch.nn.Module, has_loss_fn: bool, stop_gradients: bool = True,
+                 lstm_layers: str | None = None):
         self._wrapper = wrapper
         self._stop_gradients = stop_gradients
+        self._replacements = {**_REPLACEMENTS, **(fused_lstm.replacements(lstm_layers == "training")
+                                                  if lstm_layers else {})}
         self._builder = ("ONNX Runtime builds the backward graph" if stop_gradients else
                          "the backward graph comes from autograd's formulas for the traced operations")
         self._outside_model = "the loss function" if has_loss_fn else "<top-level forward>"
@@ -297,7 +302,7 @@ class ExportGuard(StateChanges):
             if name == "data":
                 out = args[0].detach()
             else:  # CTC loss as operators torch.export can trace (ctc.py), losses' checks traced where they pass
-                out = _REPLACEMENTS.get(func, func)(*args, **kwargs)
+                out = self._replacements.get(func, func)(*args, **kwargs)
         elif name in ("detach", "data"):
             out = StopGradient.apply(args[0])
         elif not torch.is_grad_enabled() and not _is_metadata(name) and any(t.requires_grad for t in tensors):

@@ -112,7 +112,8 @@ def export_joint(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDe
 
 def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescription,
           sample_inputs: Sequence[np.ndarray], frozen_weights: Sequence[str] = (), dynamic: bool = True,
-          unknown_frozen: str = "raise", autocast: str | None = None, eval_only: bool = False) -> TracedModel:
+          unknown_frozen: str = "raise", autocast: str | None = None, eval_only: bool = False,
+          fused_lstm: bool = False) -> TracedModel:
     """``torch.export`` of the model with its loss in training mode, and its fingerprint.
 
     The traced module returns ``(loss × __loss_scale, *description outputs)`` with the outputs
@@ -129,6 +130,8 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
         eval_only: trace in eval mode only (``build_eval`` can take the result, ``build`` cannot):
             half the time, for an export of the eval graph alone. Its fingerprint is not the
             two-mode trace's.
+        fused_lstm: ``torch.lstm`` as oneDNN's LSTM layers, where it applies (``export/fused_lstm.py``), in
+            both modes' traces.
 
     Returns:
         The traced program; ``build`` turns it into graphs, ``fingerprint`` keys a cache.
@@ -142,7 +145,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     count = len(desc.inputs) - (1 if loss_fn is not None else 0)
     order = export_order(desc, loss_fn is not None)
     wrapper = torch_export.Scaled(model, loss_fn, desc.input_names[:count], [order.index(n) for n in desc.output_names],
-                      order.index(desc.loss_name), autocast=autocast)
+                      order.index(desc.loss_name), autocast=autocast, fused_lstm=fused_lstm)
     tensors, keys = torch_export.tensors_by_name(wrapper)
     aliases: dict[int, list[str]] = {}
     for name, tensor in tensors.items():
@@ -171,7 +174,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     # (``eval_fingerprint``, which keys the eval graph: code that only eval mode runs, an ``if
     # self.training`` branch, keys it) or here for an eval-only trace.
     job = {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "dynamic_shapes": dynamic_shapes,
-           "count": count, "order": order, "autocast": autocast}
+           "count": count, "order": order, "autocast": autocast, "fused_lstm": fused_lstm}
     eval_program = _export_eval(job) if eval_only else None
     settings = [desc.fingerprint(), sorted(frozen_weights), dynamic, loss_fn is not None, torch.__version__]
     mixed = [autocast] if autocast else []
@@ -183,7 +186,8 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     return TracedModel(fingerprint, torch_keys, trainable, program, seconds,
                        {"model": model, "loss_fn": loss_fn, "desc": desc, "args": args, "frozen_ids": frozen_ids,
                         "dynamic_shapes": dynamic_shapes, "weight_of": weight_of, "count": count,
-                        "tensors": tensors, "order": order, "eval_program": eval_program, "autocast": autocast})
+                        "tensors": tensors, "order": order, "eval_program": eval_program, "autocast": autocast,
+                        "fused_lstm": fused_lstm})
 
 
 def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] | None = None,
@@ -432,7 +436,7 @@ def _export_eval(job: dict) -> Any:
     model, desc, order = job["model"], job["desc"], job["order"]
     wrapper = torch_export.Scaled(model, job["loss_fn"], desc.input_names[:job["count"]],
                       [order.index(n) for n in desc.output_names], order.index(desc.loss_name), scaled=False,
-                      autocast=job.get("autocast"))
+                      autocast=job.get("autocast"), fused_lstm=job.get("fused_lstm", False))
     shapes = None if job["dynamic_shapes"] is None else job["dynamic_shapes"][:-1]
     with _model_left_untouched(wrapper):
         model.eval()

@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from ..._logging import logger
+from ..export import fused_lstm
 from .joint_onnx import _quiet_exporter, _registry_and_tables
 from .torch_export import without_stack_traces
 
@@ -38,7 +39,8 @@ _TO = {_aten.to.dtype: 1, _aten.to.device: 2, _aten.to.dtype_layout: None}  # wh
 # the Dropouts of a training program: (argument position, keyword) of what turns them off, and its value
 _DROPOUTS = {**{op: (2, "train", False) for op in (_aten.dropout.default, _aten.feature_dropout.default,
                                                    _aten.alpha_dropout.default, _aten.feature_alpha_dropout.default)},
-             _aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0)}
+             _aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),
+             fused_lstm.FORWARD: (8, "train", False)}  # (keeps no workspace for a backward)
 
 
 def training_in_eval_mode(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:

@@ -63,7 +63,8 @@ class TorchGradientSource(GradientSource):
             model, renamed = onnx_to_module(model, job.desc)
         try:
             traced = autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
-                                          dynamic=dims is None, unknown_frozen="ignore", autocast=job.autocast)
+                                    dynamic=dims is None, unknown_frozen="ignore", autocast=job.autocast,
+                                    fused_lstm=_fused_lstm(job))
         except ExportError as exc:
             if dims is None:
                 _raise_for_recurrent_layers(model, exc)
@@ -74,7 +75,8 @@ class TorchGradientSource(GradientSource):
             # with the module named.
             logger.debug("static trace refused the sample (%s); tracing symbolically", exc)
             traced = autograd.trace(model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
-                                          dynamic=True, unknown_frozen="ignore", autocast=job.autocast)
+                                    dynamic=True, unknown_frozen="ignore", autocast=job.autocast,
+                                    fused_lstm=_fused_lstm(job))
             dims = None
         _key_pieces(traced, traced.program, job)
         return Traced(traced.fingerprint, traced.torch_keys, traced.trainable, {},
@@ -90,7 +92,7 @@ class TorchGradientSource(GradientSource):
         try:
             traced = autograd.trace(job.model, job.loss_fn, job.desc, sample_inputs, job.frozen_weights,
                                     dynamic=dims is None, unknown_frozen="ignore", autocast=job.autocast,
-                                    eval_only=True)
+                                    eval_only=True, fused_lstm=_fused_lstm(job))
         except ExportError as exc:
             if dims is None:
                 _raise_for_recurrent_layers(job.model, exc)
@@ -263,7 +265,9 @@ def _raise_for_recurrent_layers(model: object, exc: ExportError) -> None:
     if layers:
         raise ExportError(
             f"the model's recurrent layer(s) {', '.join(layers)} cannot be traced with a symbolic sequence length: "
-            "torch.export unrolls them over the sequence, which fixes that dimension. The 'torch' gradient source "
+            "torch.export unrolls them over the sequence, which fixes that dimension (all but an nn.LSTM that "
+            "graph_optimizations.fused_lstm runs as one operator per layer: on the CPU, a float32 batch that is not "
+            "packed, no proj_size, no mixed precision). The 'torch' gradient source "
             "trains them with graphs of each batch's exact shapes (graph_optimizations.shape_specialization, the "
             "default) but cannot build the symbolic graph that save_as_onnx or more than "
             "graph_optimizations.max_shape_graphs shapes need: declare the sequence length as an int in "
@@ -271,12 +275,17 @@ def _raise_for_recurrent_layers(model: object, exc: ExportError) -> None:
             f"exporter keeps them as ONNX RNN operators. ({exc})") from exc
 
 
+def _fused_lstm(job: GraphJob) -> bool:
+    """Whether the trace computes ``torch.lstm`` as oneDNN's LSTM layers (``graph_optimizations.fused_lstm``)."""
+    return bool((job.passes or {}).get("fused_lstm"))
+
+
 def _retrace(traced: autograd.TracedModel, frozen_weights: Sequence[str]) -> autograd.TracedModel:
     """The same ``torch.export`` trace again (a build consumes its trace)."""
     job = traced._job
     return autograd.trace(job["model"], job["loss_fn"], job["desc"], [a.numpy() for a in job["args"][:-1]],
-                                frozen_weights, dynamic=job["dynamic_shapes"] is not None,
-                                autocast=job.get("autocast"))
+                          frozen_weights, dynamic=job["dynamic_shapes"] is not None, autocast=job.get("autocast"),
+                          fused_lstm=job["fused_lstm"])
 
 
 __all__ = ["TorchGradientSource"]

@@ -59,10 +59,11 @@ class Scaled(_ModelWithLoss):
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, input_names: list[str],
-                 desc_positions: list[int], loss_position: int, scaled: bool = True, autocast: str | None = None):
+                 desc_positions: list[int], loss_position: int, scaled: bool = True, autocast: str | None = None,
+                 fused_lstm: bool = False):
         super().__init__(model, loss_fn, input_names)
         self.desc_positions, self.loss_position, self.scaled = desc_positions, loss_position, scaled
-        self.autocast = autocast
+        self.autocast, self.fused_lstm = autocast, fused_lstm
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         """The scaled loss then the description outputs (training), or the outputs alone (eval)."""
@@ -113,7 +114,8 @@ def export_train(wrapper: Scaled, args: tuple, dynamic_shapes: Any) -> Any:
     """The guarded ``torch.export`` of the wrapped model in training mode (``train_as_traced``: the graphs' program);
     the caller restores the model's state."""
     wrapper.train_as_traced()
-    guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
+    guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False,
+                        lstm_layers="training" if wrapper.fused_lstm else None)
     wrapper.guard = guard
     try:
         with guard.exporting():
@@ -132,10 +134,13 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
         dynamic_shapes = (tuple(dynamic_shapes),)
     unwatched = wrapper.guard is None
     if unwatched:  # a trace after the watched one (eval mode): the guard only turns .data into detach()
-        wrapper.guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False)
+        wrapper.guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False,
+                                    lstm_layers="eval" if wrapper.fused_lstm else None)
     try:
         with warnings.catch_warnings(), without_stack_traces():
             warnings.simplefilter("ignore", FutureWarning)
+            # nn.RNNBase.forward re-lists its own parameters in _flat_weights (no new tensor): not the user's concern
+            warnings.filterwarnings("ignore", r"The tensor attributes .*_flat_weights\[", UserWarning)
             return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # torch raises many types; the message is what helps
         if guard is not None:

@@ -76,7 +76,7 @@ struct OperatorEntry : OrtCustomOp {
   size_t inputs, outputs;
   bool variadic;         // the last input variadic: one or more tensors of its dtype
   bool variadic_output;  // the last output variadic likewise
-  ONNXTensorElementDataType input_types[8], output_types[8];
+  ONNXTensorElementDataType input_types[16], output_types[16];  // (LSTMLayerGrad has 14 inputs)
 };
 
 namespace entry {

@@ -54,6 +54,9 @@
 //   CTCLossGrad(grad, log_probs, targets, input_lengths, target_lengths) -> grad_log_probs
 //                                             aten::_ctc_loss_backward, after aten::_ctc_loss again (its alignment
 //                                             table is not kept between the two)
+//
+// LSTM layers (graph/export/fused_lstm.py), oneDNN's kernels as torch runs them on the CPU: LSTMLayer and
+// LSTMLayerGrad, in torch_rnn.h.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/SDPBackend.h>
@@ -74,6 +77,7 @@
 
 #include "ort_abi.h"
 #include "ort_io.h"
+#include "torch_rnn.h"
 
 #define ORTT_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -88,6 +92,7 @@ struct Operator : OperatorEntry {
   bool backward, bias, packed;
   bool product, matmul, to_float;  // Gemm, BiasGemm or MatMul (else an attention); MatMul; a float32 output
   bool ctc;                        // CTCLoss or CTCLossGrad
+  bool lstm;                       // LSTMLayer or LSTMLayerGrad (torch_rnn.h)
   ONNXTensorElementDataType type;
 };
 
@@ -102,6 +107,7 @@ struct Kernel {
   float alpha, beta;
   int64_t blank;
   bool zero_infinity;  // CTC's
+  bool reverse, train;  // LSTM's
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
@@ -431,6 +437,9 @@ OrtStatus* compute_ctc(const Kernel* kernel, OrtKernelContext* context) {
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   if (kernel->op->ctc) return compute_ctc(kernel, context);
+  if (kernel->op->lstm)
+    return compute_lstm(kernel->api, context, kernel->op->name, kernel->op->backward, kernel->reverse, kernel->train,
+                        kernel);
   return kernel->op->product ? compute_product(kernel, context) : compute_attention(kernel, context);
 }
 
@@ -439,7 +448,8 @@ const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Op
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   // (an attribute the node lacks keeps its default)
   float scale = 1.0f, alpha = 1.0f, beta = 1.0f;
-  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0, blank = 0, zero_infinity = 0;
+  int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0, blank = 0, zero_infinity = 0, reverse = 0,
+          train = 0;
   for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
@@ -447,12 +457,13 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
   for (auto [name, value] : {std::pair{"causal", &causal}, std::pair{"layout", &layout},
                              std::pair{"transA", &trans_a}, std::pair{"transB", &trans_b},
                              std::pair{"backend", &backend}, std::pair{"blank", &blank},
-                             std::pair{"zero_infinity", &zero_infinity}}) {
+                             std::pair{"zero_infinity", &zero_infinity}, std::pair{"reverse", &reverse},
+                             std::pair{"train", &train}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0, trans_b != 0,
-                    alpha, beta, blank, zero_infinity != 0};
+                    alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0};
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -491,6 +502,19 @@ Operator make_ctc(bool backward, bool cuda, ONNXTensorElementDataType t) {
   return op;
 }
 
+// LSTMLayer (7 inputs) -> (y, hy, cy, workspace); LSTMLayerGrad (14 inputs) -> 7 gradients; the CPU's, float32
+Operator make_lstm(bool backward) {
+  std::vector<ONNXTensorElementDataType> ins(backward ? 14 : 7, ONNX_FLOAT), outs(backward ? 7 : 4, ONNX_FLOAT);
+  (backward ? ins[10] : outs[3]) = ONNX_INT64;  // the workspace's key
+  Operator op{};
+  set_entry(&op, kOpVersion, backward ? "LSTMLayerGrad" : "LSTMLayer", false, ins, outs, create_kernel,
+            destroy_kernel, compute);
+  op.backward = backward;
+  op.lstm = true;
+  op.type = ONNX_FLOAT;
+  return op;
+}
+
 // Gemm / MatMul (a, b) -> y, BiasGemm (a, b, c) -> y, all of dtype t; ...ToFloat (a, b) -> y float32
 Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorElementDataType t) {
   Operator op{};
@@ -517,6 +541,7 @@ const std::vector<Operator>& operators() {
     for (bool cuda : providers)
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_DOUBLE})
         for (bool backward : {false, true}) ops.push_back(make_ctc(backward, cuda, t));
+    for (bool backward : {false, true}) ops.push_back(make_lstm(backward));
     for (bool cuda : providers)
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_FLOAT16, ONNX_BFLOAT16}) {
         ops.push_back(make_operator("Attention", false, false, cuda, t));
