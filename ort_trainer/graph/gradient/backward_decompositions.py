@@ -12,7 +12,8 @@ backwards as the 2-d ones; adaptive average pools whose windows overlap or diffe
 3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
 And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's bool ``max``),
 whose reference uses ``prims.prod``, RReLU's forward, ``uniform_``'s draw, a stable sort, the gamma function's
-logarithm and derivatives (``special_functions.py``), the k-th value and medians (``order_statistics.py``),
+logarithm and derivatives (``special_functions.py``), the modified Bessel functions of orders 0 and 1
+(``bessel.py``), the k-th value and medians (``order_statistics.py``),
 ``cdist``'s kernel and its backward (``distances.py``), a write into a diagonal and ``torch.diagonal``'s
 backward (``diagonals.py``). Used during the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the
 eval-mode graph's too.
@@ -25,7 +26,7 @@ import math
 import torch
 from torch._decomp import decomposition_table
 
-from . import diagonals, distances, order_statistics, special_functions
+from . import bessel, diagonals, distances, order_statistics, special_functions
 
 aten = torch.ops.aten
 _UNSUPPORTED = ("use the gradient source of the onnxruntime-training 1.19.2 build for this model "
@@ -325,6 +326,7 @@ DECOMPOSITIONS = {
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
     **special_functions.DECOMPOSITIONS,  # lgamma, digamma, polygamma(1, ·)
+    **bessel.DECOMPOSITIONS,  # i0, i0e, i1, i1e
     **order_statistics.DECOMPOSITIONS,  # kthvalue, median, nanmedian
     **distances.DECOMPOSITIONS,  # cdist's and pdist's kernels and their backwards
     **diagonals.DECOMPOSITIONS,  # diagonal_scatter (a write into a diagonal) and torch.diagonal's backward
@@ -332,7 +334,8 @@ DECOMPOSITIONS = {
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
 FORWARD = (aten.sort.stable, aten.uniform.default, aten.cumprod.default, aten._adaptive_avg_pool3d.default,
            aten.rrelu_with_noise_functional.default,
-           *special_functions.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS, aten._cdist_forward.default,
+           *special_functions.DECOMPOSITIONS, *bessel.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS,
+           aten._cdist_forward.default,
            aten._pdist_forward.default, aten.diagonal_scatter.default)
 if aten.max_pool2d_with_indices_backward.default not in decomposition_table:
     DECOMPOSITIONS[aten.max_pool2d_with_indices_backward.default] = max_pool2d_with_indices_backward
