@@ -178,6 +178,8 @@ class Device:
     seeded_dropout = False
     #: whether nn.LSTM is traced as oneDNN's LSTM layers, the CPU's kernels (``graph_optimizations.fused_lstm``)
     fused_lstm = False
+    #: whether a graph with nodes of torch's kernels keeps ONNX Runtime's spinning intra-op threads
+    torch_kernels_spin = True
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -249,9 +251,6 @@ class Device:
         options.enable_mem_pattern = False
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 
-    def configure_torch_kernel_session(self, options: ort.SessionOptions) -> None:
-        """Settings, on top of ``configure_session``'s, for graphs with nodes of torch's kernels: none here."""
-
     def disabled_optimizers(self, unfused_skip_layer_norm: bool) -> list[str]:
         """ONNX Runtime graph optimizers that every session turns off (``disabled_optimizers``).
 
@@ -300,6 +299,9 @@ class CPUDevice(Device):
     #: ONNX Runtime's CPU Dropout draws 4.6 ns per element on one thread, NumPy ~1.5 (dropout_masks.py)
     host_dropout_masks = True
     fused_lstm = True
+    #: torch's CPU kernels run on torch's own threads (OpenMP), whose cores spinning workers take: an LSTM's step
+    #: (docs/performance.md, "LSTMs") 490-529 ms spinning, 325-342 ms not
+    torch_kernels_spin = False
     #: the CPU provider's optimized graphs load back with optimizations off and run bit-equal
     #: (tests/test_optimized_graphs.py)
     reuses_optimized_graphs = True
@@ -312,11 +314,6 @@ class CPUDevice(Device):
         """Every device's settings (``Device.configure_session``) and the shared arena (``_host_arena``)."""
         super().configure_session(options)
         use_shared_arena(options)
-
-    def configure_torch_kernel_session(self, options: ort.SessionOptions) -> None:
-        """No spinning intra-op threads in a graph with torch's kernels, which run on torch's own threads (OpenMP),
-        whose cores spinning workers take: an LSTM's step (docs/performance.md, "LSTMs") 490-529 -> 325-342 ms."""
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
 
     def release_idle_memory(self) -> None:
         """The shared arena's free regions, back to the system (``_host_arena.shrink_shared_arena``)."""

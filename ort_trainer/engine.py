@@ -138,12 +138,12 @@ class Engine:
         self.device = self.placement.torch_device
         self._providers = self.placement.providers(provider_options, mem_limit, deterministic, torch_allocator)
 
-        def engine_options(torch_kernels: bool = False) -> ort.SessionOptions:
+        def engine_options(spinning: bool = True) -> ort.SessionOptions:
             options = ort.SessionOptions()  # the user's own session options are used as given
             options.log_severity_level = ort_severity()
             self.placement.configure_session(options)
-            if torch_kernels:
-                self.placement.configure_torch_kernel_session(options)
+            if not spinning:
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             if intra_op_threads:
                 options.intra_op_num_threads = intra_op_threads
             options.use_deterministic_compute = deterministic
@@ -159,7 +159,8 @@ class Engine:
         self.sessions = Sessions(self.placement, self._session_options, self._providers,
                                  self.placement.disabled_optimizers(unfused_skip_layer_norm),
                                  OptimizedGraphs(optimized_root / ".optimized") if optimized_root else None,
-                                 None if session_options is not None else lambda: engine_options(torch_kernels=True))
+                                 None if session_options is not None or self.placement.torch_kernels_spin
+                                 else lambda: engine_options(spinning=False))
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)

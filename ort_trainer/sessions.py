@@ -32,8 +32,8 @@ class Sessions:
         disabled_optimizers: ONNX Runtime graph optimizers turned off.
         optimized: where sessions find the optimized graphs earlier processes saved, and save theirs
             (``_optimized_graphs.py``); None: every session optimizes its graph.
-        torch_kernel_options: makes the session options of graphs with nodes of torch's kernels
-            (``Device.configure_torch_kernel_session``), once; None: ``options`` for them too (the user's).
+        torch_kernel_options: makes the session options of graphs with nodes of torch's kernels, once
+            (``Device.torch_kernels_spin``: without spinning threads); None: ``options`` for them too.
     """
 
     def __init__(self, placement: Device, options: ort.SessionOptions, providers: list,
@@ -79,8 +79,8 @@ class Sessions:
         return session
 
     def _options_for_torch_kernels(self) -> ort.SessionOptions:
-        """The session options of a graph with nodes of torch's kernels: the engine's own made with
-        ``Device.configure_torch_kernel_session`` too (once), or the user's as given."""
+        """The session options of a graph with nodes of torch's kernels: ``torch_kernel_options``' (made once), else
+        ``options``."""
         if self._torch_kernel_options is None:
             return self.options
         if self._made_torch_kernel_options is None:

@@ -123,6 +123,11 @@ def test_a_fused_lstm_trains_evaluates_and_exports_like_pytorch(tmp_path):
     gradient = trainer._graphs.gradient
     assert sorted(_layer_nodes(gradient)) == [("LSTMLayer", 1)] * 4 + [("LSTMLayerGrad", -1)] * 4
     assert not any(n.op_type == "Sigmoid" for n in gradient.graph.node)
+    # the graphs with torch's kernels run without spinning intra-op threads (they would take torch's cores)
+    sessions = trainer._engine.sessions
+    assert sessions._made_torch_kernel_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # the others keep the default (spinning)
+        sessions.options.get_session_config_entry("session.intra_op.allow_spinning")
     state = trainer.state_dict(pytorch_format=True)
     for name, expected in reference.state_dict().items():
         check(relative_error(state[name].numpy(), expected.numpy()), TRAINING_BOUND, name)
