@@ -160,7 +160,7 @@ class Engine:
                                  self.placement.disabled_optimizers(unfused_skip_layer_norm),
                                  OptimizedGraphs(optimized_root / ".optimized") if optimized_root else None,
                                  None if session_options is not None or self.placement.torch_kernels_spin
-                                 else lambda: engine_options(spinning=False))
+                                 else engine_options(spinning=False))
         self.trained = list(trained)
         self.state_names = list(state_names)
         self.output_names = list(output_names)

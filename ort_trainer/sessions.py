@@ -8,8 +8,6 @@ binding time.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import onnx
 import onnxruntime as ort
 import torch
@@ -32,18 +30,17 @@ class Sessions:
         disabled_optimizers: ONNX Runtime graph optimizers turned off.
         optimized: where sessions find the optimized graphs earlier processes saved, and save theirs
             (``_optimized_graphs.py``); None: every session optimizes its graph.
-        torch_kernel_options: makes the session options of graphs with nodes of torch's kernels, once
+        torch_kernel_options: the session options of graphs with nodes of torch's kernels
             (``Device.torch_kernels_spin``: without spinning threads); None: ``options`` for them too.
     """
 
     def __init__(self, placement: Device, options: ort.SessionOptions, providers: list,
                  disabled_optimizers: list[str], optimized: OptimizedGraphs | None = None,
-                 torch_kernel_options: Callable[[], ort.SessionOptions] | None = None):
+                 torch_kernel_options: ort.SessionOptions | None = None):
         self.placement = placement
         self._optimized = optimized
         self.options = options
         self._torch_kernel_options = torch_kernel_options
-        self._made_torch_kernel_options: ort.SessionOptions | None = None
         self._providers = providers
         self._disabled_optimizers = disabled_optimizers
         self._copied_inputs: dict[int, set[str]] = {}  # by id(session): see bind_buffer
@@ -63,7 +60,7 @@ class Sessions:
         self.placement.check_graph(model)
         options = self.options
         if torch_ops.uses_torch_ops(model):  # torch's kernels (fused_attention, torch_products, fused_lstm, CTC)
-            options = self._options_for_torch_kernels()
+            options = self._torch_kernel_options or self.options
             torch_ops.register(options, cuda=self.placement.kind == "cuda")
         if kernels.uses_kernels(model):  # nodes of ort_trainer's own kernel library
             kernels.register(options, cuda=self.placement.kind == "cuda")
@@ -77,15 +74,6 @@ class Sessions:
         self._models[id(session)] = model
         self.check_placement(session, model)
         return session
-
-    def _options_for_torch_kernels(self) -> ort.SessionOptions:
-        """The session options of a graph with nodes of torch's kernels: ``torch_kernel_options``' (made once), else
-        ``options``."""
-        if self._torch_kernel_options is None:
-            return self.options
-        if self._made_torch_kernel_options is None:
-            self._made_torch_kernel_options = self._torch_kernel_options()
-        return self._made_torch_kernel_options
 
     def check_placement(self, session: ort.InferenceSession, model: onnx.ModelProto) -> None:
         """Warn about what ONNX Runtime placed off the device's provider (``Device.provider``) in ``session``, and

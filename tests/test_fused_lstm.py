@@ -125,7 +125,7 @@ def test_a_fused_lstm_trains_evaluates_and_exports_like_pytorch(tmp_path):
     assert not any(n.op_type == "Sigmoid" for n in gradient.graph.node)
     # the graphs with torch's kernels run without spinning intra-op threads (they would take torch's cores)
     sessions = trainer._engine.sessions
-    assert sessions._made_torch_kernel_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert sessions._torch_kernel_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     with pytest.raises(RuntimeError, match="does not have configuration"):  # the others keep the default (spinning)
         sessions.options.get_session_config_entry("session.intra_op.allow_spinning")
     state = trainer.state_dict(pytorch_format=True)

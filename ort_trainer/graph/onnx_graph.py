@@ -19,6 +19,12 @@ from .names import KEEPER_SUFFIX
 #: drew, every step (their CUDA kernels draw at launch), and a recomputed copy would draw other numbers
 RANDOM_OPS = frozenset({"Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
                         "Bernoulli", "Multinomial", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
+ONNX_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
+
+
+def onnx_opset(model: onnx.ModelProto) -> int:
+    """The version of ONNX's own operator set ``model`` imports (0: none)."""
+    return next((o.version for o in model.opset_import if o.domain in ONNX_DOMAINS), 0)
 
 
 def specialize(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
@@ -291,11 +297,10 @@ def build_inference_graph(
             "LayerNormalization", "BatchNormalization"
         ):
             node.output.pop()
-    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
-    live = standard_ctc(live, types)  # (a stock InferenceSession has no ort_trainer operators)
-    shapes = {v.name: _shape(v.type.tensor_type) for v in [*graph.input, *graph.value_info, *graph.output]}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
-    live = standard_lstm(live, shapes, opset)
+    values = [*graph.input, *graph.value_info, *graph.output]
+    # (a stock InferenceSession has no ort_trainer operators)
+    live = standard_ctc(live, {v.name: v.type.tensor_type.elem_type for v in values})
+    live = standard_lstm(live, {v.name: _shape(v.type.tensor_type) for v in values}, onnx_opset(model))
     del graph.node[:]
     graph.node.extend(live)
     used = {node.domain for node in live}

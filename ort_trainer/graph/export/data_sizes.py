@@ -42,7 +42,7 @@ class DataSizes:
     def __init__(self) -> None:
         self._ids = TensorSet()
 
-    def note(self, name: str, args: tuple, tensors: list[torch.Tensor], out: Any) -> None:
+    def note(self, name: str, tensors: list[torch.Tensor], out: Any) -> None:
         """After an operator: its outputs are sized by the data where it sizes them so, or an input is."""
         boolean_index = name == "__getitem__" and any(t.dtype == torch.bool for t in tensors[1:])
         if name in _SIZED_BY_VALUES or boolean_index or self._ids.any_of(tensors):

@@ -310,7 +310,7 @@ class ExportGuard(StateChanges):
         else:
             out = func(*args, **kwargs)
         if self._stop_gradients:
-            self._sizes.note(name, args, tensors, out)
+            self._sizes.note(name, tensors, out)
         if name == "__iter__":  # the rows come from one call the mode does not see: taint them here
             out = list(out)
             if tainted:

@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..onnx_graph import ONNX_DOMAINS as _ONNX_DOMAINS
+
 
 class _Graph:
     """Producers, consumers, constants and known shapes of a graph's values."""
@@ -72,9 +74,6 @@ def _other(node: onnx.NodeProto, name: str) -> str:
     return node.input[1] if node.input[0] == name else node.input[0]
 
 
-_ONNX_DOMAINS = ("", "ai.onnx")
-
-
 def _is(node: onnx.NodeProto, op_type: str) -> bool:
     return node.op_type == op_type and node.domain in _ONNX_DOMAINS
 
@@ -98,11 +97,6 @@ def _op(node: onnx.NodeProto, op_of: dict) -> str | None:
 def _static(shape: list | None) -> bool:
     """Whether ``shape`` (as ``_Graph.shapes`` holds it) is known and every dim a static positive size."""
     return shape is not None and all(isinstance(size, int) and size > 0 for size in shape)
-
-
-def _onnx_opset(model: onnx.ModelProto) -> int:
-    """The version of ONNX's own operator set ``model`` imports (0: none)."""
-    return next((o.version for o in model.opset_import if o.domain in _ONNX_DOMAINS), 0)
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:

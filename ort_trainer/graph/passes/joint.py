@@ -45,7 +45,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._graph import _Graph, _attrs, _elem_types, _is, _onnx_opset, _other, _replace_nodes, _static
+from ..onnx_graph import onnx_opset
+from ._graph import _Graph, _attrs, _elem_types, _is, _other, _replace_nodes, _static
 
 
 def cross_entropy_backward(model: onnx.ModelProto) -> int:
@@ -189,7 +190,7 @@ def integer_pads(model: onnx.ModelProto) -> int:
     a ``ConstantOfShape`` of the shape read at run time where a dim is symbolic (opset 15 on); returns the count."""
     g = _Graph(model)
     types = _elem_types(model)
-    opset = _onnx_opset(model)
+    opset = onnx_opset(model)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if not _is(node, "Pad") or _attrs(node).get("mode", b"constant") not in (b"constant", "constant"):

@@ -66,7 +66,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ._graph import (_Graph, _all_nodes, _attrs, _elem_types, _is, _keep, _onnx_opset, _other, _shared_constants,
+from ..onnx_graph import onnx_opset
+from ._graph import (_Graph, _all_nodes, _attrs, _elem_types, _is, _keep, _other, _shared_constants,
                      _sole_consumer)
 
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -91,7 +92,7 @@ def safe_softmax(model: onnx.ModelProto) -> int:
     """
     g = _Graph(model)
     types = _elem_types(model)
-    opset = _onnx_opset(model)
+    opset = onnx_opset(model)
     if opset < 18:
         return 0  # ReduceMax takes its axes as an input from opset 18 on
     dead: set[int] = set()
