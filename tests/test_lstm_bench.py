@@ -16,13 +16,16 @@ pytestmark = pytest.mark.skipif(not _runtime.has_onnxscript(),
                                 reason="the 'torch' gradient source exports with onnxscript")
 
 
-def test_the_bench_runs_each_implementation_in_its_own_process_and_writes_its_table(tmp_path, capsys):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_bench_runs_each_implementation_in_its_own_process_and_writes_its_table(packed, tmp_path, capsys):
     out = tmp_path / "lstm.md"
-    lstm.main(["--tiny", "--rounds", "1", "--steps", "2", "--out", str(out)])
+    lstm.main(["--tiny", "--rounds", "1", "--steps", "2", "--out", str(out)] + (["--packed"] if packed else []))
     runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(runs) == 3  # one process per implementation
     text = out.read_text()
-    assert text.startswith("# LSTM training: ort_trainer against eager PyTorch (tiny size)")
+    title = "packed LSTM" if packed else "LSTM"
+    assert text.startswith(f"# {title} training: ort_trainer against eager PyTorch (tiny size)")
+    assert ("`python benchmarks/lstm.py --packed`" in text) == packed
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| implementation")}
     assert list(rows) == ["eager", "fused", "unrolled"]
@@ -34,3 +37,4 @@ def test_the_bench_runs_each_implementation_in_its_own_process_and_writes_its_ta
 def test_the_performance_page_gives_the_command():
     page = (ROOT / "docs" / "performance.md").read_text()
     assert "python benchmarks/lstm.py --rounds 2 --steps 20 --out docs/benchmarks_lstm.md" in page
+    assert "python benchmarks/lstm.py --packed --rounds 2 --steps 20 --out docs/benchmarks_lstm_packed.md" in page

@@ -7,6 +7,7 @@ eager PyTorch's training, ``eval_step`` and ``save_as_onnx``.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import numpy as np
@@ -17,10 +18,11 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from ort_trainer import ORTTrainer
 from ort_trainer._runtime import has_onnxscript
-from ort_trainer.graph.export import packed_sequences
+from ort_trainer.graph.export import fused_lstm, packed_sequences
 from ort_trainer.graph.export.torchscript import ExportError
+from ort_trainer.kernels import torch_ops
 from ort_trainer.optim import SGDConfig
-from tolerances import FLOAT64, check, relative_error, steps_bound
+from tolerances import FLOAT32, FLOAT64, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 
@@ -31,6 +33,10 @@ FLOAT64_BOUND = 100 * 2 * 6 * (4 + 5) * FLOAT64
 # The trainer against eager PyTorch, float32, 4 SGD steps: the gate sums take 7 steps × (12 inputs + 6 hidden)
 # terms in each of 2 layers: steps_bound(4, length=252) = 6.0e-5. Observed: ≤ 1.1e-7 (losses), 5.7e-8 (weights).
 TRAINING_BOUND = steps_bound(4, length=2 * 7 * (12 + 6))
+# oneDNN's float32 LSTM (masked_direction) against the float64 packed kernel: the same 2 · 6 · 9 = 108 roundings of
+# float32 along a chain, and the cell state's closed form one more, with a 10x margin for the activations' own
+# (sigmoid, tanh: a few ulps each): 6.4e-5. Observed: <= 2.9e-7 of the values' magnitude.
+FUSED_BOUND = 10 * 2 * 6 * (4 + 5) * FLOAT32
 _TORCH_ROUTE = {"graph": {"gradient_source": "torch"}}  # "auto" picks the TorchScript route with onnxruntime-training
 
 
@@ -40,14 +46,14 @@ def _packed_by_pytorch(rnn, x, lengths, batch_first, enforce_sorted, hx):
     return padded, lengths, hidden if isinstance(hidden, tuple) else (hidden,)
 
 
-def _packed_masked(rnn, x, lengths, batch_first, enforce_sorted, hx):
+def _packed_masked(rnn, x, lengths, batch_first, enforce_sorted, hx, lstm_direction=None):
     """``_packed_by_pytorch`` with ``packed_sequences``' pack, recurrence and pad (as the guard calls them)."""
     batch_dim = 0 if batch_first else 1
     order = None if enforce_sorted else torch.sort(lengths, descending=True)[1]
     if order is not None:
         x, lengths = x.index_select(batch_dim, order), lengths[order]
     packed = PackedSequence(*packed_sequences.pack(x, lengths, batch_first), order)
-    out, hidden = packed_sequences._packed_forward(rnn, packed, hx)
+    out, hidden = packed_sequences._packed_forward(rnn, packed, hx, lstm_direction)
     padded, lengths = packed_sequences.pad(out.data, out.batch_sizes, batch_first, 0.0, x.shape[batch_dim ^ 1])
     if order is not None:
         padded, lengths = padded.index_select(batch_dim, out.unsorted_indices), lengths[out.unsorted_indices]
@@ -90,6 +96,47 @@ def test_the_masked_recurrence_is_pytorchs_packed_kernel_in_float64(layer, optio
             check(relative_error(a.detach().numpy(), b.detach().numpy()), FLOAT64_BOUND, f"{what}: {name}")
 
 
+@pytest.mark.skipif(not fused_lstm.available(), reason="this torch has no oneDNN")
+def test_a_packed_lstm_through_onednns_layers_is_pytorchs_packed_kernel():
+    """``fused_lstm.masked_direction`` (float32: oneDNN's kernels) against PyTorch's packed kernel in float64:
+    outputs, both final states and all their gradients, for the cases above, with and without biases; the cell
+    state at each sequence's last step is summed in closed form. A zero length keeps the initial states exactly."""
+    generator = torch.Generator().manual_seed(3)
+    lstm_direction = functools.partial(fused_lstm.masked_direction, True)  # keeping workspaces: a backward follows
+    for bidirectional, layers, batch_first, enforce_sorted, with_hx, bias in itertools.product(*[(False, True)] * 6):
+        layers += 1
+        torch.manual_seed(layers)
+        lstm = torch.nn.LSTM(4, 5, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias)
+        lengths = torch.tensor([6, 5, 3, 1] if enforce_sorted else [5, 3, 6, 1])
+        x = torch.randn((4, 6, 4) if batch_first else (6, 4, 4), generator=generator, requires_grad=True)
+        states = layers * (2 if bidirectional else 1)
+        hx = tuple(torch.randn(states, 4, 5, generator=generator) for _ in range(2)) if with_hx else None
+        float64 = copy.deepcopy(lstm).double()
+        x64 = x.detach().double().requires_grad_()
+        expected = _packed_by_pytorch(float64, x64, lengths, batch_first, enforce_sorted,
+                                      None if hx is None else tuple(h.double() for h in hx))
+        got = _packed_masked(lstm, x, lengths, batch_first, enforce_sorted, hx, lstm_direction)
+        assert torch.equal(got[1], expected[1])
+        weights = torch.randn(expected[0].shape, dtype=torch.double, generator=generator)
+        gradients = [torch.autograd.grad((padded * weights.to(padded.dtype)).sum() + sum(h.sum() for h in hidden),
+                                         leaves) for (padded, _, hidden), leaves in
+                     ((got, [x, *lstm.parameters()]), (expected, [x64, *float64.parameters()]))]
+        what = f"{bidirectional=} {layers=} {batch_first=} {enforce_sorted=} {with_hx=} {bias=}"
+        pairs = [("output", got[0], expected[0]), *[("final state", a, b) for a, b in zip(got[2], expected[2])],
+                 *[("gradient", a, b) for a, b in zip(*gradients)]]
+        for name, a, b in pairs:
+            check(relative_error(a.detach().double().numpy(), b.detach().numpy()), FUSED_BOUND, f"{what}: {name}")
+    assert not fused_lstm._WORKSPACES, "every backward took its forward's workspace"
+    lstm = torch.nn.LSTM(4, 5)
+    x, hx = torch.randn(6, 2, 4), tuple(torch.randn(1, 2, 5) for _ in range(2))
+    packed = PackedSequence(*packed_sequences.pack(x, torch.tensor([3, 0]), False))
+    with torch.no_grad():
+        out, (h, c) = packed_sequences._packed_forward(lstm, packed, hx, functools.partial(fused_lstm.masked_direction,
+                                                                                           False))
+    assert not out.data.reshape(6, 2, 5)[:, 1].any() and torch.equal(h[0, 1], hx[0][0, 1])
+    assert torch.equal(c[0, 1], hx[1][0, 1])
+
+
 class _Classifier(torch.nn.Module):
     """Token ids and their lengths -> classes: the mean of a packed bidirectional 2-layer RNN's outputs over each
     sequence's own steps, beside the last layer's final state."""
@@ -119,12 +166,16 @@ def _batch(generator, batch=5):
                                                                                           generator=generator)
 
 
-@pytest.mark.parametrize("layer", [torch.nn.LSTM, torch.nn.GRU], ids=["lstm", "gru"])
-def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, tmp_path):
+@pytest.mark.parametrize("layer, fused", [(torch.nn.LSTM, True), (torch.nn.LSTM, False), (torch.nn.GRU, True)],
+                         ids=["lstm", "lstm-unrolled", "gru"])
+def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, fused, tmp_path):
+    """An LSTM runs oneDNN's layers (``graph_optimizations.fused_lstm``, on by default: one ``LSTMLayer`` node per
+    layer and direction); switched off, and a GRU, unrolled."""
     torch.manual_seed(0)
     model = _Classifier(layer)
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, _DESC, SGDConfig(lr=0.5), options=_TORCH_ROUTE)
+    options = {**_TORCH_ROUTE, "graph_optimizations": {"fused_lstm": fused}}
+    trainer = ORTTrainer(model, _DESC, SGDConfig(lr=0.5), options=options)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -135,6 +186,9 @@ def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, tmp_path)
         expected.backward()
         optimizer.step()
         check(relative_error(got, float(expected)), TRAINING_BOUND, f"step {step}")
+    layers = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
+    fused_layers = fused and layer is torch.nn.LSTM and fused_lstm.available()
+    assert sorted(layers) == (["LSTMLayer"] * 4 + ["LSTMLayerGrad"] * 4 if fused_layers else [])
     state = trainer.state_dict(pytorch_format=True)
     for name, expected in reference.state_dict().items():
         check(relative_error(state[name].numpy(), expected.numpy()), TRAINING_BOUND, name)
@@ -148,6 +202,66 @@ def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, tmp_path)
     assert session.get_inputs()[0].shape == ["batch", 7]  # the batch stays symbolic
     outputs = session.run(None, {"ids": batch[0].numpy(), "lengths": batch[1].numpy(), "label": batch[2].numpy()})
     check(relative_error(np.asarray(outputs[0]), expected), TRAINING_BOUND, "save_as_onnx")
+
+
+class _Seq2Seq(torch.nn.Module):
+    """A packed encoder's final states, both of every layer, start a decoder over the targets (``c_n`` read too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.encoder = torch.nn.LSTM(8, 6, num_layers=2, batch_first=True)
+        self.decoder = torch.nn.LSTM(8, 6, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(6, 20)
+
+    def forward(self, ids, lengths, targets):
+        _, state = self.encoder(pack_padded_sequence(self.embed(ids), lengths, batch_first=True,
+                                                     enforce_sorted=False))
+        out, _ = self.decoder(self.embed(targets[:, :-1]), state)
+        return torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), targets[:, 1:].flatten())
+
+
+# 4 SGD steps; each gate sums 8 inputs + 6 states through the encoder's 7 steps and the decoder's 5, 2 layers each:
+# steps_bound(4, length=2 * 12 * 14) = 8.0e-5.
+SEQ2SEQ_BOUND = steps_bound(4, length=2 * (7 + 5) * (8 + 6))
+
+
+@pytest.mark.skipif(not fused_lstm.available(), reason="this torch has no oneDNN")
+def test_a_packed_encoders_final_cell_state_trains_and_saves_with_a_symbolic_length_like_pytorch(tmp_path):
+    """Through oneDNN's layers a packed LSTM's graph has no step of its own: ``save_as_onnx`` keeps the sequence
+    length symbolic (the unrolled recurrence fixes it)."""
+    torch.manual_seed(0)
+    model = _Seq2Seq()
+    reference = copy.deepcopy(model)
+    desc = {"inputs": [("ids", ["batch", "steps"]), ("lengths", ["batch"]), ("targets", ["batch", 6])],
+            "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.5), options=_TORCH_ROUTE)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids, lengths, _ = _batch(generator)
+        batch = ids, lengths, torch.randint(0, 20, (5, 6), generator=generator)
+        got = float(trainer.train_step(*batch))
+        optimizer.zero_grad()
+        expected = reference(*batch)
+        expected.backward()
+        optimizer.step()
+        check(relative_error(got, float(expected)), SEQ2SEQ_BOUND, f"step {step}")
+    layers = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
+    assert sorted(layers) == ["LSTMLayer"] * 4 + ["LSTMLayerGrad"] * 4  # the encoder's 2 and the decoder's 2
+    state = trainer.state_dict(pytorch_format=True)
+    for name, expected in reference.state_dict().items():
+        check(relative_error(state[name].numpy(), expected.numpy()), SEQ2SEQ_BOUND, name)
+    path = tmp_path / "seq2seq.onnx"
+    trainer.save_as_onnx(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == ["batch", "steps"]
+    batch = (torch.randint(0, 20, (3, 11), generator=generator), torch.tensor([11, 4, 9]),
+             torch.randint(0, 20, (3, 6), generator=generator))  # a length the training never saw
+    with torch.no_grad():
+        expected = float(reference(*batch))
+    (got,) = session.run(None, {name: t.numpy() for name, t in zip(("ids", "lengths", "targets"), batch)})
+    check(relative_error(float(got), expected), SEQ2SEQ_BOUND, "save_as_onnx")
 
 
 class _LossOnPackedRows(torch.nn.Module):

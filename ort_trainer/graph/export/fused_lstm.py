@@ -15,9 +15,13 @@ the two and named by a key the forward outputs (the eval program keeps none). Th
 the values are eager PyTorch's, bit for bit. ``save_as_onnx`` writes ONNX's own ``LSTM`` operator instead
 (``kernels/standard_lstm.py``). The sequence length may stay symbolic: one graph serves every length.
 
-Everything else runs ``torch.lstm`` as before (unrolled): packed batches (``packed_sequences``), projections,
-other dtypes, mixed precision (CPU autocast), a device other than the CPU (the switch is off there), and a torch
-without oneDNN.
+A packed batch (``packed_sequences``: the padded batch and its ``[steps, batch]`` mask) takes the same layers
+through ``masked_direction``: each sequence's steps come first in the kernel's input (a reverse direction reads
+each sequence reversed within its own length), the outputs past its end are dropped, ``h_n`` is the output at its
+last step, and ``c_n`` is summed in closed form from the gates (``_final_cell``).
+
+Everything else runs ``torch.lstm`` as before (unrolled): projections, other dtypes, mixed precision (CPU
+autocast), a device other than the CPU (the switch is off there), and a torch without oneDNN.
 """
 
 from __future__ import annotations
@@ -102,18 +106,26 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+def _applies(tensors: list[torch.Tensor]) -> bool:
+    """Whether oneDNN's kernels take these tensors: float32 on the CPU, outside CPU autocast, oneDNN present."""
+    return (available() and not torch.is_autocast_enabled("cpu")
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+
+
+def _keeps_workspace(workspaces: bool, tensors: list[torch.Tensor]) -> bool:
+    return workspaces and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _fused(workspaces, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """``torch.lstm`` (unpacked) with each layer and direction one ``lstm_layer_op`` (keeping its workspace for a
     backward where ``workspaces``), or None where it does not apply (module docstring)."""
     directions = 2 if bidirectional else 1
     per_direction = 4 if has_biases else 2
     tensors = [input, *hx, *params]
-    if (not available() or len(params) != num_layers * directions * per_direction or input.dim() != 3
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
-            or torch.is_autocast_enabled("cpu")):
+    if len(params) != num_layers * directions * per_direction or input.dim() != 3 or not _applies(tensors):
         return None
     hidden = params[1].shape[1]
-    needs_workspace = workspaces and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    needs_workspace = _keeps_workspace(workspaces, tensors)
     layer_input = (input.transpose(0, 1) if batch_first else input).contiguous()
     h0, c0 = hx
     finals_h, finals_c = [], []
@@ -136,6 +148,74 @@ def _fused(workspaces, input, hx, params, has_biases, num_layers, dropout, train
     return output, torch.stack(finals_h), torch.stack(finals_c)
 
 
+def masked_direction(workspaces: bool, x: torch.Tensor, running: torch.Tensor, w_ih: torch.Tensor,
+                     w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None, h0: torch.Tensor,
+                     c0: torch.Tensor, reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One layer and direction of a packed batch as ``packed_sequences`` holds it (``x [steps, batch, features]``,
+    padded; ``running [steps, batch]``: the steps within each sequence) through one ``lstm_layer_op``: the outputs
+    (zero past each sequence's end), ``h_n`` and ``c_n`` of PyTorch's packed kernel, or None where oneDNN's kernels
+    do not take the tensors. A reverse direction runs forward over each sequence reversed within its own length (so
+    it starts at the sequence's end, from the initial states, as PyTorch's packed kernel does). The kernel then sees
+    each sequence's steps first and its padding after them: its outputs at a sequence's steps are exact, those past
+    its end are dropped (their gradients are zero, which leaves the kernel's backward over the padding at zero), and
+    ``h_n`` is the output at the sequence's last step. ``c_n``: ``_final_cell``."""
+    tensors = [t for t in (x, w_ih, w_hh, b_ih, b_hh, h0, c0) if t is not None]
+    if x.dim() != 3 or not _applies(tensors):
+        return None
+    hidden = w_hh.shape[1]
+    if b_ih is None:
+        b_ih = b_hh = w_ih.new_zeros(4 * hidden)
+    lengths = running.sum(0)
+    rows = _reversed_rows(running, lengths) if reverse else None
+    if rows is not None:
+        x = _rows(x, rows)
+    out, _, _, _ = torch.ops.ort_trainer.lstm_layer(x.contiguous(), w_ih, w_hh, b_ih, b_hh, h0, c0, False,
+                                                    _keeps_workspace(workspaces, tensors))
+    last = (lengths - 1).clamp(min=0)[None, :, None].expand(1, -1, hidden)
+    h = torch.where((lengths > 0)[:, None], out.gather(0, last)[0], h0)  # (a zero length keeps the initial state)
+    c = _final_cell(x, out, running, w_ih, w_hh, b_ih, b_hh, h0, c0)
+    out = torch.where(running[:, :, None], out, 0.0)
+    if rows is not None:
+        out = _rows(out, rows)
+    return out, h, c
+
+
+def _reversed_rows(running: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows of a ``[steps * batch, ...]`` view that reverse each sequence within its own length (padding rows
+    stay): a permutation that is its own inverse. One index per row, not per element (a gather's index would be
+    the tensor's size in int64, and its backward keeps it)."""
+    steps, batch = running.shape
+    step = torch.arange(steps, device=running.device)[:, None]
+    order = torch.where(running, lengths - 1 - step, step)
+    return (order * batch + torch.arange(batch, device=running.device)).reshape(-1)
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).index_select(0, rows).reshape(x.shape)
+
+
+def _final_cell(x, out, running, w_ih, w_hh, b_ih, b_hh, h0, c0) -> torch.Tensor:
+    """The cell state at each sequence's last step (the kernel returns the padded length's last). The gates read
+    only the input and the previous output, which ``out`` holds, so ``i, f, g`` are computed again for every step at
+    once, and the recurrence ``c_t = f_t c_{t-1} + i_t g_t``, linear in ``c``, is summed in closed form over each
+    sequence's steps: ``c_n = sum_s (prod_{k>s} f_k) i_s g_s + (prod_k f_k) c_0``, each product the exponential of a
+    difference of running sums of ``log f`` in float64 (every factor at most 1: no overflow; a float64 sum of T
+    logarithms keeps each product to about T·2^-53), rounded to float32 once. No loop over the steps: the length may
+    stay symbolic; where nothing reads ``c_n`` the graph leaves all of it out."""
+    hidden = w_hh.shape[1]
+    previous = torch.cat([h0[None], out[:-1]])
+    rows = slice(0, 3 * hidden)  # i, f, g (o is not needed)
+    gates = F.linear(x, w_ih[rows], b_ih[rows]) + F.linear(previous, w_hh[rows], b_hh[rows])
+    i, f, g = gates.double().chunk(3, -1)
+    keep = running[:, :, None]
+    log_f = torch.minimum(f, f.new_zeros(())) - torch.log1p(torch.exp(-f.abs()))  # log sigmoid(f), stably
+    log_f = torch.where(keep, log_f, 0.0)
+    update = torch.where(keep, torch.sigmoid(i) * torch.tanh(g), 0.0)
+    summed = log_f.cumsum(0)
+    total = summed[-1]
+    return ((torch.exp(total - summed) * update).sum(0) + torch.exp(total) * c0.double()).to(c0.dtype)
+
+
 def replacements(training: bool) -> dict:
     """What the export guard computes instead of ``torch.lstm``: ``_fused`` where it applies, else torch's own (a
     packed batch: the overload whose second argument is the batch sizes). ``training``: the training program's
@@ -150,4 +230,5 @@ def replacements(training: bool) -> dict:
     return {torch.lstm: lstm}
 
 
-__all__ = ["BACKWARD", "FORWARD", "available", "lstm_layer_grad_op", "lstm_layer_op", "replacements"]
+__all__ = ["BACKWARD", "FORWARD", "available", "lstm_layer_grad_op", "lstm_layer_op", "masked_direction",
+           "replacements"]

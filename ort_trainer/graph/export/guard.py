@@ -41,6 +41,7 @@ Every problem found in the one traced forward is collected, with the module (as 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -158,6 +159,8 @@ class ExportGuard(StateChanges):
         self._stop_gradients = stop_gradients
         self._replacements = {**_REPLACEMENTS, **(fused_lstm.replacements(lstm_layers == "training")
                                                   if lstm_layers else {})}
+        self._lstm_direction = (functools.partial(fused_lstm.masked_direction, lstm_layers == "training")
+                                if lstm_layers else None)
         self._builder = ("ONNX Runtime builds the backward graph" if stop_gradients else
                          "the backward graph comes from autograd's formulas for the traced operations")
         self._outside_model = "the loss function" if has_loss_fn else "<top-level forward>"
@@ -239,7 +242,8 @@ class ExportGuard(StateChanges):
             with _GuardMode(self), python_draws.reporting(self._report_draw, layer_drop.python_draw), \
                     layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)), \
                     distribution_checks.without_branches(), adaptive_softmax.without_branches(), \
-                    (contextlib.nullcontext() if self._stop_gradients else packed_sequences.masked_recurrences()):
+                    (contextlib.nullcontext() if self._stop_gradients else
+                     packed_sequences.masked_recurrences(self._lstm_direction)):
                 yield
         finally:
             if before is not None:

@@ -18,7 +18,9 @@ packed batch's ``.data`` include the padding here, so an operation on ``.data`` 
 
 The gate arithmetic is PyTorch's (``aten/src/ATen/native/RNN.cpp``): LSTM ``i, f, g, o`` with an optional
 projection ``h = W_hr h``, GRU ``r, z, n`` with ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, Elman RNN with
-``tanh`` or ``relu``; dropout on every layer's output but the last, in training.
+``tanh`` or ``relu``; dropout on every layer's output but the last, in training. An LSTM layer without projections
+runs oneDNN's kernels instead where the trace asks for them (``graph_optimizations.fused_lstm``:
+``fused_lstm.masked_direction``, the same values to roundoff, one node per layer and direction).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import contextlib
 import os
 import sys
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -84,11 +86,13 @@ def pad(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, paddin
 
 
 @contextlib.contextmanager
-def masked_recurrences() -> Iterator[None]:
-    """Around one trace: ``nn.RNN``/``nn.LSTM``/``nn.GRU`` run a packed batch of ``pack`` as a masked recurrence."""
+def masked_recurrences(lstm_direction: Callable | None = None) -> Iterator[None]:
+    """Around one trace: ``nn.RNN``/``nn.LSTM``/``nn.GRU`` run a packed batch of ``pack`` as a masked recurrence.
+    ``lstm_direction``: computes one direction of an LSTM layer without projections instead, where it returns
+    anything but None (``fused_lstm.masked_direction``'s arguments after the first)."""
     def forward(original, module, input, hx=None):
         if isinstance(input, PackedSequence) and _mask_of(input.batch_sizes) is not None:
-            return _packed_forward(module, input, hx)
+            return _packed_forward(module, input, hx, lstm_direction)
         return original(module, input, hx)
 
     try:
@@ -109,7 +113,8 @@ def data_use(name: str, tensors: list[torch.Tensor]) -> str | None:
             "(nn.utils.rnn.pad_packed_sequence) and mask the padding, or compute on the RNN's final state")
 
 
-def _packed_forward(module: torch.nn.RNNBase, packed: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
+def _packed_forward(module: torch.nn.RNNBase, packed: PackedSequence, hx: Any,
+                    lstm_direction: Callable | None = None) -> tuple[PackedSequence, Any]:
     running = _mask_of(packed.batch_sizes)
     steps, batch = running.shape
     directions = 2 if module.bidirectional else 1
@@ -127,7 +132,14 @@ def _packed_forward(module: torch.nn.RNNBase, packed: PackedSequence, hx: Any) -
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            out, h, c = _direction(module, layer, direction, x, running, h0[index], None if c0 is None else c0[index])
+            computed = None
+            if lstm_direction is not None and lstm and not module.proj_size:
+                suffix = f"_l{layer}" + ("_reverse" if direction else "")
+                weights = [getattr(module, f"{kind}{suffix}", None) for kind in ("weight_ih", "weight_hh", "bias_ih",
+                                                                                 "bias_hh")]
+                computed = lstm_direction(x, running, *weights, h0[index], c0[index], direction == 1)
+            out, h, c = computed or _direction(module, layer, direction, x, running, h0[index],
+                                               None if c0 is None else c0[index])
             outputs.append(out)
             finals_h.append(h)
             finals_c.append(c)
