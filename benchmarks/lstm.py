@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import alternating  # noqa: E402  (benchmarks/alternating.py)
 IMPLEMENTATIONS = ("eager", "fused", "unrolled")  # eager PyTorch; ort_trainer with fused_lstm on, off
 SIZES = {"real": {"vocab": 5000, "embed": 128, "hidden": 256, "steps": 50, "batch": 64},
          "tiny": {"vocab": 50, "embed": 8, "hidden": 8, "steps": 5, "batch": 3}}
@@ -115,43 +112,6 @@ def worker(impl: str, size: dict, steps: int, packed: bool = False) -> dict:
             "loss": losses[-1], "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def table(runs: list[dict], size_name: str, steps: int, packed: bool = False) -> str:
-    """The markdown page of ``runs`` (``worker``'s results, in the order they ran)."""
-    by = {impl: [r for r in runs if r["impl"] == impl] for impl in IMPLEMENTATIONS}
-
-    def warm(rows: list[dict]) -> list[dict]:  # the rounds after the first (the first alone where there is one)
-        return rows[1:] or rows
-
-    eager_ms = statistics.median(r["step_ms"] for r in warm(by["eager"]))
-    eager_mb = max(r["peak_mb"] for r in warm(by["eager"]))
-    what = "packed LSTM" if packed else "LSTM"
-    command = "python benchmarks/lstm.py" + (" --packed" if packed else "")
-    lines = [f"# {what} training: ort_trainer against eager PyTorch ({size_name} size)", "",
-             f"`{command}`, {os.cpu_count()} cores of {_cpu()}, {len(by['eager'])} rounds of {steps} steps per "
-             "process, processes alternating. Step: each round's mean; the speed-up is of the warm rounds' median "
-             "over eager's (the rounds after the first; in the first, the ort_trainer processes build their graphs "
-             "and, from this run's empty cache, the torch operators' library). Peak RSS: the whole process's, cold "
-             "(the first round's) / warm (the later rounds': the graph cache), and warm over eager's.", "",
-             "| implementation | step (ms) | speed-up | first step (s) | peak RSS cold / warm (MB) | warm / eager |",
-             "|---|---|---|---|---|---|"]
-    for impl in IMPLEMENTATIONS:
-        rows = by[impl]
-        median = statistics.median(r["step_ms"] for r in warm(rows))
-        warm_mb = max(r["peak_mb"] for r in warm(rows))
-        steps_ms = " / ".join(f"{r['step_ms']:.0f}" for r in rows)
-        firsts = " / ".join(f"{r['first_s']:.1f}" for r in rows)
-        lines.append(f"| {impl} | {steps_ms} | {eager_ms / median:.2f}× | {firsts} | {rows[0]['peak_mb']:.0f} / "
-                     f"{warm_mb:.0f} | {warm_mb / eager_mb:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -166,19 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, SIZES[size_name], args.steps, args.packed)))
         return
-    runs = []
-    with tempfile.TemporaryDirectory() as cache:
-        for round_ in range(args.rounds):
-            order = IMPLEMENTATIONS if round_ % 2 == 0 else IMPLEMENTATIONS[::-1]
-            for impl in order:
-                command = [sys.executable, __file__, "--worker", impl, "--steps", str(args.steps)]
-                command += (["--tiny"] if args.tiny else []) + (["--packed"] if args.packed else [])
-                done = subprocess.run(command, capture_output=True, text=True,
-                                      env={**os.environ, "ORT_TRAINER_CACHE_DIR": cache}, check=True)
-                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(json.dumps(runs[-1]), flush=True)
-    runs.sort(key=lambda r: IMPLEMENTATIONS.index(r["impl"]))  # (stable: each implementation's rounds in order)
-    page = table(runs, size_name, args.steps, args.packed)
+    arguments = ["--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (["--packed"] if args.packed else [])
+    runs = alternating.run_rounds(__file__, IMPLEMENTATIONS, args.rounds, arguments)
+    title = f"{'packed LSTM' if args.packed else 'LSTM'} training: ort_trainer against eager PyTorch ({size_name} size)"
+    command = "python benchmarks/lstm.py" + (" --packed" if args.packed else "")
+    page = alternating.table(runs, title, command, args.steps, IMPLEMENTATIONS)
     print(page)
     if args.out:
         Path(args.out).write_text(page)

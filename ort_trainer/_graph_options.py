@@ -63,6 +63,10 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
         _BOOL, True, "on the CPU, with the 'torch' source: each nn.LSTM layer and direction (a padded float32 batch, "
         "no projections) as one operator running oneDNN's LSTM kernels as eager PyTorch does, forward and backward, "
         "instead of the recurrence unrolled over the sequence, which also lets the sequence length stay symbolic"),
+    "graph_optimizations.torch_conv_gradients": _Field(
+        _BOOL, True, "on the CPU, with the 'torch' source: where every convolution is a float32 one, not transposed, "
+        "each convolution's backward (input and weight gradients) as one operator running oneDNN's kernels as eager "
+        "PyTorch does, where ONNX Runtime computed the weight's gradient as a convolution 2.6-3.4x slower"),
     "graph_optimizations.packed_attention": _Field(
         _BOOL, False, "with fused_attention: q, k and v that one projection packed (GPT-2's) read and their "
         "gradients written where they lie, no Split and Concat copies"),

@@ -176,8 +176,9 @@ class Device:
     #: whether a training graph whose step must draw repeatable masks (a captured step, layer_recompute's copies)
     #: draws them with ort_trainer's SeededDropout kernel (``graph_optimizations.seeded_dropout``)
     seeded_dropout = False
-    #: whether nn.LSTM is traced as oneDNN's LSTM layers, the CPU's kernels (``graph_optimizations.fused_lstm``)
-    fused_lstm = False
+    #: whether graphs run torch's oneDNN kernels, the CPU's: nn.LSTM's layers (``graph_optimizations.fused_lstm``) and
+    #: convolutions' backward (``torch_conv_gradients``)
+    onednn_kernels = False
     #: whether a graph with nodes of torch's kernels keeps ONNX Runtime's spinning intra-op threads
     torch_kernels_spin = True
 
@@ -298,7 +299,7 @@ class CPUDevice(Device):
     provider = "CPUExecutionProvider"
     #: ONNX Runtime's CPU Dropout draws 4.6 ns per element on one thread, NumPy ~1.5 (dropout_masks.py)
     host_dropout_masks = True
-    fused_lstm = True
+    onednn_kernels = True
     #: torch's CPU kernels run on torch's own threads (OpenMP), whose cores spinning workers take: an LSTM's step
     #: (docs/performance.md, "LSTMs") 490-529 ms spinning, 325-342 ms not
     torch_kernels_spin = False

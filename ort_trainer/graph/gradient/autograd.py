@@ -27,7 +27,7 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import (attention as torch_attention, attention_ops, before_autograd, eval_program, gelu as torch_gelu,
+from . import (attention as torch_attention, attention_ops, before_autograd, conv_ops, eval_program, gelu as torch_gelu,
                joint_onnx, kernel_ops, loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels,
                torch_export)
 from .torch_export import _first_line
@@ -261,7 +261,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         attention_ops.fused_attention(program)
     if half_attention:
         torch_attention.half_precision(program)
-    keep = (torch_gelu.KEPT if gelu else ()) + kernel_ops.kept(program, kernels)
+    keep = (torch_gelu.KEPT if gelu else ()) + kernel_ops.kept(program, kernels) + conv_ops.kept(program, kernels)
     before_autograd.decompose(program)  # operators whose backward the exporter cannot translate
     try:
         joint = joint_onnx.joint_program(program, loss_index=0, keep=keep)
@@ -282,6 +282,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
     if gelu:
         torch_gelu.rewrite_joint(joint, half=half_gelu, kernel="fused_gelu_gradient" in kernels)
     kernel_ops.rewrite_joint(joint)
+    conv_ops.rewrite_joint(joint)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

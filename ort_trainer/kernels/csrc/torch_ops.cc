@@ -57,6 +57,9 @@
 //
 // LSTM layers (graph/export/fused_lstm.py), oneDNN's kernels as torch runs them on the CPU: LSTMLayer and
 // LSTMLayerGrad, in torch_rnn.h.
+//
+// A convolution's backward (graph/gradient/conv_ops.py), oneDNN's kernels on the CPU: ConvGrad and ConvWeightGrad,
+// in torch_conv.h.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/SDPBackend.h>
@@ -77,6 +80,7 @@
 
 #include "ort_abi.h"
 #include "ort_io.h"
+#include "torch_conv.h"
 #include "torch_rnn.h"
 
 #define ORTT_EXPORT extern "C" __attribute__((visibility("default")))
@@ -93,6 +97,7 @@ struct Operator : OperatorEntry {
   bool product, matmul, to_float;  // Gemm, BiasGemm or MatMul (else an attention); MatMul; a float32 output
   bool ctc;                        // CTCLoss or CTCLossGrad
   bool lstm;                       // LSTMLayer or LSTMLayerGrad (torch_rnn.h)
+  bool conv;                       // ConvGrad or ConvWeightGrad (torch_conv.h; backward: ConvGrad)
   ONNXTensorElementDataType type;
 };
 
@@ -108,6 +113,7 @@ struct Kernel {
   int64_t blank;
   bool zero_infinity;  // CTC's
   bool reverse, train;  // LSTM's
+  ConvAttributes conv;  // a convolution's
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
@@ -437,6 +443,8 @@ OrtStatus* compute_ctc(const Kernel* kernel, OrtKernelContext* context) {
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   if (kernel->op->ctc) return compute_ctc(kernel, context);
+  if (kernel->op->conv)
+    return compute_conv_grad(kernel->api, context, kernel->op->name, kernel->op->backward, kernel->conv);
   if (kernel->op->lstm)
     return compute_lstm(kernel->api, context, kernel->op->name, kernel->op->backward, kernel->reverse, kernel->train,
                         kernel);
@@ -462,8 +470,24 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  return new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0, trans_b != 0,
-                    alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0};
+  Kernel* kernel = new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0,
+                              trans_b != 0, alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0, {}};
+  for (auto [name, values] : {std::pair{"stride", &kernel->conv.stride}, std::pair{"padding", &kernel->conv.padding},
+                              std::pair{"dilation", &kernel->conv.dilation}}) {
+    size_t size = 0;  // the count first (a null buffer), then the values
+    OrtStatus* status =
+        slot<KernelInfoGetAttributeArrayInt64>(api, kKernelInfoGetAttributeArrayInt64)(info, name, nullptr, &size);
+    if (status == nullptr) {
+      values->resize(size);
+      status = slot<KernelInfoGetAttributeArrayInt64>(api, kKernelInfoGetAttributeArrayInt64)(info, name,
+                                                                                               values->data(), &size);
+    }
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  }
+  OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, "groups",
+                                                                                          &kernel->conv.groups);
+  if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  return kernel;
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
@@ -515,6 +539,19 @@ Operator make_lstm(bool backward) {
   return op;
 }
 
+// ConvGrad (dy, x, w) -> (dx, dw); ConvWeightGrad (dy, x, w) -> dw; the CPU's, float32
+Operator make_conv(bool input_grad) {
+  Operator op{};
+  set_entry(&op, kOpVersion, input_grad ? "ConvGrad" : "ConvWeightGrad", false,
+            std::vector<ONNXTensorElementDataType>(3, ONNX_FLOAT),
+            std::vector<ONNXTensorElementDataType>(input_grad ? 2 : 1, ONNX_FLOAT), create_kernel, destroy_kernel,
+            compute);
+  op.backward = input_grad;
+  op.conv = true;
+  op.type = ONNX_FLOAT;
+  return op;
+}
+
 // Gemm / MatMul (a, b) -> y, BiasGemm (a, b, c) -> y, all of dtype t; ...ToFloat (a, b) -> y float32
 Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorElementDataType t) {
   Operator op{};
@@ -542,6 +579,7 @@ const std::vector<Operator>& operators() {
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_DOUBLE})
         for (bool backward : {false, true}) ops.push_back(make_ctc(backward, cuda, t));
     for (bool backward : {false, true}) ops.push_back(make_lstm(backward));
+    for (bool input_grad : {false, true}) ops.push_back(make_conv(input_grad));
     for (bool cuda : providers)
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_FLOAT16, ONNX_BFLOAT16}) {
         ops.push_back(make_operator("Attention", false, false, cuda, t));

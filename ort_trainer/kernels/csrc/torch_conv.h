@@ -1,0 +1,62 @@
+// A convolution's backward by torch's kernels (oneDNN's on the CPU, as eager PyTorch trains a convolution there:
+// graph/gradient/conv_ops.py); part of the torch operators' library (torch_ops.cc includes it). CPU, float32;
+// attributes stride, padding, dilation (ints, one per spatial dim: torch's, a padding on both sides) and groups (int):
+//   ConvGrad(dy, x, w) -> (dx, dw)            aten::convolution_backward of a convolution (not transposed) of x
+//   ConvWeightGrad(dy, x, w) -> dw            [batch, channels, *space] by w [out, channels / groups, *kernel]: the
+//                                             input's and the weight's gradients, or the weight's alone (an input
+//                                             that needs none: the model's data); the bias's is a sum the graph
+//                                             takes itself
+// The weight's gradient written as a convolution of ONNX (the batch as its channels, the output gradient as its
+// kernel) ran 2.6-3.4x slower than oneDNN's on ONNX Runtime's CPU kernels (a 3 x 3 ResNet convolution of
+// [32, 64, 32, 32]: 31 ms against 11.8 ms).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "ort_io.h"
+
+namespace ort_trainer_kernels {
+
+struct ConvAttributes {
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups = 1;
+};
+
+// ConvGrad, or ConvWeightGrad where not `input_grad` (the file's head)
+inline OrtStatus* compute_conv_grad(const OrtApi* api, OrtKernelContext* context, const std::string& name,
+                                    bool input_grad, const ConvAttributes& conv) {
+  std::vector<Tensor> in(3);
+  for (size_t i = 0; i < in.size(); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &in[i]));
+  const size_t rank = in[1].dims.size(), space = rank >= 2 ? rank - 2 : 0;
+  if (rank < 3 || in[0].dims.size() != rank || in[2].dims.size() != rank || conv.stride.size() != space ||
+      conv.padding.size() != space || conv.dilation.size() != space)
+    return fail(api, name + ": dy, x and w must have the same rank (3 or more), and stride, padding and dilation one "
+                            "value per spatial dim");
+  try {
+    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
+    const at::Tensor dy = at::from_blob(in[0].data, in[0].dims, options),
+                     x = at::from_blob(in[1].data, in[1].dims, options),
+                     w = at::from_blob(in[2].data, in[2].dims, options);
+    auto grads = at::convolution_backward(dy, x, w, std::nullopt, conv.stride, conv.padding, conv.dilation, false,
+                                          std::vector<int64_t>(space, 0), conv.groups, {input_grad, true, false});
+    const std::vector<at::Tensor> results =
+        input_grad ? std::vector<at::Tensor>{std::get<0>(grads), std::get<1>(grads)}
+                   : std::vector<at::Tensor>{std::get<1>(grads)};
+    for (size_t i = 0; i < results.size(); ++i) {
+      Tensor out;
+      const std::vector<int64_t> dims(results[i].sizes().begin(), results[i].sizes().end());
+      ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &out));
+      if (out.size > 0) at::from_blob(out.data, dims, options).copy_(results[i]);
+    }
+    return nullptr;
+  } catch (const std::exception& error) {
+    return fail(api, name + ": " + error.what());
+  }
+}
+
+}  // namespace ort_trainer_kernels

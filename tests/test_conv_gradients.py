@@ -1,0 +1,93 @@
+"""A convolution's backward as torch's kernels on the ``torch`` gradient source (``graph_optimizations.
+torch_conv_gradients``, ``ort_trainer/graph/gradient/conv_ops.py``): ``ConvGrad`` / ``ConvWeightGrad`` nodes run
+``aten::convolution_backward`` (oneDNN's on the CPU) inside ONNX Runtime, checked against float64 gradients; where a
+convolution is one they do not take (transposed), every backward stays ONNX's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ort_trainer import ORTTrainer
+from ort_trainer._runtime import has_onnxscript
+from ort_trainer.optim import SGDConfig
+from tolerances import FLOAT32, check, relative_error
+
+pytestmark = pytest.mark.skipif(not has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
+
+# Gradients of float32 ONNX Runtime against float64 autograd: each is a sum of at most 2 x 6 x 6 = 72 terms (a
+# weight's, over the batch and the positions; an input's sums 6 channels x 9 taps = 54), carried back through 5
+# convolutions: 5 x 72 roundings of float32, with a 10x margin for tanh's own and for reading a gradient off one SGD
+# step (w0 - w1 cancels |w| / |g| <= ~30x u): 2.1e-4. Observed: <= 4.4e-7.
+GRADIENT_BOUND = 10 * 5 * 72 * FLOAT32
+_TORCH_ROUTE = {"graph": {"gradient_source": "torch"}}
+_DESC = {"inputs": [("x", ["batch", 3, 12, 12]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
+
+
+class _Convs(torch.nn.Module):
+    """A strided, dilated first convolution (its input needs no gradient), a grouped one without bias, a depthwise
+    one, and 1-d and 3-d convolutions of their output; ``transposed`` puts a transposed convolution after them."""
+
+    def __init__(self, transposed: bool = False):
+        super().__init__()
+        self.first = torch.nn.Conv2d(3, 4, 3, stride=2, dilation=2, padding=2)
+        self.grouped = torch.nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False)
+        self.depthwise = torch.nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.line = torch.nn.Conv1d(6, 4, 3, stride=2)
+        self.volume = torch.nn.Conv3d(6, 2, (1, 3, 3))
+        self.transposed = torch.nn.ConvTranspose2d(6, 2, 2, stride=2) if transposed else None
+
+    def forward(self, x, target):
+        h = torch.tanh(self.depthwise(torch.tanh(self.grouped(torch.tanh(self.first(x))))))
+        total = self.line(h.flatten(2)).sum((1, 2)) + self.volume(h.unsqueeze(2)).sum((1, 2, 3, 4))
+        if self.transposed is not None:
+            total = total + self.transposed(h).sum((1, 2, 3))
+        return torch.nn.functional.mse_loss(total, target)
+
+
+def _gradients(model: torch.nn.Module, options: dict) -> tuple[dict, dict, ORTTrainer]:
+    """One SGD step of ``model`` (lr 1) in ORTTrainer: each weight's gradient ``w0 - w1``, float64 autograd's of the
+    same batch, and the trainer."""
+    generator = torch.Generator().manual_seed(1)
+    batch = torch.randn(2, 3, 12, 12, generator=generator), torch.randn(2, generator=generator)
+    float64 = copy.deepcopy(model).double()
+    before = {name: value.detach().clone() for name, value in model.named_parameters()}
+    trainer = ORTTrainer(model, _DESC, SGDConfig(lr=1.0), options={**_TORCH_ROUTE, **options})
+    trainer.train_step(*batch)
+    after = trainer.state_dict(pytorch_format=True)
+    got = {name: (value - after[name]).double() for name, value in before.items()}
+    loss = float64(*(t.double() for t in batch))
+    expected = dict(zip(before, torch.autograd.grad(loss, list(float64.parameters()))))
+    return got, expected, trainer
+
+
+def _node_types(trainer: ORTTrainer) -> list[str]:
+    return [node.op_type for node in trainer._graphs.gradient.graph.node]
+
+
+def test_each_convolutions_backward_is_one_node_of_torchs_kernels_with_autograds_gradients():
+    torch.manual_seed(0)
+    got, expected, trainer = _gradients(_Convs(), {})
+    for name in expected:
+        check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, name)
+    types = _node_types(trainer)
+    # the first convolution's input is the data: its weight's gradient alone
+    assert types.count("ConvWeightGrad") == 1 and types.count("ConvGrad") == 4
+    assert "ConvTranspose" not in types and types.count("Conv") == 5  # the forward's, ONNX Runtime's
+
+
+@pytest.mark.parametrize("case", ["switched off", "a transposed convolution"])
+def test_otherwise_every_convolutions_backward_stays_onnxs(case):
+    """Switched off, or where one convolution is transposed (autograd decomposes every backward or none), the
+    gradients are ONNX convolutions, autograd's all the same."""
+    torch.manual_seed(0)
+    model = _Convs(transposed=case == "a transposed convolution")
+    options = {"graph_optimizations": {"torch_conv_gradients": False}} if case == "switched off" else {}
+    got, expected, trainer = _gradients(model, options)
+    for name in expected:
+        check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, f"{case}: {name}")
+    types = _node_types(trainer)
+    assert "ConvGrad" not in types and "ConvWeightGrad" not in types and "ConvTranspose" in types
