@@ -1,6 +1,6 @@
 """A convolutional network at a size users train on a CPU: time per step, peak memory and build time of ort_trainer
-with each convolution's backward as torch's kernels (``graph_optimizations.torch_conv_gradients``: oneDNN's, one node
-per convolution), with ONNX convolutions (the switch off), and of eager PyTorch.
+with each convolution's and batch norm's backward as torch's kernels (``graph_optimizations.torch_conv_gradients``
+and ``torch_batch_norm``: oneDNN's, one node each), written in ONNX (both switches off), and of eager PyTorch.
 
 Run: ``python benchmarks/cnn.py [--rounds 2] [--steps 10] [--out docs/benchmarks_cnn.md]``. The model: a ResNet-18
 for 32 x 32 images (CIFAR-10's: a 3 x 3 stem of 64 channels, four stages of two basic blocks, 64 to 512 channels,
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import alternating  # noqa: E402  (benchmarks/alternating.py)
 
-IMPLEMENTATIONS = ("eager", "torch_conv_gradients", "onnx_conv_gradients")
+IMPLEMENTATIONS = ("eager", "torch_kernels", "onnx_backward")  # ort_trainer's: both switches on, both off
 SIZES = {"real": {"width": 64, "image": 32, "batch": 32}, "tiny": {"width": 8, "image": 8, "batch": 4}}
 
 
@@ -90,8 +90,9 @@ def worker(impl: str, size: dict, steps: int) -> dict:
 
         desc = {"inputs": [("images", ["batch", 3, size["image"], size["image"]]), ("labels", ["batch"])],
                 "outputs": [("loss", [], True)]}
+        on = impl == "torch_kernels"
         options = {"graph": {"gradient_source": "torch"},
-                   "graph_optimizations": {"torch_conv_gradients": impl == "torch_conv_gradients"}}
+                   "graph_optimizations": {"torch_conv_gradients": on, "torch_batch_norm": on}}
         trainer = ORTTrainer(model, desc, SGDConfig(lr=0.01), options=options)
 
         def step(*batch):

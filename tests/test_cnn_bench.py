@@ -26,7 +26,7 @@ def test_the_bench_runs_each_implementation_in_its_own_process_and_writes_its_ta
     assert text.startswith("# ResNet-18 training: ort_trainer against eager PyTorch (tiny size)")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| implementation")}
-    assert list(rows) == ["eager", "torch_conv_gradients", "onnx_conv_gradients"]
+    assert list(rows) == ["eager", "torch_kernels", "onnx_backward"]
     assert rows["eager"][2] == "1.00×"
     for cells in rows.values():
         assert float(cells[1]) > 0 and float(cells[3]) > 0 and float(cells[5]) > 0

@@ -45,6 +45,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.weight_casts",
     "graph_optimizations.torch_attention_choice",
     "graph_optimizations.torch_products", "graph_optimizations.torch_conv_gradients",
+    "graph_optimizations.torch_batch_norm",
     "graph_optimizations.loss_pieces", "graph_optimizations.loss_piece_elements",
     "distributed.backend",
     "mixed_precision.dtype",

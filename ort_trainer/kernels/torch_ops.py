@@ -32,7 +32,7 @@ from . import KernelsUnavailable, _built, _compilers, _root
 from .torch_allocator import cuda_include_dir
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cc"
 _HEADERS = [Path(__file__).resolve().parent / "csrc" / name
-            for name in ("ort_abi.h", "ort_io.h", "torch_conv.h", "torch_rnn.h")]
+            for name in ("ort_abi.h", "ort_io.h", "torch_conv.h", "torch_norm.h", "torch_rnn.h")]
 _NAME = "libort_trainer_torch_ops.so"
 _SWITCHES = ("graph_optimizations.fused_attention, torch_products, fused_lstm and torch_conv_gradients, and a CTC loss "
              "(F.ctc_loss),")

@@ -27,9 +27,9 @@ from ..export import program as _traced_program
 from ..export.guard import _model_left_untouched
 from ..export.torchscript import ExportError, MODEL_PREFIX, export_order
 from ..names import GRAD_SUFFIX, LOSS_SCALE_INPUT, UPDATED_SUFFIX
-from . import (attention as torch_attention, attention_ops, before_autograd, conv_ops, eval_program, gelu as torch_gelu,
-               joint_onnx, kernel_ops, loss_pieces as torch_loss_pieces, sparse_labels as torch_sparse_labels,
-               torch_export)
+from . import (attention as torch_attention, attention_ops, batch_norm_ops, before_autograd, conv_ops, eval_program,
+               gelu as torch_gelu, joint_onnx, kernel_ops, loss_pieces as torch_loss_pieces,
+               sparse_labels as torch_sparse_labels, torch_export)
 from .torch_export import _first_line
 
 
@@ -207,10 +207,10 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
             together in the gradient graph (the eval graph is left as traced).
         half_gelu: with ``gelu``, a float16 or bfloat16 GELU too is computed as one in its own dtype
             (``half_precision_gelu``).
-        kernels: the switches of ``kernel_ops.SWITCHES`` that are on (regions as nodes of ort_trainer's kernel
-            library): ``fused_gelu_gradient`` (with ``gelu``: ``gelu.rewrite_joint``'s ``kernel``),
-            ``fused_cross_entropy`` (``kernel_ops.fused_cross_entropy``, before autograd, after ``loss_pieces``
-            and ``sparse_labels``), and the joint program's (``kernel_ops.kept`` and ``rewrite_joint``).
+        kernels: the switches that are on of ``kernel_ops.SWITCHES`` (ort_trainer's kernel library):
+            ``fused_gelu_gradient`` (with ``gelu``: ``gelu.rewrite_joint``'s ``kernel``), ``fused_cross_entropy``
+            (before autograd, after ``loss_pieces`` and ``sparse_labels``), the joint program's (``kept`` and
+            ``rewrite_joint``), and ``torch_conv_gradients``, ``torch_batch_norm`` (``conv_ops``, ``batch_norm_ops``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces
@@ -261,7 +261,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         attention_ops.fused_attention(program)
     if half_attention:
         torch_attention.half_precision(program)
-    keep = (torch_gelu.KEPT if gelu else ()) + kernel_ops.kept(program, kernels) + conv_ops.kept(program, kernels)
+    keep = sum((ops.kept(program, kernels) for ops in (kernel_ops, conv_ops, batch_norm_ops)), torch_gelu.kept(gelu))
     before_autograd.decompose(program)  # operators whose backward the exporter cannot translate
     try:
         joint = joint_onnx.joint_program(program, loss_index=0, keep=keep)
@@ -281,8 +281,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
                           f"{_first_line(exc).rstrip('.')}{fix}") from exc
     if gelu:
         torch_gelu.rewrite_joint(joint, half=half_gelu, kernel="fused_gelu_gradient" in kernels)
-    kernel_ops.rewrite_joint(joint)
-    conv_ops.rewrite_joint(joint)
+    for ops in (kernel_ops, conv_ops, batch_norm_ops):
+        ops.rewrite_joint(joint)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

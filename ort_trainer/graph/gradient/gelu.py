@@ -52,6 +52,12 @@ from .fx_nodes import Builder as _Builder, retarget as _retarget, rewrite_graphs
 _aten = torch.ops.aten
 KEPT = (_aten.gelu_backward.default,)  # what the joint trace leaves undecomposed for ``rewrite_joint``
 
+
+def kept(on: bool) -> tuple:
+    """``KEPT`` where the pass is ``on``, else nothing."""
+    return KEPT if on else ()
+
+
 _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
 _A, _B = 2.0 * _K * _C, 2.0 * _K
@@ -373,4 +379,4 @@ def _equal(found: dict, expected: dict) -> bool:
         math.isclose(terms[k], expected[k], rel_tol=_TOLERANCE) for k in expected)
 
 
-__all__ = ["KEPT", "rewrite_formulas", "rewrite_joint"]
+__all__ = ["KEPT", "kept", "rewrite_formulas", "rewrite_joint"]

@@ -31,7 +31,7 @@ from ..export.torchscript import ExportError
 from ..onnx_graph import compacted
 from ..passes.dropout import keep_dropouts
 from .backward_decompositions import DECOMPOSITIONS, FORWARD
-from . import attention_ops, conv_ops, ctc_ops, exporter_fixes, kernel_ops, linalg_ops, lstm_ops
+from . import attention_ops, batch_norm_ops, conv_ops, ctc_ops, exporter_fixes, kernel_ops, linalg_ops, lstm_ops
 from .joint_flatten import flattened_in_place
 from .promotion import insert_type_promotions
 from .torch_export import without_stack_traces
@@ -63,6 +63,7 @@ def _registry_and_tables() -> tuple:
     ctc_ops.register_translations(registry)  # torch's CTC kernels (kernels/torch_ops.py)
     lstm_ops.register_translations(registry)  # oneDNN's LSTM kernels (kernels/torch_ops.py)
     conv_ops.register_translations(registry)  # a convolution's backward by torch's kernels (kernels/torch_ops.py)
+    batch_norm_ops.register_translations(registry)  # training-mode batch norm by torch's kernels (the same)
     linalg_ops.register_translations(registry)  # inverses and determinants (export/linalg.py)
     onnx_table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
     # torchlib translates training-mode batch norm in inference mode (running statistics, never

@@ -59,7 +59,8 @@
 // LSTMLayerGrad, in torch_rnn.h.
 //
 // A convolution's backward (graph/gradient/conv_ops.py), oneDNN's kernels on the CPU: ConvGrad and ConvWeightGrad,
-// in torch_conv.h.
+// in torch_conv.h. Training-mode batch norm's backward (graph/gradient/batch_norm_ops.py): BatchNormGrad, in
+// torch_norm.h.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/SDPBackend.h>
@@ -81,6 +82,7 @@
 #include "ort_abi.h"
 #include "ort_io.h"
 #include "torch_conv.h"
+#include "torch_norm.h"
 #include "torch_rnn.h"
 
 #define ORTT_EXPORT extern "C" __attribute__((visibility("default")))
@@ -98,6 +100,7 @@ struct Operator : OperatorEntry {
   bool ctc;                        // CTCLoss or CTCLossGrad
   bool lstm;                       // LSTMLayer or LSTMLayerGrad (torch_rnn.h)
   bool conv;                       // ConvGrad or ConvWeightGrad (torch_conv.h; backward: ConvGrad)
+  bool batch_norm;                 // BatchNormGrad (torch_norm.h)
   ONNXTensorElementDataType type;
 };
 
@@ -114,6 +117,7 @@ struct Kernel {
   bool zero_infinity;  // CTC's
   bool reverse, train;  // LSTM's
   ConvAttributes conv;  // a convolution's
+  float epsilon;  // a batch norm's
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
@@ -443,6 +447,8 @@ OrtStatus* compute_ctc(const Kernel* kernel, OrtKernelContext* context) {
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   if (kernel->op->ctc) return compute_ctc(kernel, context);
+  if (kernel->op->batch_norm)
+    return compute_batch_norm_grad(kernel->api, context, kernel->op->name, kernel->epsilon);
   if (kernel->op->conv)
     return compute_conv_grad(kernel->api, context, kernel->op->name, kernel->op->backward, kernel->conv);
   if (kernel->op->lstm)
@@ -455,10 +461,11 @@ const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Op
 
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   // (an attribute the node lacks keeps its default)
-  float scale = 1.0f, alpha = 1.0f, beta = 1.0f;
+  float scale = 1.0f, alpha = 1.0f, beta = 1.0f, epsilon = 1e-5f;
   int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0, blank = 0, zero_infinity = 0, reverse = 0,
           train = 0;
-  for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta}}) {
+  for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta},
+                             std::pair{"epsilon", &epsilon}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
@@ -471,7 +478,8 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
   Kernel* kernel = new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0,
-                              trans_b != 0, alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0, {}};
+                              trans_b != 0, alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0, {},
+                              epsilon};
   for (auto [name, values] : {std::pair{"stride", &kernel->conv.stride}, std::pair{"padding", &kernel->conv.padding},
                               std::pair{"dilation", &kernel->conv.dilation}}) {
     size_t size = 0;  // the count first (a null buffer), then the values
@@ -552,6 +560,17 @@ Operator make_conv(bool input_grad) {
   return op;
 }
 
+// BatchNormGrad (dy, x, w, save_mean, save_invstd) -> (dx, dw, db); the CPU's, float32
+Operator make_batch_norm_grad() {
+  Operator op{};
+  set_entry(&op, kOpVersion, "BatchNormGrad", false, std::vector<ONNXTensorElementDataType>(5, ONNX_FLOAT),
+            std::vector<ONNXTensorElementDataType>(3, ONNX_FLOAT), create_kernel, destroy_kernel, compute);
+  op.backward = true;
+  op.batch_norm = true;
+  op.type = ONNX_FLOAT;
+  return op;
+}
+
 // Gemm / MatMul (a, b) -> y, BiasGemm (a, b, c) -> y, all of dtype t; ...ToFloat (a, b) -> y float32
 Operator make_product(const char* op_name, bool bias, bool cuda, ONNXTensorElementDataType t) {
   Operator op{};
@@ -580,6 +599,7 @@ const std::vector<Operator>& operators() {
         for (bool backward : {false, true}) ops.push_back(make_ctc(backward, cuda, t));
     for (bool backward : {false, true}) ops.push_back(make_lstm(backward));
     for (bool input_grad : {false, true}) ops.push_back(make_conv(input_grad));
+    ops.push_back(make_batch_norm_grad());
     for (bool cuda : providers)
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_FLOAT16, ONNX_BFLOAT16}) {
         ops.push_back(make_operator("Attention", false, false, cuda, t));

@@ -1,7 +1,9 @@
-"""A convolution's backward as torch's kernels on the ``torch`` gradient source (``graph_optimizations.
-torch_conv_gradients``, ``ort_trainer/graph/gradient/conv_ops.py``): ``ConvGrad`` / ``ConvWeightGrad`` nodes run
-``aten::convolution_backward`` (oneDNN's on the CPU) inside ONNX Runtime, checked against float64 gradients; where a
-convolution is one they do not take (transposed), every backward stays ONNX's.
+"""A convolution's and a training-mode batch norm's backward as torch's kernels on the ``torch`` gradient source
+(``graph_optimizations.torch_conv_gradients`` and ``torch_batch_norm``, ``ort_trainer/graph/gradient/conv_ops.py``
+and ``batch_norm_ops.py``): ``ConvGrad`` / ``ConvWeightGrad`` nodes run ``aten::convolution_backward`` (oneDNN's on
+the CPU) and ``BatchNormGrad`` nodes ``aten::native_batch_norm_backward`` inside ONNX Runtime, checked against
+float64 gradients; where one convolution or batch norm is one they do not take, every backward of its kind stays
+ONNX's.
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ class _Convs(torch.nn.Module):
         return torch.nn.functional.mse_loss(total, target)
 
 
-def _gradients(model: torch.nn.Module, options: dict) -> tuple[dict, dict, ORTTrainer]:
-    """One SGD step of ``model`` (lr 1) in ORTTrainer: each weight's gradient ``w0 - w1``, float64 autograd's of the
-    same batch, and the trainer."""
+def _gradients(model: torch.nn.Module, options: dict, float64: torch.nn.Module | None = None,
+               size: int = 2) -> tuple[dict, dict, ORTTrainer]:
+    """One SGD step of ``model`` (lr 1) on a batch of ``size`` in ORTTrainer: each weight's gradient ``w0 - w1``,
+    float64 autograd's of the same batch (by ``float64``, a float64 copy made before the step where not given), and
+    the trainer."""
     generator = torch.Generator().manual_seed(1)
-    batch = torch.randn(2, 3, 12, 12, generator=generator), torch.randn(2, generator=generator)
-    float64 = copy.deepcopy(model).double()
+    batch = torch.randn(size, 3, 12, 12, generator=generator), torch.randn(size, generator=generator)
+    float64 = copy.deepcopy(model).double() if float64 is None else float64
     before = {name: value.detach().clone() for name, value in model.named_parameters()}
     trainer = ORTTrainer(model, _DESC, SGDConfig(lr=1.0), options={**_TORCH_ROUTE, **options})
     trainer.train_step(*batch)
@@ -91,3 +95,60 @@ def test_otherwise_every_convolutions_backward_stays_onnxs(case):
         check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, f"{case}: {name}")
     types = _node_types(trainer)
     assert "ConvGrad" not in types and "ConvWeightGrad" not in types and "ConvTranspose" in types
+
+
+# A batch norm's gradients against float64, on a batch of 8 (of 2, BatchNorm1d's two normalised values are +-1
+# whatever its input, whose gradient is then a cancellation: 5e-4 from float64 with either implementation): its
+# statistics and backward sum over the batch and the positions (at most 8 x 12 x 12 = 1152 terms), through 3 batch
+# norms and their convolutions: 3 x 1152 roundings of float32, with a 10x margin (reading a gradient off one SGD step,
+# above): 2.1e-3. Observed: <= 8.2e-7. Running statistics: one update of float32 means and variances of 1152 terms,
+# 6.9e-4 with the same margin. Observed: <= 1.8e-7.
+NORM_BOUND = 10 * 3 * 8 * 12 * 12 * FLOAT32
+STATISTICS_BOUND = 10 * 8 * 12 * 12 * FLOAT32
+
+
+class _Normalized(torch.nn.Module):
+    """Convolutions, each with a batch norm (2-d, then 1-d after a linear layer), in training."""
+
+    def __init__(self, affine: bool = True):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(4)
+        self.conv2 = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(6, momentum=0.3, affine=affine)
+        self.linear = torch.nn.Linear(6 * 6 * 6, 5, bias=False)
+        self.bn3 = torch.nn.BatchNorm1d(5)
+
+    def forward(self, x, target):
+        h = torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+        return torch.nn.functional.mse_loss(self.bn3(self.linear(h.flatten(1))).sum(1), target)
+
+
+def _batch_norm_step(model: torch.nn.Module, options: dict) -> tuple[ORTTrainer, torch.nn.Module]:
+    """``_gradients``' check for the batch norms' model (and its running statistics after the step against
+    float64's); returns the trainer and the float64 model, stepped."""
+    float64 = copy.deepcopy(model).double()
+    got, expected, trainer = _gradients(model, options, float64, size=8)
+    for name in expected:
+        check(relative_error(got[name].numpy(), expected[name].numpy()), NORM_BOUND, name)
+    state = trainer.state_dict(pytorch_format=True)
+    for name, value in float64.state_dict().items():
+        if "running" in name:
+            check(relative_error(state[name].numpy(), value.numpy()), STATISTICS_BOUND, name)
+    return trainer, float64
+
+
+def test_each_batch_norms_backward_is_one_node_of_torchs_kernel_with_autograds_gradients():
+    torch.manual_seed(0)
+    trainer, _ = _batch_norm_step(_Normalized(), {})
+    types = _node_types(trainer)
+    assert types.count("BatchNormGrad") == 3
+    assert "BatchNormalization" not in types  # the forward's statistics stay ONNX arithmetic (in training)
+
+
+@pytest.mark.parametrize("case", ["switched off", "a batch norm without weight and bias"])
+def test_otherwise_every_batch_norms_backward_stays_onnxs(case):
+    torch.manual_seed(0)
+    options = {"graph_optimizations": {"torch_batch_norm": False}} if case == "switched off" else {}
+    trainer, _ = _batch_norm_step(_Normalized(affine=case == "switched off"), options)
+    assert "BatchNormGrad" not in _node_types(trainer)
