@@ -15,9 +15,9 @@ refused it); nothing becomes current before ``commit``, so a dropped step change
   Weights and optimizer states are held once.
 
 ``update_class`` picks one from the ``graph.optimizer`` option and the optimizer config: the fused
-kernels only where their formula is api.md's (SGD; Adam in mode BEFORE_WEIGHT_UPDATE with bias
+kernels only where their formula is api.md's (plain SGD; Adam in mode BEFORE_WEIGHT_UPDATE with bias
 correction, which is torch's AdamW), the graph for everything else (Lamb, Adam mode AFTER, Adam
-without bias correction).
+without bias correction, SGD with momentum or weight decay).
 """
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ class OptimizerUpdate:
 def fused_problem(config: _OptimizerConfig) -> str | None:
     """Why torch's fused kernels cannot compute ``config``'s update exactly (None: they can)."""
     if isinstance(config, SGDConfig):
+        if config.has_momentum or any(hp["weight_decay"] for hp in resolved_groups(config)):
+            return "SGD with momentum or weight decay: the fused update runs plain SGD's kernel alone"
         return None
     if isinstance(config, LambConfig):
         return "Lamb's trust ratio needs per-tensor norms of the update; torch has no fused Lamb kernel"

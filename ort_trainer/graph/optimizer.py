@@ -51,8 +51,10 @@ def lr_input(group: int) -> str:
 
 
 def state_names(config: _OptimizerConfig) -> list[str]:
-    """Per-weight optimizer state names of a config (``[]`` for SGD)."""
-    return [] if isinstance(config, SGDConfig) else ["Moment_1", "Moment_2"]
+    """Per-weight optimizer state names of a config (SGD: its momentum buffer where it has one, else none)."""
+    if isinstance(config, SGDConfig):
+        return ["Momentum"] if config.has_momentum else []
+    return ["Moment_1", "Moment_2"]
 
 
 def resolved_groups(config: _OptimizerConfig) -> list[dict]:
@@ -236,6 +238,10 @@ def _group_scalars(b: _Builder, config: _OptimizerConfig, hp: dict, group: int, 
     scalars = {"lr": lr_input(group)}
     if isinstance(config, SGDConfig):
         scalars["lr_scaled"] = b.op("Mul", lr_input(group), scale)
+        scalars["scale"] = scale
+        if hp["momentum"] and hp["dampening"]:  # torch's first step fills the buffer undamped
+            first = b.op("Equal", STEP_INPUT, b.const(1.0))
+            scalars["damped"] = b.op("Where", first, b.const(1.0), b.const(1.0 - hp["dampening"]))
         return scalars
     scalars["m_factor"] = b.op("Mul", b.const(1.0 - hp["alpha"]), scale)
     scalars["v_factor"] = b.op("Mul", b.const(1.0 - hp["beta"]), b.op("Mul", scale, scale))
@@ -258,10 +264,26 @@ def _moments(b: _Builder, hp: dict, s: dict[str, str], w: str, grad: str) -> tup
     return m, v
 
 
+def _sgd(b: _Builder, config: SGDConfig, hp: dict, s: dict[str, str], w: str, grad: str) -> list[str]:
+    """SGD's new weight (and momentum buffer, where the config keeps them): ``torch.optim.SGD``'s order."""
+    kept = [f"{w}.Momentum"] if config.has_momentum else []  # a group without momentum passes its buffer on
+    if not hp["momentum"] and not hp["weight_decay"]:
+        return [b.op("Sub", w, b.op("Mul", grad, s["lr_scaled"])), *kept]
+    g = b.op("Mul", grad, s["scale"])
+    if hp["weight_decay"]:
+        g = b.op("Add", g, b.op("Mul", w, b.const(hp["weight_decay"])))
+    if not hp["momentum"]:
+        return [b.op("Sub", w, b.op("Mul", g, s["lr"])), *kept]
+    momentum = b.const(hp["momentum"])
+    buffer = b.op("Add", b.op("Mul", f"{w}.Momentum", momentum), b.op("Mul", g, s["damped"]) if "damped" in s else g)
+    step = b.op("Add", g, b.op("Mul", buffer, momentum)) if hp["nesterov"] else buffer
+    return [b.op("Sub", w, b.op("Mul", step, s["lr"])), buffer]
+
+
 def _update(b: _Builder, config: _OptimizerConfig, hp: dict, s: dict[str, str], w: str, grad: str) -> list[str]:
     lr = s["lr"]
     if isinstance(config, SGDConfig):
-        return [b.op("Sub", w, b.op("Mul", grad, s["lr_scaled"]))]
+        return _sgd(b, config, hp, s, w, grad)
     m, v = _moments(b, hp, s, w, grad)
     eps, decay = b.const(hp["epsilon"]), hp["lambda_coef"]
     if isinstance(config, AdamConfig):

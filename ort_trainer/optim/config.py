@@ -68,10 +68,16 @@ class _OptimizerConfig:
                     )
                 else:
                     problems.extend(self._check(key, value, where))
+        problems += self._combination_problems([dict(hyper)] + [{**hyper, **g} for g in groups if isinstance(g, dict)])
         if problems:
             raise ValueError(f"invalid {type(self).__name__}:\n  " + "\n  ".join(problems))
         self.params = [dict(g, params=list(g["params"])) for g in groups]
         """The parameter groups, copied: ``[{"params": [weight names], <hyper-parameter>: value, ...}]``."""
+
+    def _combination_problems(self, groups: list[dict]) -> list[str]:
+        """Problems of hyper-parameters that are valid alone but not together; ``groups``: the defaults, then each
+        group's resolved values."""
+        return []
 
     def _check(self, key: str, value: Any, where: str) -> list[str]:
         types, check = self._HYPER[key]
@@ -131,6 +137,10 @@ def _not_nan(v: float) -> str | None:
     return f"must be a number, got {v}" if math.isnan(v) else None
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, _NUM) and not isinstance(value, bool)
+
+
 def check_learning_rate(value: float, where: str) -> str | None:
     """The problem with a learning rate about to be used (None when it is usable).
 
@@ -144,19 +154,46 @@ def check_learning_rate(value: float, where: str) -> str | None:
 
 
 class SGDConfig(_OptimizerConfig):
-    """Plain SGD: ``w -= lr * g``. Never clipped.
+    """SGD: ``w -= lr * g``, with ``torch.optim.SGD``'s momentum, dampening, Nesterov momentum and weight decay where
+    given. Never clipped.
+
+    With ``g`` the gradient plus ``weight_decay * w``, momentum keeps a buffer per weight, ``b = g`` at the first
+    step and ``b = momentum * b + (1 - dampening) * g`` after it, and steps by ``b`` (with ``nesterov``, by
+    ``g + momentum * b``): torch's formulas, in its order.
 
     Args:
-        params: parameter groups, each ``{"params": [names], "lr": ...}``.
+        params: parameter groups, each ``{"params": [names], "lr": ...}``; a group may set any hyper-parameter below.
         lr: learning rate.
+        momentum: the momentum factor (0: none, no buffer kept).
+        dampening: damps the gradient's share of the buffer after the first step.
+        nesterov: Nesterov momentum (needs a momentum and no dampening).
+        weight_decay: adds ``weight_decay * w`` to the gradient (L2, as ``torch.optim.SGD``).
     """
 
     name = "SGDOptimizer"
     """The optimizer's name, recorded in checkpoints (a checkpoint loads only into the same optimizer)."""
-    _HYPER = {"lr": (_NUM, _non_negative)}
+    _HYPER = {"lr": (_NUM, _non_negative), "momentum": (_NUM, _non_negative), "dampening": (_NUM, _finite),
+              "nesterov": ((bool,), None), "weight_decay": (_NUM, _non_negative)}
 
-    def __init__(self, params: Sequence[dict] | None = None, lr: float = 0.001):
-        super().__init__(params, lr=lr)
+    def __init__(self, params: Sequence[dict] | None = None, lr: float = 0.001, momentum: float = 0.0,
+                 dampening: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0):
+        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                         weight_decay=weight_decay)
+
+    def _combination_problems(self, groups: list[dict]) -> list[str]:
+        problems = []
+        for index, hp in enumerate(groups):
+            if hp.get("nesterov") is True and not (_is_number(hp.get("momentum")) and hp["momentum"] > 0
+                                                   and hp.get("dampening") == 0):
+                where = "SGDConfig" if index == 0 else f"SGDConfig.params[{index - 1}]"
+                problems.append(f"{where}: nesterov=True needs a momentum > 0 and dampening=0 (as torch.optim.SGD), "
+                                f"got momentum={hp.get('momentum')}, dampening={hp.get('dampening')}")
+        return problems
+
+    @property
+    def has_momentum(self) -> bool:
+        """Whether any group keeps a momentum buffer (the optimizer's per-weight state ``Momentum``)."""
+        return any(self.group_hyperparameters(i)["momentum"] > 0 for i in [None, *range(len(self.params))])
 
 
 class AdamConfig(_OptimizerConfig):
