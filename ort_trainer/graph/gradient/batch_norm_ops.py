@@ -47,9 +47,12 @@ def _batch_norm_grad_fake(dy, x, w, save_mean, save_invstd, eps):
 def applies(program) -> bool:
     """Whether every batch norm of ``program`` (before autograd) is one the kernels take: ``aten.batch_norm`` in
     training with weight, bias and running statistics, of a float32 input on the CPU. Autograd decomposes every
-    batch norm or none, so one that is not (another batch norm operator too) keeps them all ONNX's."""
+    batch norm or none, so one that is not (another batch norm operator too, an instance norm) keeps them all
+    ONNX's."""
     found = False
     for node in program.graph.nodes:
+        if node.op == "call_function" and "instance_norm" in str(node.target):
+            return False  # (its batch norm of the reshaped input, without weight or running statistics)
         if node.op != "call_function" or "batch_norm" not in str(node.target):
             continue
         if node.target != _aten.batch_norm.default or len(node.args) < 8:
