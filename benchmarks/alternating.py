@@ -9,14 +9,18 @@ first round's ort_trainer processes build their graphs (cold), the later ones fi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 
 def cpu_name() -> str:
@@ -25,6 +29,46 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
+
+
+def parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The benchmarks' common arguments: ``--rounds``, ``--steps`` (default ``steps``), ``--tiny``, ``--out`` and the
+    worker's own ``--worker IMPL``."""
+    arguments = argparse.ArgumentParser(description=description)
+    arguments.add_argument("--rounds", type=int, default=2)
+    arguments.add_argument("--steps", type=int, default=steps)
+    arguments.add_argument("--tiny", action="store_true", help="a toy size (the test's)")
+    arguments.add_argument("--out", help="write the table there too")
+    arguments.add_argument("--worker", help=argparse.SUPPRESS)
+    return arguments
+
+
+def timed(impl: str, model: Any, batches: list[tuple], steps: int, optimizer: Callable[[Any], Any],
+          trainer: Callable[[], Any]) -> dict:
+    """A worker's result: ``impl``'s first step (its build, ``trainer()`` or ``optimizer(parameters)`` included) and
+    ``steps`` timed steps over ``batches`` in turn; "eager" steps ``model`` with the torch optimizer, anything else
+    the ORTTrainer."""
+    started = time.perf_counter()
+    if impl == "eager":
+        torch_optimizer = optimizer(model.parameters())
+
+        def step(*batch):
+            torch_optimizer.zero_grad(set_to_none=True)
+            loss = model(*batch)
+            loss.backward()
+            torch_optimizer.step()
+            return float(loss)
+    else:
+        ort_trainer = trainer()
+
+        def step(*batch):
+            return float(ort_trainer.train_step(*batch))
+    step(*batches[0])
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    losses = [step(*batches[i % len(batches)]) for i in range(steps)]
+    return {"impl": impl, "first_s": first, "step_ms": (time.perf_counter() - started) / steps * 1000,
+            "loss": losses[-1], "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def run_rounds(script: str, implementations: tuple[str, ...], rounds: int, arguments: list[str]) -> list[dict]:
@@ -72,4 +116,13 @@ def table(runs: list[dict], title: str, command: str, steps: int, implementation
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["cpu_name", "run_rounds", "table"]
+def report(runs: list[dict], title: str, command: str, steps: int, implementations: tuple[str, ...],
+           out: str | None) -> None:
+    """Print ``table``'s page, and write it to ``out`` where given."""
+    page = table(runs, title, command, steps, implementations)
+    print(page)
+    if out:
+        Path(out).write_text(page)
+
+
+__all__ = ["cpu_name", "parser", "report", "run_rounds", "table", "timed"]

@@ -12,11 +12,8 @@ for the test. Each implementation runs in a process of its own, the order altern
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,17 +71,8 @@ def worker(impl: str, size: dict, steps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(size["batch"], 3, size["image"], size["image"], generator=generator),
                 torch.randint(0, 10, (size["batch"],), generator=generator)) for _ in range(2)]
-    started = time.perf_counter()
-    if impl == "eager":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        def step(*batch):
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(*batch)
-            loss.backward()
-            optimizer.step()
-            return float(loss)
-    else:
+    def trainer():
         from ort_trainer import ORTTrainer
         from ort_trainer.optim import SGDConfig
 
@@ -93,25 +81,13 @@ def worker(impl: str, size: dict, steps: int) -> dict:
         on = impl == "torch_kernels"
         options = {"graph": {"gradient_source": "torch"},
                    "graph_optimizations": {"torch_conv_gradients": on, "torch_batch_norm": on}}
-        trainer = ORTTrainer(model, desc, SGDConfig(lr=0.01), options=options)
+        return ORTTrainer(model, desc, SGDConfig(lr=0.01), options=options)
 
-        def step(*batch):
-            return float(trainer.train_step(*batch))
-    step(*batches[0])
-    first = time.perf_counter() - started
-    started = time.perf_counter()
-    losses = [step(*batches[i % len(batches)]) for i in range(steps)]
-    return {"impl": impl, "first_s": first, "step_ms": (time.perf_counter() - started) / steps * 1000,
-            "loss": losses[-1], "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return alternating.timed(impl, model, batches, steps, lambda params: torch.optim.SGD(params, lr=0.01), trainer)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tiny", action="store_true", help="a toy size (the test's)")
-    parser.add_argument("--out", help="write the table there too")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser = alternating.parser(__doc__.split("\n\n")[0], steps=10)
     args = parser.parse_args(argv)
     size_name = "tiny" if args.tiny else "real"
     if args.worker:
@@ -120,10 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     arguments = ["--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
     runs = alternating.run_rounds(__file__, IMPLEMENTATIONS, args.rounds, arguments)
     title = f"ResNet-18 training: ort_trainer against eager PyTorch ({size_name} size)"
-    page = alternating.table(runs, title, "python benchmarks/cnn.py", args.steps, IMPLEMENTATIONS)
-    print(page)
-    if args.out:
-        Path(args.out).write_text(page)
+    alternating.report(runs, title, "python benchmarks/cnn.py", args.steps, IMPLEMENTATIONS, args.out)
 
 
 if __name__ == "__main__":

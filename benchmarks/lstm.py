@@ -15,11 +15,8 @@ is the whole process's (``ru_maxrss``).
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,17 +77,8 @@ def worker(impl: str, size: dict, steps: int, packed: bool = False) -> dict:
     torch.manual_seed(0)
     model = _model(size, packed)
     batches = _batches(size, packed)
-    started = time.perf_counter()
-    if impl == "eager":
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-        def step(*batch):
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(*batch)
-            loss.backward()
-            optimizer.step()
-            return float(loss)
-    else:
+    def trainer():
         from ort_trainer import ORTTrainer
         from ort_trainer.optim import AdamConfig
 
@@ -100,27 +88,15 @@ def worker(impl: str, size: dict, steps: int, packed: bool = False) -> dict:
                       ("lengths", ["batch"])]
         desc = {"inputs": inputs, "outputs": [("loss", [], True)]}
         options = {"graph": {"gradient_source": "torch"}, "graph_optimizations": {"fused_lstm": impl == "fused"}}
-        trainer = ORTTrainer(model, desc, AdamConfig(lr=1e-3), options=options)
+        return ORTTrainer(model, desc, AdamConfig(lr=1e-3), options=options)
 
-        def step(*batch):
-            return float(trainer.train_step(*batch))
-    step(*batches[0])
-    first = time.perf_counter() - started
-    started = time.perf_counter()
-    losses = [step(*batches[i % len(batches)]) for i in range(steps)]
-    return {"impl": impl, "first_s": first, "step_ms": (time.perf_counter() - started) / steps * 1000,
-            "loss": losses[-1], "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return alternating.timed(impl, model, batches, steps, lambda params: torch.optim.Adam(params, lr=1e-3), trainer)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--tiny", action="store_true", help="a toy size (the test's)")
+    parser = alternating.parser(__doc__.split("\n\n")[0], steps=20)
     parser.add_argument("--packed", action="store_true",
                         help="sequences of their own lengths, packed (pack_padded_sequence) into the LSTM")
-    parser.add_argument("--out", help="write the table there too")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     size_name = "tiny" if args.tiny else "real"
     if args.worker:
@@ -130,10 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = alternating.run_rounds(__file__, IMPLEMENTATIONS, args.rounds, arguments)
     title = f"{'packed LSTM' if args.packed else 'LSTM'} training: ort_trainer against eager PyTorch ({size_name} size)"
     command = "python benchmarks/lstm.py" + (" --packed" if args.packed else "")
-    page = alternating.table(runs, title, command, args.steps, IMPLEMENTATIONS)
-    print(page)
-    if args.out:
-        Path(args.out).write_text(page)
+    alternating.report(runs, title, command, args.steps, IMPLEMENTATIONS, args.out)
 
 
 if __name__ == "__main__":

@@ -134,9 +134,8 @@ def _packed_forward(module: torch.nn.RNNBase, packed: PackedSequence, hx: Any,
             index = layer * directions + direction
             computed = None
             if lstm_direction is not None and lstm and not module.proj_size:
-                suffix = f"_l{layer}" + ("_reverse" if direction else "")
-                weights = [getattr(module, f"{kind}{suffix}", None) for kind in ("weight_ih", "weight_hh", "bias_ih",
-                                                                                 "bias_hh")]
+                weights = [_weight(module, kind, layer, direction) for kind in ("weight_ih", "weight_hh", "bias_ih",
+                                                                                "bias_hh")]
                 computed = lstm_direction(x, running, *weights, h0[index], c0[index], direction == 1)
             out, h, c = computed or _direction(module, layer, direction, x, running, h0[index],
                                                None if c0 is None else c0[index])
@@ -153,11 +152,15 @@ def _packed_forward(module: torch.nn.RNNBase, packed: PackedSequence, hx: Any,
     return output, module.permute_hidden(hidden, packed.unsorted_indices)
 
 
+def _weight(module: torch.nn.RNNBase, kind: str, layer: int, direction: int) -> torch.Tensor | None:
+    """The module's ``kind`` (``weight_ih``, ``bias_hh``, ``weight_hr``...) of one layer and direction (None: none)."""
+    return getattr(module, f"{kind}_l{layer}" + ("_reverse" if direction else ""), None)
+
+
 def _direction(module: torch.nn.RNNBase, layer: int, direction: int, x: torch.Tensor, running: torch.Tensor,
                h: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One layer's one direction over all steps: the outputs (zero past each end) and the final states."""
-    suffix = f"_l{layer}" + ("_reverse" if direction else "")
-    weight = lambda kind: getattr(module, f"{kind}{suffix}", None)  # noqa: E731
+    weight = lambda kind: _weight(module, kind, layer, direction)  # noqa: E731
     # every step's input term in one product, split by unbind (whose gradient is one stack: indexing each step's
     # would add a zero-padded copy of the whole sequence per step)
     inputs = F.linear(x, weight("weight_ih"), weight("bias_ih")).unbind(0)

@@ -24,7 +24,7 @@ import torch
 
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
 from . import onnx_schemas
-from .fx_nodes import Builder, retarget
+from .fx_nodes import Builder, replace_result_readers
 
 _aten = torch.ops.aten
 KEPT = (_aten.native_batch_norm_backward.default,)  # what the joint trace leaves undecomposed for ``rewrite_joint``
@@ -73,27 +73,19 @@ def kept(program, switches) -> tuple:
 
 
 def rewrite_joint(program) -> int:
-    """Replace each batch norm operator the joint trace left (``KEPT``) by the kernels' operator, in place; returns
+    """Replace each batch norm backward the joint trace left (``KEPT``) by the kernel's operator, in place; returns
     how many it replaced."""
-    graph, count = program.graph, 0
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in KEPT]:
-        if any(u.target is not operator.getitem for u in node.users):
-            raise RuntimeError(f"{node.name}: a batch norm's results read other than by getitem")
-        dy, x, w, _mean, _var, save_mean, save_invstd, train, eps, _mask = node.args
-        if not train:
-            raise RuntimeError(f"{node.name}: a batch norm's backward out of training, which applies() should have "
-                               "kept ONNX's")
-        target, args = torch.ops.ort_trainer.batch_norm_grad.default, (dy, x, w, save_mean, save_invstd, float(eps))
-        with graph.inserting_before(node):
-            replacement = Builder(graph, node)(target, *args)
-        for user in list(node.users):  # each reader keeps its name (graph outputs: the new running statistics)
-            retarget(user, operator.getitem, (replacement, user.args[1]))
-        graph.erase_node(node)
-        count += 1
-    if count:
-        graph.lint()
-        program.graph_module.recompile()
-    return count
+    return replace_result_readers(program, KEPT, _gradients)
+
+
+def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
+    """What reads each of a ``native_batch_norm_backward``'s results instead: the kernel's operator's."""
+    dy, x, w, _mean, _var, save_mean, save_invstd, train, eps, _mask = node.args
+    if not train:
+        raise RuntimeError(f"{node.name}: a batch norm's backward out of training, which applies() should have "
+                           "kept ONNX's")
+    gradients = build(torch.ops.ort_trainer.batch_norm_grad.default, dy, x, w, save_mean, save_invstd, float(eps))
+    return {index: (operator.getitem, (gradients, index)) for index in range(3)}
 
 
 _SCHEMAS = {

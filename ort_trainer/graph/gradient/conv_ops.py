@@ -28,7 +28,7 @@ import torch
 
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
 from . import onnx_schemas
-from .fx_nodes import Builder, retarget
+from .fx_nodes import Builder, replace_result_readers
 
 _aten = torch.ops.aten
 KEPT = (_aten.convolution_backward.default,)  # what the joint trace leaves undecomposed for ``rewrite_joint``
@@ -100,33 +100,24 @@ def _per_dim(values, dims: int) -> list[int]:
 def rewrite_joint(program) -> int:
     """Replace each ``convolution_backward`` the joint trace left (``KEPT``) by the kernels' operator (and a sum for
     the bias), in place; returns how many it replaced."""
-    graph, count = program.graph, 0
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in KEPT]:
-        dy, x, w, _bias, stride, padding, dilation, transposed, _pad, groups, mask = node.args
-        if transposed or any(u.target is not operator.getitem for u in node.users):
-            raise RuntimeError(f"{node.name}: a transposed convolution's backward, or one read other than by "
-                               "getitem, which applies() should have kept ONNX's")
-        dims = w.meta["val"].dim() - 2
-        settings = (_per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups))
-        both = None
-        if mask[0]:
-            with graph.inserting_before(node):
-                both = Builder(graph, node)(torch.ops.ort_trainer.conv_grad.default, dy, x, w, *settings)
-        # each result's reader keeps its name (the graph's outputs name the weights' gradients so)
-        for user in list(node.users):
-            index = user.args[1]
-            if index == 2:
-                retarget(user, _aten.sum.dim_IntList, (dy, [0, *range(2, 2 + dims)]))
-            elif both is not None:
-                retarget(user, operator.getitem, (both, index))
-            else:
-                retarget(user, torch.ops.ort_trainer.conv_weight_grad.default, (dy, x, w, *settings))
-        graph.erase_node(node)
-        count += 1
-    if count:
-        graph.lint()
-        program.graph_module.recompile()
-    return count
+    return replace_result_readers(program, KEPT, _gradients)
+
+
+def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
+    """What reads each of a ``convolution_backward``'s results instead: the kernels' operator's, the bias's sum."""
+    dy, x, w, _bias, stride, padding, dilation, transposed, _pad, groups, mask = node.args
+    if transposed:
+        raise RuntimeError(f"{node.name}: a transposed convolution's backward, which applies() should have kept "
+                           "ONNX's")
+    dims = w.meta["val"].dim() - 2
+    settings = (_per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups))
+    gradients = {2: (_aten.sum.dim_IntList, (dy, [0, *range(2, 2 + dims)]))}
+    if mask[0]:
+        both = build(torch.ops.ort_trainer.conv_grad.default, dy, x, w, *settings)
+        gradients.update({index: (operator.getitem, (both, index)) for index in (0, 1)})
+    else:
+        gradients[1] = (torch.ops.ort_trainer.conv_weight_grad.default, (dy, x, w, *settings))
+    return gradients
 
 
 _SCHEMAS = {

@@ -4,6 +4,7 @@ rewrites: ``gelu.py``, ``kernel_ops.py``) with the ``meta["val"]`` fake values t
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable
 
 import torch
@@ -38,6 +39,33 @@ def rewrite_graphs(program: Any, rewrite: Callable[[torch.fx.Graph], int]) -> in
             module.graph.lint()
             module.recompile()
             count += found
+    return count
+
+
+def replace_result_readers(program: Any, targets: tuple,
+                           readers: Callable[[torch.fx.Node, Builder], dict[int, tuple[Callable, tuple]]]) -> int:
+    """Replace each call of ``targets`` in ``program``'s graph, whose results are read by ``getitem`` alone (a joint
+    program's backward operators: ``conv_ops.py``, ``batch_norm_ops.py``): ``readers(node, build)`` gives, by result
+    index, what each reader computes instead (``(target, args)``; ``build`` adds nodes before the call), and each
+    reader keeps its name (the graph's outputs name the weights' gradients by them). Returns how many it replaced
+    (the graph linted and recompiled where any).
+
+    Raises:
+        RuntimeError: a call's result read other than by ``getitem``.
+    """
+    graph, count = program.graph, 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in targets]:
+        if any(user.target is not operator.getitem for user in node.users):
+            raise RuntimeError(f"{node.name}: {node.target}'s results read other than by getitem")
+        with graph.inserting_before(node):
+            computed = readers(node, Builder(graph, node))
+        for user in list(node.users):
+            retarget(user, *computed[user.args[1]])
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        program.graph_module.recompile()
     return count
 
 
