@@ -1,6 +1,7 @@
 """A convolutional network at a size users train on a CPU: time per step, peak memory and build time of ort_trainer
-with each convolution's and batch norm's backward as torch's kernels (``graph_optimizations.torch_conv_gradients``
-and ``torch_batch_norm``: oneDNN's, one node each), written in ONNX (both switches off), and of eager PyTorch.
+with each convolution, ReLU gradient and batch norm as torch's kernels, forward and backward
+(``graph_optimizations.torch_convolutions`` and ``torch_batch_norm``: oneDNN's, one node each), written in ONNX (both
+switches off), and of eager PyTorch.
 
 Run: ``python benchmarks/cnn.py [--rounds 2] [--steps 10] [--out docs/benchmarks_cnn.md]``. The model: a ResNet-18
 for 32 x 32 images (CIFAR-10's: a 3 x 3 stem of 64 channels, four stages of two basic blocks, 64 to 512 channels,
@@ -80,7 +81,7 @@ def worker(impl: str, size: dict, steps: int) -> dict:
                 "outputs": [("loss", [], True)]}
         on = impl == "torch_kernels"
         options = {"graph": {"gradient_source": "torch"},
-                   "graph_optimizations": {"torch_conv_gradients": on, "torch_batch_norm": on}}
+                   "graph_optimizations": {"torch_convolutions": on, "torch_batch_norm": on}}
         return ORTTrainer(model, desc, SGDConfig(lr=0.01), options=options)
 
     return alternating.timed(impl, model, batches, steps, lambda params: torch.optim.SGD(params, lr=0.01), trainer)

@@ -63,14 +63,15 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
         _BOOL, True, "on the CPU, with the 'torch' source: each nn.LSTM layer and direction (a padded float32 batch, "
         "no projections) as one operator running oneDNN's LSTM kernels as eager PyTorch does, forward and backward, "
         "instead of the recurrence unrolled over the sequence, which also lets the sequence length stay symbolic"),
-    "graph_optimizations.torch_conv_gradients": _Field(
+    "graph_optimizations.torch_convolutions": _Field(
         _BOOL, True, "on the CPU, with the 'torch' source: where every convolution is a float32 one, not transposed, "
-        "each convolution's backward (input and weight gradients) as one operator running oneDNN's kernels as eager "
-        "PyTorch does, where ONNX Runtime computed the weight's gradient as a convolution 2.6-3.4x slower"),
+        "each convolution and its backward (input and weight gradients), and each ReLU's gradient, as operators "
+        "running oneDNN's and torch's kernels as eager PyTorch does, where ONNX Runtime computed the weight's "
+        "gradient as a convolution 2.6-3.4x slower"),
     "graph_optimizations.torch_batch_norm": _Field(
         _BOOL, True, "on the CPU, with the 'torch' source: where every batch norm is a float32 one in training with "
-        "weight, bias and running statistics, each one's backward as one operator running torch's kernel as eager "
-        "PyTorch does, where ONNX wrote it as about 25 element-wise nodes and reductions taking 3x the time"),
+        "weight, bias and running statistics, each one and its backward as one operator each running torch's "
+        "kernels as eager PyTorch does, where ONNX wrote them as about 35 element-wise nodes and reductions"),
     "graph_optimizations.packed_attention": _Field(
         _BOOL, False, "with fused_attention: q, k and v that one projection packed (GPT-2's) read and their "
         "gradients written where they lie, no Split and Concat copies"),

@@ -28,7 +28,7 @@ def pass_switches(opts: ORTTrainerOptions) -> dict:
             "loss_piece_elements": on.loss_piece_elements,
             "host_dropout_masks": on.host_dropout_masks and device.host_dropout_masks,
             "fused_lstm": on.fused_lstm and device.onednn_kernels,
-            "torch_conv_gradients": on.torch_conv_gradients and device.onednn_kernels,
+            "torch_convolutions": on.torch_convolutions and device.onednn_kernels,
             "torch_batch_norm": on.torch_batch_norm and device.onednn_kernels,
             "device_barriers": on.device_barriers and device.device_barriers and _barriers_at_hand(on, at_hand),
             "seeded_dropout": bool(on.seeded_dropout and device.seeded_dropout and (captured or on.layer_recompute)

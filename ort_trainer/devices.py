@@ -177,7 +177,7 @@ class Device:
     #: draws them with ort_trainer's SeededDropout kernel (``graph_optimizations.seeded_dropout``)
     seeded_dropout = False
     #: whether graphs run torch's CPU kernels (oneDNN's): nn.LSTM's layers (``graph_optimizations.fused_lstm``),
-    #: convolutions' backward (``torch_conv_gradients``) and training's batch norm (``torch_batch_norm``)
+    #: convolutions (``torch_convolutions``) and training's batch norm (``torch_batch_norm``)
     onednn_kernels = False
     #: whether a graph with nodes of torch's kernels keeps ONNX Runtime's spinning intra-op threads
     torch_kernels_spin = True

@@ -48,4 +48,4 @@ def test_the_performance_page_gives_the_commands():
     page = (ROOT / "docs" / "performance.md").read_text()
     assert "python benchmarks/lstm.py --rounds 2 --steps 20 --out docs/benchmarks_lstm.md" in page
     assert "python benchmarks/lstm.py --packed --rounds 2 --steps 20 --out docs/benchmarks_lstm_packed.md" in page
-    assert "python benchmarks/cnn.py --rounds 2 --steps 10 --out docs/benchmarks_cnn.md" in page
+    assert "python benchmarks/cnn.py --rounds 3 --steps 10 --out docs/benchmarks_cnn.md" in page

@@ -1,9 +1,10 @@
-"""A convolution's and a training-mode batch norm's backward as torch's kernels on the ``torch`` gradient source
-(``graph_optimizations.torch_conv_gradients`` and ``torch_batch_norm``, ``ort_trainer/graph/gradient/conv_ops.py``
-and ``batch_norm_ops.py``): ``ConvGrad`` / ``ConvWeightGrad`` nodes run ``aten::convolution_backward`` (oneDNN's on
-the CPU) and ``BatchNormGrad`` nodes ``aten::native_batch_norm_backward`` inside ONNX Runtime, checked against
-float64 gradients; where one convolution or batch norm is one they do not take, every backward of its kind stays
-ONNX's.
+"""A CNN's convolutions, ReLU gradients and training-mode batch norms as torch's kernels on the ``torch`` gradient
+source (``graph_optimizations.torch_convolutions`` and ``torch_batch_norm``, ``ort_trainer/graph/gradient/conv_ops.py``
+and ``batch_norm_ops.py``): ``Conv`` / ``BiasConv`` and ``ConvGrad`` / ``ConvWeightGrad`` nodes run
+``aten::convolution`` and ``aten::convolution_backward`` (oneDNN's on the CPU), ``ThresholdGrad`` nodes
+``aten::threshold_backward``, ``BatchNormTraining`` and ``BatchNormGrad`` nodes ``aten::native_batch_norm`` and its
+backward inside ONNX Runtime, checked against float64 gradients and running statistics; where one convolution or
+batch norm is one they do not take, every one of its kind stays ONNX's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ort_trainer import ORTTrainer
 from ort_trainer._runtime import has_onnxscript
+from ort_trainer.kernels import TORCH_OPS_DOMAIN
 from ort_trainer.optim import SGDConfig
 from tolerances import FLOAT32, check, relative_error
 
@@ -69,7 +71,9 @@ def _gradients(model: torch.nn.Module, options: dict, float64: torch.nn.Module |
 
 
 def _node_types(trainer: ORTTrainer) -> list[str]:
-    return [node.op_type for node in trainer._graphs.gradient.graph.node]
+    """The gradient graph's node types, a torch kernel's as ``torch.Name``."""
+    return [("torch." if node.domain == TORCH_OPS_DOMAIN else "") + node.op_type
+            for node in trainer._graphs.gradient.graph.node]
 
 
 def test_each_convolutions_backward_is_one_node_of_torchs_kernels_with_autograds_gradients():
@@ -79,8 +83,10 @@ def test_each_convolutions_backward_is_one_node_of_torchs_kernels_with_autograds
         check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, name)
     types = _node_types(trainer)
     # the first convolution's input is the data: its weight's gradient alone
-    assert types.count("ConvWeightGrad") == 1 and types.count("ConvGrad") == 4
-    assert "ConvTranspose" not in types and types.count("Conv") == 5  # the forward's, ONNX Runtime's
+    assert types.count("torch.ConvWeightGrad") == 1 and types.count("torch.ConvGrad") == 4
+    # the forward's, torch's too (the grouped one has no bias); none of ONNX's
+    assert types.count("torch.Conv") == 1 and types.count("torch.BiasConv") == 4
+    assert "ConvTranspose" not in types and "Conv" not in types
 
 
 @pytest.mark.parametrize("case", ["switched off", "a transposed convolution"])
@@ -89,12 +95,12 @@ def test_otherwise_every_convolutions_backward_stays_onnxs(case):
     gradients are ONNX convolutions, autograd's all the same."""
     torch.manual_seed(0)
     model = _Convs(transposed=case == "a transposed convolution")
-    options = {"graph_optimizations": {"torch_conv_gradients": False}} if case == "switched off" else {}
+    options = {"graph_optimizations": {"torch_convolutions": False}} if case == "switched off" else {}
     got, expected, trainer = _gradients(model, options)
     for name in expected:
         check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, f"{case}: {name}")
     types = _node_types(trainer)
-    assert "ConvGrad" not in types and "ConvWeightGrad" not in types and "ConvTranspose" in types
+    assert not any(t.startswith("torch.") for t in types) and "ConvTranspose" in types and "Conv" in types
 
 
 # A batch norm's gradients against float64, on a batch of 8 (of 2, BatchNorm1d's two normalised values are +-1
@@ -149,8 +155,10 @@ def test_each_batch_norms_backward_is_one_node_of_torchs_kernel_with_autograds_g
     torch.manual_seed(0)
     trainer, _ = _batch_norm_step(_Normalized(), {})
     types = _node_types(trainer)
-    assert types.count("BatchNormGrad") == 3
-    assert "BatchNormalization" not in types  # the forward's statistics stay ONNX arithmetic (in training)
+    assert types.count("torch.BatchNormTraining") == 3 and types.count("torch.BatchNormGrad") == 3
+    assert "BatchNormalization" not in types
+    assert types.count("torch.ThresholdGrad") == 2  # the ReLUs' gradients, between the convolutions'
+    assert "Where" not in types and "LessOrEqual" not in types
 
 
 @pytest.mark.parametrize("case", ["switched off", "a batch norm without weight and bias", "an instance norm"])
@@ -159,4 +167,28 @@ def test_otherwise_every_batch_norms_backward_stays_onnxs(case):
     options = {"graph_optimizations": {"torch_batch_norm": False}} if case == "switched off" else {}
     model = _Normalized(affine=case != "a batch norm without weight and bias", instance_norm=case == "an instance norm")
     trainer, _ = _batch_norm_step(model, options)
-    assert "BatchNormGrad" not in _node_types(trainer)
+    types = _node_types(trainer)
+    assert "torch.BatchNormGrad" not in types and "torch.BatchNormTraining" not in types
+
+
+class _Float64Relu(torch.nn.Module):
+    """A ReLU of float32 convolution outputs and one of them widened to float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.second = torch.nn.Conv2d(4, 2, 3)
+
+    def forward(self, x, target):
+        h = self.second(torch.relu(self.conv(x)))
+        return torch.nn.functional.mse_loss(torch.relu(h.double() - 0.1).sum((1, 2, 3)).float(), target)
+
+
+def test_a_relu_of_another_dtype_keeps_torchs_decomposition():
+    """``ThresholdGrad`` takes float32: the float64 ReLU's gradient is the ``masked_fill`` torch decomposes it into."""
+    torch.manual_seed(0)
+    got, expected, trainer = _gradients(_Float64Relu(), {})
+    for name in expected:
+        check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, name)
+    types = _node_types(trainer)
+    assert types.count("torch.ThresholdGrad") == 1 and "Where" in types

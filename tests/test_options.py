@@ -44,7 +44,7 @@ OUR_KEYS = {  # ort_trainer's own additions: the speed passes, each can be turne
     "graph_optimizations.packed_attention", "graph_optimizations.causal_attention", "graph_optimizations.integer_pads",
     "graph_optimizations.weight_casts",
     "graph_optimizations.torch_attention_choice",
-    "graph_optimizations.torch_products", "graph_optimizations.torch_conv_gradients",
+    "graph_optimizations.torch_products", "graph_optimizations.torch_convolutions",
     "graph_optimizations.torch_batch_norm",
     "graph_optimizations.loss_pieces", "graph_optimizations.loss_piece_elements",
     "distributed.backend",

@@ -13,7 +13,10 @@ recomputes the probabilities from the forward's per-row log-sum-exp. ``Gemm``, `
 products by torch's BLAS (``torch_products``: on a GPU cuBLAS, which adds a bias vector in the product's epilogue).
 ``CTCLoss`` and ``CTCLossGrad`` run torch's CTC kernels (``graph/export/ctc.py``: ``torch.export`` cannot trace
 ``F.ctc_loss`` itself, and ONNX has no CTC operator). ``LSTMLayer`` and ``LSTMLayerGrad`` run oneDNN's LSTM
-kernels as torch does on the CPU (``graph/export/fused_lstm.py``, ``graph_optimizations.fused_lstm``).
+kernels as torch does on the CPU (``graph/export/fused_lstm.py``, ``graph_optimizations.fused_lstm``); ``Conv``,
+``BiasConv``, ``ConvGrad``, ``ConvWeightGrad`` and ``ThresholdGrad`` a CNN's convolutions and ReLU gradients, and
+``BatchNormTraining`` and ``BatchNormGrad`` its batch norms (``graph_optimizations.torch_convolutions`` and
+``torch_batch_norm``).
 
 The library is built on first use against the torch that runs (its headers and libraries; with a CUDA build of
 torch, CUDA kernels too) into ``$ORT_TRAINER_CACHE_DIR/kernels/torch_ops/<hash>/`` (about a minute with the C++
@@ -34,8 +37,8 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cc"
 _HEADERS = [Path(__file__).resolve().parent / "csrc" / name
             for name in ("ort_abi.h", "ort_io.h", "torch_conv.h", "torch_norm.h", "torch_rnn.h")]
 _NAME = "libort_trainer_torch_ops.so"
-_SWITCHES = ("graph_optimizations.fused_attention, torch_products, fused_lstm and torch_conv_gradients, and a CTC loss "
-             "(F.ctc_loss),")
+_SWITCHES = ("graph_optimizations.fused_attention, torch_products, fused_lstm, torch_convolutions and "
+             "torch_batch_norm, and a CTC loss (F.ctc_loss),")
 _FIX = "or turn those options off (a CTC loss has no other implementation)"
 
 

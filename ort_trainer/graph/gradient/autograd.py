@@ -210,7 +210,7 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
         kernels: the switches that are on of ``kernel_ops.SWITCHES`` (ort_trainer's kernel library):
             ``fused_gelu_gradient`` (with ``gelu``: ``gelu.rewrite_joint``'s ``kernel``), ``fused_cross_entropy``
             (before autograd, after ``loss_pieces`` and ``sparse_labels``), the joint program's (``kept`` and
-            ``rewrite_joint``), and ``torch_conv_gradients``, ``torch_batch_norm`` (``conv_ops``, ``batch_norm_ops``).
+            ``rewrite_joint``), and ``torch_convolutions``, ``torch_batch_norm`` (``conv_ops``, ``batch_norm_ops``).
         half_attention: run the ``half_precision_attention`` pass (``gradient/attention.py``) before
             autograd: a mixed-precision model's ``scaled_dot_product_attention`` in the half dtype.
         loss_pieces: run the ``loss_pieces`` pass (``gradient/loss_pieces.py``) before autograd, pieces

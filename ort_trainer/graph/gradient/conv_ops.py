@@ -1,5 +1,6 @@
-"""A convolution's backward as torch's kernels inside ONNX Runtime (``graph_optimizations.torch_conv_gradients``): on
-the CPU, oneDNN's, the kernels eager PyTorch trains a convolution with.
+"""A convolution, its backward and the ReLUs' gradients as torch's kernels inside ONNX Runtime
+(``graph_optimizations.torch_convolutions``): on the CPU, oneDNN's, the kernels eager PyTorch trains a convolution
+with.
 
 Autograd emits one ``aten.convolution_backward`` per convolution, which the exporter cannot translate;
 ``backward_decompositions.convolution_backward`` writes it in ONNX convolutions: the input's gradient a transposed
@@ -7,17 +8,22 @@ convolution, the weight's a convolution of the input by the output gradient, the
 channels. ONNX Runtime's CPU kernels run that last one 2.6-3.4x slower than oneDNN's weight gradient (its kernel is
 as large as the image: a 3 x 3 ResNet convolution of [32, 64, 32, 32] takes 31 ms, oneDNN's 11.8 ms), and it is
 half of a CNN's step. Where every convolution of the program is one the kernels take (float32 on the CPU, not
-transposed: ``applies``), the joint trace leaves ``convolution_backward`` undecomposed (``KEPT``) and
-``rewrite_joint`` replaces each by
+transposed: ``applies``), the joint trace leaves ``convolution_backward`` and ``threshold_backward`` (a ReLU's
+gradient) undecomposed (``KEPT``) and ``rewrite_joint`` replaces
 
-- ``ort_trainer::conv_grad(dy, x, w, stride, padding, dilation, groups)`` -> ``(dx, dw)``: a ``ConvGrad`` node of
-  ``kernels.TORCH_OPS_DOMAIN`` (``kernels/csrc/torch_conv.h``: ``aten::convolution_backward``), or
-- ``ort_trainer::conv_weight_grad(...)`` -> ``dw`` (``ConvWeightGrad``) where the input needs no gradient (the
-  model's data, the first convolution),
+- each ``convolution_backward`` by ``ort_trainer::conv_grad(dy, x, w, stride, padding, dilation, groups)`` ->
+  ``(dx, dw)``: a ``ConvGrad`` node of ``kernels.TORCH_OPS_DOMAIN`` (``kernels/csrc/torch_conv.h``:
+  ``aten::convolution_backward``), or by ``ort_trainer::conv_weight_grad(...)`` -> ``dw`` (``ConvWeightGrad``) where
+  the input needs no gradient (the model's data, the first convolution), and the bias's gradient, where there is
+  one, by the sum of the output gradient over all but the channels;
+- each forward convolution by ``ort_trainer::conv`` (``Conv`` / ``BiasConv``: ``aten::convolution``);
+- each float32 ``threshold_backward`` by ``ort_trainer::threshold_grad`` (``ThresholdGrad``, written into ONNX
+  Runtime's buffer), one of another dtype by the ``masked_fill`` torch decomposes it into.
 
-and the bias's gradient, where there is one, by the sum of the output gradient over all but the channels. The
-forward's convolutions stay ONNX Runtime's (faster than torch's here: 7.6-8.7 ms against 11.8 ms for the shape
-above), and so does every other backward.
+The forward's convolutions and the ReLUs' gradients sit between torch's kernels, where ONNX Runtime's threads do not
+spin (``Device.torch_kernels_spin``): so run, ONNX Runtime's CPU convolutions took 205-220 ms for ResNet-18's forward
+against torch's 108-119 ms (each timed alone, 2-core AMD EPYC), and a ReLU's gradient was two nodes (a comparison
+and a ``Where``) taking 18-29 ms a step against the kernel's 6.4 ms.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ import torch
 
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
 from . import onnx_schemas
-from .fx_nodes import Builder, replace_result_readers
+from .fx_nodes import Builder, replace_result_readers, retarget
 
 _aten = torch.ops.aten
-KEPT = (_aten.convolution_backward.default,)  # what the joint trace leaves undecomposed for ``rewrite_joint``
+# what the joint trace leaves undecomposed for ``rewrite_joint``
+KEPT = (_aten.convolution_backward.default, _aten.threshold_backward.default)
 # the forward's convolutions (before autograd), by whether they are transposed
 _CONVOLUTIONS = {_aten.conv1d.default: False, _aten.conv2d.default: False, _aten.conv3d.default: False,
                  _aten.conv1d.padding: False, _aten.conv2d.padding: False, _aten.conv3d.padding: False,
@@ -56,6 +63,29 @@ def conv_grad(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, stride: list[i
 @conv_grad.register_fake
 def _conv_grad_fake(dy, x, w, stride, padding, dilation, groups):
     return torch.empty_like(x), torch.empty_like(w)
+
+
+@torch.library.custom_op("ort_trainer::threshold_grad", mutates_args=())
+def threshold_grad(dy: torch.Tensor, y: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``dy`` where ``y`` is above ``threshold``, else 0: a ReLU's gradient from its output (``ThresholdGrad``)."""
+    return _aten.threshold_backward(dy, y, threshold)
+
+
+@threshold_grad.register_fake
+def _threshold_grad_fake(dy, y, threshold):
+    return torch.empty_like(dy)
+
+
+@torch.library.custom_op("ort_trainer::conv", mutates_args=())
+def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
+         dilation: list[int], groups: int) -> torch.Tensor:
+    """A convolution (not transposed) of ``x`` by ``w``, plus ``b`` where given (``Conv``, ``BiasConv``)."""
+    return _aten.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
+
+
+@conv.register_fake
+def _conv_fake(x, w, b, stride, padding, dilation, groups):
+    return _aten.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
 
 
 @torch.library.custom_op("ort_trainer::conv_weight_grad", mutates_args=())
@@ -88,8 +118,8 @@ def applies(program) -> bool:
 
 def kept(program, switches) -> tuple:
     """What the joint trace of ``program`` leaves undecomposed for ``rewrite_joint``: ``KEPT`` where the switch
-    ``torch_conv_gradients`` is among ``switches`` and every convolution ``applies``, else nothing."""
-    return KEPT if "torch_conv_gradients" in switches and applies(program) else ()
+    ``torch_convolutions`` is among ``switches`` and every convolution ``applies``, else nothing."""
+    return KEPT if "torch_convolutions" in switches and applies(program) else ()
 
 
 def _per_dim(values, dims: int) -> list[int]:
@@ -98,9 +128,31 @@ def _per_dim(values, dims: int) -> list[int]:
 
 
 def rewrite_joint(program) -> int:
-    """Replace each ``convolution_backward`` the joint trace left (``KEPT``) by the kernels' operator (and a sum for
-    the bias), in place; returns how many it replaced."""
-    return replace_result_readers(program, KEPT, _gradients)
+    """Where the joint trace left what ``KEPT`` names (the switch on), replace, in place, each convolution by the
+    kernels' operator (``conv``), each ReLU's gradient (``threshold_backward``) by ``threshold_grad``, and each
+    ``convolution_backward`` by the kernels' operator (and a sum for the bias); returns how many backwards it
+    replaced."""
+    calls = [n for n in program.graph.nodes if n.op == "call_function"]
+    if not any(n.target in KEPT for n in calls):
+        return 0  # (the switch off, or no convolution here: the joint trace decomposed what ``kept`` did not name)
+    for node in [n for n in calls if n.target == _aten.convolution.default]:
+        x, w, b, stride, padding, dilation, transposed, _pad, groups = node.args
+        if transposed:
+            raise RuntimeError(f"{node.name}: a transposed convolution, which applies() should have kept ONNX's")
+        dims = w.meta["val"].dim() - 2
+        retarget(node, torch.ops.ort_trainer.conv.default,
+                 (x, w, b, _per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups)))
+    for node in [n for n in calls if n.target == KEPT[1]]:
+        dy, y, threshold = node.args
+        if dy.meta["val"].dtype == torch.float32:
+            retarget(node, torch.ops.ort_trainer.threshold_grad.default, (dy, y, float(threshold)))
+        else:  # (a ReLU of another dtype: torch's decomposition, which the exporter translates)
+            with program.graph.inserting_before(node):
+                below = Builder(program.graph, node)(_aten.le.Scalar, y, threshold)
+            retarget(node, _aten.masked_fill.Scalar, (dy, below, 0.0))
+    program.graph.lint()
+    program.graph_module.recompile()
+    return replace_result_readers(program, KEPT[:1], _gradients)
 
 
 def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
@@ -121,6 +173,9 @@ def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
 
 
 _SCHEMAS = {
+    "ThresholdGrad": ([("dy", "T"), ("y", "T")], [("dx", "T")], ("threshold",)),
+    "Conv": ([("x", "T"), ("w", "T")], [("y", "T")], ("stride", "padding", "dilation", "groups")),
+    "BiasConv": ([("x", "T"), ("w", "T"), ("b", "T")], [("y", "T")], ("stride", "padding", "dilation", "groups")),
     "ConvGrad": ([("dy", "T"), ("x", "T"), ("w", "T")], [("dx", "T"), ("dw", "T")],
                  ("stride", "padding", "dilation", "groups")),
     "ConvWeightGrad": ([("dy", "T"), ("x", "T"), ("w", "T")], [("dw", "T")],
@@ -135,7 +190,8 @@ def register_translations(registry) -> None:
 
     ints = onnx.defs.OpSchema.AttrType.INTS
     onnx_schemas.register(DOMAIN, 1, "ort_trainer's torch operators", _SCHEMAS, {"T": ["tensor(float)"]},
-                          attribute_types={"stride": ints, "padding": ints, "dilation": ints})
+                          attribute_types={"stride": ints, "padding": ints, "dilation": ints,
+                                           "threshold": onnx.defs.OpSchema.AttrType.FLOAT})
     opset = onnxscript.values.Opset(DOMAIN, 1)
 
     def conv_grad_onnx(dy, x, w, stride, padding, dilation, groups):
@@ -144,7 +200,15 @@ def register_translations(registry) -> None:
     def conv_weight_grad_onnx(dy, x, w, stride, padding, dilation, groups):
         return opset.ConvWeightGrad(dy, x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
 
+    def conv_onnx(x, w, b, stride, padding, dilation, groups):
+        if b is None:
+            return opset.Conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+        return opset.BiasConv(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
     registry.register_op(torch.ops.ort_trainer.conv_grad.default, conv_grad_onnx)
+    registry.register_op(torch.ops.ort_trainer.conv.default, conv_onnx)
+    registry.register_op(torch.ops.ort_trainer.threshold_grad.default,
+                         lambda dy, y, threshold: opset.ThresholdGrad(dy, y, threshold=threshold))
     registry.register_op(torch.ops.ort_trainer.conv_weight_grad.default, conv_weight_grad_onnx)
 
 

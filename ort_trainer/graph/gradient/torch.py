@@ -187,7 +187,7 @@ class TorchGradientSource(GradientSource):
                 sparse_labels=dropped and bool(passes_on.get("sparse_labels")),
                 loss_pieces=_pieces_limit(job) if dropped else 0,
                 gelu=bool(passes_on.get("gelu")), half_gelu=bool(passes_on.get("half_precision_gelu")),
-                kernels={switch for switch in (*kernel_ops.SWITCHES, "torch_conv_gradients", "torch_batch_norm")
+                kernels={switch for switch in (*kernel_ops.SWITCHES, "torch_convolutions", "torch_batch_norm")
                          if passes_on.get(switch)},
                 half_attention=bool(passes_on.get("half_precision_attention")),
                 eval_is_training=traced.eval_is_training)

@@ -1,6 +1,11 @@
-// A convolution's backward by torch's kernels (oneDNN's on the CPU, as eager PyTorch trains a convolution there:
+// A convolution and its backward by torch's kernels (oneDNN's on the CPU, as eager PyTorch trains a convolution there:
 // graph/gradient/conv_ops.py); part of the torch operators' library (torch_ops.cc includes it). CPU, float32;
 // attributes stride, padding, dilation (ints, one per spatial dim: torch's, a padding on both sides) and groups (int):
+//   Conv(x, w) -> y, BiasConv(x, w, b) -> y   aten::convolution (not transposed) of x [batch, channels, *space] by
+//                                             w [out, channels / groups, *kernel], plus b [out] where given
+//   ThresholdGrad(dy, y) -> dx                aten::threshold_backward: dy where y > the attribute threshold (float),
+//                                             else 0 (a ReLU's gradient from its output: those between convolutions),
+//                                             written into dx
 //   ConvGrad(dy, x, w) -> (dx, dw)            aten::convolution_backward of a convolution (not transposed) of x
 //   ConvWeightGrad(dy, x, w) -> dw            [batch, channels, *space] by w [out, channels / groups, *kernel]: the
 //                                             input's and the weight's gradients, or the weight's alone (an input
@@ -15,6 +20,7 @@
 
 #include <array>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +32,61 @@ struct ConvAttributes {
   std::vector<int64_t> stride, padding, dilation;
   int64_t groups = 1;
 };
+
+// Conv or BiasConv, ConvGrad, ConvWeightGrad, ThresholdGrad
+enum class ConvOp { kNone, kForward, kGrad, kWeightGrad, kThresholdGrad };
+
+// copies torch's results into the run's outputs, one each
+inline OrtStatus* write_outputs(const OrtApi* api, OrtKernelContext* context, const std::vector<at::Tensor>& results) {
+  for (size_t i = 0; i < results.size(); ++i) {
+    Tensor out;
+    const std::vector<int64_t> dims(results[i].sizes().begin(), results[i].sizes().end());
+    ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &out));
+    if (out.size > 0) at::from_blob(out.data, dims, results[i].options()).copy_(results[i]);
+  }
+  return nullptr;
+}
+
+inline OrtStatus* compute_threshold_grad(const OrtApi* api, OrtKernelContext* context, const std::string& name,
+                                         double threshold) {
+  Tensor dy, y, dx;
+  ORTT_RETURN_IF_ERROR(input(api, context, 0, &dy));
+  ORTT_RETURN_IF_ERROR(input(api, context, 1, &y));
+  if (dy.dims != y.dims) return fail(api, name + ": dy and y must have one shape");
+  ORTT_RETURN_IF_ERROR(output(api, context, 0, y.dims, &dx));
+  if (dx.size == 0) return nullptr;
+  try {
+    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor out = at::from_blob(dx.data, dx.dims, options);
+    at::threshold_backward_out(out, at::from_blob(dy.data, dy.dims, options), at::from_blob(y.data, y.dims, options),
+                               threshold);
+    return nullptr;
+  } catch (const std::exception& error) {
+    return fail(api, name + ": " + error.what());
+  }
+}
+
+// Conv or BiasConv (the file's head)
+inline OrtStatus* compute_conv(const OrtApi* api, OrtKernelContext* context, const std::string& name, bool bias,
+                               const ConvAttributes& conv) {
+  std::vector<Tensor> in(bias ? 3 : 2);
+  for (size_t i = 0; i < in.size(); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &in[i]));
+  const size_t rank = in[0].dims.size(), space = rank >= 2 ? rank - 2 : 0;
+  if (rank < 3 || in[1].dims.size() != rank || (bias && in[2].dims.size() != 1) || conv.stride.size() != space ||
+      conv.padding.size() != space || conv.dilation.size() != space)
+    return fail(api, name + ": x and w must have the same rank (3 or more), b one dim, and stride, padding and "
+                            "dilation one value per spatial dim");
+  try {
+    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
+    auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, options); };
+    const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(wrap(in[2])) : std::nullopt;
+    return write_outputs(api, context, {at::convolution(wrap(in[0]), wrap(in[1]), b, conv.stride, conv.padding,
+                                                        conv.dilation, false, std::vector<int64_t>(space, 0),
+                                                        conv.groups)});
+  } catch (const std::exception& error) {
+    return fail(api, name + ": " + error.what());
+  }
+}
 
 // ConvGrad, or ConvWeightGrad where not `input_grad` (the file's head)
 inline OrtStatus* compute_conv_grad(const OrtApi* api, OrtKernelContext* context, const std::string& name,
@@ -44,16 +105,8 @@ inline OrtStatus* compute_conv_grad(const OrtApi* api, OrtKernelContext* context
                      w = at::from_blob(in[2].data, in[2].dims, options);
     auto grads = at::convolution_backward(dy, x, w, std::nullopt, conv.stride, conv.padding, conv.dilation, false,
                                           std::vector<int64_t>(space, 0), conv.groups, {input_grad, true, false});
-    const std::vector<at::Tensor> results =
-        input_grad ? std::vector<at::Tensor>{std::get<0>(grads), std::get<1>(grads)}
-                   : std::vector<at::Tensor>{std::get<1>(grads)};
-    for (size_t i = 0; i < results.size(); ++i) {
-      Tensor out;
-      const std::vector<int64_t> dims(results[i].sizes().begin(), results[i].sizes().end());
-      ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &out));
-      if (out.size > 0) at::from_blob(out.data, dims, options).copy_(results[i]);
-    }
-    return nullptr;
+    return write_outputs(api, context, input_grad ? std::vector<at::Tensor>{std::get<0>(grads), std::get<1>(grads)}
+                                                  : std::vector<at::Tensor>{std::get<1>(grads)});
   } catch (const std::exception& error) {
     return fail(api, name + ": " + error.what());
   }

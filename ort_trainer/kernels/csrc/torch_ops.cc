@@ -99,8 +99,8 @@ struct Operator : OperatorEntry {
   bool product, matmul, to_float;  // Gemm, BiasGemm or MatMul (else an attention); MatMul; a float32 output
   bool ctc;                        // CTCLoss or CTCLossGrad
   bool lstm;                       // LSTMLayer or LSTMLayerGrad (torch_rnn.h)
-  bool conv;                       // ConvGrad or ConvWeightGrad (torch_conv.h; backward: ConvGrad)
-  bool batch_norm;                 // BatchNormGrad (torch_norm.h)
+  ConvOp conv;                     // Conv, BiasConv, ConvGrad, ConvWeightGrad or ThresholdGrad (torch_conv.h)
+  bool batch_norm;                 // BatchNormGrad or, not backward, BatchNormTraining (torch_norm.h)
   ONNXTensorElementDataType type;
 };
 
@@ -117,7 +117,8 @@ struct Kernel {
   bool zero_infinity;  // CTC's
   bool reverse, train;  // LSTM's
   ConvAttributes conv;  // a convolution's
-  float epsilon;  // a batch norm's
+  float epsilon, momentum;  // a batch norm's
+  float threshold;  // ThresholdGrad's
 };
 
 at::ScalarType scalar_type(ONNXTensorElementDataType type) {
@@ -447,10 +448,16 @@ OrtStatus* compute_ctc(const Kernel* kernel, OrtKernelContext* context) {
 OrtStatus* compute(void* opaque, OrtKernelContext* context) {
   const Kernel* kernel = static_cast<const Kernel*>(opaque);
   if (kernel->op->ctc) return compute_ctc(kernel, context);
+  if (kernel->op->batch_norm && !kernel->op->backward)
+    return compute_batch_norm_training(kernel->api, context, kernel->op->name, kernel->epsilon, kernel->momentum);
   if (kernel->op->batch_norm)
     return compute_batch_norm_grad(kernel->api, context, kernel->op->name, kernel->epsilon);
-  if (kernel->op->conv)
-    return compute_conv_grad(kernel->api, context, kernel->op->name, kernel->op->backward, kernel->conv);
+  if (kernel->op->conv == ConvOp::kThresholdGrad)
+    return compute_threshold_grad(kernel->api, context, kernel->op->name, kernel->threshold);
+  if (kernel->op->conv == ConvOp::kForward)
+    return compute_conv(kernel->api, context, kernel->op->name, kernel->op->bias, kernel->conv);
+  if (kernel->op->conv != ConvOp::kNone)
+    return compute_conv_grad(kernel->api, context, kernel->op->name, kernel->op->conv == ConvOp::kGrad, kernel->conv);
   if (kernel->op->lstm)
     return compute_lstm(kernel->api, context, kernel->op->name, kernel->op->backward, kernel->reverse, kernel->train,
                         kernel);
@@ -461,11 +468,13 @@ const Operator* as_operator(const OrtCustomOp* op) { return static_cast<const Op
 
 void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   // (an attribute the node lacks keeps its default)
-  float scale = 1.0f, alpha = 1.0f, beta = 1.0f, epsilon = 1e-5f;
+  float scale = 1.0f, alpha = 1.0f, beta = 1.0f, epsilon = 1e-5f, momentum = 0.1f,
+        threshold = 0.0f;
   int64_t causal = 0, layout = 0, trans_a = 0, trans_b = 0, backend = 0, blank = 0, zero_infinity = 0, reverse = 0,
           train = 0;
   for (auto [name, value] : {std::pair{"scale", &scale}, std::pair{"alpha", &alpha}, std::pair{"beta", &beta},
-                             std::pair{"epsilon", &epsilon}}) {
+                             std::pair{"epsilon", &epsilon}, std::pair{"momentum", &momentum},
+                             std::pair{"threshold", &threshold}}) {
     OrtStatus* status = slot<KernelInfoGetAttributeFloat>(api, kKernelInfoGetAttributeFloat)(info, name, value);
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
@@ -479,7 +488,7 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
   }
   Kernel* kernel = new Kernel{api, as_operator(op), scale, causal != 0, layout == 1, backend == 1, trans_a != 0,
                               trans_b != 0, alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0, {},
-                              epsilon};
+                              epsilon, momentum, threshold};
   for (auto [name, values] : {std::pair{"stride", &kernel->conv.stride}, std::pair{"padding", &kernel->conv.padding},
                               std::pair{"dilation", &kernel->conv.dilation}}) {
     size_t size = 0;  // the count first (a null buffer), then the values
@@ -547,25 +556,32 @@ Operator make_lstm(bool backward) {
   return op;
 }
 
-// ConvGrad (dy, x, w) -> (dx, dw); ConvWeightGrad (dy, x, w) -> dw; the CPU's, float32
-Operator make_conv(bool input_grad) {
+// Conv (x, w) -> y; BiasConv (x, w, b) -> y; ConvGrad (dy, x, w) -> (dx, dw); ConvWeightGrad (dy, x, w) -> dw;
+// ThresholdGrad (dy, y) -> dx; the CPU's, float32
+Operator make_conv(ConvOp kind, bool bias = false) {
+  static const char* const names[] = {"", "Conv", "ConvGrad", "ConvWeightGrad", "ThresholdGrad"};
+  const char* name = bias ? "BiasConv" : names[static_cast<int>(kind)];
+  const size_t inputs = kind == ConvOp::kForward ? (bias ? 3 : 2) : kind == ConvOp::kThresholdGrad ? 2 : 3,
+               outputs = kind == ConvOp::kGrad ? 2 : 1;
   Operator op{};
-  set_entry(&op, kOpVersion, input_grad ? "ConvGrad" : "ConvWeightGrad", false,
-            std::vector<ONNXTensorElementDataType>(3, ONNX_FLOAT),
-            std::vector<ONNXTensorElementDataType>(input_grad ? 2 : 1, ONNX_FLOAT), create_kernel, destroy_kernel,
-            compute);
-  op.backward = input_grad;
-  op.conv = true;
+  set_entry(&op, kOpVersion, name, false, std::vector<ONNXTensorElementDataType>(inputs, ONNX_FLOAT),
+            std::vector<ONNXTensorElementDataType>(outputs, ONNX_FLOAT), create_kernel, destroy_kernel, compute);
+  op.backward = kind != ConvOp::kForward;
+  op.bias = bias;
+  op.conv = kind;
   op.type = ONNX_FLOAT;
   return op;
 }
 
-// BatchNormGrad (dy, x, w, save_mean, save_invstd) -> (dx, dw, db); the CPU's, float32
-Operator make_batch_norm_grad() {
+// BatchNormGrad (dy, x, w, save_mean, save_invstd) -> (dx, dw, db); BatchNormTraining (x, w, b, running_mean,
+// running_var) -> (y, save_mean, save_invstd, new_running_mean, new_running_var); the CPU's, float32
+Operator make_batch_norm(bool backward) {
   Operator op{};
-  set_entry(&op, kOpVersion, "BatchNormGrad", false, std::vector<ONNXTensorElementDataType>(5, ONNX_FLOAT),
-            std::vector<ONNXTensorElementDataType>(3, ONNX_FLOAT), create_kernel, destroy_kernel, compute);
-  op.backward = true;
+  set_entry(&op, kOpVersion, backward ? "BatchNormGrad" : "BatchNormTraining", false,
+            std::vector<ONNXTensorElementDataType>(5, ONNX_FLOAT),
+            std::vector<ONNXTensorElementDataType>(backward ? 3 : 5, ONNX_FLOAT), create_kernel, destroy_kernel,
+            compute);
+  op.backward = backward;
   op.batch_norm = true;
   op.type = ONNX_FLOAT;
   return op;
@@ -598,8 +614,9 @@ const std::vector<Operator>& operators() {
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_DOUBLE})
         for (bool backward : {false, true}) ops.push_back(make_ctc(backward, cuda, t));
     for (bool backward : {false, true}) ops.push_back(make_lstm(backward));
-    for (bool input_grad : {false, true}) ops.push_back(make_conv(input_grad));
-    ops.push_back(make_batch_norm_grad());
+    for (ConvOp kind : {ConvOp::kGrad, ConvOp::kWeightGrad, ConvOp::kThresholdGrad}) ops.push_back(make_conv(kind));
+    for (bool bias : {false, true}) ops.push_back(make_conv(ConvOp::kForward, bias));
+    for (bool backward : {false, true}) ops.push_back(make_batch_norm(backward));
     for (bool cuda : providers)
       for (ONNXTensorElementDataType t : {ONNX_FLOAT, ONNX_FLOAT16, ONNX_BFLOAT16}) {
         ops.push_back(make_operator("Attention", false, false, cuda, t));
