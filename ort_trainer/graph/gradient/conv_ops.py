@@ -127,18 +127,18 @@ def _per_dim(values, dims: int) -> list[int]:
     return values * dims if len(values) == 1 else values
 
 
-def rewrite_joint(program) -> int:
-    """Where the joint trace left what ``KEPT`` names (the switch on), replace, in place, each convolution by the
+def rewrite_joint(program, on: bool = True) -> int:
+    """Where ``on`` (``KEPT`` was kept: the switch on), replace, in place, each convolution by the
     kernels' operator (``conv``), each ReLU's gradient (``threshold_backward``) by ``threshold_grad``, and each
     ``convolution_backward`` by the kernels' operator (and a sum for the bias); returns how many backwards it
     replaced."""
     calls = [n for n in program.graph.nodes if n.op == "call_function"]
-    if not any(n.target in KEPT for n in calls):
+    if not on:
         return 0  # (the switch off, or no convolution here: the joint trace decomposed what ``kept`` did not name)
     for node in [n for n in calls if n.target == _aten.convolution.default]:
         x, w, b, stride, padding, dilation, transposed, _pad, groups = node.args
         if transposed:
-            raise RuntimeError(f"{node.name}: a transposed convolution, which applies() should have kept ONNX's")
+            continue  # (one whose backward no one needs: applies() let it pass; ONNX's forward)
         dims = w.meta["val"].dim() - 2
         retarget(node, torch.ops.ort_trainer.conv.default,
                  (x, w, b, _per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups)))
