@@ -70,6 +70,11 @@ def _gradients(model: torch.nn.Module, options: dict, float64: torch.nn.Module |
     return got, expected, trainer
 
 
+def _check_gradients(got: dict, expected: dict, bound: float, case: str = "") -> None:
+    for name in expected:
+        check(relative_error(got[name].numpy(), expected[name].numpy()), bound, f"{case}{name}")
+
+
 def _node_types(trainer: ORTTrainer) -> list[str]:
     """The gradient graph's node types, a torch kernel's as ``torch.Name``."""
     return [("torch." if node.domain == TORCH_OPS_DOMAIN else "") + node.op_type
@@ -79,8 +84,7 @@ def _node_types(trainer: ORTTrainer) -> list[str]:
 def test_each_convolutions_backward_is_one_node_of_torchs_kernels_with_autograds_gradients():
     torch.manual_seed(0)
     got, expected, trainer = _gradients(_Convs(), {})
-    for name in expected:
-        check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, name)
+    _check_gradients(got, expected, GRADIENT_BOUND)
     types = _node_types(trainer)
     # the first convolution's input is the data: its weight's gradient alone
     assert types.count("torch.ConvWeightGrad") == 1 and types.count("torch.ConvGrad") == 4
@@ -97,8 +101,7 @@ def test_otherwise_every_convolutions_backward_stays_onnxs(case):
     model = _Convs(transposed=case == "a transposed convolution")
     options = {"graph_optimizations": {"torch_convolutions": False}} if case == "switched off" else {}
     got, expected, trainer = _gradients(model, options)
-    for name in expected:
-        check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, f"{case}: {name}")
+    _check_gradients(got, expected, GRADIENT_BOUND, f"{case}: ")
     types = _node_types(trainer)
     assert not any(t.startswith("torch.") for t in types) and "ConvTranspose" in types and "Conv" in types
 
@@ -142,8 +145,7 @@ def _batch_norm_step(model: torch.nn.Module, options: dict) -> tuple[ORTTrainer,
     float64's); returns the trainer and the float64 model, stepped."""
     float64 = copy.deepcopy(model).double()
     got, expected, trainer = _gradients(model, options, float64, size=8)
-    for name in expected:
-        check(relative_error(got[name].numpy(), expected[name].numpy()), NORM_BOUND, name)
+    _check_gradients(got, expected, NORM_BOUND)
     state = trainer.state_dict(pytorch_format=True)
     for name, value in float64.state_dict().items():
         if "running" in name:
@@ -188,7 +190,6 @@ def test_a_relu_of_another_dtype_keeps_torchs_decomposition():
     """``ThresholdGrad`` takes float32: the float64 ReLU's gradient is the ``masked_fill`` torch decomposes it into."""
     torch.manual_seed(0)
     got, expected, trainer = _gradients(_Float64Relu(), {})
-    for name in expected:
-        check(relative_error(got[name].numpy(), expected[name].numpy()), GRADIENT_BOUND, name)
+    _check_gradients(got, expected, GRADIENT_BOUND)
     types = _node_types(trainer)
     assert types.count("torch.ThresholdGrad") == 1 and "Where" in types

@@ -166,6 +166,18 @@ def _batch(generator, batch=5):
                                                                                           generator=generator)
 
 
+def _train_alongside(trainer: ORTTrainer, reference: torch.nn.Module, optimizer, batches: list, bound: float) -> None:
+    """Train ``trainer`` and eager ``reference`` (by ``optimizer``) on the same ``batches``: each step's loss within
+    ``bound``."""
+    for step, batch in enumerate(batches):
+        got = float(trainer.train_step(*batch))
+        optimizer.zero_grad()
+        expected = reference(*batch)
+        expected.backward()
+        optimizer.step()
+        check(relative_error(got, float(expected)), bound, f"step {step}")
+
+
 @pytest.mark.parametrize("layer, fused", [(torch.nn.LSTM, True), (torch.nn.LSTM, False), (torch.nn.GRU, True)],
                          ids=["lstm", "lstm-unrolled", "gru"])
 def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, fused, tmp_path):
@@ -178,14 +190,7 @@ def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, fused, tm
     trainer = ORTTrainer(model, _DESC, SGDConfig(lr=0.5), options=options)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(1)
-    for step in range(4):
-        batch = _batch(generator)
-        got = float(trainer.train_step(*batch))
-        optimizer.zero_grad()
-        expected = reference(*batch)
-        expected.backward()
-        optimizer.step()
-        check(relative_error(got, float(expected)), TRAINING_BOUND, f"step {step}")
+    _train_alongside(trainer, reference, optimizer, [_batch(generator) for _ in range(4)], TRAINING_BOUND)
     layers = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
     fused_layers = fused and layer is torch.nn.LSTM and fused_lstm.available()
     assert sorted(layers) == (["LSTMLayer"] * 4 + ["LSTMLayerGrad"] * 4 if fused_layers else [])
@@ -238,15 +243,8 @@ def test_a_packed_encoders_final_cell_state_trains_and_saves_with_a_symbolic_len
     trainer = ORTTrainer(model, desc, SGDConfig(lr=0.5), options=_TORCH_ROUTE)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(1)
-    for step in range(4):
-        ids, lengths, _ = _batch(generator)
-        batch = ids, lengths, torch.randint(0, 20, (5, 6), generator=generator)
-        got = float(trainer.train_step(*batch))
-        optimizer.zero_grad()
-        expected = reference(*batch)
-        expected.backward()
-        optimizer.step()
-        check(relative_error(got, float(expected)), SEQ2SEQ_BOUND, f"step {step}")
+    batches = [(*_batch(generator)[:2], torch.randint(0, 20, (5, 6), generator=generator)) for _ in range(4)]
+    _train_alongside(trainer, reference, optimizer, batches, SEQ2SEQ_BOUND)
     layers = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
     assert sorted(layers) == ["LSTMLayer"] * 4 + ["LSTMLayerGrad"] * 4  # the encoder's 2 and the decoder's 2
     state = trainer.state_dict(pytorch_format=True)

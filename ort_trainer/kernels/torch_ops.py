@@ -35,7 +35,7 @@ from . import KernelsUnavailable, _built, _compilers, _root
 from .torch_allocator import cuda_include_dir
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cc"
 _HEADERS = [Path(__file__).resolve().parent / "csrc" / name
-            for name in ("ort_abi.h", "ort_io.h", "torch_conv.h", "torch_norm.h", "torch_rnn.h")]
+            for name in ("ort_abi.h", "ort_io.h", "torch_io.h", "torch_conv.h", "torch_norm.h", "torch_rnn.h")]
 _NAME = "libort_trainer_torch_ops.so"
 _SWITCHES = ("graph_optimizations.fused_attention, torch_products, fused_lstm, torch_convolutions and "
              "torch_batch_norm, and a CTC loss (F.ctc_loss),")

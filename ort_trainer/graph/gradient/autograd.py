@@ -281,9 +281,8 @@ def build(traced: TracedModel, opset: int | None = None, outputs: Sequence[str] 
                           f"{_first_line(exc).rstrip('.')}{fix}") from exc
     if gelu:
         torch_gelu.rewrite_joint(joint, half=half_gelu, kernel="fused_gelu_gradient" in kernels)
-    for ops in (kernel_ops, batch_norm_ops):
+    for ops in (kernel_ops, conv_ops, batch_norm_ops):
         ops.rewrite_joint(joint)
-    conv_ops.rewrite_joint(joint, on=conv_ops.KEPT[0] in keep)
     if job["dynamic_shapes"] is not None:
         _traced_program.check_symbolic(joint, desc, "differentiating the model")
     seconds["joint"] = time.perf_counter() - started

@@ -57,8 +57,7 @@ def batch_norm_training(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, runni
                         running_var: torch.Tensor, momentum: float,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A training-mode batch norm's output, batch statistics (the mean and 1 / sqrt(var + eps)) and new running
-    statistics, as ``aten._native_batch_norm_legit_functional`` returns them: ONNX's ``BatchNormalization`` in
-    training mode and the running statistics' arithmetic (``register_translations``)."""
+    statistics, as ``aten._native_batch_norm_legit_functional`` returns them (``BatchNormTraining``)."""
     return tuple(t.clone() for t in _aten._native_batch_norm_legit_functional(x, w, b, running_mean, running_var,
                                                                               True, momentum, eps))
 
@@ -101,15 +100,18 @@ def rewrite_joint(program) -> int:
     """Replace each batch norm the joint trace left (``KEPT``), in place: the backward by the kernel's operator, the
     forward by ``batch_norm_training``; returns how many batch norms it rewrote."""
     backward, forward = KEPT
-    for node in [n for n in program.graph.nodes if n.op == "call_function" and n.target == forward]:
+    forwards = [n for n in program.graph.nodes if n.op == "call_function" and n.target == forward]
+    for node in forwards:
         x, w, b, running_mean, running_var, train, momentum, eps = node.args
         if not train or not isinstance(momentum, (int, float)):
             raise RuntimeError(f"{node.name}: a batch norm out of training or of a momentum that is no number, "
                                "which applies() should have kept ONNX's")
         retarget(node, torch.ops.ort_trainer.batch_norm_training.default,
                  (x, w, b, running_mean, running_var, float(momentum), float(eps)))
+    replaced = replace_result_readers(program, (backward,), _gradients)
+    if forwards and not replaced:  # (else recompiled there)
         program.graph_module.recompile()
-    return replace_result_readers(program, (backward,), _gradients)
+    return max(replaced, len(forwards))
 
 
 def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
@@ -132,7 +134,8 @@ _SCHEMAS = {
 
 
 def register_translations(registry) -> None:
-    """Add the translation of ``batch_norm_grad`` to the exporter's registry (``joint_onnx``)."""
+    """Add the translations of ``batch_norm_grad`` and ``batch_norm_training`` to the exporter's registry
+    (``joint_onnx``)."""
     import onnx
     import onnxscript
 

@@ -16,7 +16,8 @@ gradient) undecomposed (``KEPT``) and ``rewrite_joint`` replaces
   ``aten::convolution_backward``), or by ``ort_trainer::conv_weight_grad(...)`` -> ``dw`` (``ConvWeightGrad``) where
   the input needs no gradient (the model's data, the first convolution), and the bias's gradient, where there is
   one, by the sum of the output gradient over all but the channels;
-- each forward convolution by ``ort_trainer::conv`` (``Conv`` / ``BiasConv``: ``aten::convolution``);
+- each forward convolution by ``ort_trainer::conv`` (``Conv`` / ``BiasConv``: ``aten::convolution``; the
+  transposed ones a backward's decomposition wrote, an average pool's gradient, stay ONNX's);
 - each float32 ``threshold_backward`` by ``ort_trainer::threshold_grad`` (``ThresholdGrad``, written into ONNX
   Runtime's buffer), one of another dtype by the ``masked_fill`` torch decomposes it into.
 
@@ -127,18 +128,20 @@ def _per_dim(values, dims: int) -> list[int]:
     return values * dims if len(values) == 1 else values
 
 
-def rewrite_joint(program, on: bool = True) -> int:
-    """Where ``on`` (``KEPT`` was kept: the switch on), replace, in place, each convolution by the
-    kernels' operator (``conv``), each ReLU's gradient (``threshold_backward``) by ``threshold_grad``, and each
-    ``convolution_backward`` by the kernels' operator (and a sum for the bias); returns how many backwards it
-    replaced."""
+def rewrite_joint(program) -> int:
+    """Where the joint trace left what ``KEPT`` names (it decomposes them unless ``kept`` named them: the switch
+    applies), replace, in place, each float32 convolution on the CPU by the kernels' operator (``conv``), each
+    ReLU's gradient (``threshold_backward``) by ``threshold_grad`` (float32) or torch's ``masked_fill``
+    decomposition (another dtype), and each ``convolution_backward`` by the kernels' operator (and a sum for the
+    bias); returns how many backwards it replaced."""
     calls = [n for n in program.graph.nodes if n.op == "call_function"]
-    if not on:
-        return 0  # (the switch off, or no convolution here: the joint trace decomposed what ``kept`` did not name)
+    if not any(n.target in KEPT for n in calls):
+        return 0
     for node in [n for n in calls if n.target == _aten.convolution.default]:
         x, w, b, stride, padding, dilation, transposed, _pad, groups = node.args
-        if transposed:
-            continue  # (one whose backward no one needs: applies() let it pass; ONNX's forward)
+        value = x.meta["val"]
+        if transposed or value.dtype != torch.float32 or value.device.type != "cpu":
+            continue  # (one a backward's decomposition wrote, an average pool's gradient: ONNX's)
         dims = w.meta["val"].dim() - 2
         retarget(node, torch.ops.ort_trainer.conv.default,
                  (x, w, b, _per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups)))
@@ -146,13 +149,15 @@ def rewrite_joint(program, on: bool = True) -> int:
         dy, y, threshold = node.args
         if dy.meta["val"].dtype == torch.float32:
             retarget(node, torch.ops.ort_trainer.threshold_grad.default, (dy, y, float(threshold)))
-        else:  # (a ReLU of another dtype: torch's decomposition, which the exporter translates)
+        else:
             with program.graph.inserting_before(node):
                 below = Builder(program.graph, node)(_aten.le.Scalar, y, threshold)
             retarget(node, _aten.masked_fill.Scalar, (dy, below, 0.0))
-    program.graph.lint()
-    program.graph_module.recompile()
-    return replace_result_readers(program, KEPT[:1], _gradients)
+    replaced = replace_result_readers(program, KEPT[:1], _gradients)
+    if not replaced:  # (else linted and recompiled there)
+        program.graph.lint()
+        program.graph_module.recompile()
+    return replaced
 
 
 def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:

@@ -18,13 +18,13 @@
 
 #include <ATen/ATen.h>
 
-#include <array>
 #include <exception>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "ort_io.h"
+#include "torch_io.h"
 
 namespace ort_trainer_kernels {
 
@@ -36,17 +36,6 @@ struct ConvAttributes {
 // Conv or BiasConv, ConvGrad, ConvWeightGrad, ThresholdGrad
 enum class ConvOp { kNone, kForward, kGrad, kWeightGrad, kThresholdGrad };
 
-// copies torch's results into the run's outputs, one each
-inline OrtStatus* write_outputs(const OrtApi* api, OrtKernelContext* context, const std::vector<at::Tensor>& results) {
-  for (size_t i = 0; i < results.size(); ++i) {
-    Tensor out;
-    const std::vector<int64_t> dims(results[i].sizes().begin(), results[i].sizes().end());
-    ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &out));
-    if (out.size > 0) at::from_blob(out.data, dims, results[i].options()).copy_(results[i]);
-  }
-  return nullptr;
-}
-
 inline OrtStatus* compute_threshold_grad(const OrtApi* api, OrtKernelContext* context, const std::string& name,
                                          double threshold) {
   Tensor dy, y, dx;
@@ -56,10 +45,8 @@ inline OrtStatus* compute_threshold_grad(const OrtApi* api, OrtKernelContext* co
   ORTT_RETURN_IF_ERROR(output(api, context, 0, y.dims, &dx));
   if (dx.size == 0) return nullptr;
   try {
-    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor out = at::from_blob(dx.data, dx.dims, options);
-    at::threshold_backward_out(out, at::from_blob(dy.data, dy.dims, options), at::from_blob(y.data, y.dims, options),
-                               threshold);
+    at::Tensor out = float32_tensor(dx);
+    at::threshold_backward_out(out, float32_tensor(dy), float32_tensor(y), threshold);
     return nullptr;
   } catch (const std::exception& error) {
     return fail(api, name + ": " + error.what());
@@ -77,12 +64,10 @@ inline OrtStatus* compute_conv(const OrtApi* api, OrtKernelContext* context, con
     return fail(api, name + ": x and w must have the same rank (3 or more), b one dim, and stride, padding and "
                             "dilation one value per spatial dim");
   try {
-    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
-    auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, options); };
-    const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(wrap(in[2])) : std::nullopt;
-    return write_outputs(api, context, {at::convolution(wrap(in[0]), wrap(in[1]), b, conv.stride, conv.padding,
-                                                        conv.dilation, false, std::vector<int64_t>(space, 0),
-                                                        conv.groups)});
+    const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(float32_tensor(in[2])) : std::nullopt;
+    return write_outputs(api, context, {at::convolution(float32_tensor(in[0]), float32_tensor(in[1]), b, conv.stride,
+                                                        conv.padding, conv.dilation, false,
+                                                        std::vector<int64_t>(space, 0), conv.groups)});
   } catch (const std::exception& error) {
     return fail(api, name + ": " + error.what());
   }
@@ -99,11 +84,8 @@ inline OrtStatus* compute_conv_grad(const OrtApi* api, OrtKernelContext* context
     return fail(api, name + ": dy, x and w must have the same rank (3 or more), and stride, padding and dilation one "
                             "value per spatial dim");
   try {
-    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
-    const at::Tensor dy = at::from_blob(in[0].data, in[0].dims, options),
-                     x = at::from_blob(in[1].data, in[1].dims, options),
-                     w = at::from_blob(in[2].data, in[2].dims, options);
-    auto grads = at::convolution_backward(dy, x, w, std::nullopt, conv.stride, conv.padding, conv.dilation, false,
+    auto grads = at::convolution_backward(float32_tensor(in[0]), float32_tensor(in[1]), float32_tensor(in[2]),
+                                          std::nullopt, conv.stride, conv.padding, conv.dilation, false,
                                           std::vector<int64_t>(space, 0), conv.groups, {input_grad, true, false});
     return write_outputs(api, context, input_grad ? std::vector<at::Tensor>{std::get<0>(grads), std::get<1>(grads)}
                                                   : std::vector<at::Tensor>{std::get<1>(grads)});

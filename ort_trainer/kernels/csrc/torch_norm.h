@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "ort_io.h"
-#include "torch_conv.h"
+#include "torch_io.h"
 
 namespace ort_trainer_kernels {
 
@@ -32,10 +32,9 @@ inline OrtStatus* compute_batch_norm_grad(const OrtApi* api, OrtKernelContext* c
       in[3].dims != in[2].dims || in[4].dims != in[2].dims)
     return fail(api, name + ": dy and x must be [batch, channels, ...] alike, w and the statistics [channels]");
   try {
-    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
-    auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, options); };
-    auto [dx, dw, db] = at::native_batch_norm_backward(wrap(in[0]), wrap(in[1]), wrap(in[2]), std::nullopt,
-                                                       std::nullopt, wrap(in[3]), wrap(in[4]), true, epsilon,
+    auto [dx, dw, db] = at::native_batch_norm_backward(float32_tensor(in[0]), float32_tensor(in[1]),
+                                                       float32_tensor(in[2]), std::nullopt, std::nullopt,
+                                                       float32_tensor(in[3]), float32_tensor(in[4]), true, epsilon,
                                                        {true, true, true});
     return write_outputs(api, context, {dx, dw, db});
   } catch (const std::exception& error) {
@@ -54,14 +53,12 @@ inline OrtStatus* compute_batch_norm_training(const OrtApi* api, OrtKernelContex
   for (size_t i = 0; i < out.size(); ++i)
     ORTT_RETURN_IF_ERROR(output(api, context, i, i ? in[1].dims : x.dims, &out[i]));
   try {
-    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
-    auto wrap = [&](const Tensor& t) { return at::from_blob(t.data, t.dims, options); };
-    at::Tensor y = wrap(out[0]), mean = wrap(out[1]), invstd = wrap(out[2]), running_mean = wrap(out[3]),
-               running_var = wrap(out[4]);
-    running_mean.copy_(wrap(in[3]));
-    running_var.copy_(wrap(in[4]));
-    at::native_batch_norm_out(y, mean, invstd, wrap(x), wrap(in[1]), wrap(in[2]), running_mean, running_var, true,
-                              momentum, epsilon);
+    at::Tensor y = float32_tensor(out[0]), mean = float32_tensor(out[1]), invstd = float32_tensor(out[2]),
+               running_mean = float32_tensor(out[3]), running_var = float32_tensor(out[4]);
+    running_mean.copy_(float32_tensor(in[3]));
+    running_var.copy_(float32_tensor(in[4]));
+    at::native_batch_norm_out(y, mean, invstd, float32_tensor(x), float32_tensor(in[1]), float32_tensor(in[2]),
+                              running_mean, running_var, true, momentum, epsilon);
     return nullptr;
   } catch (const std::exception& error) {
     return fail(api, name + ": " + error.what());

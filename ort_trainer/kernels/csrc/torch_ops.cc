@@ -58,9 +58,10 @@
 // LSTM layers (graph/export/fused_lstm.py), oneDNN's kernels as torch runs them on the CPU: LSTMLayer and
 // LSTMLayerGrad, in torch_rnn.h.
 //
-// A convolution's backward (graph/gradient/conv_ops.py), oneDNN's kernels on the CPU: ConvGrad and ConvWeightGrad,
-// in torch_conv.h. Training-mode batch norm's backward (graph/gradient/batch_norm_ops.py): BatchNormGrad, in
-// torch_norm.h.
+// A CNN's convolutions (graph/gradient/conv_ops.py), oneDNN's kernels on the CPU: Conv, BiasConv, ConvGrad,
+// ConvWeightGrad, and ReLU gradients, ThresholdGrad, in torch_conv.h. Training-mode batch norm
+// (graph/gradient/batch_norm_ops.py): BatchNormTraining and BatchNormGrad, in torch_norm.h. (torch_io.h: what the
+// three headers share.)
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/SDPBackend.h>

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "ort_io.h"
+#include "torch_io.h"
 
 namespace ort_trainer_kernels {
 
@@ -67,10 +68,8 @@ inline OrtStatus* compute_lstm(const OrtApi* api, OrtKernelContext* context, con
     return fail(api, name + ": x must be [steps, batch, features], w_hh [4 x hidden, hidden], h0 and c0 [batch, "
                             "hidden] (and the workspace's key [1])");
   try {
-    const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
     std::vector<at::Tensor> t;
-    for (size_t i = 0; i < count; ++i)
-      t.push_back(i == 10 ? at::Tensor() : at::from_blob(in[i].data, in[i].dims, options));
+    for (size_t i = 0; i < count; ++i) t.push_back(i == 10 ? at::Tensor() : float32_tensor(in[i]));
     const int64_t hidden = t[2].size(1);
     c10::AutoGradMode grad_mode(true);  // the forward keeps its workspace only where autograd may ask for it
     std::vector<at::Tensor> results;
@@ -82,7 +81,7 @@ inline OrtStatus* compute_lstm(const OrtApi* api, OrtKernelContext* context, con
         key = static_cast<int64_t>(reinterpret_cast<intptr_t>(node));
         Workspaces::all().keep(key, std::move(workspace));
       }
-      results = {y, hy, cy, at::full({1}, key, options.dtype(at::kLong))};
+      results = {y, hy, cy, at::full({1}, key, at::TensorOptions().dtype(at::kLong))};
     } else {
       std::optional<at::Tensor> workspace = Workspaces::all().take(*static_cast<const int64_t*>(in[10].data));
       if (!workspace)
@@ -94,13 +93,7 @@ inline OrtStatus* compute_lstm(const OrtApi* api, OrtKernelContext* context, con
       results = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads), std::get<3>(grads),
                  std::get<4>(grads), std::get<5>(grads), std::get<6>(grads)};
     }
-    for (size_t i = 0; i < results.size(); ++i) {
-      Tensor out;
-      const std::vector<int64_t> dims(results[i].sizes().begin(), results[i].sizes().end());
-      ORTT_RETURN_IF_ERROR(output(api, context, i, dims, &out));
-      if (out.size > 0) at::from_blob(out.data, dims, results[i].options()).copy_(results[i]);
-    }
-    return nullptr;
+    return write_outputs(api, context, results);
   } catch (const std::exception& error) {
     return fail(api, name + ": " + error.what());
   }
