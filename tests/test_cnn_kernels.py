@@ -174,7 +174,7 @@ def test_otherwise_every_batch_norms_backward_stays_onnxs(case):
 
 
 class _Float64Relu(torch.nn.Module):
-    """A ReLU of float32 convolution outputs and one of them widened to float64."""
+    """A ReLU of float32 convolution outputs and one of them widened to float64 (the loss in the input's dtype)."""
 
     def __init__(self):
         super().__init__()
@@ -183,7 +183,7 @@ class _Float64Relu(torch.nn.Module):
 
     def forward(self, x, target):
         h = self.second(torch.relu(self.conv(x)))
-        return torch.nn.functional.mse_loss(torch.relu(h.double() - 0.1).sum((1, 2, 3)).float(), target)
+        return torch.nn.functional.mse_loss(torch.relu(h.double() - 0.1).sum((1, 2, 3)).to(x.dtype), target)
 
 
 def test_a_relu_of_another_dtype_keeps_torchs_decomposition():
