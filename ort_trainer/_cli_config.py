@@ -23,7 +23,8 @@ DEFAULTS: dict[str, Any] = {
               "hidden": 128, "path": "", "task": "causal-lm"},
     "data": {"name": "stdlib", "files": "", "path": "", "text": "text", "label": "label", "max_bytes": 1_000_000,
              "validation_fraction": 0.1, "mask_probability": 0.15},
-    "optimizer": {"type": "adam", "lr": 1e-3, "lambda_coef": 0.01, "no_decay": ["bias", "ln", "norm"]},
+    "optimizer": {"type": "adam", "lr": 1e-3, "lambda_coef": 0.01, "no_decay": ["bias", "ln", "norm"], "momentum": 0.0,
+                  "nesterov": False},
     "lr_scheduler": {"type": "cosine", "warmup": 0.05},
     "train": {"max_steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 50, "eval_batches": 4,
               "checkpoint_every": 0},
@@ -58,8 +59,10 @@ KEY_DOCS: dict[str, str] = {
     "data.mask_probability": "masked-lm (hf_bert, hf masked-lm): the share of tokens masked and labelled",
     "optimizer.type": "adam, lamb or sgd",
     "optimizer.lr": "the base learning rate",
-    "optimizer.lambda_coef": "weight decay (adam, lamb)",
+    "optimizer.lambda_coef": "weight decay (adam, lamb: their lambda_coef; sgd: torch.optim.SGD's weight_decay)",
     "optimizer.no_decay": "name fragments: weights whose names contain one get no weight decay",
+    "optimizer.momentum": "sgd: the momentum factor, as torch.optim.SGD (0: plain SGD)",
+    "optimizer.nesterov": "sgd: Nesterov momentum (needs optimizer.momentum > 0)",
     "lr_scheduler.type": "the learning-rate schedule after the warmup (none: a constant lr without warmup)",
     "lr_scheduler.warmup": "the warmup's share of train.max_steps",
     "train.max_steps": "optimizer steps of the run",
@@ -117,6 +120,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optimizer.lr": (lambda v: math.isfinite(v) and v >= 0, "a finite float >= 0"),
     "optimizer.lambda_coef": (lambda v: math.isfinite(v) and v >= 0, "a finite float >= 0"),
     "optimizer.no_decay": (lambda v: all(isinstance(x, str) for x in v), "a list of name fragments (str)"),
+    "optimizer.momentum": (lambda v: math.isfinite(v) and v >= 0, "a finite float >= 0"),
     "lr_scheduler.warmup": (lambda v: 0 <= v <= 1, "a float in [0, 1] (a fraction of train.max_steps)"),
     "train.max_steps": (lambda v: v >= 1, "an int >= 1"),
     "train.batch_size": (lambda v: v >= 1, "an int >= 1"),
@@ -213,6 +217,14 @@ def _combination_problems(config: dict, problems: list[str]) -> list[str]:
     if classifying and not labelled:
         found.append("model.task=sequence-classification needs labelled examples: data.name=jsonl or csv, with "
                      "data.path, data.text and data.label")
+    optimizer = config["optimizer"]
+    if not bad & {"optimizer", "optimizer.type", "optimizer.momentum", "optimizer.nesterov"}:
+        if optimizer["type"] != "sgd":
+            found += [f"optimizer.{key}={optimizer[key]} is an SGD setting; optimizer.type={optimizer['type']} keeps "
+                      f"its own moments: drop optimizer.{key} or use optimizer.type=sgd"
+                      for key in ("momentum", "nesterov") if optimizer[key]]
+        elif optimizer["nesterov"] and not optimizer["momentum"]:
+            found.append("optimizer.nesterov=true needs a momentum: set optimizer.momentum, e.g. 0.9")
     if model["type"] not in ("mlp", "hf") and not bad & {"model.n_head", "model.n_embd"} and \
             model["n_embd"] % model["n_head"]:
         found.append(f"model.n_embd={model['n_embd']} must be a multiple of model.n_head={model['n_head']}")

@@ -48,11 +48,13 @@ def _optimizer(config: dict, model) -> Any:
 
     cfg = config["optimizer"]
     kind = cfg["type"]
-    if kind == "sgd":
-        return SGDConfig(lr=cfg["lr"])
     names = [n for n, _ in model.named_parameters()]
     no_decay = [n for n in names if any(part in n for part in cfg["no_decay"])]
-    groups = [{"params": no_decay, "lambda_coef": 0.0}] if no_decay and cfg["lambda_coef"] else []
+    decay_key = "weight_decay" if kind == "sgd" else "lambda_coef"
+    groups = [{"params": no_decay, decay_key: 0.0}] if no_decay and cfg["lambda_coef"] else []
+    if kind == "sgd":
+        return SGDConfig(params=groups, lr=cfg["lr"], momentum=cfg["momentum"], nesterov=cfg["nesterov"],
+                         weight_decay=cfg["lambda_coef"])
     if kind == "adam":
         return AdamConfig(params=groups, lr=cfg["lr"], lambda_coef=cfg["lambda_coef"])
     if kind == "lamb":

@@ -297,3 +297,35 @@ def test_a_job_that_does_not_fit_its_data_says_which_key_to_change(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # (its submodules too: an earlier test may have imported them)
     with pytest.raises(ImportError, match=r'data.name=digits needs scikit-learn: pip install -e ".\[examples\]"'):
         build_job(load_config(DIGITS))
+
+
+def test_sgd_keys_become_torch_sgds_momentum_nesterov_and_weight_decay():
+    import torch
+
+    from ort_trainer.cli import _optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))  # 0.weight decays; biases, norm not
+    config = load_config(DIGITS, ["optimizer.type=sgd", "optimizer.momentum=0.9", "optimizer.nesterov=true",
+                                  "optimizer.lambda_coef=0.02", "optimizer.no_decay=[bias, '1.']"])
+    sgd = _optimizer(config, model)
+    assert type(sgd).__name__ == "SGDConfig"
+    assert sgd.params == [{"params": ["0.bias", "1.weight", "1.bias"], "weight_decay": 0.0}]
+    assert sgd.group_hyperparameters(None) == {"lr": config["optimizer"]["lr"], "momentum": 0.9, "dampening": 0.0,
+                                               "nesterov": True, "weight_decay": 0.02}
+    assert sgd.group_hyperparameters(0)["weight_decay"] == 0.0
+    plain = _optimizer(load_config(DIGITS, ["optimizer.type=sgd", "optimizer.lambda_coef=0"]), model)
+    assert plain.params == [] and not plain.has_momentum
+
+
+def test_sgd_keys_with_another_optimizer_or_without_momentum_are_errors():
+    with pytest.raises(ConfigError) as info:
+        load_config(DIGITS, ["optimizer.type=adam", "optimizer.momentum=0.9", "optimizer.nesterov=true"])
+    assert str(info.value).splitlines()[1:] == [
+        "  optimizer.momentum=0.9 is an SGD setting; optimizer.type=adam keeps its own moments: drop "
+        "optimizer.momentum or use optimizer.type=sgd",
+        "  optimizer.nesterov=True is an SGD setting; optimizer.type=adam keeps its own moments: drop "
+        "optimizer.nesterov or use optimizer.type=sgd"]
+    with pytest.raises(ConfigError, match=r"optimizer.nesterov=true needs a momentum: set optimizer.momentum"):
+        load_config(DIGITS, ["optimizer.type=sgd", "optimizer.nesterov=true"])
+    with pytest.raises(ConfigError, match=r"optimizer.momentum: expected a finite float >= 0, got -0.5"):
+        load_config(DIGITS, ["optimizer.type=sgd", "optimizer.momentum=-0.5"])
