@@ -24,6 +24,9 @@ from tolerances import check, steps_bound
 
 JOB = textwrap.dedent("""
     import sys, torch
+    import onnxruntime  # (onnxruntime-training imports torch.onnx and sympy itself)
+    HEAVY = ("sympy", "torch._functorch.aot_autograd")
+    runtime_imports = {{m for m in HEAVY if m in sys.modules}}
     sys.path.insert(0, {tests!r})
     from models import MLP, MLP_DESC, mlp_batch
     from ort_trainer import ORTTrainer
@@ -34,6 +37,7 @@ JOB = textwrap.dedent("""
     for _ in range(3):
         loss = trainer.train_step(*mlp_batch(gen))[0]
     print("loss", repr(loss.item()))
+    print("export stack:", sorted(m for m in HEAVY if m in sys.modules and m not in runtime_imports), file=sys.stderr)
 """)
 
 
@@ -50,6 +54,8 @@ def test_second_process_reuses_the_cached_graph(tmp_path):
     assert "built the training graph" in first.stderr and "reused" not in first.stderr
     assert "reused the cached training graph" in second.stderr and "built the training graph" not in second.stderr
     assert first.stdout == second.stdout  # same losses from the cached graph
+    # a cached graph needs none of torch's export stack (sympy alone holds ~32 MB of the process)
+    assert "export stack: []" in second.stderr
     entries = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     # the static-shape graph of the one batch shape the job uses (symbolic graphs only when needed)
     assert len(entries) == 1 and all((entry / "meta.json").exists() for entry in entries)

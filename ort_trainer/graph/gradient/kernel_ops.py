@@ -43,7 +43,6 @@ import operator
 
 import onnx
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...kernels import DOMAIN, OPSET
 from . import onnx_schemas
@@ -262,6 +261,8 @@ def _scores_and_bias(x) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     values = [_value(a) if isinstance(a, torch.fx.Node) else None for a in x.args]
     if out is None or out.dim() > _MAX_BIAS_RANK or any(v is None or v.dtype != out.dtype for v in values):
         return None
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # (sympy: imported on a build only)
+
     for scores, bias in ((0, 1), (1, 0)):
         shape = values[scores].shape
         if len(shape) == out.dim() and all(statically_known_true(a == b) for a, b in zip(shape, out.shape)):
