@@ -15,9 +15,9 @@ refused it); nothing becomes current before ``commit``, so a dropped step change
   Weights and optimizer states are held once.
 
 ``update_class`` picks one from the ``graph.optimizer`` option and the optimizer config: the fused
-kernels only where their formula is api.md's (plain SGD; Adam in mode BEFORE_WEIGHT_UPDATE with bias
-correction, which is torch's AdamW), the graph for everything else (Lamb, Adam mode AFTER, Adam
-without bias correction, SGD with momentum or weight decay).
+kernels only where their formula is api.md's (SGD, with torch's momentum, dampening, Nesterov momentum
+and weight decay; Adam in mode BEFORE_WEIGHT_UPDATE with bias correction, which is torch's AdamW), the
+graph for everything else (Lamb, Adam mode AFTER, Adam without bias correction).
 """
 
 from __future__ import annotations
@@ -115,8 +115,6 @@ class OptimizerUpdate:
 def fused_problem(config: _OptimizerConfig) -> str | None:
     """Why torch's fused kernels cannot compute ``config``'s update exactly (None: they can)."""
     if isinstance(config, SGDConfig):
-        if config.has_momentum or any(hp["weight_decay"] for hp in resolved_groups(config)):
-            return "SGD with momentum or weight decay: the fused update runs plain SGD's kernel alone"
         return None
     if isinstance(config, LambConfig):
         return "Lamb's trust ratio needs per-tensor norms of the update; torch has no fused Lamb kernel"
@@ -128,6 +126,12 @@ def fused_problem(config: _OptimizerConfig) -> str | None:
         if not hp["do_bias_correction"]:
             return f"AdamConfig do_bias_correction=False ({where}): torch's fused AdamW always corrects the bias"
     return None
+
+
+def _plain_sgd(config: _OptimizerConfig) -> bool:
+    """Whether ``config`` is SGD without momentum and weight decay in every group."""
+    return isinstance(config, SGDConfig) and not any(hp["momentum"] or hp["weight_decay"]
+                                                     for hp in resolved_groups(config))
 
 
 def update_class(implementation: str, config: _OptimizerConfig) -> type[OptimizerUpdate]:
@@ -147,7 +151,8 @@ def update_class(implementation: str, config: _OptimizerConfig) -> type[Optimize
         return GraphUpdate
     logger.debug("optimizer update: torch's fused %s kernel in place, one pass per parameter segment "
                  "(graph.optimizer='fused', and the kernel's formula is this config's)",
-                 "SGD (add_)" if isinstance(config, SGDConfig) else "AdamW")
+                 ("SGD (add_)" if _plain_sgd(config) else "SGD (_fused_sgd_)") if isinstance(config, SGDConfig)
+                 else "AdamW")
     return FusedUpdate
 
 
@@ -237,7 +242,9 @@ class _Segment:
 class FusedUpdate(OptimizerUpdate):
     """Torch's fused kernels in place over the engine's buffers, one pass per parameter segment.
 
-    SGD is ``w.add_(g, alpha=-lr·s)``; Adam is ``torch._fused_adamw_``, torch's AdamW kernel:
+    Plain SGD is ``w.add_(g, alpha=-lr·s)``; SGD with a momentum or weight decay is ``torch._fused_sgd_``,
+    ``torch.optim.SGD``'s kernel (its first step, ``t = 1``, fills the momentum buffer undamped, as the graph);
+    Adam is ``torch._fused_adamw_``, torch's AdamW kernel:
     ``w ← w·(1 − lr·λ) − lr/c1 · m/(√v/√c2 + ε)`` after ``m ← m + (1−α)(g − m)``,
     ``v ← β·v + (1−β)·g²``, the formula of api.md's mode BEFORE with bias correction. The
     gradient's scale ``s`` (averaging, loss-scale division, clipping) enters as the kernel's
@@ -332,15 +339,22 @@ class FusedUpdate(OptimizerUpdate):
 
     def _run(self, segments: list[_Segment], rates: list[np.float32], scale: np.float32, step: int) -> None:
         """The kernels, in place on ``segments``."""
-        if self._sgd:
-            for seg in segments:  # the graph's w - g·(lr·s), lr·s rounded to float32 as there
-                seg.weights.add_(seg.grads, alpha=-float(rates[seg.group] * scale))
-            return
         divisor = None
         if scale != 1:
             with np.errstate(divide="ignore"):
                 self._divisor.fill_(float(np.float32(1) / scale))
             divisor = self._divisor
+        if self._sgd:
+            for seg in segments:
+                hp, lr = self._groups[seg.group], float(rates[seg.group])
+                if not (hp["momentum"] or hp["weight_decay"]):  # the graph's w - g·(lr·s), lr·s rounded as there
+                    seg.weights.add_(seg.grads, alpha=-float(rates[seg.group] * scale))
+                    continue
+                torch._fused_sgd_([seg.weights], [seg.grads], seg.states[:1] if hp["momentum"] else [],
+                                  weight_decay=hp["weight_decay"], momentum=hp["momentum"], lr=lr,
+                                  dampening=hp["dampening"], nesterov=hp["nesterov"], maximize=False,
+                                  is_first_step=step == 1, grad_scale=divisor, found_inf=None)
+            return
         for seg, count in zip(segments, self._step_counts):
             hp = self._groups[seg.group]
             count.fill_(step)
@@ -350,7 +364,8 @@ class FusedUpdate(OptimizerUpdate):
                                 grad_scale=divisor, found_inf=None)
 
     def _measure(self) -> tuple[float, float]:
-        """max|w| and max|m| over this process's segments (one reduction over each, no temporaries).
+        """max|w| and max|m| (Adam's first moment, SGD's momentum buffer) over this process's segments (one
+        reduction over each, no temporaries).
 
         ``aminmax`` takes both ends in one pass, and the larger magnitude of the two is max|x| exactly;
         NaN when any value is NaN. ``vector_norm(x, inf)`` gives the same 13x slower on a CPU (80
@@ -362,15 +377,18 @@ class FusedUpdate(OptimizerUpdate):
                 return math.nan
             return max((abs(x) for x in ends), default=0.0)
         return (largest([s.weights for s in self._segments]),
-                0.0 if self._sgd else largest([s.states[0] for s in self._segments]))
+                largest([s.states[0] for s in self._segments if s.states]))
 
     def _bounds_after(self, rates: list[np.float32], gradient_bound: float, step: int) -> tuple[float, float] | None:
         """Bounds on max|w| and max|m| after this update, or None when they cannot rule out an overflow.
 
         ``gradient_bound`` is the scaled gradient's L2 norm, a bound on every |g·s|. The first
         moment is a convex combination, |m'| ≤ max(|m|, |g·s|). Adam moves a weight by
-        ``lr/c1 · |m'|/(√v'/√c2 + ε) ≤ lr/c1 · max|m'|/ε`` after scaling it by ``1 − lr·λ``; SGD
-        moves it by ``lr·|g·s|``. So ``max|w'| ≤ |1 − lr·λ|·max|w| + move``, and the sum of the n
+        ``lr/c1 · |m'|/(√v'/√c2 + ε) ≤ lr/c1 · max|m'|/ε`` after scaling it by ``1 − lr·λ``. SGD's
+        direction ``d = g·s + λ·w`` has ``|d| ≤ |g·s| + λ·max|w|``, its buffer ``b' = μ·b + (1−τ)·d``
+        (``d`` at the first step) ``|b'| ≤ μ·max|b| + max(1, |1−τ|)·|d|``, and it moves the weight by
+        ``lr·|d|``, ``lr·|b'|`` or, Nesterov's, ``lr·(|d| + μ·|b'|)``. So ``max|w'| ≤ |1 − lr·λ|·max|w| +
+        move`` (SGD: ``max|w| + move``), and the sum of the n
         new weights that the finiteness check adds up is at most ``n·max|w'|``. The bounds are
         carried from step to step (measured exactly once, and again after a load or an exact step),
         so deciding costs no pass over the buffers. Carried bounds only grow (by the rounding slack
@@ -394,8 +412,15 @@ class FusedUpdate(OptimizerUpdate):
             return None
         groups = {seg.group for seg in self._segments}
         if self._sgd:
-            m_new = m_max
-            w_new = w_max + max((float(rates[g]) * gradient_bound for g in groups), default=0.0)
+            m_new, w_new = m_max, w_max
+            for g in groups:
+                hp = self._groups[g]
+                move = gradient_bound + hp["weight_decay"] * w_max
+                if hp["momentum"]:
+                    buffer = (hp["momentum"] * m_max + max(1.0, abs(1.0 - hp["dampening"])) * move) * _SLACK
+                    m_new = max(m_new, buffer)
+                    move = move + hp["momentum"] * buffer if hp["nesterov"] else buffer
+                w_new = max(w_new, w_max + float(rates[g]) * move)
         else:
             m_new = max(m_max, gradient_bound) * _SLACK
             w_new = 0.0

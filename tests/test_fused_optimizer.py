@@ -86,6 +86,13 @@ CASES = {  # setup, config, options (a function: a loss scaler is stateful, one 
     "accumulation": ("mlp", AdamConfig(lr=1e-2, lambda_coef=0.01),
                      lambda: {"batch": {"gradient_accumulation_steps": 3}}),
     "sgd_accumulation": ("mlp", SGDConfig(lr=0.05), lambda: {"batch": {"gradient_accumulation_steps": 3}}),
+    "sgd_momentum": ("mlp", SGDConfig(lr=0.05, momentum=0.9, weight_decay=1e-3), dict),
+    "sgd_momentum_groups": ("mlp", SGDConfig(lr=0.05, momentum=0.9, dampening=0.2, params=[
+        {"params": ["fc1.weight"], "momentum": 0.5, "dampening": 0.0, "nesterov": True, "weight_decay": 0.01},
+        {"params": ["fc2.bias"], "momentum": 0.0, "weight_decay": 0.1}, {"params": ["fc2.weight"], "momentum": 0.0}]),
+                            dict),
+    "sgd_momentum_accumulation": ("mlp", SGDConfig(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+                                  lambda: {"batch": {"gradient_accumulation_steps": 3}}),
     "loss_scaler": ("mlp", AdamConfig(lr=1e-2),
                     lambda: {"mixed_precision": {"loss_scaler": DynamicLossScaler(loss_scale=2.0 ** 12)}}),
     "transformer": ("transformer", AdamConfig(lr=2e-3, lambda_coef=0.05), dict),
@@ -171,7 +178,8 @@ def _bitwise_same(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
 
 
-@pytest.mark.parametrize("config", [SGDConfig(lr=0.1), AdamConfig(lr=1e-2, lambda_coef=0.01)])
+@pytest.mark.parametrize("config", [SGDConfig(lr=0.1), SGDConfig(lr=0.1, momentum=0.9, weight_decay=0.01),
+                                    AdamConfig(lr=1e-2, lambda_coef=0.01)])
 def test_a_non_finite_gradient_changes_nothing_and_training_goes_on_like_the_graph(config):
     model = MLP()
     fused, graph = (_trainer("mlp", model, config, kind) for kind in ("fused", "graph"))
@@ -225,7 +233,8 @@ def _scaled_trainer(size, config, kind):
     return ORTTrainer(_Scaled(size), desc, config, options={"graph": {"optimizer": kind}})
 
 
-@pytest.mark.parametrize("config", [SGDConfig(lr=1e37), AdamConfig(lr=1e38, max_norm_clip=1e30)])
+@pytest.mark.parametrize("config", [SGDConfig(lr=1e37), SGDConfig(lr=1e37, momentum=0.9, nesterov=True),
+                                    AdamConfig(lr=1e38, max_norm_clip=1e30)])
 def test_an_update_that_would_overflow_takes_the_exact_path_and_changes_nothing(config, caplog):
     trainer = _scaled_trainer(4, config, "fused")
     trainer.eval_step(np.ones(4, np.float32))  # builds the engine: its optimizer state is in the "before"
@@ -264,9 +273,11 @@ def test_the_exact_path_runs_only_when_the_bound_says_so_and_keeps_a_finite_upda
     assert _bitwise_same(_state(fused), _state(graph))
 
 
-def test_the_exact_path_computes_what_the_fast_path_computes():
+@pytest.mark.parametrize("config", [AdamConfig(lr=1e-2, lambda_coef=0.01, max_norm_clip=0.5),
+                                    SGDConfig(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)])
+def test_the_exact_path_computes_what_the_fast_path_computes(config):
     """Forcing the exact path (copies, then copied back) on every step gives bitwise the fast path's result."""
-    model, config = MLP(), AdamConfig(lr=1e-2, lambda_coef=0.01, max_norm_clip=0.5)
+    model = MLP()
     fast, exact = (_trainer("mlp", model, config, "fused") for _ in range(2))
     x, y = mlp_batch(torch.Generator().manual_seed(0))
     exact.train_step(x, y)  # builds the engine
@@ -277,6 +288,21 @@ def test_the_exact_path_computes_what_the_fast_path_computes():
         exact.train_step(x, y)
     assert exact._engine.update.exact_updates == 5 and fast._engine.update.exact_updates == 0
     assert _bitwise_same(_state(fast), _state(exact))
+
+
+@pytest.mark.parametrize("config", [SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.5, params=[
+    {"params": ["fc1.weight"], "nesterov": True}, {"params": ["fc2.bias"], "momentum": 0.5, "dampening": 1.5},
+    {"params": ["fc2.weight"], "momentum": 0.0}]), AdamConfig(lr=0.5, lambda_coef=0.5)])
+def test_the_carried_bounds_hold_the_largest_weight_and_moment_step_after_step(config):
+    """``_bounds_after``'s bounds on max|w| and max|m| (Adam's first moment, SGD's momentum buffer) are at least
+    the measured ones after every step, with large rates, Nesterov momentum, a dampening past 1 and weight decay."""
+    trainer = _trainer("mlp", MLP(), config, "fused")
+    for x, y in _batches("mlp", 44, n=8):
+        trainer.train_step(x * 10, y)
+        update = trainer._engine.update
+        assert update._bounds is not None and update.exact_updates == 0
+        w_max, m_max = FusedUpdate._measure(update)
+        assert update._bounds[0] >= w_max and update._bounds[1] >= m_max and m_max > 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -306,7 +332,8 @@ def test_the_measured_bounds_are_the_largest_magnitudes_exactly_and_nan_from_any
                                                             float("inf"))) for s in segs if s.weights.numel())
                          for k in (0, 1)]
             assert (w_max, m_max) == tuple(reference)
-            assert FusedUpdate._measure(SimpleNamespace(_segments=segs, _sgd=True))[1] == 0.0
+            stateless = [_Segment(s.group, s.weights, s.grads, []) for s in segs]  # SGD without momentum
+            assert FusedUpdate._measure(SimpleNamespace(_segments=stateless, _sgd=True)) == (w_max, 0.0)
         for position in (0, 2, 3):
             for bad in (float("nan"), float("inf"), -float("inf")):
                 segs = segments(1.0)

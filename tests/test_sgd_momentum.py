@@ -69,6 +69,7 @@ def test_sgd_takes_torch_optim_sgds_steps(case, implementation):
         expected.backward()
         optimizer.step()
         check(relative_error(got, float(expected)), BOUND, f"{case}: step {step}")
+    assert type(trainer._engine.update).name == implementation  # torch's _fused_sgd_ or the ONNX graph
     state = trainer.state_dict(pytorch_format=True)
     for name, value in reference.state_dict().items():
         check(relative_error(state[name].numpy(), value.numpy()), BOUND, f"{case}: {name}")
