@@ -64,7 +64,7 @@ GRAPH_OPTIMIZATIONS: dict[str, _Field] = {
         "no projections) as one operator running oneDNN's LSTM kernels as eager PyTorch does, forward and backward, "
         "instead of the recurrence unrolled over the sequence, which also lets the sequence length stay symbolic"),
     "graph_optimizations.torch_convolutions": _Field(
-        _BOOL, True, "on the CPU, with the 'torch' source: where every convolution is a float32 one, not transposed, "
+        _BOOL, True, "on the CPU, with the 'torch' source: where every convolution is a float32 one (transposed too), "
         "each convolution and its backward (input and weight gradients), and each ReLU's gradient, as operators "
         "running oneDNN's and torch's kernels as eager PyTorch does, where ONNX Runtime computed the weight's "
         "gradient as a convolution 2.6-3.4x slower"),

@@ -4,7 +4,8 @@ and ``batch_norm_ops.py``): ``Conv`` / ``BiasConv`` and ``ConvGrad`` / ``ConvWei
 ``aten::convolution`` and ``aten::convolution_backward`` (oneDNN's on the CPU), ``ThresholdGrad`` nodes
 ``aten::threshold_backward``, ``BatchNormTraining`` and ``BatchNormGrad`` nodes ``aten::native_batch_norm`` and its
 backward inside ONNX Runtime, checked against float64 gradients and running statistics; where one convolution or
-batch norm is one they do not take, every one of its kind stays ONNX's.
+batch norm is one they do not take, every one of its kind stays ONNX's. Transposed convolutions (the model's, and
+those of an average pool's gradient) run the same kernels.
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ from tolerances import FLOAT32, check, relative_error
 
 pytestmark = pytest.mark.skipif(not has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
 
-# Gradients of float32 ONNX Runtime against float64 autograd: each is a sum of at most 2 x 6 x 6 = 72 terms (a
-# weight's, over the batch and the positions; an input's sums 6 channels x 9 taps = 54), carried back through 5
-# convolutions: 5 x 72 roundings of float32, with a 10x margin for tanh's own and for reading a gradient off one SGD
-# step (w0 - w1 cancels |w| / |g| <= ~30x u): 2.1e-4. Observed: <= 4.4e-7.
-GRADIENT_BOUND = 10 * 5 * 72 * FLOAT32
+# Gradients of float32 ONNX Runtime against float64 autograd: each is a sum of at most 2 x 12 x 12 = 288 terms (the
+# first transposed convolution's bias, over the batch and its 12 x 12 outputs; a weight's sums at most the batch x
+# 6 x 6 positions = 72, an input's 6 channels x 9 taps = 54), carried back through at most 5 convolutions: 5 x 288
+# roundings of float32, with a 10x margin for tanh's own and for reading a gradient off one SGD step (w0 - w1 cancels
+# |w| / |g| <= ~30x u): 8.6e-4. Observed: <= 4.4e-7.
+GRADIENT_BOUND = 10 * 5 * 288 * FLOAT32
 _TORCH_ROUTE = {"graph": {"gradient_source": "torch"}}
 _DESC = {"inputs": [("x", ["batch", 3, 12, 12]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
 
 
 class _Convs(torch.nn.Module):
     """A strided, dilated first convolution (its input needs no gradient), a grouped one without bias, a depthwise
-    one, and 1-d and 3-d convolutions of their output; ``transposed`` puts a transposed convolution after them."""
+    one, and 1-d and 3-d convolutions of their output; ``transposed`` adds transposed convolutions of theirs (strided,
+    padded, with an output padding, grouped, dilated; 2-d and 1-d) and an average pool."""
 
     def __init__(self, transposed: bool = False):
         super().__init__()
@@ -42,13 +45,17 @@ class _Convs(torch.nn.Module):
         self.depthwise = torch.nn.Conv2d(6, 6, 3, padding=1, groups=6)
         self.line = torch.nn.Conv1d(6, 4, 3, stride=2)
         self.volume = torch.nn.Conv3d(6, 2, (1, 3, 3))
-        self.transposed = torch.nn.ConvTranspose2d(6, 2, 2, stride=2) if transposed else None
+        self.transposed = torch.nn.Sequential(
+            torch.nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=1),
+            torch.nn.Tanh(), torch.nn.AvgPool2d(2), torch.nn.ConvTranspose2d(4, 2, 2, stride=2, bias=False),
+        ) if transposed else None
+        self.transposed_line = torch.nn.ConvTranspose1d(6, 3, 3, stride=3, dilation=2) if transposed else None
 
     def forward(self, x, target):
         h = torch.tanh(self.depthwise(torch.tanh(self.grouped(torch.tanh(self.first(x))))))
         total = self.line(h.flatten(2)).sum((1, 2)) + self.volume(h.unsqueeze(2)).sum((1, 2, 3, 4))
         if self.transposed is not None:
-            total = total + self.transposed(h).sum((1, 2, 3))
+            total = total + self.transposed(h).sum((1, 2, 3)) + self.transposed_line(h.flatten(2)).sum((1, 2))
         return torch.nn.functional.mse_loss(total, target)
 
 
@@ -81,27 +88,25 @@ def _node_types(trainer: ORTTrainer) -> list[str]:
             for node in trainer._graphs.gradient.graph.node]
 
 
-def test_each_convolutions_backward_is_one_node_of_torchs_kernels_with_autograds_gradients():
+@pytest.mark.parametrize("transposed", [False, True], ids=["convolutions", "with transposed ones"])
+def test_each_convolutions_backward_is_one_node_of_torchs_kernels_with_autograds_gradients(transposed):
     torch.manual_seed(0)
-    got, expected, trainer = _gradients(_Convs(), {})
+    got, expected, trainer = _gradients(_Convs(transposed), {})
     _check_gradients(got, expected, GRADIENT_BOUND)
     types = _node_types(trainer)
-    # the first convolution's input is the data: its weight's gradient alone
-    assert types.count("torch.ConvWeightGrad") == 1 and types.count("torch.ConvGrad") == 4
-    # the forward's, torch's too (the grouped one has no bias); none of ONNX's
-    assert types.count("torch.Conv") == 1 and types.count("torch.BiasConv") == 4
+    # the first convolution's input is the data: its weight's gradient alone; 3 more backwards of transposed ones
+    assert types.count("torch.ConvWeightGrad") == 1 and types.count("torch.ConvGrad") == 4 + 3 * transposed
+    # the forward's, torch's too (the grouped one and a transposed one have no bias; the average pool's gradient, a
+    # transposed convolution, neither); none of ONNX's
+    assert types.count("torch.Conv") == 1 + 2 * transposed and types.count("torch.BiasConv") == 4 + 2 * transposed
     assert "ConvTranspose" not in types and "Conv" not in types
 
 
-@pytest.mark.parametrize("case", ["switched off", "a transposed convolution"])
-def test_otherwise_every_convolutions_backward_stays_onnxs(case):
-    """Switched off, or where one convolution is transposed (autograd decomposes every backward or none), the
-    gradients are ONNX convolutions, autograd's all the same."""
+def test_switched_off_every_convolutions_backward_stays_onnxs():
+    """Switched off, the gradients are ONNX convolutions, autograd's all the same."""
     torch.manual_seed(0)
-    model = _Convs(transposed=case == "a transposed convolution")
-    options = {"graph_optimizations": {"torch_convolutions": False}} if case == "switched off" else {}
-    got, expected, trainer = _gradients(model, options)
-    _check_gradients(got, expected, GRADIENT_BOUND, f"{case}: ")
+    got, expected, trainer = _gradients(_Convs(transposed=True), {"graph_optimizations": {"torch_convolutions": False}})
+    _check_gradients(got, expected, GRADIENT_BOUND, "switched off: ")
     types = _node_types(trainer)
     assert not any(t.startswith("torch.") for t in types) and "ConvTranspose" in types and "Conv" in types
 

@@ -7,8 +7,8 @@ Autograd emits one ``aten.convolution_backward`` per convolution, which the expo
 convolution, the weight's a convolution of the input by the output gradient, the batch taking the place of the
 channels. ONNX Runtime's CPU kernels run that last one 2.6-3.4x slower than oneDNN's weight gradient (its kernel is
 as large as the image: a 3 x 3 ResNet convolution of [32, 64, 32, 32] takes 31 ms, oneDNN's 11.8 ms), and it is
-half of a CNN's step. Where every convolution of the program is one the kernels take (float32 on the CPU, not
-transposed: ``applies``), the joint trace leaves ``convolution_backward`` and ``threshold_backward`` (a ReLU's
+half of a CNN's step. Where every convolution of the program is one the kernels take (float32 on the CPU, transposed
+or not: ``applies``), the joint trace leaves ``convolution_backward`` and ``threshold_backward`` (a ReLU's
 gradient) undecomposed (``KEPT``) and ``rewrite_joint`` replaces
 
 - each ``convolution_backward`` by ``ort_trainer::conv_grad(dy, x, w, stride, padding, dilation, groups)`` ->
@@ -16,8 +16,8 @@ gradient) undecomposed (``KEPT``) and ``rewrite_joint`` replaces
   ``aten::convolution_backward``), or by ``ort_trainer::conv_weight_grad(...)`` -> ``dw`` (``ConvWeightGrad``) where
   the input needs no gradient (the model's data, the first convolution), and the bias's gradient, where there is
   one, by the sum of the output gradient over all but the channels;
-- each forward convolution by ``ort_trainer::conv`` (``Conv`` / ``BiasConv``: ``aten::convolution``; the
-  transposed ones a backward's decomposition wrote, an average pool's gradient, stay ONNX's);
+- each forward convolution by ``ort_trainer::conv`` (``Conv`` / ``BiasConv``: ``aten::convolution``; a transposed
+  one too, the model's and those a backward's decomposition wrote, an average pool's gradient);
 - each float32 ``threshold_backward`` by ``ort_trainer::threshold_grad`` (``ThresholdGrad``, written into ONNX
   Runtime's buffer), one of another dtype by the ``masked_fill`` torch decomposes it into.
 
@@ -40,29 +40,29 @@ from .fx_nodes import Builder, replace_result_readers, retarget
 _aten = torch.ops.aten
 # what the joint trace leaves undecomposed for ``rewrite_joint``
 KEPT = (_aten.convolution_backward.default, _aten.threshold_backward.default)
-# the forward's convolutions (before autograd), by whether they are transposed
-_CONVOLUTIONS = {_aten.conv1d.default: False, _aten.conv2d.default: False, _aten.conv3d.default: False,
-                 _aten.conv1d.padding: False, _aten.conv2d.padding: False, _aten.conv3d.padding: False,
-                 _aten.conv_transpose1d.default: True, _aten.conv_transpose2d.input: True,
-                 _aten.conv_transpose3d.input: True}
+# the forward's convolutions (before autograd), transposed or not
+_CONVOLUTIONS = frozenset({_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default, _aten.conv1d.padding,
+                           _aten.conv2d.padding, _aten.conv3d.padding, _aten.conv_transpose1d.default,
+                           _aten.conv_transpose2d.input, _aten.conv_transpose3d.input})
 
 
-def _backward(dy, x, w, stride, padding, dilation, groups, input_grad):
-    return _aten.convolution_backward(dy, x, w, None, stride, padding, dilation, False, [0] * len(stride), groups,
+def _backward(dy, x, w, stride, padding, dilation, transposed, output_padding, groups, input_grad):
+    return _aten.convolution_backward(dy, x, w, None, stride, padding, dilation, transposed, output_padding, groups,
                                       [input_grad, True, False])
 
 
 @torch.library.custom_op("ort_trainer::conv_grad", mutates_args=())
 def conv_grad(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int],
-              dilation: list[int], groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of a convolution's input and weight from its output's, ``(dx, dw)``, as the ``ConvGrad`` kernel
-    computes them (``aten.convolution_backward``)."""
-    dx, dw, _ = _backward(dy, x, w, stride, padding, dilation, groups, True)
+              dilation: list[int], transposed: bool, output_padding: list[int],
+              groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of a convolution's (or transposed convolution's) input and weight from its output's,
+    ``(dx, dw)``, as the ``ConvGrad`` kernel computes them (``aten.convolution_backward``)."""
+    dx, dw, _ = _backward(dy, x, w, stride, padding, dilation, transposed, output_padding, groups, True)
     return dx, dw
 
 
 @conv_grad.register_fake
-def _conv_grad_fake(dy, x, w, stride, padding, dilation, groups):
+def _conv_grad_fake(dy, x, w, stride, padding, dilation, transposed, output_padding, groups):
     return torch.empty_like(x), torch.empty_like(w)
 
 
@@ -79,38 +79,39 @@ def _threshold_grad_fake(dy, y, threshold):
 
 @torch.library.custom_op("ort_trainer::conv", mutates_args=())
 def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
-         dilation: list[int], groups: int) -> torch.Tensor:
-    """A convolution (not transposed) of ``x`` by ``w``, plus ``b`` where given (``Conv``, ``BiasConv``)."""
-    return _aten.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
+         dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
+    """A convolution (or transposed convolution) of ``x`` by ``w``, plus ``b`` where given (``Conv``,
+    ``BiasConv``)."""
+    return _aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
 
 
 @conv.register_fake
-def _conv_fake(x, w, b, stride, padding, dilation, groups):
-    return _aten.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
+def _conv_fake(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    return _aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
 
 
 @torch.library.custom_op("ort_trainer::conv_weight_grad", mutates_args=())
 def conv_weight_grad(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int],
-                     dilation: list[int], groups: int) -> torch.Tensor:
-    """The gradient of a convolution's weight alone (``ConvWeightGrad``)."""
-    return _backward(dy, x, w, stride, padding, dilation, groups, False)[1]
+                     dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
+    """The gradient of a convolution's (or transposed convolution's) weight alone (``ConvWeightGrad``)."""
+    return _backward(dy, x, w, stride, padding, dilation, transposed, output_padding, groups, False)[1]
 
 
 @conv_weight_grad.register_fake
-def _conv_weight_grad_fake(dy, x, w, stride, padding, dilation, groups):
+def _conv_weight_grad_fake(dy, x, w, stride, padding, dilation, transposed, output_padding, groups):
     return torch.empty_like(w)
 
 
 def applies(program) -> bool:
-    """Whether every convolution of ``program`` (before autograd) is one the kernels take: float32 on the CPU, not
-    transposed. Autograd decomposes every ``convolution_backward`` or none, so one that is not keeps them all ONNX's.
-    An operator of another name with "conv" in it (``aten.convolution`` itself, say) keeps them too."""
+    """Whether every convolution of ``program`` (before autograd) is one the kernels take: float32 on the CPU,
+    transposed or not. Autograd decomposes every ``convolution_backward`` or none, so one that is not keeps them all
+    ONNX's. An operator of another name with "conv" in it (``aten.convolution`` itself, say) keeps them too."""
     found = False
     for node in program.graph.nodes:
         if node.op != "call_function" or "conv" not in str(node.target):
             continue
         value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if (_CONVOLUTIONS.get(node.target, True) or not isinstance(value, torch.Tensor)
+        if (node.target not in _CONVOLUTIONS or not isinstance(value, torch.Tensor)
                 or value.dtype != torch.float32 or value.device.type != "cpu"):
             return False
         found = True
@@ -128,6 +129,13 @@ def _per_dim(values, dims: int) -> list[int]:
     return values * dims if len(values) == 1 else values
 
 
+def _settings(w: torch.fx.Node, stride, padding, dilation, transposed, output_padding, groups) -> tuple:
+    """``aten.convolution``'s settings as the kernels' operators take them: one value per spatial dim."""
+    dims = w.meta["val"].dim() - 2
+    return (_per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), bool(transposed),
+            _per_dim(output_padding, dims), int(groups))
+
+
 def rewrite_joint(program) -> int:
     """Where the joint trace left what ``KEPT`` names (it decomposes them unless ``kept`` named them: the switch
     applies), replace, in place, each float32 convolution on the CPU by the kernels' operator (``conv``), each
@@ -138,13 +146,11 @@ def rewrite_joint(program) -> int:
     if not any(n.target in KEPT for n in calls):
         return 0
     for node in [n for n in calls if n.target == _aten.convolution.default]:
-        x, w, b, stride, padding, dilation, transposed, _pad, groups = node.args
+        x, w, b, *settings = node.args
         value = x.meta["val"]
-        if transposed or value.dtype != torch.float32 or value.device.type != "cpu":
-            continue  # (one a backward's decomposition wrote, an average pool's gradient: ONNX's)
-        dims = w.meta["val"].dim() - 2
-        retarget(node, torch.ops.ort_trainer.conv.default,
-                 (x, w, b, _per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups)))
+        if value.dtype != torch.float32 or value.device.type != "cpu":
+            continue
+        retarget(node, torch.ops.ort_trainer.conv.default, (x, w, b, *_settings(w, *settings)))
     for node in [n for n in calls if n.target == KEPT[1]]:
         dy, y, threshold = node.args
         if dy.meta["val"].dtype == torch.float32:
@@ -162,12 +168,9 @@ def rewrite_joint(program) -> int:
 
 def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
     """What reads each of a ``convolution_backward``'s results instead: the kernels' operator's, the bias's sum."""
-    dy, x, w, _bias, stride, padding, dilation, transposed, _pad, groups, mask = node.args
-    if transposed:
-        raise RuntimeError(f"{node.name}: a transposed convolution's backward, which applies() should have kept "
-                           "ONNX's")
+    dy, x, w, _bias, *settings, mask = node.args
     dims = w.meta["val"].dim() - 2
-    settings = (_per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), int(groups))
+    settings = _settings(w, *settings)
     gradients = {2: (_aten.sum.dim_IntList, (dy, [0, *range(2, 2 + dims)]))}
     if mask[0]:
         both = build(torch.ops.ort_trainer.conv_grad.default, dy, x, w, *settings)
@@ -177,14 +180,13 @@ def _gradients(node: torch.fx.Node, build: Builder) -> dict[int, tuple]:
     return gradients
 
 
+_CONV_ATTRIBUTES = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
 _SCHEMAS = {
     "ThresholdGrad": ([("dy", "T"), ("y", "T")], [("dx", "T")], ("threshold",)),
-    "Conv": ([("x", "T"), ("w", "T")], [("y", "T")], ("stride", "padding", "dilation", "groups")),
-    "BiasConv": ([("x", "T"), ("w", "T"), ("b", "T")], [("y", "T")], ("stride", "padding", "dilation", "groups")),
-    "ConvGrad": ([("dy", "T"), ("x", "T"), ("w", "T")], [("dx", "T"), ("dw", "T")],
-                 ("stride", "padding", "dilation", "groups")),
-    "ConvWeightGrad": ([("dy", "T"), ("x", "T"), ("w", "T")], [("dw", "T")],
-                       ("stride", "padding", "dilation", "groups")),
+    "Conv": ([("x", "T"), ("w", "T")], [("y", "T")], _CONV_ATTRIBUTES),
+    "BiasConv": ([("x", "T"), ("w", "T"), ("b", "T")], [("y", "T")], _CONV_ATTRIBUTES),
+    "ConvGrad": ([("dy", "T"), ("x", "T"), ("w", "T")], [("dx", "T"), ("dw", "T")], _CONV_ATTRIBUTES),
+    "ConvWeightGrad": ([("dy", "T"), ("x", "T"), ("w", "T")], [("dw", "T")], _CONV_ATTRIBUTES),
 }
 
 
@@ -195,20 +197,24 @@ def register_translations(registry) -> None:
 
     ints = onnx.defs.OpSchema.AttrType.INTS
     onnx_schemas.register(DOMAIN, 1, "ort_trainer's torch operators", _SCHEMAS, {"T": ["tensor(float)"]},
-                          attribute_types={"stride": ints, "padding": ints, "dilation": ints,
+                          attribute_types={"stride": ints, "padding": ints, "dilation": ints, "output_padding": ints,
                                            "threshold": onnx.defs.OpSchema.AttrType.FLOAT})
     opset = onnxscript.values.Opset(DOMAIN, 1)
 
-    def conv_grad_onnx(dy, x, w, stride, padding, dilation, groups):
-        return opset.ConvGrad(dy, x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    def attributes(stride, padding, dilation, transposed, output_padding, groups) -> dict:
+        return {"stride": stride, "padding": padding, "dilation": dilation, "transposed": int(transposed),
+                "output_padding": output_padding, "groups": groups}
 
-    def conv_weight_grad_onnx(dy, x, w, stride, padding, dilation, groups):
-        return opset.ConvWeightGrad(dy, x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    def conv_grad_onnx(dy, x, w, *settings):
+        return opset.ConvGrad(dy, x, w, **attributes(*settings))
 
-    def conv_onnx(x, w, b, stride, padding, dilation, groups):
+    def conv_weight_grad_onnx(dy, x, w, *settings):
+        return opset.ConvWeightGrad(dy, x, w, **attributes(*settings))
+
+    def conv_onnx(x, w, b, *settings):
         if b is None:
-            return opset.Conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
-        return opset.BiasConv(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+            return opset.Conv(x, w, **attributes(*settings))
+        return opset.BiasConv(x, w, b, **attributes(*settings))
 
     registry.register_op(torch.ops.ort_trainer.conv_grad.default, conv_grad_onnx)
     registry.register_op(torch.ops.ort_trainer.conv.default, conv_onnx)

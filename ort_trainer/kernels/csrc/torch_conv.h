@@ -1,13 +1,15 @@
 // A convolution and its backward by torch's kernels (oneDNN's on the CPU, as eager PyTorch trains a convolution there:
 // graph/gradient/conv_ops.py); part of the torch operators' library (torch_ops.cc includes it). CPU, float32;
-// attributes stride, padding, dilation (ints, one per spatial dim: torch's, a padding on both sides) and groups (int):
-//   Conv(x, w) -> y, BiasConv(x, w, b) -> y   aten::convolution (not transposed) of x [batch, channels, *space] by
-//                                             w [out, channels / groups, *kernel], plus b [out] where given
+// attributes stride, padding, dilation (ints, one per spatial dim: torch's, a padding on both sides), groups (int),
+// transposed (int, 0 where absent) and output_padding (ints, a transposed convolution's; zeros where absent):
+//   Conv(x, w) -> y, BiasConv(x, w, b) -> y   aten::convolution of x [batch, channels, *space] by w [out,
+//                                             channels / groups, *kernel] (transposed: w [channels, out / groups,
+//                                             *kernel]), plus b [out] where given
 //   ThresholdGrad(dy, y) -> dx                aten::threshold_backward: dy where y > the attribute threshold (float),
 //                                             else 0 (a ReLU's gradient from its output: those between convolutions),
 //                                             written into dx
-//   ConvGrad(dy, x, w) -> (dx, dw)            aten::convolution_backward of a convolution (not transposed) of x
-//   ConvWeightGrad(dy, x, w) -> dw            [batch, channels, *space] by w [out, channels / groups, *kernel]: the
+//   ConvGrad(dy, x, w) -> (dx, dw)            aten::convolution_backward of a convolution (or transposed one) of x
+//   ConvWeightGrad(dy, x, w) -> dw            [batch, channels, *space] by w, as Conv's: the
 //                                             input's and the weight's gradients, or the weight's alone (an input
 //                                             that needs none: the model's data); the bias's is a sum the graph
 //                                             takes itself
@@ -29,8 +31,17 @@
 namespace ort_trainer_kernels {
 
 struct ConvAttributes {
-  std::vector<int64_t> stride, padding, dilation;
-  int64_t groups = 1;
+  std::vector<int64_t> stride, padding, dilation, output_padding;
+  int64_t groups = 1, transposed = 0;
+
+  // whether stride, padding, dilation and output_padding (where given) have one value per spatial dim
+  bool fits(size_t space) const {
+    return stride.size() == space && padding.size() == space && dilation.size() == space &&
+           (output_padding.empty() || output_padding.size() == space);
+  }
+  std::vector<int64_t> output_padding_of(size_t space) const {
+    return output_padding.empty() ? std::vector<int64_t>(space, 0) : output_padding;
+  }
 };
 
 // Conv or BiasConv, ConvGrad, ConvWeightGrad, ThresholdGrad
@@ -59,15 +70,14 @@ inline OrtStatus* compute_conv(const OrtApi* api, OrtKernelContext* context, con
   std::vector<Tensor> in(bias ? 3 : 2);
   for (size_t i = 0; i < in.size(); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &in[i]));
   const size_t rank = in[0].dims.size(), space = rank >= 2 ? rank - 2 : 0;
-  if (rank < 3 || in[1].dims.size() != rank || (bias && in[2].dims.size() != 1) || conv.stride.size() != space ||
-      conv.padding.size() != space || conv.dilation.size() != space)
-    return fail(api, name + ": x and w must have the same rank (3 or more), b one dim, and stride, padding and "
-                            "dilation one value per spatial dim");
+  if (rank < 3 || in[1].dims.size() != rank || (bias && in[2].dims.size() != 1) || !conv.fits(space))
+    return fail(api, name + ": x and w must have the same rank (3 or more), b one dim, and stride, padding, "
+                            "dilation and output_padding one value per spatial dim");
   try {
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(float32_tensor(in[2])) : std::nullopt;
     return write_outputs(api, context, {at::convolution(float32_tensor(in[0]), float32_tensor(in[1]), b, conv.stride,
-                                                        conv.padding, conv.dilation, false,
-                                                        std::vector<int64_t>(space, 0), conv.groups)});
+                                                        conv.padding, conv.dilation, conv.transposed != 0,
+                                                        conv.output_padding_of(space), conv.groups)});
   } catch (const std::exception& error) {
     return fail(api, name + ": " + error.what());
   }
@@ -79,14 +89,14 @@ inline OrtStatus* compute_conv_grad(const OrtApi* api, OrtKernelContext* context
   std::vector<Tensor> in(3);
   for (size_t i = 0; i < in.size(); ++i) ORTT_RETURN_IF_ERROR(input(api, context, i, &in[i]));
   const size_t rank = in[1].dims.size(), space = rank >= 2 ? rank - 2 : 0;
-  if (rank < 3 || in[0].dims.size() != rank || in[2].dims.size() != rank || conv.stride.size() != space ||
-      conv.padding.size() != space || conv.dilation.size() != space)
-    return fail(api, name + ": dy, x and w must have the same rank (3 or more), and stride, padding and dilation one "
-                            "value per spatial dim");
+  if (rank < 3 || in[0].dims.size() != rank || in[2].dims.size() != rank || !conv.fits(space))
+    return fail(api, name + ": dy, x and w must have the same rank (3 or more), and stride, padding, dilation and "
+                            "output_padding one value per spatial dim");
   try {
     auto grads = at::convolution_backward(float32_tensor(in[0]), float32_tensor(in[1]), float32_tensor(in[2]),
-                                          std::nullopt, conv.stride, conv.padding, conv.dilation, false,
-                                          std::vector<int64_t>(space, 0), conv.groups, {input_grad, true, false});
+                                          std::nullopt, conv.stride, conv.padding, conv.dilation,
+                                          conv.transposed != 0, conv.output_padding_of(space), conv.groups,
+                                          {input_grad, true, false});
     return write_outputs(api, context, input_grad ? std::vector<at::Tensor>{std::get<0>(grads), std::get<1>(grads)}
                                                   : std::vector<at::Tensor>{std::get<1>(grads)});
   } catch (const std::exception& error) {

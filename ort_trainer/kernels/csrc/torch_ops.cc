@@ -491,7 +491,8 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
                               trans_b != 0, alpha, beta, blank, zero_infinity != 0, reverse != 0, train != 0, {},
                               epsilon, momentum, threshold};
   for (auto [name, values] : {std::pair{"stride", &kernel->conv.stride}, std::pair{"padding", &kernel->conv.padding},
-                              std::pair{"dilation", &kernel->conv.dilation}}) {
+                              std::pair{"dilation", &kernel->conv.dilation},
+                              std::pair{"output_padding", &kernel->conv.output_padding}}) {
     size_t size = 0;  // the count first (a null buffer), then the values
     OrtStatus* status =
         slot<KernelInfoGetAttributeArrayInt64>(api, kKernelInfoGetAttributeArrayInt64)(info, name, nullptr, &size);
@@ -502,9 +503,11 @@ void* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInf
     }
     if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
   }
-  OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, "groups",
-                                                                                          &kernel->conv.groups);
-  if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  for (auto [name, value] : {std::pair{"groups", &kernel->conv.groups},
+                             std::pair{"transposed", &kernel->conv.transposed}}) {
+    OrtStatus* status = slot<KernelInfoGetAttributeInt64>(api, kKernelInfoGetAttributeInt64)(info, name, value);
+    if (status != nullptr) slot<ReleaseStatus>(api, kReleaseStatus)(status);
+  }
   return kernel;
 }
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
