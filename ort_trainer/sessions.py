@@ -52,6 +52,9 @@ class Sessions:
         #: op type -> how many nodes computing floating-point values ONNX Runtime placed on another provider than
         #: the device's, over every session made (``check_placement``)
         self.placed_elsewhere: dict[str, int] = {}
+        #: whether a session with nodes of torch's kernels was made: they run on torch's threads, so a training step
+        #: leaves torch's thread count as it is for the run (``devices.host_threads``)
+        self.runs_torch_kernels = False
 
     def make_session(self, model: onnx.ModelProto, capture: bool = False) -> ort.InferenceSession:
         """A session of ``model`` with these session options and execution providers, once the
@@ -61,6 +64,7 @@ class Sessions:
         options = self.options
         if torch_ops.uses_torch_ops(model):  # torch's kernels (fused_attention, torch_products, fused_lstm, CTC)
             options = self._torch_kernel_options or self.options
+            self.runs_torch_kernels = True
             torch_ops.register(options, cuda=self.placement.kind == "cuda")
         if kernels.uses_kernels(model):  # nodes of ort_trainer's own kernel library
             kernels.register(options, cuda=self.placement.kind == "cuda")

@@ -328,22 +328,24 @@ class ORTTrainer(_StateMixin):
         learning_rates = self._learning_rates() if boundary else None  # checked before any work
         # From here the step changes state: it is applied whole or not at all (Ctrl-C waits).
         threads = host_threads(self.options.device.host_threads, engine.grads_flat.numel())
-        with deferred_interrupt(), torch_threads(threads):
-            outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed)
-            if self._allreduce_micro_batches:
-                self._comm.allreduce_sum(engine.grads_flat, step=info.step)
-            if self._host_accumulation:
-                engine.accumulate_on_host(reset=first)
-            if self._comm is not None and boundary and not self._allreduce_micro_batches:
-                self._comm.allreduce_sum(engine.accumulated_flat, step=info.step)
-            if boundary:
-                ranks = self._comm.size if self._comm is not None else 1
-                self._update(engine, learning_rates, grad_scale=1.0 / (loss_scale * window * ranks))
-            rejected = engine.commit_buffers()
-            if rejected:
-                logger.warning("step %d: the new values of %s are not finite (a NaN or inf batch?); they were "
-                               "not updated", info.step, ", ".join(rejected))
-            info.step += 1
+        with deferred_interrupt():
+            with torch_threads(0 if engine.sessions.runs_torch_kernels else threads):  # torch's kernels: its count
+                outputs = engine.forward_backward(feeds, loss_scale, reset=first, seed=self._step_seed)
+            with torch_threads(threads):
+                if self._allreduce_micro_batches:
+                    self._comm.allreduce_sum(engine.grads_flat, step=info.step)
+                if self._host_accumulation:
+                    engine.accumulate_on_host(reset=first)
+                if self._comm is not None and boundary and not self._allreduce_micro_batches:
+                    self._comm.allreduce_sum(engine.accumulated_flat, step=info.step)
+                if boundary:
+                    ranks = self._comm.size if self._comm is not None else 1
+                    self._update(engine, learning_rates, grad_scale=1.0 / (loss_scale * window * ranks))
+                rejected = engine.commit_buffers()
+                if rejected:
+                    logger.warning("step %d: the new values of %s are not finite (a NaN or inf batch?); they were "
+                                   "not updated", info.step, ", ".join(rejected))
+                info.step += 1
         return self._select_outputs(outputs)
 
     def _step_seed(self) -> int:

@@ -137,3 +137,39 @@ def test_a_training_steps_host_work_runs_on_device_host_threads_torch_threads(op
         assert seen == [inside] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(original_count)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_run_with_torchs_kernels_keeps_torchs_thread_count(kind, monkeypatch):
+    """A graph with torch's kernels (here a convolution's, on the torch route) runs them on torch's threads: the
+    run keeps torch's own count, where a graph of ONNX Runtime's kernels alone runs under the host work's one (so
+    that torch's spinning workers leave ONNX Runtime its cores); the update sees one thread either way."""
+    from ort_trainer._runtime import has_onnxscript
+
+    if kind == "cnn" and not has_onnxscript():
+        pytest.skip("the 'torch' gradient source exports with onnxscript")
+    original_count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if kind == "cnn":
+            model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                        torch.nn.Linear(4 * 6 * 6, 5))
+            desc = {"inputs": [("x", ["batch", 3, 8, 8]), ("y", ["batch"])],
+                    "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+            x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+            options = {"graph": {"gradient_source": "torch"}}
+        else:
+            model, desc, options = MLP(), MLP_DESC, {}
+            x, y = mlp_batch(torch.Generator().manual_seed(0))
+        trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), loss_fn=CE, options=options)
+        trainer.train_step(x, y)
+        engine, seen = trainer._engine, []
+        assert engine.sessions.runs_torch_kernels is (kind == "cnn")
+        for obj, name in ((engine, "forward_backward"), (engine.update, "step")):
+            original = getattr(obj, name)
+            monkeypatch.setattr(obj, name,
+                                lambda *a, _f=original, **k: seen.append(torch.get_num_threads()) or _f(*a, **k))
+        trainer.train_step(x, y)
+        assert seen == [2 if kind == "cnn" else 1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(original_count)
