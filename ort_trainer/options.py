@@ -77,7 +77,8 @@ _SCHEMA: dict[str, _Field] = {
         _INT, 0, "torch threads for the work a training step does on the host between ONNX Runtime's runs (the "
         "fused optimizer update, the gradient norm, copies), restored after the step; 0: one thread for an update "
         "of at most 4 M weights (torch's OpenMP workers spin for milliseconds after their work, on the cores ONNX "
-        "Runtime's next run computes on), torch's own count above", _at_least(0)),
+        "Runtime's next run computes on), torch's own count above; a run with torch's kernels in it (convolutions, "
+        "LSTM layers) keeps torch's own count", _at_least(0)),
     "distributed.world_rank": _Field(_INT, 0, "this process's rank", _at_least(0)),
     "distributed.world_size": _Field(
         _INT, 1, "number of data-parallel processes", _at_least(1)
