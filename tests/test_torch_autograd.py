@@ -544,6 +544,20 @@ def test_embedding_bag_gradients_equal_float64_pytorch():
     _classifier_gradients_match(Bags(), [5])
 
 
+@pytest.mark.parametrize("sizes, output", [((7, 9), (1, 1)), ((8, 6), (4, 2)), ((7, 9), (3, 4)), ((5, 5), (7, 7)),
+                                           ((5, 6, 7), (2, 3, 4))])
+def test_the_adaptive_max_decomposition_gives_atens_values_and_indices(sizes, output):
+    """Exactly, ties included: values of a few integers, so that most windows hold their maximum more than once
+    and the index must be the first in row-major order, as ATen's kernel takes it."""
+    from ort_trainer.graph.gradient.backward_decompositions import _adaptive_max
+
+    pool = F.adaptive_max_pool2d if len(sizes) == 2 else F.adaptive_max_pool3d
+    x = torch.randint(0, 3, (2, 3, *sizes), generator=torch.Generator().manual_seed(73)).double()
+    values, indices = pool(x, output, return_indices=True)
+    got_values, got_indices = _adaptive_max(x, list(output))
+    assert torch.equal(got_values, values) and torch.equal(got_indices, indices)
+
+
 @pytest.mark.parametrize("sizes, output", [((6, 5), (4, 3)), ((6, 5), (7, 7)), ((3, 6, 5), (2, 3, 2)),
                                            ((9, 4, 7), (4, 4, 3))])
 def test_the_adaptive_pool_products_are_torchs_pools_and_their_adjoint(sizes, output):
@@ -656,30 +670,28 @@ class MaxPools(torch.nn.Module):
 
 
 class AdaptiveMaxPools(torch.nn.Module):
-    """Adaptive max pooling from 6 to 3 positions a side (windows of 2: the exporter translates the forward
-    where the windows tile the input)."""
+    """Adaptive max pools (``aten.adaptive_max_pool2d`` has no translation, nor has the 3-d one's backward; torch
+    2.13 decomposes a global pool and windows that tile the plane, 2.11 neither): global (fastai's concat pooling
+    head), windows that tile the plane, windows that overlap or differ in size (7 x 9 to 3 x 4), more outputs than
+    inputs, in 1, 2 and 3 dims."""
 
     def __init__(self):
         super().__init__()
-        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
-        self.pool = torch.nn.AdaptiveMaxPool2d(3)
-        self.head = torch.nn.Linear(4 * 3 * 3, 3)
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.head = torch.nn.Linear(3 * (1 + 1 + 12 + 9 * 11 + 4) + 2 * 2 * 3, 3)
 
-    def forward(self, x):
-        return self.head(self.pool(torch.tanh(self.conv(x))).flatten(1))
+    def forward(self, x):  # x: [batch, 2, 7, 9]; tanh: no ties, which relu's zeros make
+        h = torch.tanh(self.conv(x))
+        pools = [F.adaptive_max_pool2d(h, 1), F.adaptive_avg_pool2d(h, 1), F.adaptive_max_pool2d(h, (3, 4)),
+                 F.adaptive_max_pool2d(h, (9, 11)), F.adaptive_max_pool1d(h.flatten(2), 4),
+                 F.adaptive_max_pool3d(h.unsqueeze(1), (2, 2, 3))]
+        return self.head(torch.cat([p.flatten(1) for p in pools], dim=1))
 
 
 def test_adaptive_max_pooling_gradients_equal_float64_pytorch():
-    """No torch decomposes ``adaptive_max_pool2d_backward`` and the exporter has no translation of it:
-    ort_trainer's scatter-add."""
-    from ort_trainer.graph.gradient.eval_program import _implemented
-
-    forward = torch.ops.aten.adaptive_max_pool2d.default
-    if forward not in _implemented() and forward not in joint_onnx._registry_and_tables()[1]:
-        pytest.skip(f"torch {torch.__version__}'s exporter cannot translate adaptive_max_pool2d (2.11: the forward "
-                    "is refused, naming the module)")
+    """ort_trainer's decompositions of the forwards and the scatter-add of their backwards."""
     torch.manual_seed(31)
-    gradient = _classifier_gradients_match(AdaptiveMaxPools(), [2, 6, 6])
+    gradient = _classifier_gradients_match(AdaptiveMaxPools(), [2, 7, 9])
     assert "ScatterElements" in {n.op_type for n in gradient.graph.node}
 
 

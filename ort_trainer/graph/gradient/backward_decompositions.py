@@ -8,7 +8,8 @@ reshapes, which translate to standard ONNX. ``max_pool2d_with_indices_backward``
 the output gradient to the maxima's positions) is one where the installed torch has no
 decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used);
 ``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes; the 3-d pools'
-backwards as the 2-d ones; adaptive average pools whose windows overlap or differ in size (and the
+backwards as the 2-d ones; adaptive max pools' forwards (no translation of the 2-d one; the 3-d one's indices made
+as the backward reads them) as an ``argmax``, a max pool, or gathered windows reduced a dim at a time; adaptive average pools whose windows overlap or differ in size (and the
 3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
 And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's bool ``max``),
 whose reference uses ``prims.prod``, RReLU's forward, ``uniform_``'s draw, a stable sort, the gamma function's
@@ -233,6 +234,59 @@ def adaptive_max_pool2d_backward(grad_output, input, indices):
     return _scatter_to_maxima(2, grad_output, input, indices)
 
 
+def adaptive_max_pool3d_backward(grad_output, input, indices):
+    """``aten.adaptive_max_pool3d_backward``: the indices flat positions in each channel's volume."""
+    return _scatter_to_maxima(3, grad_output, input, indices)
+
+
+def adaptive_max_pool2d(input, output_size):
+    """``aten.adaptive_max_pool2d`` (no translation; torch 2.13 decomposes a global pool and windows that tile the
+    plane only): ``_adaptive_max``."""
+    return _adaptive_max(input, list(output_size))
+
+
+def adaptive_max_pool3d(input, output_size):
+    """``aten.adaptive_max_pool3d``: ``_adaptive_max``, whose indices ``adaptive_max_pool3d_backward`` reads."""
+    return _adaptive_max(input, list(output_size))
+
+
+def _adaptive_max(x, sizes):
+    """The values and indices of an adaptive max pool of ``x`` over its last ``len(sizes)`` dims, as ATen's kernel:
+    output ``i`` of a dim of ``n`` inputs and ``m`` outputs takes the maximum over inputs ``floor(i·n/m)`` to
+    ``ceil((i+1)·n/m)`` (exclusive), its index the maximum's flat position in each channel's plane (volume), the
+    first in row-major order among equal values. A global pool is the flattened plane's ``amax`` and ``argmax``,
+    windows that tile the plane a max pool; other windows (they overlap or differ in size) are reduced a dim at a
+    time from the last: each window's values gathered (those past its end masked with -inf), the first maximum
+    taken, and the positions it came from carried along."""
+    dims = len(sizes)
+    spatial = list(x.shape[-dims:])
+    lead = list(x.shape[:-dims])
+    if all(m == 1 for m in sizes):
+        flat = x.flatten(-dims)
+        return flat.amax(-1).reshape(*lead, *sizes), flat.argmax(-1).reshape(*lead, *sizes)
+    if not all(isinstance(n, int) and isinstance(m, int) for n, m in zip(spatial, sizes)):
+        return NotImplemented  # (symbolic sizes: the operator stays, and the build names it)
+    if all(n % m == 0 for n, m in zip(spatial, sizes)):
+        kernel = [n // m for n, m in zip(spatial, sizes)]
+        pool = aten.max_pool2d_with_indices if dims == 2 else aten.max_pool3d_with_indices
+        return pool(x, kernel, kernel)
+    values, index, inner = x, None, 1
+    for k in reversed(range(dims)):
+        axis, n, m = x.dim() - dims + k, spatial[k], sizes[k]
+        width = max(-(-(i + 1) * n // m) - i * n // m for i in range(m))  # the widest window
+        rows = torch.arange(m, device=x.device).unsqueeze(1)
+        start, end = rows * n // m, ((rows + 1) * n + m - 1) // m
+        taps = start + torch.arange(width, device=x.device)  # [m, width]
+        windows = values.index_select(axis, taps.clamp(max=n - 1).flatten()).unflatten(axis, (m, width))
+        trailing = [1] * (values.dim() - axis - 1)
+        windows = torch.where((taps < end).reshape(m, width, *trailing), windows, float("-inf"))
+        values, chosen = windows.max(axis + 1)
+        position = chosen + start.reshape(m, *trailing)
+        index = position if index is None else position * inner + index.gather(axis, position)
+        inner *= n
+    return values, index
+
+
 def _scatter_to_maxima(dims, grad_output, input, indices):
     lead = list(input.shape[:-dims])
     grad = grad_output.reshape(*lead, -1)
@@ -322,6 +376,9 @@ DECOMPOSITIONS = {
     aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+    aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
+    aten.adaptive_max_pool3d.default: adaptive_max_pool3d,
+    aten.adaptive_max_pool3d_backward.default: adaptive_max_pool3d_backward,
     aten.avg_pool3d_backward.default: avg_pool3d_backward,
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
@@ -333,6 +390,7 @@ DECOMPOSITIONS = {
 }
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
 FORWARD = (aten.sort.stable, aten.uniform.default, aten.cumprod.default, aten._adaptive_avg_pool3d.default,
+           aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default,
            aten.rrelu_with_noise_functional.default,
            *special_functions.DECOMPOSITIONS, *bessel.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS,
            aten._cdist_forward.default,
