@@ -8,9 +8,10 @@ reshapes, which translate to standard ONNX. ``max_pool2d_with_indices_backward``
 the output gradient to the maxima's positions) is one where the installed torch has no
 decomposition of its own (torch 2.11: the GPU machine's; 2.13 has one and it is used);
 ``adaptive_max_pool2d_backward`` the same scatter-add, which no torch decomposes; the 3-d pools'
-backwards as the 2-d ones; adaptive max pools' forwards (no translation of the 2-d one; the 3-d one's indices made
-as the backward reads them) as an ``argmax``, a max pool, or gathered windows reduced a dim at a time; adaptive average pools whose windows overlap or differ in size (and the
-3-d pool's forward, which has no translation either) as a product by an averaging matrix per dim.
+backwards as the 2-d ones; adaptive max pools' forwards (no translation of the 2-d one; the 3-d one's
+indices made as the backward reads them) as an ``argmax``, a max pool, or gathered windows reduced a dim
+at a time; adaptive average pools whose windows overlap or differ in size (and the 3-d pool's forward,
+which has no translation either) as a product by an averaging matrix per dim.
 And ``empty_permuted``, which torch's own decompositions make, ``cumprod`` (with its backward's bool ``max``),
 whose reference uses ``prims.prod``, RReLU's forward, ``uniform_``'s draw, a stable sort, the gamma function's
 logarithm and derivatives (``special_functions.py``), the modified Bessel functions of orders 0 and 1
