@@ -1083,3 +1083,56 @@ def test_hugging_face_gradients_equal_float64_pytorch(kind):
     assert graphs.meta["torch_keys"][embedding] == [embedding, projection]
     assert embedding in graphs.meta["trained"] and projection not in graphs.meta["torch_keys"]
     assert_grads_match(got, graphs.meta, grads)
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
+@pytest.mark.parametrize("shape", [(6,), (4, 6), (3, 1)])
+def test_the_multilabel_margin_decomposition_is_atens_kernel(shape, reduction):
+    """torch's own decomposition (2.13) adds the terms of a target's entries after its first -1; ort_trainer's is
+    ATen's kernel in float64: sums of at most 36 hinge terms, 1e-14 relative; targets with -1s at random places."""
+    from ort_trainer.graph.gradient.backward_decompositions import multilabel_margin_loss_forward
+
+    generator = torch.Generator().manual_seed(79)
+    x = torch.randn(shape, dtype=torch.float64, generator=generator)
+    target = torch.randint(-1, shape[-1], shape, generator=generator)
+    loss, is_target = torch.ops.aten.multilabel_margin_loss_forward(x, target, reduction)
+    got, got_is_target = multilabel_margin_loss_forward(x, target, reduction)
+    torch.testing.assert_close(got, loss, rtol=1e-14, atol=0)
+    assert torch.equal(got_is_target, is_target)
+
+
+class MultiLabel(torch.nn.Module):
+    """A multi-label tagger trained with ``F.multilabel_margin_loss``, whose targets end at their first -1."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(5, 6)
+
+    def forward(self, x, target):
+        return F.multilabel_margin_loss(self.fc(x), target)
+
+
+def test_multilabel_margin_loss_trains_evaluates_and_saves_as_pytorch(tmp_path):
+    """Targets with entries after their first -1 (PyTorch ignores those): the trained losses, the evaluated one
+    and the saved model's follow PyTorch's (the exporter's table held torch's own decomposition, which counted
+    them: a loss 3.9x PyTorch's). Float32 sums of at most 36 hinge terms a sample, carried through 4 SGD steps."""
+    from models import sgd_steps_as_pytorch
+
+    torch.manual_seed(83)
+    generator = torch.Generator().manual_seed(89)
+    batches = [(torch.randn(4, 5, generator=generator), torch.tensor([[1, -1, 1, 1, 1, 1], [2, 3, -1, 0, 0, 0],
+                                                                      [0, 1, 2, 3, 4, 5], [5, 4, -1, 3, 3, 3]]))
+               for _ in range(4)]
+    desc = {"inputs": [("x", ["batch", 5]), ("target", ["batch", 6])], "outputs": [("loss", [], True)]}
+    bound = lambda step: steps_bound(step + 1, length=36, factor=10)  # noqa: E731
+    trainer, reference = sgd_steps_as_pytorch(MultiLabel(), desc, batches, 0.1, bound,
+                                              {"graph": {"gradient_source": "torch"}})
+    x, target = torch.randn(3, 5, generator=generator), torch.tensor([[0, -1, 5, 5, 5, 5]] * 3)
+    with torch.no_grad():
+        expected = float(reference(x, target))
+    path = tmp_path / "tagger.onnx"
+    trainer.save_as_onnx(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for name, got in (("eval_step", float(trainer.eval_step(x, target))),
+                      ("saved", float(session.run(None, {"x": x.numpy(), "target": target.numpy()})[0]))):
+        check(abs(got - expected) / abs(expected), steps_bound(5, length=36, factor=10), name)

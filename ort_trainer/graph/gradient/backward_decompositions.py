@@ -288,6 +288,34 @@ def _adaptive_max(x, sizes):
     return values, index
 
 
+def multilabel_margin_loss_forward(input, target, reduction):
+    """``aten.multilabel_margin_loss_forward`` as ATen's kernel computes it: for each sample, the hinge
+    ``max(0, 1 - x[y_j] + x[i]) / classes`` summed over its target classes ``y_j`` (the target's entries before
+    its first -1) and the classes ``i`` that are none of them; then the mean over the samples (the sum, or each
+    sample's). torch's own decomposition (2.13) also adds the terms of the entries after the first -1, each as if
+    its class were 0: a loss several times ATen's, which the exporter's table would have used."""
+    x, t = torch.atleast_2d(input), torch.atleast_2d(target)
+    classes = x.shape[-1]
+    idx = torch.arange(classes, device=t.device)
+    end = torch.amin(torch.where(t == -1, idx, classes), dim=-1, keepdim=True)
+    counted = idx < end  # [batch, slots]: the target's entries before its first -1
+    gathered = torch.gather(x, -1, torch.where(counted, t, 0))  # [batch, slots]: x at each entry's class
+    is_target = torch.any(idx == torch.where(counted, t, -1).unsqueeze(-1), dim=1)  # [batch, classes]
+    hinge = (1.0 - gathered.unsqueeze(-1) + x.unsqueeze(1)).clamp_min(0) / classes  # [batch, slots, classes]
+    hinge = torch.where(counted.unsqueeze(-1) & ~is_target.unsqueeze(1), hinge, 0.0)
+    loss = hinge.sum((1, 2))
+    if reduction == 1:
+        loss = loss.mean()
+    elif reduction == 2 or input.dim() < 2:
+        loss = loss.sum()
+    return loss, is_target.to(input.dtype).reshape(target.shape)
+
+
+def multilabel_margin_loss(input, target, reduction=1):
+    """``aten.multilabel_margin_loss`` (``F.multilabel_margin_loss``): ``multilabel_margin_loss_forward``'s loss."""
+    return multilabel_margin_loss_forward(input, target, reduction)[0]
+
+
 def _scatter_to_maxima(dims, grad_output, input, indices):
     lead = list(input.shape[:-dims])
     grad = grad_output.reshape(*lead, -1)
@@ -378,6 +406,7 @@ DECOMPOSITIONS = {
     aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
     aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
+    aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
     aten.adaptive_max_pool3d.default: adaptive_max_pool3d,
     aten.adaptive_max_pool3d_backward.default: adaptive_max_pool3d_backward,
     aten.avg_pool3d_backward.default: avg_pool3d_backward,
@@ -389,9 +418,14 @@ DECOMPOSITIONS = {
     **distances.DECOMPOSITIONS,  # cdist's and pdist's kernels and their backwards
     **diagonals.DECOMPOSITIONS,  # diagonal_scatter (a write into a diagonal) and torch.diagonal's backward
 }
+# operators written out as these functions before anything traces them (``before_autograd``, and the eval-mode
+# graph's ``forward_program``): under the Python dispatcher, where tracing runs, torch's own decomposition is registered
+# for autograd and runs before any table's
+WRITTEN_OUT = {aten.multilabel_margin_loss.default: multilabel_margin_loss}
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
 FORWARD = (aten.sort.stable, aten.uniform.default, aten.cumprod.default, aten._adaptive_avg_pool3d.default,
            aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default,
+           aten.multilabel_margin_loss_forward.default,
            aten.rrelu_with_noise_functional.default,
            *special_functions.DECOMPOSITIONS, *bessel.DECOMPOSITIONS, *order_statistics.DECOMPOSITIONS,
            aten._cdist_forward.default,

@@ -22,6 +22,9 @@ positional convolution, HuBERT's, vocoders') is its norm and products too, its f
 translation) is an embedding and a sum, mean or maximum into each bag. ``masked_select`` is the boolean index of
 its broadcast operands, whose backward keeps a symbolic batch (``masked_select``'s reads it as an int).
 
+``F.multilabel_margin_loss`` is ATen's kernel's arithmetic (``backward_decompositions``): autograd would otherwise
+trace torch's own decomposition, which adds the terms of a target's entries after its first -1 too.
+
 ``searchsorted`` (no translation) counts the sorted values below each value; ``index_reduce`` (no translation)
 is the ``scatter_reduce`` it is, its index spread over the source's other dims.
 
@@ -44,6 +47,7 @@ from typing import Any
 import torch
 
 from ..._logging import logger
+from .backward_decompositions import WRITTEN_OUT
 from .eval_program import _decomposition, _inline
 from .fx_nodes import rewrite_graphs
 from .joint_onnx import _registry_and_tables
@@ -58,7 +62,7 @@ _GRID_SAMPLERS = (_aten.grid_sampler.default, _aten.grid_sampler_2d.default)
 _EMBEDDING_BAGS = (_aten.embedding_bag.default, _aten.embedding_bag.padding_idx)
 _SEARCHES = (_aten.searchsorted.Tensor, _aten.searchsorted.Scalar)
 BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, _aten._weight_norm.default, *_EMBEDDING_BAGS,
-                   *_DECOMPOSED, *_SEARCHES, _aten.index_reduce.default)
+                   *_DECOMPOSED, *_SEARCHES, _aten.index_reduce.default, *WRITTEN_OUT)
 _GLOBAL_POOLS = {_aten.adaptive_avg_pool1d.default: 1, _aten.adaptive_avg_pool2d.default: 2,
                  _aten.adaptive_avg_pool3d.default: 3}  # operator: pooled dims
 
@@ -156,7 +160,7 @@ def _function(node: torch.fx.Node):
         return _searchsorted
     if node.target is _aten.index_reduce.default:
         return _index_reduce
-    return None
+    return WRITTEN_OUT.get(node.target)
 
 
 def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):

@@ -10,6 +10,8 @@ rewritten in place, and a few more, each decomposed on its own: traced by ``make
 exporter's decomposition table on its operands' fake values, sizes symbolic as in the program,
 and that small graph put in its place (HF's ``torch.diff`` on the positions of a model called
 without an attention mask: two ``slice``s and a ``sub``, sizes from ``sym_size``).
+The operators of ``backward_decompositions.WRITTEN_OUT`` are written out first, as their functions there say
+(``F.multilabel_margin_loss`` as ATen computes it, not as torch's own decomposition).
 
 ``training_in_eval_mode`` gives the eval-mode program without a trace of its own, where the operator
 record found that eval mode runs training mode's operators, Dropouts aside: a copy of the training
@@ -28,6 +30,7 @@ import torch
 
 from ..._logging import logger
 from ..export import fused_lstm
+from .backward_decompositions import WRITTEN_OUT
 from .joint_onnx import _quiet_exporter, _registry_and_tables
 from .torch_export import without_stack_traces
 
@@ -89,9 +92,14 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    graph = program.graph_module.graph
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in WRITTEN_OUT]:
+        written = _decomposition(node, function=WRITTEN_OUT[node.target])
+        if written is not None:  # (else the operator stays, to be decomposed with the rest)
+            _inline(graph, node, written)
+            program.graph_module.recompile()
     decompositions = _node_decompositions(program)
     if decompositions is not None:
-        graph = program.graph_module.graph
         for node in list(graph.nodes):
             if node in decompositions:
                 _inline(graph, node, decompositions[node])
