@@ -316,6 +316,37 @@ def multilabel_margin_loss(input, target, reduction=1):
     return multilabel_margin_loss_forward(input, target, reduction)[0]
 
 
+def cross_entropy_loss(input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """``aten.cross_entropy_loss`` as ATen's composite computes it, in functional operators. The exporter
+    translates the operator to ONNX's ``SoftmaxCrossEntropyLoss``, which has no label smoothing: torchlib's own
+    smoothing differs from PyTorch's with class weights, and a target of probabilities with weights made an
+    invalid graph. Class indices: the weighted ``nll_loss`` mixed with the smoothing term ``-sum_c w_c log p_c``
+    (zero for ignored targets; its mean divided by the counted targets' weights, or their count); probabilities,
+    smoothed towards uniform: ``-sum_c w_c t_c log p_c``, whose mean divides by the positions' count."""
+    classes = input.shape[1]
+    logp = torch.log_softmax(input, 1)
+    shape = [1, classes] + [1] * (input.dim() - 2)
+    weighted = logp if weight is None else logp * weight.reshape(shape)
+    if target.is_floating_point():
+        if label_smoothing:
+            target = target * (1 - label_smoothing) + label_smoothing / classes
+        loss = -(weighted * target).sum(1)
+        positions = math.prod([input.shape[0], *input.shape[2:]])  # (sizes, not numel: symbolic ones translate)
+        return loss.sum() / positions if reduction == 1 else loss.sum() if reduction == 2 else loss
+    nll = aten.nll_loss_nd(logp, target, weight, reduction, ignore_index)
+    if not label_smoothing:
+        return nll
+    ignored = target == ignore_index
+    smooth = torch.where(ignored, 0.0, -weighted.sum(1))
+    if reduction == 1:
+        counted = (~ignored).to(input.dtype) if weight is None else \
+            torch.where(ignored, 0.0, weight[torch.where(ignored, 0, target)])
+        smooth = smooth.sum() / counted.sum()
+    elif reduction == 2:
+        smooth = smooth.sum()
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes)
+
+
 def _scatter_to_maxima(dims, grad_output, input, indices):
     lead = list(input.shape[:-dims])
     grad = grad_output.reshape(*lead, -1)

@@ -11,7 +11,8 @@ exporter's decomposition table on its operands' fake values, sizes symbolic as i
 and that small graph put in its place (HF's ``torch.diff`` on the positions of a model called
 without an attention mask: two ``slice``s and a ``sub``, sizes from ``sym_size``).
 The operators of ``backward_decompositions.WRITTEN_OUT`` are written out first, as their functions there say
-(``F.multilabel_margin_loss`` as ATen computes it, not as torch's own decomposition).
+(``F.multilabel_margin_loss`` as ATen computes it, not as torch's own decomposition), and so is a cross-entropy with
+label smoothing or a target of probabilities (``backward_decompositions.cross_entropy_loss``).
 
 ``training_in_eval_mode`` gives the eval-mode program without a trace of its own, where the operator
 record found that eval mode runs training mode's operators, Dropouts aside: a copy of the training
@@ -30,7 +31,7 @@ import torch
 
 from ..._logging import logger
 from ..export import fused_lstm
-from .backward_decompositions import WRITTEN_OUT
+from .backward_decompositions import WRITTEN_OUT, cross_entropy_loss
 from .joint_onnx import _quiet_exporter, _registry_and_tables
 from .torch_export import without_stack_traces
 
@@ -93,8 +94,10 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     graph = program.graph_module.graph
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in WRITTEN_OUT]:
-        written = _decomposition(node, function=WRITTEN_OUT[node.target])
+    for node, function in [(n, _written_out(n)) for n in graph.nodes]:
+        if function is None:
+            continue
+        written = _decomposition(node, function=function)
         if written is not None:  # (else the operator stays, to be decomposed with the rest)
             _inline(graph, node, written)
             program.graph_module.recompile()
@@ -110,6 +113,20 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
         return program
     with _quiet_exporter(), sdpa_kernel([SDPBackend.MATH]), without_stack_traces():
         return program.run_decompositions(_registry_and_tables()[1])
+
+
+def _written_out(node: torch.fx.Node):
+    """The function ``node`` is written out as before the other decompositions, or None: ``WRITTEN_OUT``'s, and
+    ``cross_entropy_loss`` for a cross-entropy with label smoothing or a target of probabilities, which torchlib's
+    ``SoftmaxCrossEntropyLoss`` computes otherwise than PyTorch (with class weights) or not at all."""
+    if node.op != "call_function":
+        return None
+    if node.target is _aten.cross_entropy_loss.default:
+        smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+        target = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
+        probabilities = isinstance(target, torch.Tensor) and target.is_floating_point()
+        return cross_entropy_loss if smoothing or probabilities else None
+    return WRITTEN_OUT.get(node.target)
 
 
 @functools.lru_cache(maxsize=1)
