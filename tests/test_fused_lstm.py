@@ -165,16 +165,26 @@ class _Summed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("case", ["switched off", "projections", "gru"])
-def test_what_the_layers_do_not_take_trains_unrolled(case):
+def test_what_the_layers_do_not_take_trains_unrolled(case, tmp_path):
     """With the switch off, an LSTM with projections, and a GRU, the recurrence is unrolled as before (no layer
-    nodes) and trains like eager PyTorch."""
+    nodes) and trains like eager PyTorch; eval_step and the saved model too (an LSTM with projections is unrolled
+    there: ONNX's LSTM has none, and its translation made an invalid graph)."""
     torch.manual_seed(0)
-    rnn = torch.nn.GRU(5, 6) if case == "gru" else torch.nn.LSTM(5, 6, proj_size=4 if case == "projections" else 0)
+    projections = 4 if case == "projections" else 0
+    rnn = torch.nn.GRU(5, 6, batch_first=True) if case == "gru" else \
+        torch.nn.LSTM(5, 6, proj_size=projections, batch_first=True)
     model = _Summed(rnn)
     reference = copy.deepcopy(model)
-    desc = {"inputs": [("x", [4, 3, 5]), ("target", [4, 3])], "outputs": [("loss", [], True)]}
+    desc = {"inputs": [("x", ["batch", 3, 5]), ("target", ["batch", 3])], "outputs": [("loss", [], True)]}
     options = {**_TORCH_ROUTE, "graph_optimizations": {"fused_lstm": case != "switched off"}}
     trainer = ORTTrainer(model, desc, SGDConfig(lr=0.1), options=options)
     x, target = torch.randn(4, 3, 5), torch.randn(4, 3)
+    with torch.no_grad():
+        expected = float(reference(x, target))
+    check(relative_error(float(trainer.eval_step(x, target)), expected), TRAINING_BOUND, f"{case}: eval_step")
     check(relative_error(float(trainer.train_step(x, target)), float(reference(x, target))), TRAINING_BOUND, case)
     assert not _layer_nodes(trainer._graphs.gradient)
+    trainer.save_as_onnx(str(tmp_path / "rnn.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "rnn.onnx"), providers=["CPUExecutionProvider"])
+    saved = float(session.run(None, {"x": x.numpy(), "target": target.numpy()})[0])
+    check(relative_error(saved, float(trainer.eval_step(x, target))), TRAINING_BOUND, f"{case}: the saved model")

@@ -12,7 +12,8 @@ and that small graph put in its place (HF's ``torch.diff`` on the positions of a
 without an attention mask: two ``slice``s and a ``sub``, sizes from ``sym_size``).
 The operators of ``backward_decompositions.WRITTEN_OUT`` are written out first, as their functions there say
 (``F.multilabel_margin_loss`` as ATen computes it, not as torch's own decomposition), and so is a cross-entropy with
-label smoothing or a target of probabilities (``backward_decompositions.cross_entropy_loss``).
+label smoothing or a target of probabilities (``backward_decompositions.cross_entropy_loss``), and an LSTM with
+projections (ATen's composite, the recurrence unrolled: ONNX's ``LSTM`` has no projection).
 
 ``training_in_eval_mode`` gives the eval-mode program without a trace of its own, where the operator
 record found that eval mode runs training mode's operators, Dropouts aside: a copy of the training
@@ -126,7 +127,18 @@ def _written_out(node: torch.fx.Node):
         target = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
         probabilities = isinstance(target, torch.Tensor) and target.is_floating_point()
         return cross_entropy_loss if smoothing or probabilities else None
+    if node.target is _aten.lstm.input and _projected(node):
+        return _aten.lstm.input  # (ATen's composite: the recurrence unrolled, as the training graph has it)
     return WRITTEN_OUT.get(node.target)
+
+
+def _projected(node: torch.fx.Node) -> bool:
+    """Whether an ``aten.lstm`` node has projections (``proj_size``: its states ``h`` narrower than ``c``), which
+    ONNX's ``LSTM`` has not: torchlib's translation of it is an invalid graph."""
+    states = node.args[1] if len(node.args) > 1 else ()
+    shapes = [s.meta.get("val").shape if isinstance(s, torch.fx.Node) and isinstance(s.meta.get("val"), torch.Tensor)
+              else None for s in states]
+    return len(shapes) == 2 and None not in shapes and shapes[0][-1] != shapes[1][-1]
 
 
 @functools.lru_cache(maxsize=1)
