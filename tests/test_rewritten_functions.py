@@ -113,3 +113,47 @@ def test_pairwise_interactions_from_combinations_train_as_pytorch():
     # float32 sums of at most 10 terms (the head's 10 interactions), carried through the weights
     sgd_steps_as_pytorch(PairwiseInteractions(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=10),
                          {"graph": {"gradient_source": "torch"}})
+
+
+class Seq2Seq(torch.nn.Module):
+    """``nn.Transformer`` as a seq2seq tutorial writes it: a causal ``tgt_mask`` that its decoder compares with the
+    causal mask (``_detect_is_causal_mask``: a read of the mask's values, which stopped the export), padding masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8, padding_idx=0)
+        self.transformer = torch.nn.Transformer(8, 2, 1, 1, 16, 0.0, batch_first=True)
+        self.head = torch.nn.Linear(8, 20)
+
+    def forward(self, source, target):
+        padding = source == 0
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(target.shape[1] - 1)
+        h = self.transformer(self.embed(source), self.embed(target[:, :-1]), tgt_mask=mask,
+                             src_key_padding_mask=padding, memory_key_padding_mask=padding)
+        return F.cross_entropy(self.head(h).flatten(0, 1), target[:, 1:].flatten())
+
+
+@pytest.mark.skipif(not _runtime.has_onnxscript(), reason="the torch route exports with onnxscript")
+def test_nn_transformer_with_a_causal_mask_trains_and_evaluates_as_pytorch():
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip(f"torch {torch.__version__}'s joint trace of a batch-first nn.TransformerEncoderLayer views a "
+                    "non-contiguous tensor (\"Cannot view a tensor with shape ...\")")
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+
+    def batch():
+        source = torch.randint(1, 20, (4, 7), generator=generator)
+        target = torch.randint(1, 20, (4, 6), generator=generator)
+        source[1, 4:] = 0
+        return source, target
+
+    desc = {"inputs": [("source", ["batch", 7]), ("target", ["batch", 6])], "outputs": [("loss", [], True)]}
+    # float32 sums of at most 16 terms (the feed-forward width), through 2 attention blocks and the head: x10
+    bound = lambda step: steps_bound(step + 1, length=16, factor=10)  # noqa: E731
+    trainer, reference = sgd_steps_as_pytorch(Seq2Seq(), desc, [batch() for _ in range(3)], 0.1, bound,
+                                              {"graph": {"gradient_source": "torch"}})
+    source, target = batch()
+    reference.eval()
+    with torch.no_grad():
+        expected = float(reference(source, target))
+    check(relative_error(float(trainer.eval_step(source, target)), expected), bound(3), "eval_step")

@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (adaptive_softmax, checked_losses, cholesky, ctc, data_sizes, distribution_checks, fused_lstm, layer_drop,
+from . import (adaptive_softmax, causal_masks, checked_losses, cholesky, ctc, data_sizes, distribution_checks, fused_lstm, layer_drop,
                linalg, packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
 from .guard_state import StateChanges
 from .guard_tables import CONVERSIONS, DRAWS, METADATA, PLACEHOLDERS
@@ -242,6 +242,7 @@ class ExportGuard(StateChanges):
             with _GuardMode(self), python_draws.reporting(self._report_draw, layer_drop.python_draw), \
                     layer_drop.decided_in_the_graph(lambda text: self._report(("layer drop", text), text)), \
                     distribution_checks.without_branches(), adaptive_softmax.without_branches(), \
+                    causal_masks.taken_as_given(), \
                     (contextlib.nullcontext() if self._stop_gradients else
                      packed_sequences.masked_recurrences(self._lstm_direction)):
                 yield

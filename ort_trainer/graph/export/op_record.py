@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..._logging import logger
 from ...model_desc import ModelDescription
 from ..job import OpRecord
-from . import adaptive_softmax, packed_sequences, python_draws
+from . import adaptive_softmax, causal_masks, packed_sequences, python_draws
 from .guard import _model_left_untouched
 from .torchscript import _ModelWithLoss, export_order
 
@@ -250,6 +250,7 @@ def record(model: Any, loss_fn: Callable | None, desc: ModelDescription,
                     with contextlib.ExitStack() as stack:
                         for context in (torch.enable_grad(), _nothing_saved(), tracing(), _HookWatch(),
                                         packed_sequences.masked_recurrences(), adaptive_softmax.without_branches(),
+                                        causal_masks.taken_as_given(),
                                         python_draws.reporting(draws.append), sdpa_kernel([SDPBackend.MATH]),
                                         fake(), *recorders):
                             stack.enter_context(context)
