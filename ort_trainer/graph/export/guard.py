@@ -56,8 +56,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..._logging import logger
-from . import (adaptive_softmax, causal_masks, checked_losses, cholesky, ctc, data_sizes, distribution_checks, fused_lstm, layer_drop,
-               linalg, packed_sequences, python_draws, rewritten_functions, spec_augment, validations)
+from . import (adaptive_softmax, causal_masks, checked_losses, cholesky, ctc, data_sizes, distribution_checks,
+               fused_lstm, layer_drop, linalg, packed_sequences, python_draws, rewritten_functions, spec_augment,
+               validations)
 from .guard_state import StateChanges
 from .guard_tables import CONVERSIONS, DRAWS, METADATA, PLACEHOLDERS
 from .trace_tools import TensorSet
