@@ -63,6 +63,7 @@ _EMBEDDING_BAGS = (_aten.embedding_bag.default, _aten.embedding_bag.padding_idx)
 _SEARCHES = (_aten.searchsorted.Tensor, _aten.searchsorted.Scalar)
 BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, _aten._weight_norm.default, *_EMBEDDING_BAGS,
                    *_DECOMPOSED, *_SEARCHES, _aten.index_reduce.default, *WRITTEN_OUT)
+_PERMUTES = (_aten.permute.default, _aten.transpose.int, _aten.t.default)
 _GLOBAL_POOLS = {_aten.adaptive_avg_pool1d.default: 1, _aten.adaptive_avg_pool2d.default: 2,
                  _aten.adaptive_avg_pool3d.default: 3}  # operator: pooled dims
 
@@ -86,7 +87,8 @@ def decompose(program: Any) -> int:
         How many nodes were replaced.
     """
     count = (rewrite_graphs(program, _write_out) + rewrite_graphs(program, _global_pools_as_means)
-             + rewrite_graphs(program, _masked_selects_as_indexes) + rewrite_graphs(program, out_of_place))
+             + rewrite_graphs(program, _masked_selects_as_indexes) + rewrite_graphs(program, out_of_place)
+             + rewrite_graphs(program, _views_of_permutes_as_reshapes))
     if count:
         logger.debug("before autograd: %d node(s) decomposed (their backward has no translation)", count)
     return count
@@ -102,6 +104,20 @@ def _write_out(graph: torch.fx.Graph) -> int:
         _widen_int8(traced, node)
         _inline(graph, node, traced)
         found += 1
+    return found
+
+
+def _views_of_permutes_as_reshapes(graph: torch.fx.Graph) -> int:
+    """Each ``view`` of a ``permute`` or ``transpose`` of ``graph`` as a ``reshape`` (the same values: the program
+    mutates nothing), in place; returns how many. torch 2.11's export drops the ``contiguous()`` between them where
+    a symbolic size left the permuted tensor's layout undecided (``F.multi_head_attention_forward`` of a batch-first
+    ``nn.TransformerEncoderLayer``), and the joint trace's view of the real strides then failed."""
+    found = 0
+    for node in graph.nodes:
+        source = node.args[0] if node.op == "call_function" and node.target is _aten.view.default else None
+        if isinstance(source, torch.fx.Node) and source.target in _PERMUTES:
+            node.target = _aten.reshape.default
+            found += 1
     return found
 
 
