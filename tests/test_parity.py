@@ -218,3 +218,38 @@ def test_recurrent_layers_train_at_a_new_length_and_export_per_source(tmp_path):
     # (see LAYERS_BOUND): 392·u = 2.3e-5 in the worst case; the values kept are below it. This
     # part runs on the 'onnxruntime' source only (the training build): not observed on this machine.
     np.testing.assert_allclose(outputs["out"], trainer.eval_step(x, label)[1].numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _Scattered(torch.nn.Module):
+    """A linear layer whose output is added into itself at repeated positions, by ``kind``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc = torch.nn.Linear(20, 6)
+        self.kind = kind
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        index = torch.tensor([0, 0, 1, 2, 3, 5])
+        if self.kind == "index_add":
+            h = h.index_add(1, index, h * 0.5)  # (6 classes; the labels of mlp_batch are below 5)
+        else:
+            h = h.scatter_reduce(1, index.expand_as(h), h * 2, "amax" if self.kind == "amax" else "sum")
+        return torch.nn.functional.cross_entropy(h, y)
+
+
+@pytest.mark.skipif(not __import__("ort_trainer")._runtime.has_training_build(),
+                    reason="the onnxruntime gradient source needs the 1.19.2 training build")
+@pytest.mark.parametrize("kind", ["index_add", "sum", "amax"])
+def test_the_onnxruntime_source_refuses_scatters_it_would_train_wrongly(kind):
+    """index_add exports as a scatter where the last of repeated positions wins, and ONNX Runtime's gradient of a
+    scatter ignores its reduction: trained, their losses were 0.7-2.4% off PyTorch's within 3 steps. Refused before
+    any step, naming the fix; the torch source trains them (test_torch_autograd.py's probes)."""
+    from ort_trainer.graph.export.torchscript import ExportError
+    from ort_trainer.graph.gradient.ort_builder import GradientBuildError
+
+    desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(_Scattered(kind), desc, SGDConfig(lr=0.1),
+                         options={"graph": {"gradient_source": "onnxruntime"}})
+    with pytest.raises((ExportError, GradientBuildError), match="graph.gradient_source='torch'"):
+        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))

@@ -214,6 +214,12 @@ def _export(wrapper: "_ModelWithLoss", loss_fn: Callable | None, desc: ModelDesc
     for warning in caught:
         if issubclass(warning.category, torch.jit.TracerWarning) and os.path.abspath(warning.filename) != GUARD_FILE:
             logger.debug("tracer warning (%s:%d): %s", warning.filename, warning.lineno, warning.message)
+    if failure is None and any("duplicated values in 'index'" in str(w.message) for w in caught):
+        raise ExportError(
+            "index_add (Tensor.index_add_, torch.index_add) exports to ONNX as a scatter in which, where the index "
+            "repeats a position, the last update wins instead of all adding up (torch's TorchScript exporter says "
+            "so), a silently wrong result: train this model with graph.gradient_source='torch' (PyTorch's autograd, "
+            "which computes it exactly)")
     if produced and produced[0] != len(names):
         what = "loss_fn's loss plus the model's outputs" if loss_fn is not None else "the model's outputs"
         raise ExportError(
