@@ -198,3 +198,21 @@ def test_a_relu_of_another_dtype_keeps_torchs_decomposition():
     _check_gradients(got, expected, GRADIENT_BOUND)
     types = _node_types(trainer)
     assert types.count("torch.ThresholdGrad") == 1 and "Where" in types
+
+
+def test_bfloat16_on_the_cpu_is_refused_by_name_before_any_step():
+    """ONNX Runtime's CPU Conv schema takes no bfloat16: the session refused the graph as invalid ("Type
+    'tensor(bfloat16)' of input parameter ... of operator (Conv) ... is invalid"); the trainer says what and why, and
+    no weight has moved."""
+    from ort_trainer.amp.kernels import MissingKernelError
+
+    torch.manual_seed(0)
+    model = _Convs()
+    before = {name: value.detach().clone() for name, value in model.named_parameters()}
+    trainer = ORTTrainer(model, _DESC, SGDConfig(lr=1.0),
+                         options={**_TORCH_ROUTE, "mixed_precision": {"enabled": True, "dtype": "bfloat16"}})
+    with pytest.raises(MissingKernelError, match=r"no bfloat16 kernel for Conv \(node '[^']+': its schema refuses "
+                                                 r"the type\); .*mixed_precision.enabled=False"):
+        trainer.train_step(torch.randn(2, 3, 12, 12), torch.randn(2))
+    after = trainer.state_dict(pytorch_format=True)
+    assert all(torch.equal(after[name], value) for name, value in before.items())

@@ -16,6 +16,10 @@ import re
 from typing import Iterator
 
 _MISSING = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+# where the operator's schema at the graph's opset takes no such type at all (ONNX Runtime's CPU Conv, TopK in
+# bfloat16): the graph is refused as invalid when the session loads it
+_REFUSED_TYPE = re.compile(r"Type 'tensor\((?:b?float16)\)' of input parameter \([^)]*\) of operator \((\w+)\) in node "
+                           r"\(([^)]*)\) is invalid")
 
 
 class MissingKernelError(RuntimeError):
@@ -34,9 +38,15 @@ def missing_kernel_error(exc: BaseException, dtype: str, device: str) -> Missing
         A ``MissingKernelError`` naming the operator, its node and the fix, or None.
     """
     found = _MISSING.search(str(exc))
-    if found is None:
-        return None
-    op, opset, node = found.groups()
+    if found is not None:
+        op, opset, node = found.groups()
+        where = f"opset {opset}; node {node!r}"
+    else:
+        found = _REFUSED_TYPE.search(str(exc))
+        if found is None:
+            return None
+        op, node = found.groups()
+        where = f"node {node!r}: its schema refuses the type"
     provider = "CPU" if device == "cpu" else "CUDA"
     other = "float16" if dtype == "bfloat16" else "bfloat16"
     if device == "cpu" and dtype == "bfloat16":
@@ -51,7 +61,7 @@ def missing_kernel_error(exc: BaseException, dtype: str, device: str) -> Missing
         fix = f"use dtype '{other}', or train in fp32 (mixed_precision.enabled=False)"
     return MissingKernelError(
         f"mixed_precision.dtype={dtype!r} on device {device!r}: ONNX Runtime's {provider} execution provider has "
-        f"no {dtype} kernel for {op} (opset {opset}; node {node!r}); {fix}")
+        f"no {dtype} kernel for {op} ({where}); {fix}")
 
 
 _UNCHANGED = contextlib.nullcontext()  # fp32: nothing to translate (reusable: it holds no state)
