@@ -22,6 +22,7 @@ from ort_trainer.graph.export import fused_lstm, packed_sequences
 from ort_trainer.graph.export.torchscript import ExportError
 from ort_trainer.kernels import torch_ops
 from ort_trainer.optim import SGDConfig
+from models import sgd_steps_as_pytorch
 from tolerances import FLOAT32, FLOAT64, check, relative_error, steps_bound
 
 pytestmark = pytest.mark.skipif(not has_onnxscript(), reason="the 'torch' gradient source exports with onnxscript")
@@ -166,31 +167,16 @@ def _batch(generator, batch=5):
                                                                                           generator=generator)
 
 
-def _train_alongside(trainer: ORTTrainer, reference: torch.nn.Module, optimizer, batches: list, bound: float) -> None:
-    """Train ``trainer`` and eager ``reference`` (by ``optimizer``) on the same ``batches``: each step's loss within
-    ``bound``."""
-    for step, batch in enumerate(batches):
-        got = float(trainer.train_step(*batch))
-        optimizer.zero_grad()
-        expected = reference(*batch)
-        expected.backward()
-        optimizer.step()
-        check(relative_error(got, float(expected)), bound, f"step {step}")
-
-
 @pytest.mark.parametrize("layer, fused", [(torch.nn.LSTM, True), (torch.nn.LSTM, False), (torch.nn.GRU, True)],
                          ids=["lstm", "lstm-unrolled", "gru"])
 def test_a_packed_rnn_trains_evaluates_and_exports_like_pytorch(layer, fused, tmp_path):
     """An LSTM runs oneDNN's layers (``graph_optimizations.fused_lstm``, on by default: one ``LSTMLayer`` node per
     layer and direction); switched off, and a GRU, unrolled."""
     torch.manual_seed(0)
-    model = _Classifier(layer)
-    reference = copy.deepcopy(model)
     options = {**_TORCH_ROUTE, "graph_optimizations": {"fused_lstm": fused}}
-    trainer = ORTTrainer(model, _DESC, SGDConfig(lr=0.5), options=options)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(1)
-    _train_alongside(trainer, reference, optimizer, [_batch(generator) for _ in range(4)], TRAINING_BOUND)
+    trainer, reference = sgd_steps_as_pytorch(_Classifier(layer), _DESC, [_batch(generator) for _ in range(4)], 0.5,
+                                              lambda _: TRAINING_BOUND, options)
     layers = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
     fused_layers = fused and layer is torch.nn.LSTM and fused_lstm.available()
     assert sorted(layers) == (["LSTMLayer"] * 4 + ["LSTMLayerGrad"] * 4 if fused_layers else [])
@@ -236,15 +222,11 @@ def test_a_packed_encoders_final_cell_state_trains_and_saves_with_a_symbolic_len
     """Through oneDNN's layers a packed LSTM's graph has no step of its own: ``save_as_onnx`` keeps the sequence
     length symbolic (the unrolled recurrence fixes it)."""
     torch.manual_seed(0)
-    model = _Seq2Seq()
-    reference = copy.deepcopy(model)
     desc = {"inputs": [("ids", ["batch", "steps"]), ("lengths", ["batch"]), ("targets", ["batch", 6])],
             "outputs": [("loss", [], True)]}
-    trainer = ORTTrainer(model, desc, SGDConfig(lr=0.5), options=_TORCH_ROUTE)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(1)
     batches = [(*_batch(generator)[:2], torch.randint(0, 20, (5, 6), generator=generator)) for _ in range(4)]
-    _train_alongside(trainer, reference, optimizer, batches, SEQ2SEQ_BOUND)
+    trainer, reference = sgd_steps_as_pytorch(_Seq2Seq(), desc, batches, 0.5, lambda _: SEQ2SEQ_BOUND, _TORCH_ROUTE)
     layers = [n.op_type for n in trainer._graphs.gradient.graph.node if n.domain == torch_ops.DOMAIN]
     assert sorted(layers) == ["LSTMLayer"] * 4 + ["LSTMLayerGrad"] * 4  # the encoder's 2 and the decoder's 2
     state = trainer.state_dict(pytorch_format=True)

@@ -1101,6 +1101,15 @@ def test_the_multilabel_margin_decomposition_is_atens_kernel(shape, reduction):
     assert torch.equal(got_is_target, is_target)
 
 
+def _evaluated_and_saved_losses(trainer, feeds: dict, path) -> list[tuple[str, float]]:
+    """The loss of ``feeds`` (input name -> tensor, in the description's order) by ``eval_step`` and by the model
+    ``save_as_onnx`` writes to ``path``, each named."""
+    trainer.save_as_onnx(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return [("eval_step", float(trainer.eval_step(*feeds.values()))),
+            ("saved", float(session.run(None, {name: value.numpy() for name, value in feeds.items()})[0]))]
+
+
 class MultiLabel(torch.nn.Module):
     """A multi-label tagger trained with ``F.multilabel_margin_loss``, whose targets end at their first -1."""
 
@@ -1130,11 +1139,7 @@ def test_multilabel_margin_loss_trains_evaluates_and_saves_as_pytorch(tmp_path):
     x, target = torch.randn(3, 5, generator=generator), torch.tensor([[0, -1, 5, 5, 5, 5]] * 3)
     with torch.no_grad():
         expected = float(reference(x, target))
-    path = tmp_path / "tagger.onnx"
-    trainer.save_as_onnx(str(path))
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for name, got in (("eval_step", float(trainer.eval_step(x, target))),
-                      ("saved", float(session.run(None, {"x": x.numpy(), "target": target.numpy()})[0]))):
+    for name, got in _evaluated_and_saved_losses(trainer, {"x": x, "target": target}, tmp_path / "tagger.onnx"):
         check(abs(got - expected) / abs(expected), steps_bound(5, length=36, factor=10), name)
 
 
@@ -1197,9 +1202,5 @@ def test_smoothed_weighted_cross_entropy_trains_evaluates_and_saves_as_pytorch(s
     x, y = batches[0]
     with torch.no_grad():
         expected = float(reference(x, y))
-    path = tmp_path / "smoothed.onnx"
-    trainer.save_as_onnx(str(path))
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for name, got in (("eval_step", float(trainer.eval_step(x, y))),
-                      ("saved", float(session.run(None, {"x": x.numpy(), "y": y.numpy()})[0]))):
+    for name, got in _evaluated_and_saved_losses(trainer, {"x": x, "y": y}, tmp_path / "smoothed.onnx"):
         check(abs(got - expected) / abs(expected), steps_bound(4, length=48, factor=10), name)
