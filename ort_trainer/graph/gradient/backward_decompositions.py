@@ -19,6 +19,10 @@ logarithm and derivatives (``special_functions.py``), the modified Bessel functi
 ``cdist``'s kernel and its backward (``distances.py``), a write into a diagonal and ``torch.diagonal``'s
 backward (``diagonals.py``). Used during the joint trace (``joint_onnx.joint_program``); ``FORWARD`` in the
 eval-mode graph's too.
+
+Besides, forward functions written out in place of what torch or torchlib would compute otherwise than ATen
+(by the eval-mode graph, and for ``WRITTEN_OUT`` by the training program before autograd):
+``multilabel_margin_loss_forward`` and ``cross_entropy_loss`` (with label smoothing or probability targets).
 """
 
 from __future__ import annotations

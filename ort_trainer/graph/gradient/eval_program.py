@@ -95,13 +95,13 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     graph = program.graph_module.graph
-    for node, function in [(n, _written_out(n)) for n in graph.nodes]:
-        if function is None:
-            continue
-        written = _decomposition(node, function=function)
-        if written is not None:  # (else the operator stays, to be decomposed with the rest)
-            _inline(graph, node, written)
-            program.graph_module.recompile()
+    written = [(node, _decomposition(node, function=function)) for node, function in
+               [(n, _written_out(n)) for n in graph.nodes] if function is not None]
+    for node, decomposition in written:
+        if decomposition is not None:  # (else the operator stays, to be decomposed with the rest)
+            _inline(graph, node, decomposition)
+    if any(decomposition is not None for _, decomposition in written):
+        program.graph_module.recompile()
     decompositions = _node_decompositions(program)
     if decompositions is not None:
         for node in list(graph.nodes):
