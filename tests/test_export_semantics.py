@@ -472,6 +472,32 @@ def test_weights_feeding_only_a_non_loss_output_are_skipped_with_a_warning(caplo
     assert aux.shape == (6, 2)
 
 
+class WrittenIntoZeros(_Base):
+    """RWKV's recurrence (Hugging Face's CPU path) in small: each step's result written into a tensor of zeros made
+    beforehand, ``out[:, i] = ...``; ``b`` and ``a`` reach the loss only through those writes, ``c`` directly."""
+
+    def forward(self, x):
+        h = self.a(x)
+        out = torch.zeros_like(h)
+        state = torch.zeros_like(h[:, 0])
+        for i in range(h.shape[1]):
+            state = torch.tanh(state + h[:, i])
+            out[:, i] = state
+        return self.c(self.b(out) + x)
+
+
+def test_values_written_into_a_new_tensor_pass_their_gradient_as_in_pytorch(caplog):
+    """The weights the loss reaches were found by walking the program's inputs back from the loss, which does not
+    see ``out`` depend on what is written into it after it was made: the weights before the writes were detached
+    as "weights with no gradient from the loss" and silently not trained (RWKV's key, value and time weights).
+    Autograd's own graph of the program decides now; the weights equal PyTorch's after 3 steps (WEIGHT_ATOL)."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="ort_trainer"):
+        _, got, expected = _train_both(WrittenIntoZeros())
+    assert "no gradient" not in caplog.text
+    _assert_same_weights(got, expected)
+
+
 class Checkpointed(torch.nn.Module):
     def __init__(self):
         super().__init__()

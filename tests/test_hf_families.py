@@ -3,8 +3,9 @@
 ``batched_mm`` experts; the default ``grouped_mm`` is refused, naming the switch) and an audio encoder with
 weight normalisation (wav2vec2's positional convolution), DeBERTa's attention (SEW-D: its masked softmax and
 dropout are Functions whose backward is their forward's derivative), a ceil-mode average pool (Funnel) and GPT-2 with
-reentrant gradient checkpointing (traced as the plain calls PyTorch's backward recomputes), and BLOOM, whose GELU is
-a custom autograd Function with its derivative written out as its backward."""
+reentrant gradient checkpointing (traced as the plain calls PyTorch's backward recomputes), BLOOM, whose GELU is
+a custom autograd Function with its derivative written out as its backward, and RWKV, whose recurrence writes each
+step into a tensor of zeros."""
 
 import copy
 
@@ -87,6 +88,15 @@ def _bloom():
     return OwnLoss(transformers.BloomForCausalLM(config), "input_ids"), "tokens"
 
 
+def _rwkv():
+    """Its CPU recurrence writes each step into a tensor of zeros (``out[:, t] = ...``): the key, value and time
+    weights reach the loss only through those writes. ``rescale_every=0``: RWKV otherwise rescales weights in place
+    when the model changes mode, which the export refuses as a forward that changes its weights."""
+    config = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                     intermediate_size=64, context_length=32, rescale_every=0)
+    return OwnLoss(transformers.RwkvForCausalLM(config), "input_ids"), "tokens"
+
+
 def _batch(kind: str, step: int):
     gen = torch.Generator().manual_seed(step)
     if kind == "audio":
@@ -98,9 +108,9 @@ def _batch(kind: str, step: int):
 
 
 @pytest.mark.parametrize("make", [_bart, _mixtral, _wav2vec2, _sew_d, _funnel, _gpt2_reentrant_checkpointing,
-                                  _bloom],
+                                  _bloom, _rwkv],
                          ids=["bart", "mixtral", "wav2vec2", "sew_d", "funnel", "gpt2_reentrant_checkpointing",
-                              "bloom"])
+                              "bloom", "rwkv"])
 def test_hugging_face_family_trains_like_eager(make):
     torch.manual_seed(0)
     model, kind = make()

@@ -67,7 +67,7 @@ from .onnx_graph import dangling_names
 # graphs wait for the backward with AliasAfter nodes (device_barriers; graphs of 20 with host-read Reshapes), and a
 # symbolic-shape graph's integer Pad is a Concat too; 23: small_table_gradients casts an int32 index to int64 for
 # OneHot (graphs of 22 with an int32 index, Tensor.unfold's gradient, were refused by ONNX Runtime's CPU provider)
-_VERSION = "29"
+_VERSION = "30"
 _LINKS = ".links"  # record key -> entry key files (a dot name: no entry, no temporary)
 STALE_AFTER_S = 3600.0  # no store takes this long; a temporary this old has no live writer
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]

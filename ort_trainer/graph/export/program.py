@@ -144,37 +144,25 @@ def mark_untrained(program: Any) -> None:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         raise ExportError(f"the loss must be a floating-point scalar; it has shape "
                           f"{list(getattr(value, 'shape', []))} and dtype {getattr(value, 'dtype', None)}")
-    differentiable = _differentiable_nodes(program)
-    if loss not in differentiable:
+    reached = _weights_reached(program)
+    if reached is None:
         raise ExportError("the loss does not depend on any trainable weight (every weight it reads is frozen "
                           "or detached); nothing would be trained")
-    reached, stack = set(), [loss]
-    while stack:
-        node = stack.pop()
-        for source in node.all_input_nodes:
-            if source not in reached and source in differentiable:
-                reached.add(source)
-                stack.append(source)
     for node in graph.nodes:
         if node.op == "placeholder" and node not in reached and _requires_grad(node.meta.get("val")):
             node.meta["val"] = node.meta["val"].detach()
 
 
-def _differentiable_nodes(program: Any) -> set:
-    """Nodes whose value requires grad, by running the program on its fake values with autograd on
-    (the traced values do not record it; ~0.4 s for the BERT-like model)."""
+def _weights_reached(program: Any) -> set | None:
+    """The placeholders whose values the loss's autograd graph reaches, found by running the program on its fake
+    values with autograd on (the traced values do not record it; ~0.4 s for the BERT-like model); None when the
+    loss does not require grad. Autograd's own graph follows in-place writes: ``out = zeros_like(k)`` then
+    ``out[:, i] = k[:, i]`` (RWKV's recurrence) makes ``out`` depend on ``k`` after ``out`` was made, which a walk
+    of the program's inputs from the loss does not see."""
     from torch._guards import detect_fake_mode
 
-    values = [n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"]
-    found = set()
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, node: torch.fx.Node) -> Any:
-            result = super().run_node(node)
-            if _requires_grad(result):
-                found.add(node)
-            return result
-
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    values = [n.meta["val"] for n in placeholders]
     fake_mode = detect_fake_mode(values)
     shape_env = getattr(fake_mode, "shape_env", None)
     # only the requires_grad flags are read here: the run must not guard on the program's symbols (torch
@@ -187,8 +175,22 @@ def _differentiable_nodes(program: Any) -> set:
     with fake_mode or contextlib.nullcontext(), quiet, fresh, torch.enable_grad():
         args = [v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
                 for v in values]
-        Recorder(program.graph_module).run(*args)
-    return found
+        loss = torch.fx.Interpreter(program.graph_module).run(*args)[0]
+    if not _requires_grad(loss):
+        return None
+    leaves, seen, stack = set(), set(), [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        function = stack.pop()
+        if function in seen:
+            continue
+        seen.add(function)
+        variable = getattr(function, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(following for following, _ in function.next_functions if following is not None)
+    if loss.grad_fn is None:  # the loss is itself a weight
+        leaves.add(id(loss))
+    return {node for node, arg in zip(placeholders, args) if id(arg) in leaves}
 
 
 def _requires_grad(value: Any) -> bool:
