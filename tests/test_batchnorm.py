@@ -155,3 +155,46 @@ def test_a_model_in_eval_mode_trains_in_training_mode_and_stays_in_eval_mode():
     model.eval()
     _trains_like_pytorch(model, reference.train(), steps=6)
     assert not any(m.training for m in model.modules())
+
+
+class _UnusedPooler(torch.nn.Module):
+    """A BatchNorm'd classifier (its eval mode computes otherwise, so it has an eval-mode trace of its own) that
+    also pools into a layer the loss never reads, as SqueezeBERT's masked-LM model does its pooler."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(100, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 4)
+        self.pooler = torch.nn.Linear(16, 16)
+
+    def forward(self, images, label):
+        hidden = self.bn(self.fc(images.flatten(1)))
+        self.pooled = torch.tanh(self.pooler(hidden))  # computed, never part of the loss
+        logits = self.head(hidden)
+        return CE(logits, label), logits
+
+
+def test_a_layer_the_loss_never_reads_is_left_out_of_the_eval_graph_too(tmp_path):
+    """The pooler gets no gradient, so the gradient graph holds no pooler weight; the eval-mode trace's translation
+    kept them as inputs no node read, and ``eval_step`` refused ("the eval graph cannot run on the training graph's
+    weights"). Both graphs now leave them out; eval equals PyTorch's eval mode and the saved model the eval step.
+    Bound: one forward of sums of <= 100 terms, float32: 100·u = 6.0e-6 relative, and no step between."""
+    torch.manual_seed(0)
+    model = _UnusedPooler()
+    trainer = ORTTrainer(model, DESC, AdamConfig(lr=1e-3))
+    images, label = _batch(torch.Generator().manual_seed(0))
+    trainer.train_step(images, label)
+    model.load_state_dict(trainer.state_dict(pytorch_format=True))
+    model.eval()
+    with torch.no_grad():
+        want = model(images, label)
+    got = trainer.eval_step(images, label)
+    check(abs(float(got[0]) - float(want[0])) / abs(float(want[0])), steps_bound(1, length=100), "eval loss")
+    path = str(tmp_path / "model.onnx")
+    trainer.save_as_onnx(path)
+    names = {i.name for i in onnx.load(path).graph.input} | {i.name for i in onnx.load(path).graph.initializer}
+    assert not any("pooler" in name for name in names)
+    saved = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(["loss"], {
+        "images": images.numpy(), "label": label.numpy()})[0]
+    check(abs(float(saved) - float(got[0])) / abs(float(got[0])), steps_bound(1, length=100), "saved loss")

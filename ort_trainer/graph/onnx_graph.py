@@ -81,6 +81,21 @@ def drop_dead_nodes(model: onnx.ModelProto) -> int:
     return _keep_live(model.graph)
 
 
+def drop_unread_inputs(model: onnx.ModelProto, kept: Collection[str]) -> list[str]:
+    """Remove the graph inputs that no node reads, but those named in ``kept``, in place; returns the names removed.
+
+    A weight that only a value nothing needs reads (SqueezeBERT's pooler under a masked-LM head) stays a graph input
+    of the translated eval-mode trace after its nodes are gone, while the gradient graph has none: the engine, which
+    binds the gradient graph's weights, has nothing to give it."""
+    read = _outer_names(model.graph) | {o.name for o in model.graph.output}
+    unread = [i.name for i in model.graph.input if i.name not in read and i.name not in kept]
+    if unread:
+        inputs = [i for i in model.graph.input if i.name not in unread]
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+    return unread
+
+
 def _keep_live(graph: onnx.GraphProto, dropped_outputs: Collection = ()) -> int:
     """Keep the nodes, initializers and value infos that the graph's outputs need (and the value
     infos of ``dropped_outputs`` still computed); returns the number of nodes removed."""

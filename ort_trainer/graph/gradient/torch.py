@@ -28,7 +28,7 @@ from ..export.program_checks import find_program_constraints
 from ..export.torchscript import ExportError
 from ..job import Built, GradientSource, GraphJob, OpRecord, Prepared, Traced
 from ..names import ACCUMULATOR_SUFFIX, GRAD_SUFFIX, LOSS_SCALE_INPUT
-from ..onnx_graph import compacted, drop_outputs, specialize, sum_into_inputs
+from ..onnx_graph import compacted, drop_outputs, drop_unread_inputs, specialize, sum_into_inputs
 from . import autograd, kernel_ops, loss_pieces, sparse_labels, torch_export
 
 
@@ -218,6 +218,7 @@ def _passed_eval_graph(job: GraphJob, traced: Traced, returned: list[str], wante
     model = _eval_graph(job, traced, returned, dims)
     drop_outputs(model, set(returned) - set(wanted))
     logger.debug("eval graph rewrites: %s", passes.apply_eval_passes(model, job.passes or {}))
+    drop_unread_inputs(model, job.desc.input_names)
     return compacted(model)
 
 
