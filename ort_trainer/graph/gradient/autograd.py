@@ -144,8 +144,7 @@ def trace(model: torch.nn.Module, loss_fn: Callable | None, desc: ModelDescripti
     """
     count = len(desc.inputs) - (1 if loss_fn is not None else 0)
     order = export_order(desc, loss_fn is not None)
-    wrapper = torch_export.Scaled(model, loss_fn, desc.input_names[:count], [order.index(n) for n in desc.output_names],
-                      order.index(desc.loss_name), autocast=autocast, fused_lstm=fused_lstm)
+    wrapper = torch_export.Scaled.of_desc(model, loss_fn, desc, order, autocast=autocast, fused_lstm=fused_lstm)
     tensors, keys = torch_export.tensors_by_name(wrapper)
     aliases: dict[int, list[str]] = {}
     for name, tensor in tensors.items():
@@ -435,9 +434,8 @@ def _export_eval(job: dict) -> Any:
     """The second ``torch.export``: the model in eval mode (Dropout off, BatchNorm on running
     statistics), returning the description's outputs."""
     model, desc, order = job["model"], job["desc"], job["order"]
-    wrapper = torch_export.Scaled(model, job["loss_fn"], desc.input_names[:job["count"]],
-                      [order.index(n) for n in desc.output_names], order.index(desc.loss_name), scaled=False,
-                      autocast=job.get("autocast"), fused_lstm=job.get("fused_lstm", False))
+    wrapper = torch_export.Scaled.of_desc(model, job["loss_fn"], desc, order, scaled=False,
+                                          autocast=job.get("autocast"), fused_lstm=job.get("fused_lstm", False))
     shapes = None if job["dynamic_shapes"] is None else job["dynamic_shapes"][:-1]
     with _model_left_untouched(wrapper):
         model.eval()

@@ -5,6 +5,7 @@ with the guard that refuses what a graph cannot hold (``export/guard.py``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import traceback
@@ -14,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
+from ..._logging import logger
 from ..export.guard import ExportGuard, _CONVERSION_FIX
 from ..export.validations import source_line
 from ..export.torchscript import ExportError, _ModelWithLoss
@@ -31,6 +33,20 @@ def autocast_context(dtype: str | None) -> contextlib.AbstractContextManager:
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type="cpu", dtype=getattr(torch, dtype))
+
+
+@contextlib.contextmanager
+def without_fake_tensor_errors() -> Iterator[None]:
+    """A failed trace's operator error, logged with its traceback by torch's fake tensors (~20 lines on stderr),
+    stays off unless ``ort_trainer`` logs at DEBUG: the ``ExportError`` raised says what failed, and where."""
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    before = fake_tensor_log.level
+    if not logger.isEnabledFor(logging.DEBUG):
+        fake_tensor_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_tensor_log.setLevel(before)
 
 
 @contextlib.contextmanager
@@ -60,10 +76,20 @@ class Scaled(_ModelWithLoss):
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, input_names: list[str],
                  desc_positions: list[int], loss_position: int, scaled: bool = True, autocast: str | None = None,
-                 fused_lstm: bool = False):
+                 fused_lstm: bool = False, input_dims: list[tuple] | None = None):
         super().__init__(model, loss_fn, input_names)
         self.desc_positions, self.loss_position, self.scaled = desc_positions, loss_position, scaled
         self.autocast, self.fused_lstm = autocast, fused_lstm
+        self.input_dims = input_dims or [()] * len(input_names)  # model_desc's dims of each input, for messages
+
+    @classmethod
+    def of_desc(cls, model: torch.nn.Module, loss_fn: Callable | None, desc: Any, order: list[str],
+                **options: Any) -> "Scaled":
+        """The wrapper of ``model`` and ``loss_fn`` for the model description ``desc``, whose outputs the traced
+        forward returns in ``order`` (``export_order``); ``options``: ``scaled``, ``autocast``, ``fused_lstm``."""
+        count = len(desc.inputs) - (1 if loss_fn is not None else 0)
+        return cls(model, loss_fn, desc.input_names[:count], [order.index(n) for n in desc.output_names],
+                   order.index(desc.loss_name), input_dims=[io.shape for io in desc.inputs], **options)
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         """The scaled loss then the description outputs (training), or the outputs alone (eval)."""
@@ -137,7 +163,7 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
         wrapper.guard = ExportGuard(wrapper, wrapper.loss_fn is not None, stop_gradients=False,
                                     lstm_layers="eval" if wrapper.fused_lstm else None)
     try:
-        with warnings.catch_warnings(), without_stack_traces():
+        with warnings.catch_warnings(), without_stack_traces(), without_fake_tensor_errors():
             warnings.simplefilter("ignore", FutureWarning)
             # nn.RNNBase.forward re-lists its own parameters in _flat_weights (no new tensor): not the user's concern
             warnings.filterwarnings("ignore", r"The tensor attributes .*_flat_weights\[", UserWarning)
@@ -166,11 +192,54 @@ def export_program(wrapper: Scaled, args: tuple, dynamic_shapes: Any, guard: Exp
         elif "specialized" in str(exc) or "specialize" in str(exc):
             hint = (" The model's code fixes a dimension that model_desc declares symbolic: declare it as an int "
                     "in model_desc.")
-        raise ExportError(f"torch.export could not trace the model: {_first_line(exc)}.{hint} (see "
+        message, named = _dims_named(_first_line(exc), exc, wrapper)
+        if named and not hint:
+            hint = (" Those sizes are the symbolic dimensions model_desc declares, each traced at a size of its own: "
+                    "where the model requires two of them to be equal, give them one name in model_desc; where it "
+                    "requires a size, declare that size as an int.")
+        raise ExportError(f"torch.export could not trace the model: {message.rstrip('.')}.{hint} (see "
                           "docs/export_limits.md)") from exc
     finally:
         if unwatched:
             wrapper.guard = None
+
+
+def _dims_named(message: str, exc: BaseException, wrapper: Scaled) -> tuple[str, bool]:
+    """``message`` with torch's symbols for the inputs' sizes (``s21``, ``L['inputs'][0].size()[1]``) written as
+    ``x[1] ('seq')``: input, axis and model_desc's name, found through the shape environment that a frame of the
+    failed trace holds; and whether any was."""
+    def label(position: int, axis: int) -> str:
+        if position >= len(wrapper.input_names):
+            return f"input {position}[{axis}]"
+        dims = wrapper.input_dims[position]
+        declared = f" ({dims[axis]!r})" if axis < len(dims) else ""
+        return f"{wrapper.input_names[position]}[{axis}]{declared}"
+
+    source = re.compile(r"L\['inputs'\]\[(\d+)\]\.size\(\)\[(\d+)\]")
+    names = {}
+    shape_env = _shape_env_of(exc) if re.search(r"\bs\d+\b", message) else None
+    for symbol, sources in (shape_env.var_to_sources.items() if shape_env is not None else ()):
+        name = sources[0].name if sources else ""
+        found = source.fullmatch(name() if callable(name) else name)
+        if found:
+            names[str(symbol)] = label(int(found.group(1)), int(found.group(2)))
+    named = source.sub(lambda m: label(int(m.group(1)), int(m.group(2))), message)
+    named = re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), named)
+    return named, named != message
+
+
+def _shape_env_of(exc: BaseException) -> Any:
+    """The shape environment of a symbolic size that a frame of ``exc``'s tracebacks (its causes' too) holds."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        for frame, _ in traceback.walk_tb(cause.__traceback__):
+            for value in list(frame.f_locals.values()):
+                sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+                for size in sizes:
+                    if isinstance(size, torch.SymInt) and size.node.shape_env is not None:
+                        return size.node.shape_env
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _user_frame(exc: BaseException, guard: ExportGuard) -> str:
