@@ -9,7 +9,7 @@ from models import (ENCODER_DESC, MLP, MLP_DESC, MLPWithLoss, TinyEncoder, clone
                     mlp_batch, torch_step)
 from ort_trainer import ORTTrainer
 from ort_trainer.optim import AdamConfig, SGDConfig
-from tolerances import check, steps_bound
+from tolerances import check, relative_error, steps_bound
 
 STEPS = 20
 # ONNX Runtime against eager PyTorch for n steps: both compute the same float32 forward, backward
@@ -253,3 +253,36 @@ def test_the_onnxruntime_source_refuses_scatters_it_would_train_wrongly(kind):
                          options={"graph": {"gradient_source": "onnxruntime"}})
     with pytest.raises((ExportError, GradientBuildError), match="graph.gradient_source='torch'"):
         trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+
+
+class _Flipped(torch.nn.Module):
+    """A linear layer whose output, as ``[batch, 4, 5]``, is flipped along ``dims`` before the loss."""
+
+    def __init__(self, dims: list[int]):
+        super().__init__()
+        self.fc = torch.nn.Linear(20, 20)
+        self.dims = dims
+
+    def forward(self, x, y):
+        h = torch.flip(self.fc(x).view(-1, 4, 5), self.dims) * torch.arange(20.0).view(4, 5)
+        return torch.nn.functional.cross_entropy(h.flatten(1)[:, :5], y)
+
+
+@pytest.mark.skipif(not __import__("ort_trainer")._runtime.has_training_build(),
+                    reason="the onnxruntime gradient source needs the 1.19.2 training build")
+@pytest.mark.parametrize("dims", [[-1], [1], [0, 2]], ids=["last", "middle", "first_and_last"])
+def test_flips_train_as_pytorch_on_the_onnxruntime_source(dims):
+    """ONNX Runtime's SliceGrad failed inside the step ("narrowing_error") where ``torch.flip``'s reversing slice
+    is on an axis followed only by axes of size 1 (the last axis); such slices are sliced off a trailing pair of
+    copies (ort_builder), and every flip trains as in PyTorch: the same weights after each step.
+    Bound: SHAPES_BOUND's arithmetic, steps_bound(3) = 1.1e-5 (sums of 20 terms); the flip itself moves values."""
+    from models import sgd_steps_as_pytorch
+
+    desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True)]}
+    torch.manual_seed(0)
+    batches = [mlp_batch(torch.Generator().manual_seed(step)) for step in range(3)]
+    trainer, reference = sgd_steps_as_pytorch(_Flipped(dims), desc, batches, 0.1, lambda step: SHAPES_BOUND,
+                                              options={"graph": {"gradient_source": "onnxruntime"}})
+    ours = trainer.state_dict()["model"]["full_precision"]
+    for name, value in reference.state_dict().items():
+        check(relative_error(np.asarray(ours[name]), value.numpy()), SHAPES_BOUND, name)

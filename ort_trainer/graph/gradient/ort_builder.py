@@ -77,6 +77,7 @@ def build_gradient_graph(
     reached = _inputs_reaching(scaled.graph, scaled_loss)
     candidates = [w for w in trainable if w in reached]
     _refuse_reduced_scatters(scaled.graph, reached, set(candidates))
+    _reversed_slices_before_a_trailing_pair(scaled.graph, reached)
     while True:
         try:
             optimized = get_optimized_model(scaled.SerializeToString(), set(candidates), options)
@@ -185,6 +186,49 @@ def _refuse_reduced_scatters(graph: onnx.GraphProto, reached: set[str], trained:
             f"wrong (in module {', '.join(sorted(modules))}: scatter_add, index_add, scatter_reduce). Train this "
             "model with graph.gradient_source='torch' (PyTorch's autograd), or freeze the weights that feed it "
             "(utils.frozen_weights).")
+
+
+def _reversed_slices_before_a_trailing_pair(graph: onnx.GraphProto, reached: set[str]) -> None:
+    """Slice each ``Slice`` with a constant negative step that the loss's gradient passes off a trailing pair of
+    copies, in place.
+
+    ONNX Runtime's ``SliceGrad`` fails inside the step ("narrowing_error") where a negative step is on an axis
+    followed only by axes of size 1, as TorchScript's ``torch.flip(x, [-1])`` (a ``Slice`` from -1 by step -1).
+    Sliced as ``Squeeze(Slice(Slice(Expand(Unsqueeze(x, -1), [2])), 0:1 on the last axis), -1)`` instead, negative
+    axes one further from the end: the same values, and the gradient through the unused copy is zero (a sum with
+    0, exact). The flipped tensor is held twice within the step, on this gradient source only."""
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    constants.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
+                      if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    nodes = []
+    for node in graph.node:
+        steps = constants.get(node.input[4]) if node.op_type == "Slice" and len(node.input) > 4 else None
+        axes = constants.get(node.input[3]) if steps is not None and node.input[3] else np.arange(len(steps or ()))
+        if steps is None or (steps > 0).all() or axes is None or node.output[0] not in reached:
+            nodes.append(node)
+            continue
+        name = node.name
+        values = {"last_axis": [-1], "two": [2], "zero": [0], "one": [1],
+                  "axes": np.where(axes < 0, axes - 1, axes)}
+        const = {key: f"{name}/{key}" for key in values}
+        sliced = copy.deepcopy(node)
+        sliced.input[0], sliced.output[0] = f"{name}/pair", f"{name}/sliced"
+        if node.input[3]:
+            sliced.input[3] = const["axes"]
+        nodes += [helper.make_node("Constant", [], [const[key]], name=const[key],
+                                   value=numpy_helper.from_array(np.asarray(value, np.int64)))
+                  for key, value in values.items()]
+        nodes += [helper.make_node("Unsqueeze", [node.input[0], const["last_axis"]], [f"{name}/unsqueezed"],
+                                   name=f"{name}/Unsqueeze"),
+                  helper.make_node("Expand", [f"{name}/unsqueezed", const["two"]], [f"{name}/pair"],
+                                   name=f"{name}/Expand"),
+                  sliced,
+                  helper.make_node("Slice", [f"{name}/sliced", const["zero"], const["one"], const["last_axis"]],
+                                   [f"{name}/first"], name=f"{name}/first"),
+                  helper.make_node("Squeeze", [f"{name}/first", const["last_axis"]], [node.output[0]],
+                                   name=f"{name}/Squeeze")]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _inputs_reaching(graph: onnx.GraphProto, output: str) -> set[str]:
