@@ -60,6 +60,8 @@ from . import (adaptive_softmax, causal_masks, checked_losses, cholesky, ctc, da
                fused_lstm, layer_drop, linalg, packed_sequences, python_draws, rewritten_functions, spec_augment,
                validations)
 from .guard_state import StateChanges
+from . import view_writes
+from .view_writes import ViewWrites, is_in_place
 from .guard_tables import CONVERSIONS, DRAWS, METADATA, PLACEHOLDERS
 from .trace_tools import TensorSet
 
@@ -83,6 +85,7 @@ _OWN_OPERATORS = "GeneratedBackwardFor_ort_trainer_"  # the Functions torch.libr
 # Frames between the user's line and the guard: torch's dispatch to the mode, and this package.
 _DISPATCH_FILES = (
     GUARD_FILE, os.path.join(os.path.dirname(GUARD_FILE), "torchscript.py"), python_draws.__file__, data_sizes.__file__,
+    view_writes.__file__,
     *(os.path.join(_TORCH_DIR, *p) for p in [("overrides.py",), ("_tensor.py",), ("autograd", "function.py"),
                                            ("utils", "_contextlib.py"), ("autograd", "grad_mode.py")]),
 )
@@ -124,13 +127,6 @@ def _func_name(func: Any) -> str:
     if name == "__get__":  # a property of Tensor (shape, data, T...): name the property
         return getattr(getattr(func, "__self__", None), "__name__", name)
     return name
-
-
-def _is_in_place(name: str) -> bool:
-    if name.startswith("__"):
-        return name == "__setitem__" or (name.startswith("__i") and name not in ("__init__", "__index__", "__int__",
-                                                                               "__invert__", "__iter__"))
-    return name.endswith("_")
 
 
 def _is_metadata(name: str) -> bool:
@@ -176,6 +172,7 @@ class ExportGuard(StateChanges):
         self._problems: dict[tuple, tuple[str, list[str]]] = {}
         self._watching = False
         self._sizes = data_sizes.DataSizes()  # the TorchScript route's tensors sized by the data
+        self._view_writes = ViewWrites()  # and its changes through views (view_writes.py)
         self.functions: list[str] = []  # custom autograd Functions the forward applied, as "Class in module M"
 
     def module_label(self, module: Any) -> str | None:
@@ -317,6 +314,12 @@ class ExportGuard(StateChanges):
             out = func(*args, **kwargs)
         if self._stop_gradients:
             self._sizes.note(name, tensors, out)
+            if (changed := self._view_writes.note(name, args, out, _user_source_line)) is not None:
+                self._report(("view write", *changed), f"Tensor.{changed[0]} at {changed[1]} changes a view of a "
+                             "tensor, and module {modules} reads that tensor at {where}: the TorchScript export drops "
+                             "a change made through such a view (only basic indexing, x[:, :2] or select, writes it "
+                             "back), so the graph would compute with the values from before it; make the change "
+                             "through basic indexing or out of place, or set graph.gradient_source='torch'")
         if name == "__iter__":  # the rows come from one call the mode does not see: taint them here
             out = list(out)
             if tainted:
@@ -335,7 +338,7 @@ class ExportGuard(StateChanges):
                 for value in tree_flatten(out)[0]:
                     if isinstance(value, torch.Tensor):
                         self._tainted.add(value)
-                if _is_in_place(name) and args and isinstance(args[0], torch.Tensor):
+                if is_in_place(name) and args and isinstance(args[0], torch.Tensor):
                     self._tainted.add(args[0])
         return out
 
@@ -354,7 +357,7 @@ class ExportGuard(StateChanges):
 
     def _call_without_gradient(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         """An operation under ``torch.no_grad()``: its inputs that require grad pass a StopGradient."""
-        mutated = args[0] if _is_in_place(name) and args and isinstance(args[0], torch.Tensor) else None
+        mutated = args[0] if is_in_place(name) and args and isinstance(args[0], torch.Tensor) else None
         if mutated is not None and mutated.requires_grad:
             self._report(("in-place", name), f"in-place Tensor.{name} under torch.no_grad() on a tensor that requires "
                          "grad, in module {modules} at {where}: PyTorch's gradient passes through that tensor as if "
