@@ -549,7 +549,7 @@ def test_embedding_bag_gradients_equal_float64_pytorch():
 def test_the_adaptive_max_decomposition_gives_atens_values_and_indices(sizes, output):
     """Exactly, ties included: values of a few integers, so that most windows hold their maximum more than once
     and the index must be the first in row-major order, as ATen's kernel takes it."""
-    from ort_trainer.graph.gradient.backward_decompositions import _adaptive_max
+    from ort_trainer.graph.gradient.pools import _adaptive_max
 
     pool = F.adaptive_max_pool2d if len(sizes) == 2 else F.adaptive_max_pool3d
     x = torch.randint(0, 3, (2, 3, *sizes), generator=torch.Generator().manual_seed(73)).double()
@@ -563,7 +563,7 @@ def test_the_adaptive_max_decomposition_gives_atens_values_and_indices(sizes, ou
 def test_the_adaptive_pool_products_are_torchs_pools_and_their_adjoint(sizes, output):
     """``_pooled`` against torch's adaptive average pools in float64 (sums of at most 3 terms, each
     divided: within 1e-15 relative), and its ``backward`` against autograd's vector-Jacobian product."""
-    from ort_trainer.graph.gradient.backward_decompositions import _pooled
+    from ort_trainer.graph.gradient.pools import _pooled
 
     pool = F.adaptive_avg_pool2d if len(sizes) == 2 else F.adaptive_avg_pool3d
     x = torch.randn(2, 3, *sizes, dtype=torch.float64, requires_grad=True)
@@ -606,7 +606,7 @@ def test_weight_norm_and_ceil_mode_pools_gradients_equal_float64_pytorch():
 def test_the_ceil_mode_average_pool_backward_decomposition_is_torchs(dims, size, kernel, stride, padding,
                                                                       count_include_pad, divisor):
     """In float64, against autograd of torch's pool: sums of at most 8 terms, each divided, within 1e-14."""
-    from ort_trainer.graph.gradient.backward_decompositions import _avg_pool_backward
+    from ort_trainer.graph.gradient.pools import _avg_pool_backward
 
     pool = F.avg_pool2d if dims == 2 else F.avg_pool3d
     x = torch.randn(2, 3, *[size + i for i in range(dims)], dtype=torch.float64, requires_grad=True)
@@ -700,7 +700,7 @@ def test_the_adaptive_max_pooling_backward_decomposition_is_torchs_kernel(dtype)
     """7 to 3 positions a side: windows [0, 3), [2, 5), [4, 7) overlap, so an element can be the maximum of
     two and its gradients add up (at most 4 additions into an element: 1e-12 relative in float64; float16
     added in float32 and rounded once, within 2^-11 relative, 1e-3 with margin)."""
-    from ort_trainer.graph.gradient.backward_decompositions import adaptive_max_pool2d_backward
+    from ort_trainer.graph.gradient.pools import adaptive_max_pool2d_backward
 
     gen = torch.Generator().manual_seed(37)
     x = torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64).to(dtype)
@@ -717,12 +717,11 @@ def test_the_adaptive_max_pooling_backward_decomposition_is_torchs_kernel(dtype)
 def test_max_pooling_gradients_equal_float64_pytorch(decomposition, monkeypatch):
     """torch 2.11 has no decomposition of ``max_pool2d_with_indices_backward`` (2.13 has one) and the
     exporter no translation: ort_trainer's scatter-add is used there, and checked here on any torch."""
-    from ort_trainer.graph.gradient import backward_decompositions
+    from ort_trainer.graph.gradient import backward_decompositions, pools
 
     op = torch.ops.aten.max_pool2d_with_indices_backward.default
     if decomposition == "ort_trainer's":
-        monkeypatch.setitem(backward_decompositions.DECOMPOSITIONS, op,
-                            backward_decompositions.max_pool2d_with_indices_backward)
+        monkeypatch.setitem(backward_decompositions.DECOMPOSITIONS, op, pools.max_pool2d_with_indices_backward)
     joint_onnx._registry_and_tables.cache_clear()
     try:
         torch.manual_seed(19)
@@ -742,7 +741,7 @@ def test_the_max_pooling_backward_decomposition_is_torchs_kernel(shape, pool, dt
     equal but for the order of ≤ 9 additions into an element (overlapping windows), 1e-12 relative;
     float16: added in float32 and rounded once, as torch's kernel does, so within one float16
     rounding (2^-11 relative, 1e-3 with margin) of it."""
-    from ort_trainer.graph.gradient.backward_decompositions import max_pool2d_with_indices_backward
+    from ort_trainer.graph.gradient.pools import max_pool2d_with_indices_backward
 
     gen = torch.Generator().manual_seed(23)
     x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
