@@ -544,6 +544,41 @@ def test_embedding_bag_gradients_equal_float64_pytorch():
     _classifier_gradients_match(Bags(), [5])
 
 
+def test_embedding_bags_evaluate_and_save_as_pytorch_evaluates(tmp_path):
+    """The eval graph writes ``embedding_bag`` out as the training graph does: torchlib's translation (a Loop over
+    the bags) crashed ONNX Runtime 1.31 (a segmentation fault in its graph optimizer) for a mean bag, in
+    ``eval_step`` and ``save_as_onnx``. Both now equal PyTorch's eval mode: one float32 forward, sums of at most
+    13 terms on either side, steps_bound(1, length=16) = 1.9e-6 relative."""
+    from ort_trainer import ORTTrainer
+    from ort_trainer.optim import SGDConfig
+
+    class MeanBags(torch.nn.Module):  # (the mode and form that crashed: 2-d bags, no padding_idx)
+        def __init__(self):
+            super().__init__()
+            self.bags, self.bagged = torch.nn.EmbeddingBag(6, 4, mode="mean"), Bags()
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            ids = (x > -0.5).long() + (x > 0).long() * 2 + (x > 0.8).long() * 2
+            return self.bagged(x) + self.head(self.bags(ids))
+
+    torch.manual_seed(67)
+    model = MeanBags()
+    d = {"inputs": [("x", ["batch", 5]), ("y", ["batch"])], "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+    trainer = ORTTrainer(model, d, SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    loss, out = trainer.eval_step(x, y)
+    with torch.no_grad():
+        expected = model.eval()(x)
+    bound = steps_bound(1, length=16)
+    check(float((out - expected).abs().max() / expected.abs().max()), bound, "eval_step's outputs")
+    check(abs(float(loss) - float(F.cross_entropy(expected, y))) / float(loss), bound, "eval_step's loss")
+    path = str(tmp_path / "bags.onnx")
+    trainer.save_as_onnx(path)
+    saved = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(["out"], {"x": x.numpy()})[0]
+    check(float(np.abs(saved - expected.numpy()).max() / expected.abs().max()), bound, "the saved model's outputs")
+
+
 @pytest.mark.parametrize("sizes, output", [((7, 9), (1, 1)), ((8, 6), (4, 2)), ((7, 9), (3, 4)), ((5, 5), (7, 7)),
                                            ((5, 6, 7), (2, 3, 4))])
 def test_the_adaptive_max_decomposition_gives_atens_values_and_indices(sizes, output):

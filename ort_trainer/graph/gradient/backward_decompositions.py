@@ -198,6 +198,39 @@ def sort_stable(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1
     return aten.sort.default(self, dim, descending)
 
 
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """``aten.embedding_bag`` (``nn.EmbeddingBag``, ``F.embedding_bag``; its backward has no translation) as
+    an embedding of every index and an ``index_add`` (sum, mean) or ``scatter_reduce`` (max) into its bag,
+    which autograd differentiates as a gather. The bag of each index counts the offsets at or before it;
+    indices equal to ``padding_idx`` are left out (of the means' counts too); an empty bag is zeros. Only
+    the first output is computed (``eval_program.bags_alone`` checks that nothing reads the others)."""
+    count, bags = indices.shape[0], offsets.shape[0] - (1 if include_last_offset else 0)
+    starts = torch.zeros(count + 1, dtype=torch.int64, device=indices.device)
+    # every offset (the first is 0; with include_last_offset, the last ends the last bag) counted where it
+    # starts: no slice of the offsets, whose length is the batch's (torch would guard the slice's on it)
+    starts = starts.index_add(0, offsets, torch.ones_like(offsets))  # offsets are in [0, count]
+    bag = torch.cumsum(starts[:count], 0) - 1
+    keep = bag < bags  # include_last_offset: indices past the last offset are in no bag
+    if padding_idx is not None and padding_idx >= 0:
+        keep = keep & (indices != padding_idx)
+    bag = torch.where(keep, bag, 0)
+    rows = torch.nn.functional.embedding(indices, weight, scale_grad_by_freq=scale_grad_by_freq)
+    size = (bags, weight.shape[1])
+    if mode == 2:  # max: the largest of each column; ties share the gradient (torch's kernel gives it to one)
+        rows = torch.where(keep[:, None], rows, float("-inf"))
+        best = rows.new_full(size, float("-inf")).scatter_reduce(0, bag[:, None].expand_as(rows), rows, "amax")
+        return torch.where(torch.isinf(best) & (best < 0), 0.0, best), bag, bag, bag
+    factor = keep.to(rows.dtype)
+    if per_sample_weights is not None:  # sum mode only (torch refuses it with the others)
+        factor = factor * per_sample_weights
+    total = rows.new_zeros(size).index_add(0, bag, rows * factor[:, None])
+    if mode == 1:
+        members = rows.new_zeros(bags).index_add(0, bag, keep.to(rows.dtype))
+        total = total / members.clamp(min=1)[:, None]
+    return total, bag, bag, bag
+
+
 DECOMPOSITIONS = {
     aten.sort.stable: sort_stable,
     aten.uniform.default: uniform,
@@ -218,6 +251,8 @@ DECOMPOSITIONS = {
 # graph's ``forward_program``): under the Python dispatcher, where tracing runs, torch's own decomposition is registered
 # for autograd and runs before any table's
 WRITTEN_OUT = {aten.multilabel_margin_loss.default: multilabel_margin_loss}
+# nn.EmbeddingBag's operators, written out where only their bags are read (``eval_program.bags_alone``)
+EMBEDDING_BAGS = (aten.embedding_bag.default, aten.embedding_bag.padding_idx)
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
 FORWARD = (aten.sort.stable, aten.uniform.default, aten.cumprod.default, *pools.FORWARD,
            aten.multilabel_margin_loss_forward.default,

@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 from ..._logging import logger
-from .backward_decompositions import WRITTEN_OUT
-from .eval_program import _decomposition, _inline
+from .backward_decompositions import EMBEDDING_BAGS, WRITTEN_OUT, embedding_bag
+from .eval_program import _decomposition, _inline, bags_alone
 from .fx_nodes import rewrite_graphs
 from .joint_onnx import _registry_and_tables
 from .out_of_place import out_of_place
@@ -59,9 +59,8 @@ _aten = torch.ops.aten
 _DECOMPOSED = (_aten.grid_sampler_2d.default, _aten.replication_pad1d.default, _aten.replication_pad2d.default,
                _aten.replication_pad3d.default)
 _GRID_SAMPLERS = (_aten.grid_sampler.default, _aten.grid_sampler_2d.default)
-_EMBEDDING_BAGS = (_aten.embedding_bag.default, _aten.embedding_bag.padding_idx)
 _SEARCHES = (_aten.searchsorted.Tensor, _aten.searchsorted.Scalar)
-BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, _aten._weight_norm.default, *_EMBEDDING_BAGS,
+BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, _aten._weight_norm.default, *EMBEDDING_BAGS,
                    *_DECOMPOSED, *_SEARCHES, _aten.index_reduce.default, *WRITTEN_OUT)
 _PERMUTES = (_aten.permute.default, _aten.transpose.int, _aten.t.default)
 _GLOBAL_POOLS = {_aten.adaptive_avg_pool1d.default: 1, _aten.adaptive_avg_pool2d.default: 2,
@@ -74,8 +73,8 @@ def _written_out(node: torch.fx.Node) -> bool:
     if node.target is _aten.pad.default:  # replicate mode only (reflect and circular have translated backwards)
         mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
         return mode == "replicate"
-    if node.target in _EMBEDDING_BAGS:  # the bags alone: the other outputs (offset2bag...) are torch's bookkeeping
-        return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
+    if node.target in EMBEDDING_BAGS:  # the bags alone: the other outputs (offset2bag...) are torch's bookkeeping
+        return bags_alone(node)
     return True
 
 
@@ -170,8 +169,8 @@ def _function(node: torch.fx.Node):
         return _with_zero_grid_gradient(node.target)
     if node.target is _aten._weight_norm.default:
         return _weight_norm
-    if node.target in _EMBEDDING_BAGS:
-        return _embedding_bag
+    if node.target in EMBEDDING_BAGS:
+        return embedding_bag
     if node.target in _SEARCHES:
         return _searchsorted
     if node.target is _aten.index_reduce.default:
@@ -210,39 +209,6 @@ def _index_reduce(input, dim, index, source, reduce, *, include_self=True):
     spread = index.reshape(shape).expand_as(source)
     return input.scatter_reduce(dim, spread, source, {"amax": "amax", "amin": "amin"}.get(reduce, reduce),
                                 include_self=include_self)
-
-
-def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
-                   per_sample_weights=None, include_last_offset=False, padding_idx=None):
-    """``aten.embedding_bag`` (``nn.EmbeddingBag``, ``F.embedding_bag``; its backward has no translation) as
-    an embedding of every index and an ``index_add`` (sum, mean) or ``scatter_reduce`` (max) into its bag,
-    which autograd differentiates as a gather. The bag of each index counts the offsets at or before it;
-    indices equal to ``padding_idx`` are left out (of the means' counts too); an empty bag is zeros. Only
-    the first output is computed (``_written_out`` checks that nothing reads the others)."""
-    count, bags = indices.shape[0], offsets.shape[0] - (1 if include_last_offset else 0)
-    starts = torch.zeros(count + 1, dtype=torch.int64, device=indices.device)
-    # every offset (the first is 0; with include_last_offset, the last ends the last bag) counted where it
-    # starts: no slice of the offsets, whose length is the batch's (torch would guard the slice's on it)
-    starts = starts.index_add(0, offsets, torch.ones_like(offsets))  # offsets are in [0, count]
-    bag = torch.cumsum(starts[:count], 0) - 1
-    keep = bag < bags  # include_last_offset: indices past the last offset are in no bag
-    if padding_idx is not None and padding_idx >= 0:
-        keep = keep & (indices != padding_idx)
-    bag = torch.where(keep, bag, 0)
-    rows = torch.nn.functional.embedding(indices, weight, scale_grad_by_freq=scale_grad_by_freq)
-    size = (bags, weight.shape[1])
-    if mode == 2:  # max: the largest of each column; ties share the gradient (torch's kernel gives it to one)
-        rows = torch.where(keep[:, None], rows, float("-inf"))
-        best = rows.new_full(size, float("-inf")).scatter_reduce(0, bag[:, None].expand_as(rows), rows, "amax")
-        return torch.where(torch.isinf(best) & (best < 0), 0.0, best), bag, bag, bag
-    factor = keep.to(rows.dtype)
-    if per_sample_weights is not None:  # sum mode only (torch refuses it with the others)
-        factor = factor * per_sample_weights
-    total = rows.new_zeros(size).index_add(0, bag, rows * factor[:, None])
-    if mode == 1:
-        members = rows.new_zeros(bags).index_add(0, bag, keep.to(rows.dtype))
-        total = total / members.clamp(min=1)[:, None]
-    return total, bag, bag, bag
 
 
 def _weight_norm(v, g, dim=0):

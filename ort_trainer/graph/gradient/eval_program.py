@@ -32,7 +32,7 @@ import torch
 
 from ..._logging import logger
 from ..export import fused_lstm
-from .backward_decompositions import WRITTEN_OUT, cross_entropy_loss
+from .backward_decompositions import EMBEDDING_BAGS, WRITTEN_OUT, cross_entropy_loss, embedding_bag
 from .joint_onnx import _quiet_exporter, _registry_and_tables
 from .torch_export import without_stack_traces
 
@@ -129,7 +129,15 @@ def _written_out(node: torch.fx.Node):
         return cross_entropy_loss if smoothing or probabilities else None
     if node.target is _aten.lstm.input and _projected(node):
         return _aten.lstm.input  # (ATen's composite: the recurrence unrolled, as the training graph has it)
+    if node.target in EMBEDDING_BAGS and bags_alone(node):  # (torchlib's Loop crashed ONNX Runtime 1.31, mean mode)
+        return embedding_bag
     return WRITTEN_OUT.get(node.target)
+
+
+def bags_alone(node: torch.fx.Node) -> bool:
+    """Whether an ``aten.embedding_bag`` node's bags are all that is read of it (its other outputs, offset2bag...,
+    are torch's bookkeeping), so that ``embedding_bag`` may stand for it."""
+    return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
 
 
 def _projected(node: torch.fx.Node) -> bool:
