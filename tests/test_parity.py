@@ -286,3 +286,27 @@ def test_flips_train_as_pytorch_on_the_onnxruntime_source(dims):
     ours = trainer.state_dict()["model"]["full_precision"]
     for name, value in reference.state_dict().items():
         check(relative_error(np.asarray(ours[name]), value.numpy()), SHAPES_BOUND, name)
+
+
+@pytest.mark.skipif(not __import__("ort_trainer")._runtime.has_training_build(),
+                    reason="the onnxruntime gradient source needs the 1.19.2 training build")
+def test_the_onnxruntime_source_names_the_loop_it_cannot_differentiate():
+    """TorchScript writes nn.EmbeddingBag as a Loop over the bags, whose body reads the table; ONNX Runtime's
+    gradient builder fails its graph check on it ("Nodes in a graph must be topologically sorted"), which was
+    reported as "no gradient for operator Gather". The message names the Loop's module and the 'torch' source,
+    which trains it (test_torch_autograd.py)."""
+    from ort_trainer.graph.gradient.ort_builder import GradientBuildError
+
+    class Bagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags, self.head = torch.nn.EmbeddingBag(20, 8, mode="mean"), torch.nn.Linear(8, 5)
+
+        def forward(self, x, label):
+            return torch.nn.functional.cross_entropy(self.head(self.bags((x.abs() * 5).long())), label)
+
+    desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(Bagged(), desc, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "onnxruntime"}})
+    with pytest.raises(GradientBuildError, match=r"cannot differentiate the Loop of module bags .*"
+                                                 r"graph.gradient_source='torch'"):
+        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))

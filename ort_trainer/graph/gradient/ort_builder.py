@@ -313,6 +313,12 @@ def add_gradient_accumulation(model: onnx.ModelProto, trained: list[str]) -> Non
 
 
 def _explain_gradient_failure(message: str, forward: onnx.ModelProto) -> str:
+    loop = re.search(r'\("([^"]*)", Loop,', message)
+    if loop:  # the builder's graph check fails on a Loop whose body reads a weight
+        return (f"ONNX Runtime's gradient builder cannot differentiate the Loop of module {module_of(loop.group(1))} "
+                "(the TorchScript export writes nn.EmbeddingBag, and some operators over a sequence, as a Loop). Train "
+                "this model with graph.gradient_source='torch' (PyTorch's autograd), or freeze the weights that feed "
+                "it (utils.frozen_weights).")
     registered = re.search(r"has not been registered: (\w+) for node (\S+)", message)
     if registered:
         op, node = registered.group(1), registered.group(2).rstrip(".")
