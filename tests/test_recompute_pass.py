@@ -73,6 +73,31 @@ def test_gradients_match_float64_and_the_forward_keeps_the_input_alone(name):
     assert not [n for n in nodes if n.op_type in ("MatMul", "Gemm") and transposed & set(n.input)]
 
 
+class _SummedRows(Block):
+    """The GELU's output summed to one value per row before the loss (no second Linear)."""
+
+    def __init__(self, activation):
+        super().__init__(activation)
+        del self.down
+
+    def forward(self, x, y):
+        return ((self.activation(3.0 * self.up(x)).sum(1) - y[:, 0]) ** 2).mean()
+
+
+def test_a_region_whose_backward_reader_reads_a_scalar_gradient_is_recomputed():
+    """The copies wait for a value their first backward reader reads; here a scalar (the gradient of the rows'
+    sums, broadcast), which ``_alias_after`` sliced along axis 0: ONNX Runtime refused the graph when the session
+    was made ("Unexpected axis value: 0. Expected range [0, 0)"). It slices the value flattened; the gradients
+    equal float64 PyTorch's (test_gelu_pass's bound) and the loss is the one without the pass, bit for bit."""
+    model, batch = _SummedRows(ACTIVATIONS["new_gelu"]), _batch()
+    expected = _reference(model, batch)
+    _, loss_off, grads_off = _trainer(model, batch, on=False)
+    on, loss_on, grads_on = _trainer(model, batch, on=True)
+    _assert_close(grads_on, expected)
+    assert loss_on == loss_off
+    assert any(n.name.endswith("/recompute") for n in on._graphs.gradient.graph.node)
+
+
 @pytest.mark.parametrize("name", ["new_gelu", "gelu"])
 def test_onnxruntime_keeps_the_copies_apart(name, tmp_path):
     """ONNX Runtime's optimizers (its common subexpression elimination among them) leave two of the

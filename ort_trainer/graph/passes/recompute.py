@@ -392,6 +392,8 @@ def _alias_after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
     """Nodes giving ``out``: ``root`` itself (a Reshape to its own shape, which aliases it) that ONNX
     Runtime can compute only once ``after`` is: the shape is ``Shape(root)`` plus the sum of an
     empty slice of ``after`` (0 whatever ``after`` holds, NaNs included), a value no optimizer can fold.
+    ``after`` is sliced flattened (``Reshape(after, [-1])``, an alias): it may be a scalar, the gradient of a
+    sum arriving at the region's reader.
     """
     def name(part: str) -> str:
         return f"{out}/{part}"
@@ -399,7 +401,10 @@ def _alias_after(root: str, after: str, out: str) -> list[onnx.NodeProto]:
     return [
         helper.make_node("Constant", [], [name("zero")], value=numpy_helper.from_array(np.zeros(1, np.int64)),
                          name=name("zero")),
-        helper.make_node("Slice", [after, name("zero"), name("zero"), name("zero")], [name("empty")],
+        helper.make_node("Constant", [], [name("flat_shape")], value=numpy_helper.from_array(np.array([-1], np.int64)),
+                         name=name("flat_shape")),
+        helper.make_node("Reshape", [after, name("flat_shape")], [name("flat")], name=name("flat")),
+        helper.make_node("Slice", [name("flat"), name("zero"), name("zero"), name("zero")], [name("empty")],
                          name=name("empty")),
         helper.make_node("Cast", [name("empty")], [name("empty_float")], to=onnx.TensorProto.FLOAT,
                          name=name("empty_float")),
@@ -445,7 +450,11 @@ def _waited_for(reshape: onnx.NodeProto, g: _Graph) -> str | None:
             or shape.attribute or shape.input[0] != reshape.input[0]):
         return None
     zeros = [g.const(name) for name in empty.input[1:]]
-    return empty.input[0] if all(z is not None and z.shape == (1,) and z[0] == 0 for z in zeros) else None
+    if not all(z is not None and z.shape == (1,) and z[0] == 0 for z in zeros):
+        return None
+    flat = g.producer.get(empty.input[0])  # (t flattened: waiting for it is waiting for t)
+    shape = g.const(flat.input[1]) if flat is not None and _is(flat, "Reshape") else None
+    return flat.input[0] if shape is not None and list(shape) == [-1] else empty.input[0]
 
 
 def _owner(name: str, producer: dict, op_of: dict) -> str:
