@@ -1,5 +1,5 @@
 """``torch.searchsorted`` and ``Tensor.index_reduce``, which torch's exporter cannot translate, are written out
-before autograd (``graph/gradient/before_autograd.py``): a count of the sorted values below each value, and the
+before autograd and in the eval graph (``graph/gradient/backward_decompositions.py``): a count of the sorted values below each value, and the
 ``scatter_reduce`` that ``index_reduce`` is. Checked against torch's own kernels (values exactly, gradients in
 float64) and in training against PyTorch."""
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ort_trainer import _runtime
-from ort_trainer.graph.gradient.before_autograd import _index_reduce, _searchsorted
+from ort_trainer.graph.gradient.backward_decompositions import index_reduce as _index_reduce
+from ort_trainer.graph.gradient.backward_decompositions import searchsorted as _searchsorted
 from models import sgd_steps_as_pytorch
 from tolerances import FLOAT64, check, relative_error, steps_bound
 
@@ -75,12 +76,19 @@ class Bucketed(torch.nn.Module):
         return F.cross_entropy(self.head(torch.cat([self.embed(buckets), pooled[groups]], 1)), y)
 
 
-def test_a_model_bucketing_and_pooling_trains_as_pytorch():
+def test_a_model_bucketing_and_pooling_trains_and_evaluates_as_pytorch():
+    """Trained, then evaluated at another batch size (an eval graph of its own, from the eval-mode trace): the eval
+    graph writes both out too (it had neither: "no translation for aten.searchsorted.Tensor")."""
     torch.manual_seed(2)
     generator = torch.Generator().manual_seed(3)
     batches = [(torch.randn(6, 4, generator=generator), torch.tensor([0, 1, 0, 2, 1, 0]),
                 torch.randint(0, 3, (6,), generator=generator)) for _ in range(3)]
     desc = {"inputs": [("x", ["b", 4]), ("groups", ["b"]), ("y", ["b"])], "outputs": [("loss", [], True)]}
     # float32 sums of at most 8 terms per step, carried through the weights
-    sgd_steps_as_pytorch(Bucketed(), desc, batches, 0.1, lambda step: steps_bound(step + 1, length=8),
-                         {"graph": {"gradient_source": "torch"}})
+    trainer, reference = sgd_steps_as_pytorch(Bucketed(), desc, batches, 0.1,
+                                              lambda step: steps_bound(step + 1, length=8),
+                                              {"graph": {"gradient_source": "torch"}})
+    evaluated = [t[:4] for t in batches[0]]
+    with torch.no_grad():
+        want = float(reference.eval()(*evaluated))
+    check(relative_error(float(trainer.eval_step(*evaluated)), want), steps_bound(4, length=8), "eval_step")

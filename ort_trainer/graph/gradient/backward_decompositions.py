@@ -231,6 +231,39 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
     return total, bag, bag, bag
 
 
+def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    """``torch.searchsorted`` (no translation): for each value, how many of its row's sorted values are below it
+    (``right``: at or below it), counted over a comparison with every one of them (a value's row: the sequence's
+    row of the same leading indices, or the whole sequence where it is 1-d). A NaN value goes after every number,
+    as in torch; NaNs in the sequence count as past every number (where torch's binary search answers otherwise,
+    the sequence is not sorted)."""
+    if sorter is not None:
+        sorted_sequence = torch.gather(sorted_sequence, -1, sorter)
+    values = torch.as_tensor(values, dtype=sorted_sequence.dtype, device=sorted_sequence.device)
+    rows = sorted_sequence.unsqueeze(-2)  # [..., 1, n] against values [..., m, 1]
+    if sorted_sequence.dim() == 1 and values.dim() == 0:
+        rows, column = sorted_sequence, values
+    else:
+        column = values.unsqueeze(-1)
+    right = right or side == "right"
+    below = (rows <= column) if right else (rows < column)
+    below = below | (torch.isnan(column) & ~torch.isnan(rows))  # a NaN value goes after every number
+    if right:
+        below = below | (torch.isnan(column) & torch.isnan(rows))
+    return below.sum(-1, dtype=torch.int32 if out_int32 else torch.int64)
+
+
+def index_reduce(input, dim, index, source, reduce, *, include_self=True):
+    """``Tensor.index_reduce`` (no translation) as the ``scatter_reduce`` of ``source`` with ``index`` spread over
+    its other dims: the same reduction of the same elements, which autograd differentiates."""
+    dim = dim % max(source.dim(), 1)
+    shape = [1] * source.dim()
+    shape[dim] = index.shape[0]
+    spread = index.reshape(shape).expand_as(source)
+    return input.scatter_reduce(dim, spread, source, {"amax": "amax", "amin": "amin"}.get(reduce, reduce),
+                                include_self=include_self)
+
+
 DECOMPOSITIONS = {
     aten.sort.stable: sort_stable,
     aten.uniform.default: uniform,
@@ -250,7 +283,10 @@ DECOMPOSITIONS = {
 # operators written out as these functions before anything traces them (``before_autograd``, and the eval-mode
 # graph's ``forward_program``): under the Python dispatcher, where tracing runs, torch's own decomposition is registered
 # for autograd and runs before any table's
-WRITTEN_OUT = {aten.multilabel_margin_loss.default: multilabel_margin_loss}
+WRITTEN_OUT = {aten.multilabel_margin_loss.default: multilabel_margin_loss,
+               # no translation of their forwards either
+               aten.searchsorted.Tensor: searchsorted, aten.searchsorted.Scalar: searchsorted,
+               aten.index_reduce.default: index_reduce}
 # nn.EmbeddingBag's operators, written out where only their bags are read (``eval_program.bags_alone``)
 EMBEDDING_BAGS = (aten.embedding_bag.default, aten.embedding_bag.padding_idx)
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too

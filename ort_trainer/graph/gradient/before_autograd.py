@@ -59,9 +59,8 @@ _aten = torch.ops.aten
 _DECOMPOSED = (_aten.grid_sampler_2d.default, _aten.replication_pad1d.default, _aten.replication_pad2d.default,
                _aten.replication_pad3d.default)
 _GRID_SAMPLERS = (_aten.grid_sampler.default, _aten.grid_sampler_2d.default)
-_SEARCHES = (_aten.searchsorted.Tensor, _aten.searchsorted.Scalar)
 BEFORE_AUTOGRAD = (_aten.grid_sampler.default, _aten.pad.default, _aten._weight_norm.default, *EMBEDDING_BAGS,
-                   *_DECOMPOSED, *_SEARCHES, _aten.index_reduce.default, *WRITTEN_OUT)
+                   *_DECOMPOSED, *WRITTEN_OUT)
 _PERMUTES = (_aten.permute.default, _aten.transpose.int, _aten.t.default)
 _GLOBAL_POOLS = {_aten.adaptive_avg_pool1d.default: 1, _aten.adaptive_avg_pool2d.default: 2,
                  _aten.adaptive_avg_pool3d.default: 3}  # operator: pooled dims
@@ -171,44 +170,7 @@ def _function(node: torch.fx.Node):
         return _weight_norm
     if node.target in EMBEDDING_BAGS:
         return embedding_bag
-    if node.target in _SEARCHES:
-        return _searchsorted
-    if node.target is _aten.index_reduce.default:
-        return _index_reduce
     return WRITTEN_OUT.get(node.target)
-
-
-def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
-    """``torch.searchsorted`` (no translation): for each value, how many of its row's sorted values are below it
-    (``right``: at or below it), counted over a comparison with every one of them (a value's row: the sequence's
-    row of the same leading indices, or the whole sequence where it is 1-d). A NaN value goes after every number,
-    as in torch; NaNs in the sequence count as past every number (where torch's binary search answers otherwise,
-    the sequence is not sorted)."""
-    if sorter is not None:
-        sorted_sequence = torch.gather(sorted_sequence, -1, sorter)
-    values = torch.as_tensor(values, dtype=sorted_sequence.dtype, device=sorted_sequence.device)
-    rows = sorted_sequence.unsqueeze(-2)  # [..., 1, n] against values [..., m, 1]
-    if sorted_sequence.dim() == 1 and values.dim() == 0:
-        rows, column = sorted_sequence, values
-    else:
-        column = values.unsqueeze(-1)
-    right = right or side == "right"
-    below = (rows <= column) if right else (rows < column)
-    below = below | (torch.isnan(column) & ~torch.isnan(rows))  # a NaN value goes after every number
-    if right:
-        below = below | (torch.isnan(column) & torch.isnan(rows))
-    return below.sum(-1, dtype=torch.int32 if out_int32 else torch.int64)
-
-
-def _index_reduce(input, dim, index, source, reduce, *, include_self=True):
-    """``Tensor.index_reduce`` (no translation) as the ``scatter_reduce`` of ``source`` with ``index`` spread over
-    its other dims: the same reduction of the same elements, which autograd differentiates."""
-    dim = dim % max(source.dim(), 1)
-    shape = [1] * source.dim()
-    shape[dim] = index.shape[0]
-    spread = index.reshape(shape).expand_as(source)
-    return input.scatter_reduce(dim, spread, source, {"amax": "amax", "amin": "amin"}.get(reduce, reduce),
-                                include_self=include_self)
 
 
 def _weight_norm(v, g, dim=0):
