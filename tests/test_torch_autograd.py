@@ -544,6 +544,27 @@ def test_embedding_bag_gradients_equal_float64_pytorch():
     _classifier_gradients_match(Bags(), [5])
 
 
+class FMaxes(torch.nn.Module):
+    """``torch.fmax`` and ``fmin`` (``prims.fmax``: no translation) of two ReLU'd halves, many tied at 0, the second
+    NaN where the input is above 0.5: the other operand wins there."""
+
+    def __init__(self):
+        super().__init__()
+        self.project = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = torch.relu(self.project(x))
+        a, b = h[:, :3], torch.where(x[:, 3:] > 0.5, float("nan"), h[:, 3:])
+        return torch.fmax(a, b) + 2 * torch.fmin(a, b)
+
+
+def test_fmax_and_fmin_gradients_equal_float64_pytorch():
+    """Written out as ``where(self >= other or other is NaN, self, other)`` (``<=`` for fmin): ATen's derivative
+    formula, ties to ``self``."""
+    torch.manual_seed(71)
+    _classifier_gradients_match(FMaxes(), [6])
+
+
 def test_embedding_bags_evaluate_and_save_as_pytorch_evaluates(tmp_path):
     """The eval graph writes ``embedding_bag`` out as the training graph does: torchlib's translation (a Loop over
     the bags) crashed ONNX Runtime 1.31 (a segmentation fault in its graph optimizer) for a mean bag, in

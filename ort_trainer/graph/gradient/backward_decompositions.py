@@ -264,6 +264,19 @@ def index_reduce(input, dim, index, source, reduce, *, include_self=True):
                                 include_self=include_self)
 
 
+
+def fmax(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``torch.fmax`` (``prims.fmax``: no translation): the larger, the other where one is NaN, as ``where`` of
+    ``self >= other or other is NaN``, whose gradient is the one ATen's derivative formula gives (to ``self``
+    where that holds, else to ``other``)."""
+    return torch.where((self >= other) | torch.isnan(other), self, other)
+
+
+def fmin(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``torch.fmin``, as ``fmax`` with ``<=``."""
+    return torch.where((self <= other) | torch.isnan(other), self, other)
+
+
 DECOMPOSITIONS = {
     aten.sort.stable: sort_stable,
     aten.uniform.default: uniform,
@@ -286,7 +299,7 @@ DECOMPOSITIONS = {
 WRITTEN_OUT = {aten.multilabel_margin_loss.default: multilabel_margin_loss,
                # no translation of their forwards either
                aten.searchsorted.Tensor: searchsorted, aten.searchsorted.Scalar: searchsorted,
-               aten.index_reduce.default: index_reduce}
+               aten.index_reduce.default: index_reduce, aten.fmax.default: fmax, aten.fmin.default: fmin}
 # nn.EmbeddingBag's operators, written out where only their bags are read (``eval_program.bags_alone``)
 EMBEDDING_BAGS = (aten.embedding_bag.default, aten.embedding_bag.padding_idx)
 # forward operators among them, which the eval-mode graph decomposes with the exporter's table too
