@@ -544,6 +544,39 @@ def test_embedding_bag_gradients_equal_float64_pytorch():
     _classifier_gradients_match(Bags(), [5])
 
 
+@pytest.mark.parametrize("mask_shape, sizes", [((2, 5, 1), (7, 4)), ((2, 5, 4), (40,)), ((5, 4), (3, 9))])
+def test_the_masked_scatter_backward_is_atens(mask_shape, sizes):
+    """Exactly (each element moved, none summed): a mask broadcast along the last dim or not, a source with more
+    elements than the mask selects (the rest get zeros)."""
+    from ort_trainer.graph.gradient.backward_decompositions import masked_scatter_backward
+
+    generator = torch.Generator().manual_seed(5)
+    grad = torch.randn(2, 5, 4, generator=generator, dtype=torch.float64)
+    mask = torch.rand(mask_shape, generator=generator) > 0.6
+    expected = torch.ops.aten.masked_scatter_backward.default(grad, mask, list(sizes))
+    assert torch.equal(masked_scatter_backward(grad, mask, list(sizes)), expected)
+
+
+class ScatteredFeatures(torch.nn.Module):
+    """A vision-language model's merge, in small: projected features written with ``masked_scatter`` into the
+    token embeddings at the positions of a placeholder token (``masked_scatter_backward``: no translation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.project, self.head = torch.nn.Embedding(5, 4), torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # x: [batch, 6]; the first two columns' signs choose tokens, 0 the placeholder
+        tokens = (x[:, :2] > 0).long() * 2 + (x[:, :2] > 1).long()  # [batch, 2], 0 where x <= 0
+        features = self.project(x).repeat(1, 2).view(-1, 2, 4)  # two rows per sample, all written or not
+        merged = self.embed(tokens).masked_scatter((tokens == 0).unsqueeze(-1), features)
+        return self.head(torch.tanh(merged).sum(1))
+
+
+def test_features_scattered_into_embeddings_have_float64_pytorchs_gradients():
+    torch.manual_seed(73)
+    _classifier_gradients_match(ScatteredFeatures(), [6])
+
+
 class FMaxes(torch.nn.Module):
     """``torch.fmax`` and ``fmin`` (``prims.fmax``: no translation) of two ReLU'd halves, many tied at 0, the second
     NaN where the input is above 0.5: the other operand wins there."""

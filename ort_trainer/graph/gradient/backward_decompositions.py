@@ -265,6 +265,20 @@ def index_reduce(input, dim, index, source, reduce, *, include_self=True):
 
 
 
+
+def masked_scatter_backward(grad_output: torch.Tensor, mask: torch.Tensor, sizes: list) -> torch.Tensor:
+    """The source's gradient of ``masked_scatter`` (no translation: ATen's is a ``masked_select``, sized by the
+    data): the k-th True position of the mask (broadcast to the gradient's shape, row-major) sends its gradient to
+    the source's k-th element, the elements past the last True position get zeros. Written as a ``scatter_add``
+    into one more element than the source has, where the False positions all land, dropped after."""
+    numel = math.prod(sizes)
+    flat_mask = mask.expand_as(grad_output).reshape(-1)
+    order = torch.cumsum(flat_mask.to(torch.int64), 0) - 1
+    index = torch.where(flat_mask, order, numel)
+    scattered = grad_output.new_zeros([numel + 1]).scatter_add(0, index, grad_output.reshape(-1))
+    return scattered[:numel].reshape(sizes)
+
+
 def fmax(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``torch.fmax`` (``prims.fmax``: no translation): the larger, the other where one is NaN, as ``where`` of
     ``self >= other or other is NaN``, whose gradient is the one ATen's derivative formula gives (to ``self``
@@ -284,6 +298,7 @@ DECOMPOSITIONS = {
     aten.max.dim: max_dim,
     aten.empty_permuted.default: empty_permuted,
     aten.convolution_backward.default: convolution_backward,
+    aten.masked_scatter_backward.default: masked_scatter_backward,
     aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
     aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
     **pools.DECOMPOSITIONS,  # average, adaptive and max pools' backwards, adaptive pools' forwards
