@@ -1,5 +1,5 @@
-"""``graph/export/program.py``: which nodes of a traced program require grad is found by running it on
-its fake values, and that run must leave the program's symbolic sizes as they are. torch 2.11's fake
+"""``graph/export/program.py``: which weights the loss of a traced program reaches is found by running it on
+its fake values with autograd on, and that run must leave the program's symbolic sizes as they are. torch 2.11's fake
 tensors turned sizes into ints inside composite operators (``aten.linear`` of a slice, HF GPT-2's
 ``lm_head``), and each such guard fixed a symbolic dimension of the description to its traced size."""
 
@@ -39,14 +39,13 @@ def program():
     return exported
 
 
-def test_finding_the_nodes_that_require_grad_guards_on_no_symbol(program):
+def test_finding_the_weights_the_loss_reaches_guards_on_no_symbol(program):
     x = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "x")
     symbol = x.meta["val"].shape[0]
     shape_env = symbol.node.shape_env
     replacements, guards = dict(shape_env.replacements), len(shape_env.guards)
-    found = traced_program._differentiable_nodes(program)
-    assert {n.name for n in found} >= {"linear", "_sized", "sum_1"}
-    assert x not in found  # the input requires no grad; the weight and bias do
+    found = traced_program._weights_reached(program)
+    assert {n.name for n in found} == {"p_linear_weight", "p_linear_bias"}  # the input requires no grad
     assert dict(shape_env.replacements) == replacements and len(shape_env.guards) == guards
     assert symbol.node.expr not in shape_env.replacements
     assert operator.index(symbol.node.hint) == 5  # the traced size, still a symbol in the program
