@@ -310,3 +310,27 @@ def test_the_onnxruntime_source_names_the_loop_it_cannot_differentiate():
     with pytest.raises(GradientBuildError, match=r"cannot differentiate the Loop of module bags .*"
                                                  r"graph.gradient_source='torch'"):
         trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.skipif(not __import__("ort_trainer")._runtime.has_training_build(),
+                    reason="the onnxruntime gradient source needs the 1.19.2 training build")
+def test_the_onnxruntime_source_names_a_node_reading_a_value_twice():
+    """ONNX Runtime's gradient builder names each input's gradient after the input, and a Concat reading one zeros
+    tensor on both sides failed with "Duplicate definition of name (..._grad)", which was passed on as it was.
+    The message says what it is and names the fixes (F.pad trains on this source)."""
+    from ort_trainer.graph.gradient.ort_builder import GradientBuildError
+
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(20, 3)
+
+        def forward(self, x, label):
+            zeros = torch.zeros(x.shape[0], 1)
+            return torch.nn.functional.cross_entropy(torch.cat([zeros, self.fc(x), zeros], 1), label)
+
+    desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(Padded(), desc, SGDConfig(lr=0.1), options={"graph": {"gradient_source": "onnxruntime"}})
+    with pytest.raises(GradientBuildError, match=r"reads the same value twice .*graph.gradient_source='torch'.*"
+                                                 r"torch.nn.functional.pad"):
+        trainer.train_step(*mlp_batch(torch.Generator().manual_seed(0)))

@@ -319,6 +319,14 @@ def _explain_gradient_failure(message: str, forward: onnx.ModelProto) -> str:
                 "(the TorchScript export writes nn.EmbeddingBag, and some operators over a sequence, as a Loop). Train "
                 "this model with graph.gradient_source='torch' (PyTorch's autograd), or freeze the weights that feed "
                 "it (utils.frozen_weights).")
+    repeated = re.search(r"Duplicate definition of name \((.+?)_grad\)", message)
+    if repeated:  # one node reading a value twice (torch.cat([zeros, x, zeros])), its only reader
+        readers = [n for n in forward.graph.node if list(n.input).count(repeated.group(1)) > 1]
+        where = f" (in module {', '.join(sorted({module_of(n.name) for n in readers}))})" if readers else ""
+        return (f"ONNX Runtime's gradient builder fails on a node that reads the same value twice{where}, as "
+                "torch.cat([zeros, x, zeros]) does (also with two torch.zeros calls, which its optimizer merges); "
+                "train this model with graph.gradient_source='torch' (PyTorch's autograd), or pad with "
+                "torch.nn.functional.pad, which trains here.")
     registered = re.search(r"has not been registered: (\w+) for node (\S+)", message)
     if registered:
         op, node = registered.group(1), registered.group(2).rstrip(".")
