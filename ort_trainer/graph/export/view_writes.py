@@ -37,10 +37,10 @@ class ViewWrites:
         self._made: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}  # id(view) -> (call, viewed, view)
         self._changed: dict[int, tuple[torch.Tensor, str, str]] = {}  # id(base) -> (base, call, where)
 
-    def note(self, name: str, args: tuple, out: Any, where: Callable[[], str]) -> tuple[str, str, str] | None:
-        """After a call ``name(*args) -> out``: ``(in-place call, its view's call, where it was)`` when the call read a
-        tensor changed before through a view the export does not follow, else None. ``where()``: the calling line,
-        looked up only for such a change."""
+    def note(self, name: str, args: tuple, out: Any, where: Callable[[], str]) -> tuple[str, str] | None:
+        """After a call ``name(*args) -> out``: ``("mul_() through t()", where that change was made)`` when the call
+        read a tensor changed before through a view the export does not follow, else None. ``where()``: the calling
+        line, looked up only for such a change."""
         tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
         read = next((self._changed[id(t)] for t in tensors if self._changed.get(id(t), (None,))[0] is t), None)
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
