@@ -76,7 +76,7 @@ def run(label: str, ranks: int, launcher: str | None, args: argparse.Namespace) 
         command = [program, "--standalone", "--nproc_per_node", str(ranks), *command]
     else:
         command = [sys.executable, *command]
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, stdin=subprocess.DEVNULL)
     report = json.loads(Path(out).read_text())
     os.unlink(out)
     report["label"] = label

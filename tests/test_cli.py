@@ -24,9 +24,11 @@ SHORT = ["train.max_steps=4", "train.log_every=2", "train.eval_every=4", "train.
 
 
 def _cli(*args, timeout=600, launcher=()):
+    # stdin empty: mpiexec forwards its stdin to rank 0, and hydra ends the job (exit 255, "process reading stdin
+    # too slowly") when a rank does not read what it forwards
     command = [*launcher, ORT_TRAINER, *map(str, args)] if ORT_TRAINER else [*launcher, sys.executable, "-m",
                                                                              "ort_trainer", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def _records(out):
@@ -116,7 +118,7 @@ def test_command_line_under_torchrun_gives_the_losses_of_mpirun(tmp_path):
                            ("mpirun", (MPIEXEC, "-n", "2", sys.executable, "-m", "ort_trainer"))):
         out = tmp_path / name
         result = subprocess.run([*launcher, *map(str, args), f"output_dir={out}"], capture_output=True, text=True,
-                                timeout=600)
+                                timeout=600, stdin=subprocess.DEVNULL)
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("wrote ") == 1  # rank 0 reports
         assert (out / "model.onnx").exists()

@@ -72,7 +72,7 @@ def _two_rank_problem() -> str | None:
     command = [MPIEXEC, "-n", "2", sys.executable, "-c",
                "import sys; from mpi4py import MPI; sys.stdout.write(f'<size {MPI.COMM_WORLD.Get_size()}>')"]
     try:
-        probe = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"needs a working mpiexec and mpi4py: {MPIEXEC} -n 2 python failed: {exc}"
     sizes = re.findall(r"<size (\d+)>", probe.stdout)
@@ -103,7 +103,10 @@ def _run(out: Path, ranks: int, *args: str, check: bool = True, timeout: float =
     command = [str(job), "--out", str(out), *args]
     command = _launch(launcher, ranks) + command if ranks > 1 else [sys.executable, *command]
     env = dict(os.environ)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    # stdin empty: mpiexec forwards its stdin to rank 0, and hydra ends the job (exit 255, "process reading stdin
+    # too slowly") when a rank does not read what it forwards
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                            stdin=subprocess.DEVNULL)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -245,7 +248,7 @@ def _timed(out: Path, *args: str, timeout_variable: str = "", limit: float = 120
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     result = subprocess.run([*_launch(launcher, 2), str(JOB), "--out", str(out), *args],
-                            capture_output=True, text=True, timeout=limit, env=env)
+                            capture_output=True, text=True, timeout=limit, env=env, stdin=subprocess.DEVNULL)
     return result, time.monotonic() - started
 
 

@@ -56,7 +56,7 @@ def test_digits_main_job_on_two_ranks(tmp_path, launcher):
         pytest.skip(f"needs {launcher}: pip install -e '.[mpi]'")
     result = subprocess.run(
         [*command, str(ROOT / "examples" / "digits_classifier.py"), "--output-dir", str(tmp_path), "--epochs", "20"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("test accuracy") == 1  # only rank 0 reports
@@ -71,7 +71,7 @@ def test_data_parallel_benchmark_writes_its_table(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "data_parallel.py"), "--steps", "2", "--warmup", "1",
          "--rounds", "1", "--write", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()

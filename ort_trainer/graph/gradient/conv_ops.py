@@ -36,6 +36,7 @@ import torch
 from ...kernels import TORCH_OPS_DOMAIN as DOMAIN
 from . import onnx_schemas
 from .fx_nodes import Builder, replace_result_readers, retarget
+from .pools import per_dim
 
 _aten = torch.ops.aten
 # what the joint trace leaves undecomposed for ``rewrite_joint``
@@ -124,16 +125,12 @@ def kept(program, switches) -> tuple:
     return KEPT if "torch_convolutions" in switches and applies(program) else ()
 
 
-def _per_dim(values, dims: int) -> list[int]:
-    values = [int(v) for v in values]
-    return values * dims if len(values) == 1 else values
-
-
 def _settings(w: torch.fx.Node, stride, padding, dilation, transposed, output_padding, groups) -> tuple:
     """``aten.convolution``'s settings as the kernels' operators take them: one value per spatial dim."""
     dims = w.meta["val"].dim() - 2
-    return (_per_dim(stride, dims), _per_dim(padding, dims), _per_dim(dilation, dims), bool(transposed),
-            _per_dim(output_padding, dims), int(groups))
+    def ints(values) -> list[int]:
+        return [int(v) for v in per_dim(values, dims)]
+    return ints(stride), ints(padding), ints(dilation), bool(transposed), ints(output_padding), int(groups)
 
 
 def rewrite_joint(program) -> int:

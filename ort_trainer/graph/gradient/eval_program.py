@@ -119,7 +119,9 @@ def forward_program(program: torch.export.ExportedProgram) -> torch.export.Expor
 def _written_out(node: torch.fx.Node):
     """The function ``node`` is written out as before the other decompositions, or None: ``WRITTEN_OUT``'s, and
     ``cross_entropy_loss`` for a cross-entropy with label smoothing or a target of probabilities, which torchlib's
-    ``SoftmaxCrossEntropyLoss`` computes otherwise than PyTorch (with class weights) or not at all."""
+    ``SoftmaxCrossEntropyLoss`` computes otherwise than PyTorch (with class weights) or not at all, ATen's LSTM for a
+    projected one, and ``embedding_bag`` for bags given alone (torchlib's Loop over them crashed ONNX Runtime 1.31
+    in mean mode)."""
     if node.op != "call_function":
         return None
     if node.target is _aten.cross_entropy_loss.default:
