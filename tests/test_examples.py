@@ -71,7 +71,7 @@ def test_data_parallel_benchmark_writes_its_table(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "data_parallel.py"), "--steps", "2", "--warmup", "1",
          "--rounds", "1", "--write", str(out)],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()
